@@ -1,0 +1,314 @@
+"""Stage protocol: every model family is split into encode → prepare → denoise_step → decode.
+
+A family adapter (``triptych/pipelines/<family>/``) wraps the family's diffusers pipeline class and
+exposes four stages whose payloads are plain objects of tensors and scalars, ready to cross a
+process boundary:
+
+- ``encode(params) -> Conditioning``: prompt, negative prompt and condition images → tensors.
+- ``prepare(params, cond) -> DenoiseState``: initial latents and a per-request sampler from the seed.
+- ``denoise_step(states)``: advances a *batch of requests, each at its own step*, by one step.
+- ``decode(latents, params) -> Frames``: final latents → frames (images are one frame).
+
+Exactness contract (ARCHITECTURE.md, contract 1): with ``fuse_cfg=False`` a single request runs
+each CFG branch as its own forward, exactly as the diffusers pipeline's ``__call__`` does, so the
+staged output is bit-identical to it in float32 on CPU. ``fuse_cfg=True`` stacks both branches (and
+any number of requests) into one transformer forward; that changes kernel reduction order and is
+held to a stated tolerance.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from triptych.errors import InvalidParam
+
+logger = logging.getLogger(__name__)
+
+COND = "cond"
+UNCOND = "uncond"
+BRANCH_ORDER = (COND, UNCOND)
+
+
+class Role(str, Enum):
+    """The pools an instance can serve; each loads only its components."""
+
+    ENCODER = "encoder"
+    DENOISER = "denoiser"
+    DECODER = "decoder"
+
+
+ALL_ROLES = frozenset(Role)
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """One request's user-facing parameters, after ``Family.resolve`` filled defaults and checked rules.
+
+    ``guidance`` is the family's guidance: the true-CFG scale for Qwen-Image and Wan (CFG runs when it
+    is > 1), the distilled guidance for FLUX.
+    """
+
+    prompt: str
+    negative_prompt: str | None = None
+    height: int | None = None
+    width: int | None = None
+    frames: int | None = None  # video families only; images are one frame
+    steps: int | None = None
+    guidance: float | None = None
+    seed: int = 0
+    image: Any = None  # PIL.Image condition image (edit / image-to-video), None for text-only
+    true_cfg: float = 1.0  # FLUX only: true CFG with the negative prompt when > 1 (Qwen/Wan use guidance)
+    teacache_threshold: float = 0.0  # 0 = off (see triptych.cache.teacache)
+
+    def replace(self, **changes: Any) -> GenerationParams:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass
+class Conditioning:
+    """Encoder output for one request. Owns its tensors (no views into batch buffers).
+
+    ``branches`` maps a CFG branch name (``cond``/``uncond``) to that branch's model inputs;
+    ``shared`` holds branch-independent tensors (e.g. image latents for edit / image-to-video).
+    """
+
+    branches: dict[str, dict[str, torch.Tensor]]
+    shared: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def flat(self) -> dict[str, torch.Tensor]:
+        """Flatten to ``"<branch>.<name>"`` keys for transport; ``from_flat`` inverts it."""
+        out = {f"{b}.{k}": v for b, d in self.branches.items() for k, v in d.items()}
+        out.update({f"shared.{k}": v for k, v in self.shared.items()})
+        return out
+
+    @classmethod
+    def from_flat(cls, flat: dict[str, torch.Tensor]) -> Conditioning:
+        branches: dict[str, dict[str, torch.Tensor]] = {}
+        shared: dict[str, torch.Tensor] = {}
+        for key, tensor in flat.items():
+            scope, name = key.split(".", 1)
+            (shared if scope == "shared" else branches.setdefault(scope, {}))[name] = tensor
+        return cls(branches=branches, shared=shared)
+
+
+@dataclass
+class DenoiseState:
+    """Per-request denoising state; owned by exactly one denoiser instance at a time.
+
+    The scheduler is this request's own instance (multistep schedulers keep history), so requests
+    at different steps, with different step counts, can share a batch.
+    """
+
+    request_id: str
+    params: GenerationParams
+    latents: torch.Tensor  # batch dim 1, the family's packed layout
+    scheduler: Any  # a diffusers scheduler instance owned by this request
+    timesteps: torch.Tensor  # (steps,)
+    cond: Conditioning
+    aux: dict[str, torch.Tensor] = field(default_factory=dict)  # family-specific per-request tensors
+    step: int = 0
+
+    @property
+    def done(self) -> bool:
+        return self.step >= len(self.timesteps)
+
+    @property
+    def total_steps(self) -> int:
+        return len(self.timesteps)
+
+    @property
+    def timestep(self) -> torch.Tensor:
+        return self.timesteps[self.step]
+
+    def branches(self) -> list[str]:
+        return [b for b in BRANCH_ORDER if b in self.cond.branches]
+
+
+@dataclass
+class Frames:
+    """Decoded output: float32 array (frames, H, W, 3) in [0, 1]; an image is one frame."""
+
+    array: np.ndarray
+
+    @property
+    def is_video(self) -> bool:
+        return self.array.shape[0] > 1
+
+    def to_pil(self) -> list:
+        from PIL import Image
+
+        return [Image.fromarray(f) for f in self.to_uint8()]
+
+    def to_uint8(self) -> np.ndarray:
+        # Same rounding as diffusers' numpy_to_pil.
+        return (self.array * 255).round().astype("uint8")
+
+
+@dataclass
+class Row:
+    """One transformer input row: one request's one CFG branch at its current step."""
+
+    state: DenoiseState
+    branch: str
+
+
+ForwardFn = Callable[[Sequence[Row]], torch.Tensor]
+
+
+@dataclass
+class StepStats:
+    """What one ``denoise_step`` did: forwards and rows computed, for metrics and tests."""
+
+    forwards: int = 0
+    rows: int = 0
+
+
+class Family(ABC):
+    """A model family adapter over its diffusers pipeline class.
+
+    Subclasses set ``name``, ``pipeline_class``, ``role_components`` and implement the abstract
+    hooks. ``denoise_step`` is generic: it builds rows, groups them into forwards, calls
+    ``forward`` (one transformer call per group) and lets each request combine guidance and step
+    its own scheduler.
+    """
+
+    name: ClassVar[str]
+    pipeline_class: ClassVar[type]
+    #: pipeline components each role loads; the rest are passed as None to ``from_pretrained``.
+    role_components: ClassVar[dict[Role, tuple[str, ...]]]
+    #: every component name of the pipeline (scheduler is always loaded).
+    all_components: ClassVar[tuple[str, ...]]
+    accepts_image: ClassVar[bool] = False
+    requires_image: ClassVar[bool] = False
+    is_video: ClassVar[bool] = False
+
+    def __init__(self, model_dir: str | Path, roles=ALL_ROLES, device: str = "cpu", dtype=torch.float32):
+        self.model_dir = Path(model_dir)
+        self.roles = frozenset(Role(r) for r in roles)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        wanted = {c for r in self.roles for c in self.role_components[r]}
+        skipped = {c: None for c in self.all_components if c not in wanted}
+        self.pipe = self.pipeline_class.from_pretrained(str(self.model_dir), dtype=dtype, **skipped)
+        self.pipe.to(self.device)
+        self.pipe.set_progress_bar_config(disable=True)
+        self._post_load()
+
+    def _post_load(self) -> None:
+        """Hook for families that derive geometry from configs after loading."""
+
+    # ---- stage 0: validation -------------------------------------------------------------
+    @abstractmethod
+    def resolve(self, params: GenerationParams) -> GenerationParams:
+        """Fill defaults and check every rule; raise ``InvalidParam`` naming field, value, rule."""
+
+    def _check_common(self, p: GenerationParams, multiple: int) -> None:
+        if not isinstance(p.prompt, str) or not p.prompt.strip():
+            raise InvalidParam("prompt", p.prompt, "must be a non-empty string")
+        for name in ("height", "width"):
+            v = getattr(p, name)
+            if v < multiple or v % multiple:
+                raise InvalidParam(name, v, f"must be a positive multiple of {multiple} for {self.name}")
+        if p.steps < 1:
+            raise InvalidParam("steps", p.steps, "must be >= 1")
+        if p.guidance is not None and p.guidance < 0:
+            raise InvalidParam("guidance", p.guidance, "must be >= 0")
+        if p.image is None and self.requires_image:
+            raise InvalidParam("image", None, f"{self.name} needs a condition image")
+        if p.image is not None and not self.accepts_image:
+            raise InvalidParam("image", "<image>", f"{self.name} is text-only and takes no image")
+        if not self.is_video and p.frames not in (None, 1):
+            raise InvalidParam("frames", p.frames, f"{self.name} generates images; frames must be 1")
+
+    # ---- stage 1: encode -----------------------------------------------------------------
+    @abstractmethod
+    def encode(self, params: GenerationParams) -> Conditioning: ...
+
+    # ---- stage 2: prepare ----------------------------------------------------------------
+    @abstractmethod
+    def prepare(self, request_id: str, params: GenerationParams, cond: Conditioning) -> DenoiseState: ...
+
+    def new_scheduler(self):
+        """A scheduler owned by one request (multistep schedulers keep per-request history)."""
+        return copy.deepcopy(self.pipe.scheduler)
+
+    def generator(self, seed: int) -> torch.Generator:
+        return torch.Generator(device="cpu" if self.device.type == "mps" else self.device).manual_seed(seed)
+
+    # ---- stage 3: denoise ----------------------------------------------------------------
+    @abstractmethod
+    def forward(self, rows: Sequence[Row]) -> torch.Tensor:
+        """One transformer call over the stacked rows; returns noise predictions, one per row."""
+
+    @abstractmethod
+    def combine(self, state: DenoiseState, preds: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Guidance: turn the per-branch predictions of one request into its noise prediction."""
+
+    def scheduler_step(self, state: DenoiseState, noise_pred: torch.Tensor) -> torch.Tensor:
+        return state.scheduler.step(noise_pred, state.timestep, state.latents, return_dict=False)[0]
+
+    def compat_key(self, state: DenoiseState) -> tuple:
+        """Requests with equal keys may share one forward (family, size, frames, dtype)."""
+        p = state.params
+        return (self.name, p.height, p.width, p.frames or 1, str(self.dtype))
+
+    def denoise_step(
+        self, states: Sequence[DenoiseState], fuse_cfg: bool = False, forward: ForwardFn | None = None
+    ) -> StepStats:
+        """Advance every state by one step.
+
+        ``fuse_cfg=False`` runs one forward per CFG branch over all requests (diffusers' order, so a
+        single request is bit-identical to the pipeline). ``fuse_cfg=True`` runs one forward over
+        every row. ``forward`` lets an acceleration (e.g. TeaCache) wrap the transformer call.
+        """
+        states = [s for s in states if not s.done]
+        if not states:
+            return StepStats()
+        keys = {self.compat_key(s) for s in states}
+        assert len(keys) == 1, f"incompatible requests in one batch: {keys}"
+        run = forward or self.forward
+        rows = [Row(s, b) for b in BRANCH_ORDER for s in states if b in s.cond.branches]
+        groups = [rows] if fuse_cfg else [[r for r in rows if r.branch == b] for b in BRANCH_ORDER]
+        preds: dict[tuple[int, str], torch.Tensor] = {}
+        stats = StepStats()
+        for group in groups:
+            if not group:
+                continue
+            out = run(group)
+            stats.forwards += 1
+            stats.rows += len(group)
+            for row, pred in zip(group, out.split(1)):
+                preds[(id(row.state), row.branch)] = pred
+        for s in states:
+            noise = self.combine(s, {b: preds[(id(s), b)] for b in s.branches()})
+            s.latents = self.scheduler_step(s, noise)
+            s.step += 1
+        return stats
+
+    # ---- stage 4: decode -----------------------------------------------------------------
+    @abstractmethod
+    def decode(self, latents: torch.Tensor, params: GenerationParams) -> Frames: ...
+
+    # ---- reference ------------------------------------------------------------------------
+    @abstractmethod
+    def reference_call(self, params: GenerationParams, output_type: str = "np") -> Any:
+        """Run the diffusers pipeline's own ``__call__`` for the same request (tests, benchmarks)."""
+
+
+def to_frames(array: np.ndarray) -> Frames:
+    """Normalise a pipeline's np output to (frames, H, W, 3) float32."""
+    a = np.asarray(array, dtype=np.float32)
+    if a.ndim == 3:
+        a = a[None]
+    return Frames(a)

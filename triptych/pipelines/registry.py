@@ -1,0 +1,73 @@
+"""Architecture name (``model_index.json`` ``_class_name``) → family adapter; tiny-model makers."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+from triptych.errors import UnknownModel
+
+# Pipeline class name → "module:Class" of its adapter; imported lazily.
+FAMILIES: dict[str, str] = {
+    "FluxPipeline": "triptych.pipelines.flux.family:FluxFamily",
+    "QwenImagePipeline": "triptych.pipelines.qwenimage.family:QwenImageFamily",
+    "QwenImageEditPipeline": "triptych.pipelines.qwenimage.family:QwenImageEditFamily",
+    "WanPipeline": "triptych.pipelines.wan.family:WanFamily",
+    "WanImageToVideoPipeline": "triptych.pipelines.wan.family:WanImageToVideoFamily",
+}
+
+# make-tiny --family NAME → "module:function(out, seed, size)".
+TINY_MAKERS: dict[str, str] = {
+    "flux": "triptych.pipelines.flux.tiny:make_tiny_flux",
+    "flux-schnell": "triptych.pipelines.flux.tiny:make_tiny_flux_schnell",
+    "qwen-image": "triptych.pipelines.qwenimage.tiny:make_tiny_qwen_image",
+    "qwen-image-edit": "triptych.pipelines.qwenimage.tiny:make_tiny_qwen_image_edit",
+    "wan-t2v": "triptych.pipelines.wan.tiny:make_tiny_wan_t2v",
+    "wan-i2v": "triptych.pipelines.wan.tiny:make_tiny_wan_i2v",
+}
+
+
+def _load(target: str):
+    module, name = target.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def supported() -> list[str]:
+    return sorted(FAMILIES)
+
+
+def architecture(model_dir: str | Path) -> str:
+    """The pipeline class a model directory declares; raises ``UnknownModel`` if it is not ours."""
+    index = Path(model_dir) / "model_index.json"
+    if not Path(model_dir).is_dir():
+        raise UnknownModel(str(model_dir), "not a directory", supported())
+    if not index.is_file():
+        raise UnknownModel(str(model_dir), "no model_index.json (not a diffusers model directory)", supported())
+    try:
+        name = json.loads(index.read_text())["_class_name"]
+    except (ValueError, KeyError) as e:
+        raise UnknownModel(str(model_dir), f"unreadable model_index.json ({e})", supported()) from e
+    if name not in FAMILIES:
+        raise UnknownModel(str(model_dir), f"architecture {name!r} is not supported", supported())
+    return name
+
+
+def family_class(model_dir: str | Path):
+    return _load(FAMILIES[architecture(model_dir)])
+
+
+def load_family(model_dir: str | Path, roles=None, device: str = "cpu", dtype=None):
+    """Load the adapter for ``model_dir`` with only the components ``roles`` need."""
+    import torch
+
+    from triptych.pipelines.base import ALL_ROLES
+
+    cls = family_class(model_dir)
+    return cls(model_dir, roles=roles or ALL_ROLES, device=device, dtype=dtype or torch.float32)
+
+
+def make_tiny(family: str, out: str | Path, seed: int = 0, size: str = "tiny") -> Path:
+    if family not in TINY_MAKERS:
+        raise ValueError(f"unknown family {family!r}; choose one of {sorted(TINY_MAKERS)}")
+    return _load(TINY_MAKERS[family])(out, seed=seed, size=size)
