@@ -1,0 +1,75 @@
+"""Control messages round-trip through msgpack; anything malformed is rejected, never unpickled."""
+
+from __future__ import annotations
+
+import pickle
+
+import msgspec
+import pytest
+from PIL import Image
+
+from triptych.pipelines.base import GenerationParams
+from triptych.server import protocol as P
+from triptych.server.transfer.refs import MooncakeLocation, TensorRef
+
+REF = TensorRef("r1/g1/cond/cond.prompt_embeds", "float32", (1, 4, 8), 128, "den-0", 3, "tcp://127.0.0.1:5000",
+                MooncakeLocation("127.0.0.1:1234", 4096))  # fmt: skip
+WIRE = P.params_to_wire(GenerationParams("a cat", height=32, width=32, frames=1, steps=2, guidance=3.5, seed=7))
+SPEC = {"latents": P.TensorSpec("float32", (1, 16, 64))}
+
+MESSAGES = [
+    P.Register("enc-0", "encoder", 4, "enc-0", "tcp://127.0.0.1:1", "zmq", "abc", 123),
+    P.Heartbeat("den-0", 1, 63, 64, 1),
+    P.EncodeDone("r1", 1, "enc-0", SPEC),
+    P.DenoiseDone("r1", 2, "den-0", SPEC),
+    P.SlotsReserved("r1", 1, "den-0", "cond", {"cond.prompt_embeds": REF}),
+    P.PushDone("r1", 1, "enc-0", "latents"),
+    P.Progress("r1", 1, "den-0", 2, 4),
+    P.MediaResult("r1", 1, "dec-0", b"\x89PNG...", "png"),
+    P.StageError("r1", 1, "dec-0", "decode", "RuntimeError", "boom", False),
+    P.RegisterAck("enc-0", False, "revision differs", 0.5),
+    P.EncodeTask("r1", 1, WIRE, "den-0"),
+    P.DenoiseTask("r1", 1, WIRE, SPEC, "enc-0", "dec-0", 30.0),
+    P.DecodeTask("r1", 1, WIRE, SPEC, "den-0", "png", 16, 30.0),
+    P.PushTask("r1", 1, "cond", {"x": REF}),
+    P.Cancel("r1", 3, "client disconnected"),
+    P.PeerDown("den-1"),
+    P.Shutdown("bye"),
+]
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
+def test_round_trip(msg):
+    assert P.decode_any(P.encode(msg)) == msg
+
+
+def test_direction_is_enforced():
+    with pytest.raises(P.ProtocolError):
+        P.decode_from_worker(P.encode(P.Cancel("r1", 1, "x")))
+    with pytest.raises(P.ProtocolError):
+        P.decode_from_head(P.encode(P.Heartbeat("den-0", 1, 1, 1, 0)))
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        b"",
+        b"\xc1garbage",
+        msgspec.msgpack.encode({"type": "no_such_message", "request_id": "r1"}),
+        msgspec.msgpack.encode({"type": "cancel", "request_id": "r1"}),  # generation missing
+        msgspec.msgpack.encode({"type": "cancel", "request_id": "r1", "generation": "1", "reason": "x"}),
+        msgspec.msgpack.encode(["cancel", "r1", 1, "x"]),
+        pickle.dumps(P.Shutdown("x")),
+    ],
+)
+def test_malformed_or_unknown_frames_are_rejected(frame):
+    with pytest.raises(P.ProtocolError):
+        P.decode_any(frame)
+
+
+def test_params_round_trip_including_image():
+    image = Image.new("RGB", (8, 8), (10, 20, 30))
+    params = GenerationParams("x", "neg", 32, 48, 1, 3, 2.5, 9, image, 1.5, 0.1)
+    back = P.params_from_wire(msgspec.msgpack.decode(msgspec.msgpack.encode(P.params_to_wire(params)), type=P.WireParams))
+    assert back.replace(image=None) == params.replace(image=None)
+    assert back.image.tobytes() == image.tobytes()

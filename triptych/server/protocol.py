@@ -1,0 +1,290 @@
+"""Control-plane messages between the head (orchestrator) and the role workers.
+
+One ``msgspec.Struct`` per edge, encoded as msgpack with a tagged union: a frame decodes to exactly
+one of these types or is rejected with ``ProtocolError``; nothing is ever unpickled. Tensors never
+travel inside a message: a receiver reserves slots on its transfer endpoint and hands the sender
+``TensorRef`` handles (``SlotsReserved`` → ``PushTask``); the bytes then move peer to peer.
+
+Every request-scoped message carries ``request_id`` and ``generation``. The head bumps the
+generation when it retries a request elsewhere; any message of an older generation is dropped.
+``Register``/``RegisterAck``/``Heartbeat``/``PeerDown``/``Shutdown`` are instance-scoped.
+
+The handoff of tensors between two stages (conditioning encoder → denoiser, final latents
+denoiser → decoder) is the same five messages each time::
+
+    upstream ──EncodeDone/DenoiseDone(specs)──▶ head ──DenoiseTask/DecodeTask(specs, source)──▶ downstream
+    downstream reserves a bundle ──SlotsReserved(refs)──▶ head ──PushTask(refs)──▶ upstream
+    upstream pushes P2P, frees its copy ──PushDone──▶ head; downstream waits ready and runs
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Literal
+
+import msgspec
+
+from triptych.errors import TriptychError
+from triptych.pipelines.base import GenerationParams
+from triptych.server.transfer.refs import TensorRef
+
+RoleName = Literal["encoder", "denoiser", "decoder"]
+StageName = Literal["encode", "denoise", "decode"]
+HandoffName = Literal["cond", "latents"]  # which tensors a handoff moves
+
+
+class ProtocolError(TriptychError):
+    """A frame that is not a well-formed control message (malformed, unknown tag, wrong fields)."""
+
+
+class TensorSpec(msgspec.Struct, frozen=True):
+    """Dtype and shape of one tensor a receiver must reserve (the tensor itself stays put)."""
+
+    dtype: str  # wire dtype name (``triptych.server.transfer.refs.dtype_name``)
+    shape: tuple[int, ...]  # contiguous shape
+
+
+class WireParams(msgspec.Struct, frozen=True):
+    """``GenerationParams`` after ``Family.resolve``, as plain wire types."""
+
+    prompt: str
+    negative_prompt: str | None  # None: no negative prompt
+    height: int
+    width: int
+    frames: int | None  # None for image families that leave it unset
+    steps: int
+    guidance: float | None  # None: the family has no guidance scale
+    seed: int
+    image_png: bytes | None  # condition image as lossless PNG; None for text-only requests
+    true_cfg: float
+    teacache_threshold: float
+
+
+# ---- worker → head ---------------------------------------------------------------------------
+class Register(msgspec.Struct, frozen=True, tag="register"):
+    """A worker announces itself; the head answers ``RegisterAck``."""
+
+    instance_id: str  # unique per worker process, chosen by the worker
+    role: RoleName
+    capacity: int  # requests this instance may hold at once (its slots)
+    control: str  # the worker's control identity / address (rank 0 of the instance)
+    data: str  # transfer endpoint address senders push to (rank 0)
+    transfer: str  # transfer backend kind actually running ("zmq" | "mooncake")
+    revision: str  # hash of the model directory's configs; must equal the head's
+    pid: int  # process id, for operators and tests
+
+
+class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat"):
+    """Periodic liveness + load report; an instance silent past the timeout is declared dead."""
+
+    instance_id: str
+    active: int  # requests this worker currently holds (any stage of its work)
+    free_slots: int  # free receiver slots of its transfer pool
+    max_slots: int  # receiver slots of its transfer pool
+    engine_running: int  # denoiser: requests in the step-batching engine; 0 for other roles
+
+
+class EncodeDone(msgspec.Struct, frozen=True, tag="encode_done"):
+    """Conditioning is ready on the encoder and held there until ``PushTask`` arrives."""
+
+    request_id: str
+    generation: int
+    instance_id: str
+    specs: dict[str, TensorSpec]  # ``Conditioning.flat()`` names → spec
+
+
+class DenoiseDone(msgspec.Struct, frozen=True, tag="denoise_done"):
+    """Final latents are ready on the denoiser and held there until ``PushTask`` arrives."""
+
+    request_id: str
+    generation: int
+    instance_id: str
+    specs: dict[str, TensorSpec]  # {"latents": spec}
+
+
+class SlotsReserved(msgspec.Struct, frozen=True, tag="slots_reserved"):
+    """The downstream worker reserved receiver slots for a handoff; the head forwards the refs."""
+
+    request_id: str
+    generation: int
+    instance_id: str
+    handoff: HandoffName
+    refs: dict[str, TensorRef]  # one reserved slot per tensor name
+
+
+class PushDone(msgspec.Struct, frozen=True, tag="push_done"):
+    """The upstream worker pushed every tensor of a handoff and freed its own copy."""
+
+    request_id: str
+    generation: int
+    instance_id: str
+    handoff: HandoffName
+
+
+class Progress(msgspec.Struct, frozen=True, tag="progress"):
+    """One denoising step finished."""
+
+    request_id: str
+    generation: int
+    instance_id: str
+    step: int  # steps done
+    total: int  # total steps
+
+
+class MediaResult(msgspec.Struct, frozen=True, tag="media_result"):
+    """The decoder's encoded output (media bytes may pass through the head; tensors never do)."""
+
+    request_id: str
+    generation: int
+    instance_id: str
+    data: bytes  # PNG/JPEG/WebP/MP4 bytes
+    output_format: str
+
+
+class StageError(msgspec.Struct, frozen=True, tag="stage_error"):
+    """A stage failed on a worker; ``retryable`` says whether another instance may succeed."""
+
+    request_id: str
+    generation: int
+    instance_id: str
+    stage: StageName
+    kind: str  # exception class name, for logs and metrics
+    message: str  # user-safe description
+    retryable: bool
+
+
+# ---- head → worker ---------------------------------------------------------------------------
+class RegisterAck(msgspec.Struct, frozen=True, tag="register_ack"):
+    """Accept or refuse a ``Register`` (e.g. model revision mismatch)."""
+
+    instance_id: str
+    accepted: bool
+    reason: str | None  # why it was refused; None when accepted
+    heartbeat_interval_s: float  # how often the worker must send ``Heartbeat``
+
+
+class EncodeTask(msgspec.Struct, frozen=True, tag="encode_task"):
+    """Encode one request; the conditioning will be pushed to ``denoiser``."""
+
+    request_id: str
+    generation: int
+    params: WireParams
+    denoiser: str  # instance id of the denoiser that will receive the conditioning
+
+
+class DenoiseTask(msgspec.Struct, frozen=True, tag="denoise_task"):
+    """Receive conditioning from ``source``, prepare, denoise; latents will go to ``decoder``."""
+
+    request_id: str
+    generation: int
+    params: WireParams
+    specs: dict[str, TensorSpec]  # conditioning tensors to reserve
+    source: str  # encoder instance id (the only peer allowed to push into the slots)
+    decoder: str  # decoder instance id already holding a slot for this request
+    reserve_timeout_s: float  # how long the reserved slots wait for the push
+
+
+class DecodeTask(msgspec.Struct, frozen=True, tag="decode_task"):
+    """Receive final latents from ``source``, decode, encode media, answer ``MediaResult``."""
+
+    request_id: str
+    generation: int
+    params: WireParams
+    specs: dict[str, TensorSpec]
+    source: str  # denoiser instance id
+    output_format: str  # png | jpeg | webp | mp4
+    fps: int
+    reserve_timeout_s: float
+
+
+class PushTask(msgspec.Struct, frozen=True, tag="push_task"):
+    """Push the held tensors of a handoff into the downstream slots ``refs``."""
+
+    request_id: str
+    generation: int
+    handoff: HandoffName
+    refs: dict[str, TensorRef]
+
+
+class Cancel(msgspec.Struct, frozen=True, tag="cancel"):
+    """Drop everything held for this request generation: slots, held tensors, engine state."""
+
+    request_id: str
+    generation: int
+    reason: str
+
+
+class PeerDown(msgspec.Struct, frozen=True, tag="peer_down"):
+    """An instance was declared dead: reclaim every receiver slot reserved for it."""
+
+    instance_id: str
+
+
+class Shutdown(msgspec.Struct, frozen=True, tag="shutdown"):
+    """Stop the worker process cleanly."""
+
+    reason: str
+
+
+WorkerMessage = Register | Heartbeat | EncodeDone | DenoiseDone | SlotsReserved | PushDone | Progress | MediaResult | StageError  # fmt: skip
+HeadMessage = RegisterAck | EncodeTask | DenoiseTask | DecodeTask | PushTask | Cancel | PeerDown | Shutdown
+Message = WorkerMessage | HeadMessage
+
+_ENCODER = msgspec.msgpack.Encoder()
+_WORKER_DECODER = msgspec.msgpack.Decoder(WorkerMessage)
+_HEAD_DECODER = msgspec.msgpack.Decoder(HeadMessage)
+_ANY_DECODER = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Message) -> bytes:
+    return _ENCODER.encode(msg)
+
+
+def _decode(decoder: msgspec.msgpack.Decoder, data: bytes | memoryview):
+    try:
+        return decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ProtocolError(f"rejected control frame of {len(data)} bytes: {e}") from e
+
+
+def decode_from_worker(data: bytes | memoryview) -> WorkerMessage:
+    """Decode a frame the head received; raises ``ProtocolError`` for anything else."""
+    return _decode(_WORKER_DECODER, data)
+
+
+def decode_from_head(data: bytes | memoryview) -> HeadMessage:
+    """Decode a frame a worker received; raises ``ProtocolError`` for anything else."""
+    return _decode(_HEAD_DECODER, data)
+
+
+def decode_any(data: bytes | memoryview) -> Message:
+    return _decode(_ANY_DECODER, data)
+
+
+# ---- GenerationParams <-> WireParams ---------------------------------------------------------
+def params_to_wire(p: GenerationParams) -> WireParams:
+    """``p`` must be resolved (height, width, steps set); the image travels as lossless PNG."""
+    image_png = None
+    if p.image is not None:
+        buf = io.BytesIO()
+        p.image.save(buf, format="PNG")
+        image_png = buf.getvalue()
+    return WireParams(
+        prompt=p.prompt, negative_prompt=p.negative_prompt, height=int(p.height), width=int(p.width),
+        frames=p.frames, steps=int(p.steps), guidance=p.guidance, seed=int(p.seed), image_png=image_png,
+        true_cfg=float(p.true_cfg), teacache_threshold=float(p.teacache_threshold),
+    )  # fmt: skip
+
+
+def params_from_wire(w: WireParams) -> GenerationParams:
+    image = None
+    if w.image_png is not None:
+        from PIL import Image
+
+        with Image.open(io.BytesIO(w.image_png)) as im:
+            image = im.convert("RGB")
+    return GenerationParams(
+        prompt=w.prompt, negative_prompt=w.negative_prompt, height=w.height, width=w.width, frames=w.frames,
+        steps=w.steps, guidance=w.guidance, seed=w.seed, image=image, true_cfg=w.true_cfg,
+        teacache_threshold=w.teacache_threshold,
+    )  # fmt: skip
