@@ -64,7 +64,7 @@ def load_family(model_dir: str | Path, roles=None, device: str = "cpu", dtype=No
     from triptych.pipelines.base import ALL_ROLES
 
     cls = family_class(model_dir)
-    return cls(model_dir, roles=roles or ALL_ROLES, device=device, dtype=dtype or torch.float32)
+    return cls(model_dir, roles=ALL_ROLES if roles is None else roles, device=device, dtype=dtype or torch.float32)
 
 
 def make_tiny(family: str, out: str | Path, seed: int = 0, size: str = "tiny") -> Path:

@@ -1,0 +1,44 @@
+"""Shared fixtures: offline environment, tiny models built once per session, slow/gpu markers."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+
+def pytest_addoption(parser):
+    parser.addoption("--run-slow", action="store_true", help="run tests marked slow (benchmarks, long runs)")
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    skip_slow = pytest.mark.skip(reason="slow: pass --run-slow")
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "slow" in item.keywords and not config.getoption("--run-slow"):
+            item.add_marker(skip_slow)
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """``tiny_model_dir(family, seed=0)`` → path of a tiny model, built once per session."""
+    from triptych.pipelines.registry import make_tiny
+
+    built: dict[tuple[str, int], str] = {}
+
+    def get(family: str, seed: int = 0):
+        key = (family, seed)
+        if key not in built:
+            built[key] = str(make_tiny(family, tmp_path_factory.mktemp(f"{family}-{seed}"), seed=seed))
+        return built[key]
+
+    return get

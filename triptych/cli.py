@@ -1,0 +1,140 @@
+"""The ``triptych`` command line: generate, make-tiny, serve, worker.
+
+User errors (``InvalidParam``, ``UnknownModel``) print one line and exit with code 2; no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from triptych.errors import InvalidParam, UnknownModel
+
+EXIT_USAGE = 2
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="run one generation in this process")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--model", help="diffusers model directory (default: the built-in model)")
+    p.add_argument("--image", help="condition image (edit / image-to-video families)")
+    p.add_argument("--negative-prompt")
+    p.add_argument("--height", type=int)
+    p.add_argument("--width", type=int)
+    p.add_argument("--frames", type=int, help="video families: number of frames")
+    p.add_argument("--steps", type=int)
+    p.add_argument("--guidance", type=float, help="true-CFG scale (Qwen-Image, Wan) or distilled guidance (FLUX)")
+    p.add_argument("--true-cfg", type=float, default=1.0, help="FLUX only: true CFG scale with --negative-prompt")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fps", type=int, default=16, help="MP4 frame rate")
+    p.add_argument("--separate-cfg", action="store_true",
+                   help="run CFG branches as separate forwards, as diffusers does (bit-identical to it); "
+                   "default: one fused forward, as the serving engine runs them")
+    p.add_argument("--out", required=True, help="output file: .png .jpg .webp (images) or .mp4 (video)")
+    p.set_defaults(func=cmd_generate)
+
+
+def _add_make_tiny(sub) -> None:
+    from triptych.pipelines.registry import TINY_MAKERS
+
+    p = sub.add_parser("make-tiny", help="write a seeded tiny diffusers model directory")
+    p.add_argument("--family", required=True, choices=sorted(TINY_MAKERS))
+    p.add_argument("--out", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--size", choices=["tiny", "small"], default="tiny")
+    p.set_defaults(func=cmd_make_tiny)
+
+
+def cmd_generate(args) -> int:
+    import time
+
+    from tqdm import tqdm
+
+    from triptych.models import resolve_model
+    from triptych.pipelines.base import GenerationParams
+    from triptych.pipelines.registry import load_family
+    from triptych.pipelines.runner import run_request
+    from triptych.server.media import decode_image, encode_frames, format_for_path
+
+    fmt = format_for_path(args.out)
+    image = None
+    if args.image:
+        try:
+            with open(args.image, "rb") as f:
+                image = decode_image(f.read())
+        except FileNotFoundError:
+            raise InvalidParam("image", args.image, "file does not exist") from None
+    params = GenerationParams(
+        prompt=args.prompt, negative_prompt=args.negative_prompt, height=args.height, width=args.width,
+        frames=args.frames, steps=args.steps, guidance=args.guidance, true_cfg=args.true_cfg,
+        seed=args.seed, image=image,
+    )  # fmt: skip
+    t0 = time.perf_counter()
+    family = load_family(resolve_model(args.model))
+    load_s = time.perf_counter() - t0
+    params = family.resolve(params)
+    if family.is_video != (fmt == "mp4"):
+        raise InvalidParam("out", args.out, "video families write .mp4; image families write .png/.jpg/.webp")
+    bar = tqdm(total=params.steps, desc="denoising", unit="step", file=sys.stderr)
+    frames, timings = run_request(family, params, on_step=lambda s: bar.update(1), fuse_cfg=not args.separate_cfg)
+    bar.close()
+    t = time.perf_counter()
+    data = encode_frames(frames.to_uint8(), fmt, fps=args.fps)
+    with open(args.out, "wb") as f:
+        f.write(data)
+    timings.seconds["write"] = time.perf_counter() - t
+    stages = "  ".join(f"{k} {v * 1000:.0f} ms" for k, v in {"load": load_s, **timings.seconds}.items())
+    print(f"wrote {args.out} ({family.name}, {params.width}x{params.height}, {params.steps} steps, seed {params.seed})")
+    print(f"timings: {stages}")
+    return 0
+
+
+def cmd_make_tiny(args) -> int:
+    from triptych.pipelines.registry import make_tiny
+
+    out = make_tiny(args.family, args.out, seed=args.seed, size=args.size)
+    print(f"wrote tiny {args.family} ({args.size}, seed {args.seed}) to {out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="triptych", description="Disaggregated diffusion serving")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    _add_make_tiny(sub)
+    try:
+        from triptych.server.cli import add_server_commands
+    except ImportError:
+        pass
+    else:
+        add_server_commands(sub)
+    return parser
+
+
+def _quiet_libraries() -> None:
+    import diffusers
+    import transformers
+
+    diffusers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+    args = build_parser().parse_args(argv)
+    _quiet_libraries()
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (InvalidParam, UnknownModel) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""Where the built-in default model comes from.
+
+Order: a trained default shipped inside the package (``triptych/assets/default``) when present;
+otherwise a tiny seeded model of ``DEFAULT_TINY_FAMILY`` created on first use under the per-user
+cache directory (``$TRIPTYCH_CACHE`` or ``~/.cache/triptych``). Creation writes to a temporary
+directory and renames it into place, so concurrent first uses never see a half-written model.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+PACKAGED_DEFAULT = Path(__file__).parent / "assets" / "default"
+DEFAULT_TINY_FAMILY = "flux"
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("TRIPTYCH_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "triptych")
+    return Path(root)
+
+
+def default_model_dir() -> Path:
+    if (PACKAGED_DEFAULT / "model_index.json").is_file():
+        return PACKAGED_DEFAULT
+    return ensure_tiny(DEFAULT_TINY_FAMILY)
+
+
+def ensure_tiny(family: str, seed: int = 0, size: str = "tiny") -> Path:
+    from triptych.pipelines.registry import make_tiny
+
+    target = cache_dir() / "models" / f"tiny-{family}-{size}-seed{seed}"
+    if (target / "model_index.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("creating tiny %s model in %s (first use)", family, target)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
+    try:
+        make_tiny(family, tmp, seed=seed, size=size)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process won the race; its copy is identical
+            if not (target / "model_index.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_model(model: str | None) -> Path:
+    return Path(model) if model else default_model_dir()

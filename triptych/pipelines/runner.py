@@ -1,0 +1,50 @@
+"""Run one request through all stages in one process (``triptych generate``, tests, benchmarks).
+
+The same stage code runs in the pools; here the stages are called back to back.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from triptych.pipelines.base import DenoiseState, Family, Frames, GenerationParams
+
+StepCallback = Callable[[DenoiseState], None]
+
+
+@dataclass
+class StageTimings:
+    """Wall seconds per stage of one request."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def add(self, stage: str, start: float) -> None:
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - start
+
+
+def run_request(
+    family: Family,
+    params: GenerationParams,
+    request_id: str = "local",
+    on_step: StepCallback | None = None,
+    fuse_cfg: bool = False,
+) -> tuple[Frames, StageTimings]:
+    """Resolve, encode, prepare, denoise until done, decode. ``params`` may be unresolved."""
+    timings = StageTimings()
+    params = family.resolve(params)
+    t = time.perf_counter()
+    cond = family.encode(params)
+    timings.add("encode", t)
+    t = time.perf_counter()
+    state = family.prepare(request_id, params, cond)
+    while not state.done:
+        family.denoise_step([state], fuse_cfg=fuse_cfg)
+        if on_step is not None:
+            on_step(state)
+    timings.add("denoise", t)
+    t = time.perf_counter()
+    frames = family.decode(state.latents, params)
+    timings.add("decode", t)
+    return frames, timings

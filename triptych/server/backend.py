@@ -1,0 +1,115 @@
+"""The edge between the HTTP head and whatever executes generations.
+
+``GenerationBackend`` is what the REST layer calls. Two implementations:
+- ``InProcessBackend`` (here): runs the stages in the head's process; for tests of the REST layer
+  and tiny single-process deployments.
+- the disaggregated orchestrator (``triptych.server.orchestrator``): routes each job through the
+  encoder, denoiser and decoder pools; tensors move peer to peer, never through the head.
+
+Errors a backend raises: ``InvalidParam`` (400), ``Overloaded`` (429 + Retry-After),
+``Cancelled`` (the job was cancelled), ``StageFailed`` (a worker failed; message is user-safe).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from triptych.errors import TriptychError
+from triptych.pipelines.base import Family, GenerationParams
+
+logger = logging.getLogger(__name__)
+
+ProgressFn = Callable[[int, int], None]  # (steps done, total steps)
+
+
+class Overloaded(TriptychError):
+    """Admission refused: too many queued requests. ``retry_after`` seconds is a hint for clients."""
+
+    def __init__(self, message: str, retry_after: float = 1.0):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class Cancelled(TriptychError):
+    """The job was cancelled (DELETE, client disconnect) before it finished."""
+
+
+class StageFailed(TriptychError):
+    """A stage failed and retries are exhausted; the message is safe to show to users."""
+
+
+@dataclass(frozen=True)
+class GenerationJob:
+    """One generation: resolved params plus how to encode the output."""
+
+    request_id: str
+    params: GenerationParams  # already passed through Family.resolve
+    output_format: str  # png | jpeg | webp | mp4
+    fps: int = 16
+
+
+class GenerationBackend(ABC):
+    """Runs jobs. ``family`` is a weightless adapter (configs and scheduler only) for validation."""
+
+    family: Family
+
+    async def start(self) -> None:
+        """Start workers/connections; called once before the first ``run``."""
+
+    async def close(self) -> None:
+        """Stop; cancels in-flight jobs and frees what they hold."""
+
+    @abstractmethod
+    async def run(self, job: GenerationJob, on_progress: ProgressFn | None = None) -> bytes:
+        """Run ``job`` to completion and return the encoded media bytes."""
+
+    @abstractmethod
+    async def cancel(self, request_id: str) -> bool:
+        """Cancel a queued or running job; True if it was known. Frees its slots and cache refs."""
+
+    def describe(self) -> dict:
+        """Instances and their state, for ``/health`` and metrics."""
+        return {}
+
+
+class InProcessBackend(GenerationBackend):
+    """Runs one job at a time in a worker thread of the head process (no pools)."""
+
+    def __init__(self, family: Family, max_queued: int = 64):
+        self.family = family
+        self.max_queued = max_queued
+        self._lock = asyncio.Lock()
+        self._waiting = 0
+        self._cancelled: set[str] = set()
+
+    async def run(self, job: GenerationJob, on_progress: ProgressFn | None = None) -> bytes:
+        from triptych.pipelines.runner import run_request
+        from triptych.server.media import encode_frames
+
+        if self._waiting >= self.max_queued:
+            raise Overloaded(f"queue is full ({self.max_queued} requests)", retry_after=1.0)
+        self._waiting += 1
+        try:
+            async with self._lock:
+                if job.request_id in self._cancelled:
+                    raise Cancelled(job.request_id)
+
+                def on_step(state):
+                    if job.request_id in self._cancelled:
+                        raise Cancelled(job.request_id)
+                    if on_progress is not None:
+                        on_progress(state.step, state.total_steps)
+
+                frames, _ = await asyncio.to_thread(run_request, self.family, job.params, job.request_id, on_step)
+                return await asyncio.to_thread(encode_frames, frames.to_uint8(), job.output_format, job.fps)
+        finally:
+            self._waiting -= 1
+            self._cancelled.discard(job.request_id)
+
+    async def cancel(self, request_id: str) -> bool:
+        self._cancelled.add(request_id)
+        return True

@@ -1,0 +1,131 @@
+"""The denoiser engine: continuous step batching over requests that each own their state.
+
+Contract: the engine owns every ``DenoiseState`` between ``add`` and the tick that returns it as
+finished (or ``abort``). Requests join and leave only at step boundaries; a tick is
+schedule() → execute() → update(). ``execute`` is one ``family.denoise_step`` over the batch: one
+transformer forward (``fuse_cfg``) or one per CFG branch, never a loop over requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from itertools import count
+
+from triptych.pipelines.base import DenoiseState, Family
+
+from triptych.server.engine.config import EngineConfig
+from triptych.server.engine.scheduler import Running, pick_batch
+from triptych.server.engine.stats import EngineStats
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStepOutput:
+    """What one tick did."""
+
+    finished: list[DenoiseState] = field(default_factory=list)
+    progress: list[tuple[str, int, int]] = field(default_factory=list)  # (request_id, step, total)
+    batch: list[str] = field(default_factory=list)  # request ids that advanced
+
+
+class DenoiserEngine:
+    def __init__(self, family: Family, config: EngineConfig | None = None, accel=None):
+        """``accel``: optional acceleration (e.g. TeaCache) with ``forward(rows, base_forward)``
+        and ``release(request_id)``; it owns its per-request state, the engine tells it when a
+        request leaves."""
+        self.family = family
+        self.config = config or EngineConfig()
+        self.accel = accel
+        self.stats = EngineStats()
+        self._running: dict[str, Running] = {}
+        self._tick = 0
+        self._arrivals = count()
+
+    # ---- membership -------------------------------------------------------------------------
+    def add(self, state: DenoiseState) -> None:
+        if state.request_id in self._running:
+            raise ValueError(f"request {state.request_id!r} is already running")
+        key = self.family.compat_key(state)
+        tokens = int(state.latents[0].numel() // state.latents.shape[-1]) if state.latents.dim() == 3 else int(
+            state.latents[0, 0].numel()
+        )
+        self._running[state.request_id] = Running(state, key, tokens, self._tick, next(self._arrivals))
+
+    def abort(self, request_id: str) -> bool:
+        running = self._running.pop(request_id, None)
+        if running is None:
+            return False
+        self._release(request_id)
+        self.stats.aborted += 1
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self._running)
+
+    def __len__(self) -> int:
+        return len(self._running)
+
+    def request_ids(self) -> list[str]:
+        return list(self._running)
+
+    # ---- one tick -----------------------------------------------------------------------------
+    def step(self) -> EngineStepOutput:
+        batch = self.schedule()
+        out = EngineStepOutput()
+        if not batch:
+            return out
+        self.execute(batch)
+        self.update(batch, out)
+        return out
+
+    def schedule(self) -> list[Running]:
+        return pick_batch(list(self._running.values()), self.config)
+
+    def execute(self, batch: list[Running]) -> None:
+        states = [r.state for r in batch]
+        forward = None
+        if self.accel is not None:
+            base = self.family.forward
+
+            def forward(rows):
+                return self.accel.forward(rows, base)
+
+        t = time.perf_counter()
+        step_stats = self.family.denoise_step(states, fuse_cfg=self.config.fuse_cfg, forward=forward)
+        elapsed = time.perf_counter() - t
+        s = self.stats
+        s.steps += 1
+        s.forwards += step_stats.forwards
+        s.rows += step_stats.rows
+        s.request_steps += len(states)
+        s.step_seconds += elapsed
+        s.batch_sizes[len(states)] += 1
+        if self.accel is not None:
+            s.skipped_rows = getattr(self.accel, "skipped_rows", s.skipped_rows)
+
+    def update(self, batch: list[Running], out: EngineStepOutput) -> None:
+        self._tick += 1
+        for r in batch:
+            r.last_tick = self._tick
+            rid = r.state.request_id
+            out.batch.append(rid)
+            out.progress.append((rid, r.state.step, r.state.total_steps))
+            if r.state.done:
+                del self._running[rid]
+                self._release(rid)
+                self.stats.finished += 1
+                out.finished.append(r.state)
+
+    def _release(self, request_id: str) -> None:
+        if self.accel is not None:
+            self.accel.release(request_id)
+
+    def run_until_done(self) -> list[DenoiseState]:
+        """Tick until every running request finished (tests, ``generate``)."""
+        finished: list[DenoiseState] = []
+        while self.has_work():
+            finished.extend(self.step().finished)
+        return finished

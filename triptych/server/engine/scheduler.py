@@ -1,0 +1,53 @@
+"""Which requests run in the next step.
+
+Fairness policy (least recently served first): every running request remembers the tick at which
+it last advanced (its arrival tick before its first step). Each tick the engine picks the request
+that has waited longest, runs its compatibility group (family, size, frames, dtype), and fills the
+batch from that group in the same waited-longest order, up to ``max_batch_requests`` and
+``max_batch_tokens``. A request therefore waits at most ``ceil(R / max_batch_requests) - 1`` ticks
+between two of its steps, where R is the number of running requests, whatever their kind: a long
+video request cannot starve short image requests, and image requests cannot starve the video.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from triptych.pipelines.base import DenoiseState
+
+from triptych.server.engine.config import EngineConfig
+
+
+@dataclass
+class Running:
+    """A request in the engine, with its scheduling bookkeeping."""
+
+    state: DenoiseState
+    key: tuple
+    tokens: int  # latent sequence length of one row
+    last_tick: int  # tick of the last step (arrival tick before the first)
+    arrival: int  # monotonic arrival counter: tie-breaker
+
+
+def pick_batch(running: Sequence[Running], config: EngineConfig) -> list[Running]:
+    """The batch for the next tick; empty when nothing runs."""
+    if not running:
+        return []
+    order = sorted(running, key=lambda r: (r.last_tick, r.arrival))
+    key = order[0].key
+    batch: list[Running] = []
+    tokens = 0
+    for r in order:
+        if r.key != key:
+            continue
+        rows = len(r.state.cond.branches)
+        cost = r.tokens * rows
+        if batch and (len(batch) >= config.max_batch_requests or tokens + cost > config.max_batch_tokens):
+            break
+        batch.append(r)
+        tokens += cost
+    return batch
+
+
+TokenFn = Callable[[DenoiseState], int]

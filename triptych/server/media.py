@@ -1,0 +1,100 @@
+"""Media in and out: encode decoded frames to PNG/JPEG/WebP/MP4; decode uploaded images safely.
+
+Uploads are checked before a full decode: byte size first, then the header's pixel count (PIL reads
+only the header on ``open``), then the decode itself under PIL's decompression-bomb guard.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import tempfile
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+
+from triptych.errors import InvalidParam
+
+logger = logging.getLogger(__name__)
+
+IMAGE_FORMATS = {"png": "PNG", "jpeg": "JPEG", "jpg": "JPEG", "webp": "WEBP"}
+VIDEO_FORMATS = {"mp4"}
+MEDIA_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "jpg": "image/jpeg", "webp": "image/webp", "mp4": "video/mp4"}
+
+
+def format_for_path(path: str) -> str:
+    ext = os.path.splitext(path)[1].lower().lstrip(".")
+    if ext not in IMAGE_FORMATS and ext not in VIDEO_FORMATS:
+        raise InvalidParam("out", path, "extension must be one of .png, .jpg, .jpeg, .webp, .mp4")
+    return ext
+
+
+def encode_image(frame_uint8: np.ndarray, fmt: str, quality: int = 95) -> bytes:
+    from PIL import Image
+
+    if fmt not in IMAGE_FORMATS:
+        raise InvalidParam("output_format", fmt, f"must be one of {sorted(IMAGE_FORMATS)}")
+    buf = io.BytesIO()
+    kwargs = {"quality": quality} if IMAGE_FORMATS[fmt] in ("JPEG", "WEBP") else {}
+    Image.fromarray(frame_uint8).save(buf, format=IMAGE_FORMATS[fmt], **kwargs)
+    return buf.getvalue()
+
+
+def encode_video(frames_uint8: np.ndarray, fps: int = 16) -> bytes:
+    """H.264 MP4 through imageio-ffmpeg (its ffmpeg binary ships in the wheel); deterministic."""
+    import imageio.v2 as imageio
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "out.mp4")
+        # macro_block_size=1 keeps tiny sizes (e.g. 32×48) without resizing.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with imageio.get_writer(path, fps=fps, codec="libx264", macro_block_size=1, quality=8,
+                                    ffmpeg_log_level="error", output_params=["-pix_fmt", "yuv420p"]) as w:  # fmt: skip
+                for f in frames_uint8:
+                    w.append_data(f)
+        with open(path, "rb") as f:
+            return f.read()
+
+
+def encode_frames(frames_uint8: np.ndarray, fmt: str, fps: int = 16) -> bytes:
+    """frames (F, H, W, 3) uint8 → bytes; ``mp4`` for video, one image format for a single frame."""
+    if fmt in VIDEO_FORMATS:
+        return encode_video(frames_uint8, fps=fps)
+    if frames_uint8.shape[0] != 1:
+        raise InvalidParam("output_format", fmt, "a video needs mp4")
+    return encode_image(frames_uint8[0], fmt)
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    """Upload limits checked before a full decode."""
+
+    max_bytes: int = 20 * 1024 * 1024
+    max_pixels: int = 4096 * 4096
+
+
+def decode_image(data: bytes, limits: ImageLimits = ImageLimits(), field: str = "image"):
+    """Bytes → RGB PIL image, refusing oversize, bomb-sized or corrupt input with ``InvalidParam``."""
+    from PIL import Image, UnidentifiedImageError
+
+    if len(data) > limits.max_bytes:
+        raise InvalidParam(field, f"<{len(data)} bytes>", f"upload must be at most {limits.max_bytes} bytes")
+    if not data:
+        raise InvalidParam(field, "<0 bytes>", "upload is empty")
+    try:
+        with Image.open(io.BytesIO(data)) as probe:  # reads the header only
+            w, h = probe.size
+            if w * h > limits.max_pixels:
+                raise InvalidParam(field, f"<{w}x{h}>", f"image must have at most {limits.max_pixels} pixels")
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", Image.DecompressionBombWarning)
+                probe.load()
+            return probe.convert("RGB")
+    except InvalidParam:
+        raise
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError,
+            Image.DecompressionBombWarning) as e:  # fmt: skip
+        raise InvalidParam(field, f"<{len(data)} bytes>", f"not a decodable PNG/JPEG/WebP image ({e})") from e
