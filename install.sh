@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Installs Triptych into ./.venv: torch 2.13.0 (CPU wheel) first and on its own, then the package
+# with its test and Mooncake extras. Mooncake's engine needs libibverbs1 from Debian (root only).
+set -euo pipefail
+cd "$(dirname "$0")"
+PY=${PYTHON:-python3}
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! ldconfig -p | grep -q libibverbs.so.1; then
+  (apt-get update -qq && apt-get install -y -qq libibverbs1 >/dev/null) || echo "install.sh: libibverbs1 not installed; Mooncake transfer will be unavailable" >&2
+fi
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/pip install -q torch==2.13.0
+.venv/bin/pip install -q -e ".[test,mooncake]"
+.venv/bin/python -c "import torch, triptych; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+echo "install.sh: Triptych installed in $(pwd)/.venv"
