@@ -1,0 +1,436 @@
+"""TeaCache: per-request, per-CFG-branch reuse of the transformer blocks' residual between steps.
+
+Paper: Liu et al., "Timestep Embedding Tells: It's Time to Cache for Video Diffusion Model"
+(TeaCache), https://arxiv.org/abs/2411.19108.
+
+How it decides. For every row (one request's one CFG branch at its current step) the family computes
+the *modulated input*: the timestep-embedding-modulated input of the first transformer block (for
+FLUX: ``x_embedder`` + time/guidance/text embedding → first block's ``norm1``). The relative L1
+change of that input since the row's previous step, ``mean|m_t - m_{t-1}| / mean|m_{t-1}|``, is
+rescaled by a calibrated polynomial (the estimated relative change of the model output) and
+accumulated. While the accumulated value stays below the request's threshold the row *skips* the
+block stack: its hidden state is the embedded input plus the residual (``blocks(x) - x``) cached the
+last time it computed; the output head (final norm with the row's current timestep embedding, then
+the projection) always runs. When the sum reaches the threshold the row computes and the sum resets.
+The first ``warmup`` and last ``cooldown`` steps of a request always compute.
+
+Ownership and lifetime (STYLE.md, "caches and state"). A :class:`TeaCache` is owned by whoever runs
+the batch (the denoiser engine), one per loaded family; it never stores anything on the transformer
+module. Its state is keyed by ``(request_id, cfg_branch)`` (:class:`RequestStateStore`), created the
+first time a request with a threshold > 0 appears, and dropped by ``release(request_id)``, which the
+engine calls when the request finishes, fails or is aborted. Rows whose threshold is 0 create no
+state; a batch where no row uses TeaCache goes through the family's own ``forward`` unchanged, so
+threshold 0 is the baseline bit for bit.
+
+Batching. Within one call the rows that compute (threshold-0 rows included) run the block stack as
+ONE call over that sub-batch; skipping rows only add their cached residual. The decision of a row
+depends only on that row's own inputs and state, so a request makes the same decisions alone or in a
+batch (up to batch-composition rounding of ~1e-7 in the rel-L1 values).
+
+Calibration profiles ("TeaCache is calibrated or off", ARCHITECTURE.md contract 7). The polynomial
+comes from a profile file for the family and step schedule, produced by
+``triptych.calibration.fit``. Without one, a request with a threshold > 0 is refused with
+``InvalidParam("teacache_threshold", ...)`` unless it brings its coefficients explicitly; nothing is
+guessed. Profile file (JSON, one per family × model × steps)::
+
+    {
+      "format": "triptych.teacache.profile/1",
+      "family": "flux",                  # Family.name the fit was made with
+      "model": "FLUX.1-dev@<revision>",  # model name or revision the fit was made on
+      "steps": 28,                       # step schedule (number of inference steps) it is valid for
+      "coefficients": [a4, a3, a2, a1, a0],  # degree-4 polynomial, highest power first (numpy.polyval):
+                                         # input rel-L1 -> estimated output rel-L1
+      "warmup": 1,                       # first steps that always compute
+      "cooldown": 1,                     # last steps that always compute
+      "quality": {"points": 84, "r2": 0.97, "rmse": 0.004, "x_range": [lo, hi], ...}  # fit figures
+    }
+
+Where profiles are found (:func:`find_profile`): ``<profiles_dir>/*.json`` (an operator's directory;
+entries must name the model in ``"model"``) first, then ``<model_dir>/teacache/*.json`` (shipped with
+the model; the model is implied). A profile matches on ``family`` and ``steps``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from triptych.cache.hooks import RequestStateStore
+from triptych.errors import InvalidParam
+
+logger = logging.getLogger(__name__)
+
+PROFILE_FORMAT = "triptych.teacache.profile/1"
+DEGREE = 4
+
+
+# ---- profile files -------------------------------------------------------------------------------
+class ProfileError(ValueError):
+    """A profile file that cannot be used; names the file and the field."""
+
+
+@dataclass(frozen=True)
+class TeaCacheProfile:
+    """One calibration: family × model × steps → rescaling polynomial and its fit figures."""
+
+    family: str
+    model: str
+    steps: int
+    coefficients: tuple[float, ...]  # degree 4, highest power first (numpy.polyval)
+    warmup: int = 1
+    cooldown: int = 1
+    quality: dict[str, Any] = field(default_factory=dict)
+    path: str | None = None  # where it was loaded from; not written
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": PROFILE_FORMAT,
+            "family": self.family,
+            "model": self.model,
+            "steps": self.steps,
+            "coefficients": list(self.coefficients),
+            "warmup": self.warmup,
+            "cooldown": self.cooldown,
+            "quality": self.quality,
+        }
+
+
+def check_coefficients(coefficients: Sequence[float], where: str) -> tuple[float, ...]:
+    try:
+        coeffs = tuple(float(c) for c in coefficients)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: coefficients must be numbers ({e})") from e
+    if len(coeffs) != DEGREE + 1 or not all(math.isfinite(c) for c in coeffs):
+        raise ValueError(f"{where}: coefficients must be {DEGREE + 1} finite numbers (degree {DEGREE}, highest first)")
+    return coeffs
+
+
+def load_profile(path: str | Path) -> TeaCacheProfile:
+    """Read and validate one profile file; raises ``ProfileError`` naming the file and field."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ProfileError(f"TeaCache profile {path}: unreadable ({e})") from e
+    if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
+        raise ProfileError(f"TeaCache profile {path}: 'format' must be {PROFILE_FORMAT!r}")
+    for key, kind in (("family", str), ("model", str), ("steps", int), ("coefficients", list)):
+        if not isinstance(data.get(key), kind):
+            raise ProfileError(f"TeaCache profile {path}: field {key!r} missing or not {kind.__name__}")
+    try:
+        coeffs = check_coefficients(data["coefficients"], f"TeaCache profile {path}")
+    except (TypeError, ValueError) as e:
+        raise ProfileError(str(e)) from e
+    warmup, cooldown = data.get("warmup", 1), data.get("cooldown", 1)
+    if data["steps"] < 1 or not isinstance(warmup, int) or not isinstance(cooldown, int) or min(warmup, cooldown) < 0:
+        raise ProfileError(f"TeaCache profile {path}: steps must be >= 1, warmup/cooldown integers >= 0")
+    return TeaCacheProfile(
+        family=data["family"], model=data["model"], steps=data["steps"], coefficients=coeffs,
+        warmup=warmup, cooldown=cooldown, quality=dict(data.get("quality", {})), path=str(path),
+    )  # fmt: skip
+
+
+def save_profile(profile: TeaCacheProfile, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(profile.to_json(), indent=2) + "\n")
+    return path
+
+
+def profile_filename(family: str, steps: int) -> str:
+    return f"{family}-{steps}steps.json"
+
+
+def find_profile(
+    model_dir: str | Path,
+    steps: int,
+    family: str | None = None,
+    profiles_dir: str | Path | None = None,
+    model: str | None = None,
+) -> TeaCacheProfile | None:
+    """The profile for ``(family, steps)`` of the model in ``model_dir``, or None.
+
+    ``profiles_dir`` entries must also name the model (``model``, default: the model dir's name);
+    ``<model_dir>/teacache/`` entries belong to that model by location. Broken files raise.
+    """
+    model = model or Path(model_dir).name
+    places = [(Path(profiles_dir), True)] if profiles_dir is not None else []
+    places.append((Path(model_dir) / "teacache", False))
+    for directory, must_name_model in places:
+        if not directory.is_dir():
+            continue
+        found = [
+            p for p in (load_profile(f) for f in sorted(directory.glob("*.json")))
+            if p.steps == steps and (family is None or p.family == family) and (not must_name_model or p.model == model)
+        ]  # fmt: skip
+        if len(found) > 1:
+            logger.warning("several TeaCache profiles match %s/%s steps in %s; using %s", family, steps, directory, found[0].path)
+        if found:
+            return found[0]
+    return None
+
+
+class ProfileIndex:
+    """``steps -> profile`` for one loaded model (memoised :func:`find_profile`); the TeaCache's source."""
+
+    def __init__(self, model_dir: str | Path, family: str, profiles_dir: str | Path | None = None, model: str | None = None):
+        self.model_dir, self.family, self.profiles_dir, self.model = model_dir, family, profiles_dir, model
+        self._cache: dict[int, TeaCacheProfile | None] = {}
+
+    def __call__(self, steps: int) -> TeaCacheProfile | None:
+        if steps not in self._cache:
+            self._cache[steps] = find_profile(self.model_dir, steps, self.family, self.profiles_dir, self.model)
+        return self._cache[steps]
+
+
+# ---- what a family hands the cache ---------------------------------------------------------------
+@dataclass(frozen=True)
+class RowStep:
+    """What TeaCache needs to know about one row; produced by the family plan's ``describe``."""
+
+    request_id: str
+    branch: str
+    step: int  # index of the step this row is at
+    num_steps: int  # the request's total steps
+    threshold: float  # the request's teacache_threshold; 0 = off
+    coefficients: tuple[float, ...] | None = None  # explicit per-request coefficients (overrides a profile)
+
+
+class Embedded(Protocol):
+    """A family's embedded batch: ``hidden`` is the (rows, ...) input of the block stack."""
+
+    hidden: torch.Tensor
+
+
+@dataclass(frozen=True)
+class TeaCachePlan:
+    """The family's pieces (``triptych/pipelines/<family>/teacache.py`` builds one).
+
+    Contract: ``head(e, blocks(e, None))`` over ``e = embed(rows)`` equals the family's ``forward(rows)``
+    (bit-identical for FLUX; tests check it).
+    """
+
+    family: str
+    describe: Callable[[Any], RowStep]  # row -> RowStep
+    embed: Callable[[Sequence[Any]], Embedded]  # rows -> embedded batch (one call)
+    modulated_input: Callable[[Embedded], torch.Tensor]  # embedded -> (rows, ...) modulated input
+    blocks: Callable[[Embedded, torch.Tensor | None], torch.Tensor]  # block stack on rows idx (None = all)
+    head: Callable[[Embedded, torch.Tensor], torch.Tensor]  # (embedded, hidden of every row) -> output
+
+
+# ---- config and state ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TeaCacheConfig:
+    """Serving-side TeaCache settings (per loaded model). See https://arxiv.org/abs/2411.19108."""
+
+    warmup_steps: int | None = None
+    """First steps of a request that always compute; None = the profile's ``warmup`` (explicit
+    coefficients: 1)."""
+    cooldown_steps: int | None = None
+    """Last steps of a request that always compute; None = the profile's ``cooldown`` (explicit: 1)."""
+    max_threshold: float = 2.0
+    """Largest accepted ``teacache_threshold``; above it a request is refused."""
+
+    def __post_init__(self) -> None:
+        for name in ("warmup_steps", "cooldown_steps"):
+            v = getattr(self, name)
+            if v is not None and v < 0:
+                raise ValueError(f"TeaCacheConfig.{name}={v}: must be >= 0 or None (use the profile's)")
+        if not self.max_threshold > 0:
+            raise ValueError(f"TeaCacheConfig.max_threshold={self.max_threshold}: must be > 0")
+
+
+@dataclass(frozen=True)
+class RequestSettings:
+    """One request's resolved TeaCache settings (fixed at admission)."""
+
+    threshold: float
+    num_steps: int
+    coefficients: tuple[float, ...]
+    warmup: int
+    cooldown: int
+    profile: str | None  # profile path, or None for explicit coefficients
+
+
+@dataclass
+class BranchState:
+    """TeaCache state of one (request, CFG branch). Tensors are owned (no views into batch buffers)."""
+
+    previous_input: torch.Tensor | None = None
+    accumulated: float = 0.0
+    residual: torch.Tensor | None = None
+    computed: int = 0
+    skipped: int = 0
+
+
+@dataclass(frozen=True)
+class Decision:
+    request_id: str
+    branch: str
+    step: int
+    compute: bool
+    accumulated: float  # value after this step (0 when it computed)
+
+
+@dataclass
+class TeaCacheStats:
+    """Counters since construction; the engine turns them into metrics."""
+
+    block_calls: int = 0  # block-stack calls made by TeaCache (one per call with a computing row)
+    base_calls: int = 0  # calls handed to the family's forward unchanged (no TeaCache row)
+    rows_computed: int = 0
+    rows_skipped: int = 0
+
+
+# ---- the cache -----------------------------------------------------------------------------------
+class TeaCache:
+    """Wraps the family's transformer call for a batch of rows; see the module docstring.
+
+    ``profiles(steps)`` returns the calibration for a step count or None (e.g. :class:`ProfileIndex`).
+    Engine use::
+
+        tc = TeaCache(plan, profiles=ProfileIndex(model_dir, family.name))
+        tc.admit(rid, threshold=p.teacache_threshold, steps=p.steps)      # at join: raises InvalidParam
+        family.denoise_step(batch, fuse_cfg=..., forward=tc.bind(family.forward))
+        tc.release(rid)                                                    # finished / failed / aborted
+    """
+
+    def __init__(self, plan: TeaCachePlan, profiles: Callable[[int], TeaCacheProfile | None] | None = None,
+                 config: TeaCacheConfig | None = None):  # fmt: skip
+        self.plan = plan
+        self.profiles = profiles or (lambda steps: None)
+        self.config = config or TeaCacheConfig()
+        self.stats = TeaCacheStats()
+        self.last_decisions: list[Decision] = []
+        self._settings: dict[str, RequestSettings] = {}
+        self._states: RequestStateStore[BranchState] = RequestStateStore()
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def resolve(self, threshold: float, steps: int, coefficients: Sequence[float] | None = None) -> RequestSettings:
+        """Check a request's TeaCache parameters; raises ``InvalidParam`` (HTTP 400) when unusable."""
+        if not (isinstance(threshold, (int, float)) and math.isfinite(threshold)) or not (
+            0 < threshold <= self.config.max_threshold
+        ):
+            raise InvalidParam("teacache_threshold", threshold, f"must be 0 (off) or in (0, {self.config.max_threshold}]")
+        profile = None
+        if coefficients is not None:
+            try:
+                coeffs = check_coefficients(coefficients, "teacache coefficients")
+            except (TypeError, ValueError) as e:
+                raise InvalidParam("teacache_coefficients", coefficients, str(e)) from e
+        else:
+            profile = self.profiles(steps)
+            if profile is None:
+                raise InvalidParam(
+                    "teacache_threshold", threshold,
+                    f"TeaCache is not calibrated for family {self.plan.family!r} at {steps} steps: no profile "
+                    "found; calibrate one (triptych.calibration.fit), set threshold 0, or pass coefficients",
+                )  # fmt: skip
+            coeffs = profile.coefficients
+        warmup = self.config.warmup_steps if self.config.warmup_steps is not None else (profile.warmup if profile else 1)
+        cooldown = self.config.cooldown_steps
+        if cooldown is None:
+            cooldown = profile.cooldown if profile else 1
+        return RequestSettings(float(threshold), steps, coeffs, warmup, cooldown, profile.path if profile else None)
+
+    def admit(self, request_id: str, threshold: float, steps: int, coefficients: Sequence[float] | None = None) -> None:
+        """Register a request before its first step (optional: ``forward`` admits unseen rows itself)."""
+        if threshold == 0:
+            return
+        self._settings[request_id] = self.resolve(threshold, steps, coefficients)
+
+    def release(self, request_id: str) -> None:
+        """Drop every state of the request (finish, failure or abort); unknown ids are a no-op."""
+        self._settings.pop(request_id, None)
+        self._states.release(request_id)
+
+    def active_requests(self) -> list[str]:
+        return sorted(set(self._settings) | set(self._states.requests()))
+
+    def __len__(self) -> int:
+        """Number of (request, branch) states held."""
+        return len(self._states)
+
+    def bind(self, base_forward: Callable[[Sequence[Any]], torch.Tensor]) -> Callable[[Sequence[Any]], torch.Tensor]:
+        """A ``forward(rows)`` for ``Family.denoise_step`` that applies this cache around ``base_forward``."""
+        return lambda rows: self.forward(rows, base_forward)
+
+    # -- the step ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(self, rows: Sequence[Any], base_forward: Callable[[Sequence[Any]], torch.Tensor]) -> torch.Tensor:
+        """Noise predictions for ``rows`` (same contract as ``Family.forward``)."""
+        steps = [self.plan.describe(r) for r in rows]
+        active = [i for i, s in enumerate(steps) if s.threshold > 0]
+        self.last_decisions = []
+        if not active:
+            self.stats.base_calls += 1
+            return base_forward(rows)
+        for i in active:
+            s = steps[i]
+            if s.request_id not in self._settings:
+                self._settings[s.request_id] = self.resolve(s.threshold, s.num_steps, s.coefficients)
+        emb = self.plan.embed(rows)
+        compute = self._decide(steps, active, self.plan.modulated_input(emb))
+        return self._run(emb, steps, compute)
+
+    def _decide(self, steps: list[RowStep], active: list[int], modulated: torch.Tensor) -> list[bool]:
+        compute = [True] * len(steps)
+        states = [self._states.get_or_create(steps[i].request_id, steps[i].branch, BranchState) for i in active]
+        have_prev = [k for k, st in enumerate(states) if st.previous_input is not None]
+        rel: dict[int, float] = {}
+        if have_prev:
+            cur = modulated[[active[k] for k in have_prev]].float()
+            prev = torch.cat([states[k].previous_input for k in have_prev]).float()
+            dims = tuple(range(1, cur.ndim))
+            values = ((cur - prev).abs().mean(dim=dims) / prev.abs().mean(dim=dims)).tolist()
+            rel = dict(zip(have_prev, values))
+        for k, (i, st) in enumerate(zip(active, states)):
+            s, cfg = steps[i], self._settings[steps[i].request_id]
+            edge = s.step < cfg.warmup or s.step >= cfg.num_steps - cfg.cooldown
+            if edge or k not in rel or st.residual is None:
+                st.accumulated = 0.0
+            else:
+                # NOTE: a negative polynomial value (outside the fitted range) counts as no change, not as
+                # a credit against later steps.
+                st.accumulated += max(0.0, float(np.polyval(cfg.coefficients, rel[k])))
+                if st.accumulated < cfg.threshold:
+                    compute[i] = False
+                else:
+                    st.accumulated = 0.0
+            st.previous_input = modulated[i : i + 1].clone()
+            self.last_decisions.append(Decision(s.request_id, s.branch, s.step, compute[i], st.accumulated))
+        return compute
+
+    def _run(self, emb: Embedded, steps: list[RowStep], compute: list[bool]) -> torch.Tensor:
+        n = len(steps)
+        idx = [i for i in range(n) if compute[i]]
+        computed = None
+        if idx:
+            computed = self.plan.blocks(emb, None if len(idx) == n else torch.tensor(idx))
+            self.stats.block_calls += 1
+        self.stats.rows_computed += len(idx)
+        self.stats.rows_skipped += n - len(idx)
+        pos = {i: k for k, i in enumerate(idx)}
+        pieces = []
+        for i, s in enumerate(steps):
+            if s.threshold > 0:
+                st = self._states.get(s.request_id, s.branch)
+                if compute[i]:
+                    st.residual = computed[pos[i] : pos[i] + 1] - emb.hidden[i : i + 1]
+                    st.computed += 1
+                else:
+                    st.skipped += 1
+            if len(idx) < n:
+                pieces.append(computed[pos[i] : pos[i] + 1] if compute[i] else emb.hidden[i : i + 1] + st.residual)
+        hidden = computed if len(idx) == n else torch.cat(pieces)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("teacache: %d/%d rows computed", len(idx), n)
+        return self.plan.head(emb, hidden)
