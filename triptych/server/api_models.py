@@ -1,0 +1,170 @@
+"""Request and response bodies of the OpenAI-compatible routes (pydantic v2).
+
+Request models check types and static bounds only; configurable limits (``AdmissionLimits``) and
+model rules (``Family.resolve``) are applied by the route. JSON bodies are strict (``"2"`` is not an
+int); multipart forms carry strings, so their models coerce. Unknown fields are refused, as
+OpenAI's API does, so a misspelt extra parameter is an error rather than silently ignored. OpenAI
+fields that Triptych does not use (``quality``, ``style``, ``user``, ...) are accepted and ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+Seed = Annotated[int, Field(ge=0, le=2**62, description="random seed; n>1 uses seed, seed+1, ...")]
+MAX_TEXT = 1_000_000  # hard cap of any string; the configurable limit is AdmissionLimits.max_prompt_chars
+
+
+class _GenerationFields(BaseModel):
+    """Fields shared by image generations and edits (OpenAI's plus Triptych's extras)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str = Field(min_length=1, max_length=MAX_TEXT)
+    model: str | None = Field(None, description="served model id (see GET /v1/models); default: the one model")
+    n: int | None = Field(1, ge=1, description="images to generate; each is one job")
+    size: str | None = Field(None, max_length=64, description='"WIDTHxHEIGHT" or "auto" (model default)')
+    response_format: Literal["b64_json", "url"] | None = "b64_json"
+    output_format: Literal["png", "jpeg", "webp"] | None = "png"
+    # Triptych extras (extra_body in the OpenAI SDK)
+    seed: Seed | None = None
+    num_inference_steps: int | None = Field(None, ge=1)
+    guidance_scale: FiniteFloat | None = Field(None, ge=0)
+    negative_prompt: str | None = Field(None, max_length=MAX_TEXT)
+    true_cfg_scale: FiniteFloat | None = Field(None, ge=0)
+    teacache_threshold: FiniteFloat | None = Field(None, ge=0, le=10, description="0 = TeaCache off")
+    # OpenAI fields accepted and ignored
+    user: str | None = Field(None, max_length=256)
+    quality: str | None = Field(None, max_length=32)
+    style: str | None = Field(None, max_length=32)
+    moderation: str | None = Field(None, max_length=32)
+    safety_identifier: str | None = Field(None, max_length=256)
+    background: Literal["auto", "opaque"] | None = None
+    output_compression: int | None = Field(None, ge=0, le=100)
+    stream: Literal[False] | None = Field(None, description="streaming is not supported")
+    partial_images: Literal[0] | None = None
+
+
+class ImageGenerationRequest(_GenerationFields):
+    """``POST /v1/images/generations`` (JSON)."""
+
+    model_config = ConfigDict(strict=True)
+    style: Literal["vivid", "natural"] | None = None
+
+
+class ImageEditForm(_GenerationFields):
+    """``POST /v1/images/edits`` multipart fields other than the files (``image``)."""
+
+    model_config = ConfigDict(strict=False)
+    input_fidelity: str | None = Field(None, max_length=32)
+
+
+class VideoCreateRequest(BaseModel):
+    """``POST /v1/videos`` fields (JSON or multipart) other than an uploaded ``input_reference``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str = Field(min_length=1, max_length=MAX_TEXT)
+    model: str | None = None
+    size: str | None = Field(None, max_length=64, description='"WIDTHxHEIGHT" or "auto"')
+    seconds: Annotated[float, Field(gt=0, le=3600, allow_inf_nan=False)] | None = Field(
+        None, description="clip length; frames = the first count >= seconds*fps the model accepts"
+    )
+    frames: int | None = Field(None, ge=1, description="exact frame count (overrides seconds)")
+    seed: Seed | None = None
+    num_inference_steps: int | None = Field(None, ge=1)
+    guidance_scale: FiniteFloat | None = Field(None, ge=0)
+    negative_prompt: str | None = Field(None, max_length=MAX_TEXT)
+    true_cfg_scale: FiniteFloat | None = Field(None, ge=0)
+    teacache_threshold: FiniteFloat | None = Field(None, ge=0, le=10)
+    input_reference: ImageReference | None = Field(None, description="JSON form of the condition image")
+
+
+class ImageReference(BaseModel):
+    """A condition image given by reference: only base64 ``data:`` URLs (the head fetches nothing)."""
+
+    model_config = ConfigDict(extra="forbid")
+    image_url: str | None = Field(None, max_length=64 * 1024 * 1024)
+    file_id: str | None = Field(None, max_length=256)
+
+
+VideoCreateRequest.model_rebuild()
+
+
+# ---- responses ---------------------------------------------------------------------------------
+class ImageData(BaseModel):
+    b64_json: str | None = None
+    url: str | None = None
+    revised_prompt: str | None = None
+
+
+class ImagesResponse(BaseModel):
+    created: int
+    data: list[ImageData]
+    output_format: str
+    size: str
+    seeds: list[int] = Field(description="the seed of each image, in order (Triptych extra)")
+    expires_at: int | None = Field(None, description="when url links stop working (Triptych extra)")
+
+
+class VideoError(BaseModel):
+    code: str
+    message: str
+
+
+class VideoObject(BaseModel):
+    id: str
+    object: Literal["video"] = "video"
+    created_at: int
+    status: Literal["queued", "in_progress", "completed", "failed", "cancelled"]
+    progress: int
+    model: str
+    prompt: str | None = None
+    seconds: str
+    size: str
+    frames: int
+    completed_at: int | None = None
+    expires_at: int | None = None
+    error: VideoError | None = None
+
+
+class VideoList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[VideoObject]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool
+
+
+class VideoDeleted(BaseModel):
+    id: str
+    object: Literal["video.deleted"] = "video.deleted"
+    deleted: bool
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "triptych"
+    family: str = Field(description="Triptych family adapter name (extra)")
+    kind: Literal["image", "video", "image-edit"] = Field(description="what the model generates (extra)")
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody

@@ -1,0 +1,111 @@
+"""Prometheus exposition of the stats objects the core produces.
+
+The core (head, orchestrator, workers) never touches Prometheus: it produces plain stats objects
+(``StageStats``, ``TransferStats``, request outcomes, ``GenerationBackend.describe()``) and hands them
+to the ``record_*`` / ``update_*`` functions here, which are the only writers of the collectors.
+All collectors live in one module-level ``REGISTRY`` so any component in the head process can feed
+them; ``/metrics`` serves ``render()``.
+
+``describe()`` dict read by ``update_from_describe`` (keys optional)::
+
+    {"instances": [{"id": "enc-0", "role": "encoder", "state": "ready"}, ...],
+     "queues": {"encode": 3, "denoise": 1, "decode": 0}}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+QUEUE_DEPTH = Gauge(
+    "triptych_queue_depth", "Requests waiting per stage (head = admitted, unfinished jobs)", ["stage"], registry=REGISTRY
+)
+QUEUE_WAIT = Histogram(
+    "triptych_queue_wait_seconds", "Time a job waited before a stage started it", ["stage"],
+    buckets=_SECONDS_BUCKETS, registry=REGISTRY,
+)  # fmt: skip
+RUN_TIME = Histogram(
+    "triptych_stage_run_seconds", "Time a stage spent running one job", ["stage"],
+    buckets=_SECONDS_BUCKETS, registry=REGISTRY,
+)  # fmt: skip
+TRANSFER_BYTES = Counter(
+    "triptych_transfer_bytes", "Tensor bytes moved between instances", ["backend"], registry=REGISTRY
+)
+TRANSFER_LATENCY = Histogram(
+    "triptych_transfer_latency_seconds", "Latency of one tensor transfer", ["backend"],
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5), registry=REGISTRY,
+)  # fmt: skip
+REQUESTS = Counter(
+    "triptych_requests", "Finished API requests by endpoint and outcome", ["endpoint", "outcome"], registry=REGISTRY
+)
+REQUEST_LATENCY = Histogram(
+    "triptych_request_latency_seconds", "End-to-end time of a generation job at the head", ["endpoint"],
+    buckets=_SECONDS_BUCKETS, registry=REGISTRY,
+)  # fmt: skip
+INSTANCES = Gauge("triptych_instances", "Worker instances by role and state", ["role", "state"], registry=REGISTRY)
+
+#: Outcomes ``record_request`` accepts (a closed set keeps label cardinality bounded).
+OUTCOMES = ("success", "invalid", "overloaded", "cancelled", "failed", "error")
+
+
+@dataclass(frozen=True)
+class StageStats:
+    """One job's pass through one stage."""
+
+    stage: str  # encode | denoise | decode | ...
+    queue_wait_s: float  # enqueued → started
+    run_s: float  # started → finished
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    """One tensor transfer between instances."""
+
+    backend: str  # zmq | mooncake | local
+    nbytes: int
+    seconds: float
+
+
+def record_stage(stats: StageStats) -> None:
+    QUEUE_WAIT.labels(stats.stage).observe(stats.queue_wait_s)
+    RUN_TIME.labels(stats.stage).observe(stats.run_s)
+
+
+def record_transfer(stats: TransferStats) -> None:
+    TRANSFER_BYTES.labels(stats.backend).inc(stats.nbytes)
+    TRANSFER_LATENCY.labels(stats.backend).observe(stats.seconds)
+
+
+def record_request(endpoint: str, outcome: str, latency_s: float | None = None) -> None:
+    """One finished API request; ``latency_s`` (successful generations) feeds the latency histogram."""
+    assert outcome in OUTCOMES, f"unknown outcome {outcome!r}"
+    REQUESTS.labels(endpoint, outcome).inc()
+    if latency_s is not None:
+        REQUEST_LATENCY.labels(endpoint).observe(latency_s)
+
+
+def update_from_describe(describe: dict, head_in_flight: int | None = None) -> None:
+    """Replace the instance and queue gauges with a fresh ``backend.describe()`` snapshot."""
+    counts: dict[tuple[str, str], int] = {}
+    for inst in describe.get("instances", ()):
+        key = (str(inst.get("role", "unknown")), str(inst.get("state", "unknown")))
+        counts[key] = counts.get(key, 0) + 1
+    INSTANCES.clear()
+    for (role, state), count in counts.items():
+        INSTANCES.labels(role, state).set(count)
+    QUEUE_DEPTH.clear()
+    for stage, depth in describe.get("queues", {}).items():
+        QUEUE_DEPTH.labels(str(stage)).set(depth)
+    if head_in_flight is not None:
+        QUEUE_DEPTH.labels("head").set(head_in_flight)
+
+
+def render() -> bytes:
+    return generate_latest(REGISTRY)
