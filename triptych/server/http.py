@@ -1,0 +1,282 @@
+"""The HTTP head: OpenAI-compatible routes over any ``GenerationBackend``.
+
+``create_app(backend, HeadConfig(...))`` builds the FastAPI app. The head validates every request
+against ``AdmissionLimits`` and the backend's family (a weightless adapter is enough), turns it into
+``GenerationJob``s and awaits ``backend.run``; it never sees a tensor. Errors leave in OpenAI's shape
+``{"error": {"message", "type", "param", "code"}}``: bad input is a 400 naming the field, the value
+and the limit; ``Overloaded`` is a 429 with Retry-After; ``StageFailed`` is a 502. Routes:
+images (``http_images``), videos (``http_videos``), and here models, health, metrics, files.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, Response
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException
+
+from triptych.errors import InvalidParam
+from triptych.server import metrics
+from triptych.server.admission import Admission, AdmissionLimits, retry_after_header
+from triptych.server.api_models import ErrorResponse, ModelCard, ModelList
+from triptych.server.backend import Cancelled, GenerationBackend, Overloaded, StageFailed
+from triptych.server.files import FileStore
+from triptych.server.jobs import VideoJobs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    """Everything the head needs besides its backend."""
+
+    data_dir: Path
+    """Root of the head's state: ``jobs.sqlite``, ``videos/`` (finished MP4s), ``files/`` (url links)."""
+
+    limits: AdmissionLimits = field(default_factory=AdmissionLimits)
+    """Admission limits (sizes, steps, frames, n, uploads, queue)."""
+
+    url_ttl_s: float = 3600.0
+    """Lifetime of a ``response_format=url`` link, seconds. Bounds: > 0."""
+
+    video_ttl_s: float | None = 7 * 24 * 3600.0
+    """Lifetime of a completed video (record and file), seconds; None keeps them. Bounds: > 0."""
+
+    public_base_url: str | None = None
+    """Base of the links the head hands out (e.g. ``https://gen.example.com``); None = the request's."""
+
+    served_model_name: str | None = None
+    """Model id in ``/v1/models`` and the ``model`` field; None = the model directory's name."""
+
+    video_fps: int = 16
+    """Frame rate of MP4 outputs; ``seconds`` × fps gives the frame count. Bounds: 1..120."""
+
+    sweep_interval_s: float = 60.0
+    """How often expired files and videos are deleted, seconds. Bounds: > 0."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "data_dir", Path(self.data_dir))
+        for name in ("url_ttl_s", "sweep_interval_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"HeadConfig.{name}={getattr(self, name)!r}: must be > 0")
+        if self.video_ttl_s is not None and not self.video_ttl_s > 0:
+            raise ValueError(f"HeadConfig.video_ttl_s={self.video_ttl_s!r}: must be > 0 or None (keep forever)")
+        if not 1 <= self.video_fps <= 120:
+            raise ValueError(f"HeadConfig.video_fps={self.video_fps!r}: must be between 1 and 120")
+        if self.public_base_url is not None and not self.public_base_url.startswith(("http://", "https://")):
+            raise ValueError(f"HeadConfig.public_base_url={self.public_base_url!r}: must start with http(s)://")
+
+
+class ClientGone(Exception):
+    """The client disconnected while its request was running; its jobs were cancelled."""
+
+
+class Head:
+    """Per-app state shared by the routes: backend, config, admission, file and job stores."""
+
+    def __init__(self, backend: GenerationBackend, config: HeadConfig):
+        self.backend = backend
+        self.config = config
+        self.limits = config.limits
+        self.admission = Admission(config.limits)
+        self.files: FileStore | None = None
+        self.videos: VideoJobs | None = None
+
+    @property
+    def family(self):
+        return self.backend.family
+
+    @property
+    def model_id(self) -> str:
+        return self.config.served_model_name or Path(self.family.model_dir).name
+
+    def model_card(self) -> ModelCard:
+        f = self.family
+        kind = "video" if f.is_video else "image-edit" if f.requires_image else "image"
+        return ModelCard(id=self.model_id, created=0, family=f.name, kind=kind)
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_id:
+            raise HTTPException(404, f"model {model!r} is not served here; this server serves {self.model_id!r}")
+
+    def base_url(self, request: Request) -> str:
+        return (self.config.public_base_url or str(request.base_url)).rstrip("/")
+
+    async def open(self) -> None:
+        self.config.data_dir.mkdir(parents=True, exist_ok=True)
+        self.files = FileStore(self.config.data_dir, self.config.url_ttl_s)
+        self.videos = VideoJobs(self.config.data_dir, self.backend, self.admission, self.config.video_ttl_s)
+        await self.backend.start()
+
+    async def close(self) -> None:
+        if self.videos is not None:
+            await self.videos.close()
+        await self.backend.close()
+
+    async def sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.sweep_interval_s)
+            removed = self.files.sweep() + self.videos.sweep()
+            if removed:
+                logger.info("removed %d expired files/videos", removed)
+
+
+# ---- errors in OpenAI's shape ---------------------------------------------------------------------
+def error_response(status: int, message: str, type_: str, param: str | None = None, code: str | None = None,
+                   headers: dict | None = None) -> JSONResponse:  # fmt: skip
+    body = ErrorResponse.model_validate({"error": {"message": message, "type": type_, "param": param, "code": code}})
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+
+
+def _short(value, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def validation_message(errors) -> tuple[str, str | None]:
+    """pydantic errors → (one message naming field, value and rule; the first field)."""
+    parts, first = [], None
+    for err in list(errors)[:5]:
+        loc = [str(p) for p in err.get("loc", ()) if p not in ("body", "query", "path", "form")]
+        name = ".".join(loc) or None
+        if err.get("type") != "json_invalid":
+            first = first or name
+        if err.get("type") == "missing":
+            parts.append(f"missing required field {name}")
+        elif err.get("type") == "json_invalid":
+            parts.append(f"request body is not valid JSON ({err.get('ctx', {}).get('error', 'parse error')})")
+        elif err.get("type") == "extra_forbidden":
+            parts.append(f"unknown field {name}={_short(err.get('input'))}: not a parameter of this endpoint")
+        else:
+            parts.append(f"invalid {name}={_short(err.get('input'))}: {err.get('msg')}")
+    return "; ".join(parts) or "invalid request", first
+
+
+def _endpoint(request: Request) -> str:
+    route = request.scope.get("route")
+    return getattr(route, "path", "unmatched")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    def outcome(request: Request, kind: str) -> None:
+        metrics.record_request(_endpoint(request), kind)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation(request: Request, exc: RequestValidationError):
+        outcome(request, "invalid")
+        message, param = validation_message(exc.errors())
+        return error_response(400, message, "invalid_request_error", param, "invalid_value")
+
+    @app.exception_handler(ValidationError)
+    async def on_model_validation(request: Request, exc: ValidationError):
+        outcome(request, "invalid")
+        message, param = validation_message(exc.errors())
+        return error_response(400, message, "invalid_request_error", param, "invalid_value")
+
+    @app.exception_handler(InvalidParam)
+    async def on_invalid(request: Request, exc: InvalidParam):
+        outcome(request, "invalid")
+        message = f"invalid {exc.field}={_short(exc.value)}: {exc.rule}"
+        return error_response(400, message, "invalid_request_error", exc.field, "invalid_value")
+
+    @app.exception_handler(Overloaded)
+    async def on_overloaded(request: Request, exc: Overloaded):
+        outcome(request, "overloaded")
+        headers = {"Retry-After": retry_after_header(exc.retry_after)}
+        return error_response(429, str(exc), "rate_limit_error", None, "queue_full", headers)
+
+    @app.exception_handler(Cancelled)
+    async def on_cancelled(request: Request, exc: Cancelled):
+        outcome(request, "cancelled")
+        return error_response(409, f"request {exc} was cancelled", "invalid_request_error", None, "cancelled")
+
+    @app.exception_handler(ClientGone)
+    async def on_gone(request: Request, exc: ClientGone):
+        outcome(request, "cancelled")
+        return error_response(499, "client disconnected; the request was cancelled", "invalid_request_error")
+
+    @app.exception_handler(StageFailed)
+    async def on_stage_failed(request: Request, exc: StageFailed):
+        outcome(request, "failed")
+        return error_response(502, f"generation failed on a worker: {exc}", "server_error", None, "stage_failed")
+
+    @app.exception_handler(HTTPException)
+    async def on_http(request: Request, exc: HTTPException):
+        outcome(request, "invalid" if exc.status_code < 500 else "error")
+        type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        code = {404: "not_found", 405: "method_not_allowed", 413: "too_large"}.get(exc.status_code)
+        return error_response(exc.status_code, str(exc.detail), type_, None, code, getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def on_bug(request: Request, exc: Exception):
+        logger.exception("unhandled error on %s", request.url.path)
+        outcome(request, "error")
+        return error_response(500, f"internal server error ({type(exc).__name__})", "server_error")
+
+
+# ---- the app --------------------------------------------------------------------------------------
+ERROR_RESPONSES = {code: {"model": ErrorResponse} for code in (400, 404, 409, 429, 502)}
+
+
+def create_app(backend: GenerationBackend, config: HeadConfig) -> FastAPI:
+    """The head's FastAPI app; startup opens the stores and starts ``backend``, shutdown closes both."""
+    from triptych.server.http_images import add_image_routes
+    from triptych.server.http_videos import add_video_routes
+
+    head = Head(backend, config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await head.open()
+        sweeper = asyncio.create_task(head.sweep_forever(), name="head-sweeper")
+        try:
+            yield
+        finally:
+            sweeper.cancel()
+            await head.close()
+
+    app = FastAPI(title="Triptych", version="0.1.0", lifespan=lifespan, responses=ERROR_RESPONSES)
+    app.state.head = head
+    install_error_handlers(app)
+    add_image_routes(app, head)
+    add_video_routes(app, head)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def list_models():
+        return ModelList(data=[head.model_card()])
+
+    @app.get("/v1/models/{model_id}", response_model=ModelCard)
+    async def get_model(model_id: str):
+        head.check_model(model_id)
+        return head.model_card()
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": head.model_id, "in_flight": head.admission.in_flight,
+                "backend": backend.describe()}  # fmt: skip
+
+    @app.get("/metrics", response_class=Response)
+    async def prometheus():
+        metrics.update_from_describe(backend.describe(), head_in_flight=head.admission.in_flight)
+        return Response(metrics.render(), media_type=metrics.CONTENT_TYPE)
+
+    @app.get("/v1/files/{file_id}/content", response_class=FileResponse)
+    async def file_content(file_id: str):
+        found = head.files.get(file_id)
+        if found is None:
+            raise HTTPException(404, f"file {file_id!r} does not exist or its link expired")
+        return FileResponse(found[0], media_type=found[1])
+
+    return app
+
+
+def now_s() -> int:
+    return int(time.time())

@@ -1,0 +1,165 @@
+"""Video routes: ``POST /v1/videos`` starts an asynchronous job (``jobs.VideoJobs``); ``GET`` polls it,
+``GET .../content`` downloads the MP4, ``DELETE`` cancels and deletes, ``GET /v1/videos`` lists.
+
+The create body is multipart (what the OpenAI SDK sends, with an optional ``input_reference`` file)
+or JSON (``input_reference`` as ``{"image_url": "data:image/png;base64,..."}``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import json
+import math
+import secrets
+import time
+from typing import Literal
+
+from fastapi import FastAPI, Query, Request
+from fastapi.responses import FileResponse
+from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException
+
+from triptych.errors import InvalidParam
+from triptych.server import metrics
+from triptych.server.api_models import VideoCreateRequest, VideoDeleted, VideoError, VideoList, VideoObject
+from triptych.server.backend import GenerationJob
+from triptych.server.http_images import build_params, read_form, read_upload, resolve, text_fields
+from triptych.server.jobs import VideoRecord
+from triptych.server.media import decode_image
+
+FRAME_SEARCH = 8  # seconds → frames: try this many counts above seconds*fps for one the model accepts
+
+
+def to_api(rec: VideoRecord) -> VideoObject:
+    error = VideoError(code=rec.error_code, message=rec.error_message or "") if rec.error_code else None
+    return VideoObject(
+        id=rec.id, created_at=rec.created_at, status=rec.status, progress=rec.progress, model=rec.model,
+        prompt=rec.prompt, seconds=rec.seconds, size=rec.size, frames=rec.frames, completed_at=rec.completed_at,
+        expires_at=rec.expires_at, error=error,
+    )  # fmt: skip
+
+
+async def parse_create(head, request: Request):
+    """The create body → (validated request, condition image or None)."""
+    ctype = request.headers.get("content-type", "")
+    upload = None
+    if ctype.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
+        form = await read_form(head, request)
+        upload = form.get("input_reference")
+        fields = text_fields(form, skip=("input_reference",) if isinstance(upload, UploadFile) else ())
+        nested = {k[len("input_reference[") : -1]: fields.pop(k) for k in list(fields) if k.startswith("input_reference[")}
+        if nested:
+            fields["input_reference"] = nested
+        req = VideoCreateRequest.model_validate(fields)
+    else:
+        try:
+            body = json.loads(await request.body())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise InvalidParam("body", "<request body>", f"must be a JSON object or multipart form ({e})") from None
+        if not isinstance(body, dict):
+            raise InvalidParam("body", type(body).__name__, "must be a JSON object")
+        req = VideoCreateRequest.model_validate(body)
+    if isinstance(upload, UploadFile):
+        return req, await read_upload(head, upload, "input_reference")
+    if req.input_reference is not None:
+        return req, await asyncio.to_thread(_decode_reference, head, req.input_reference)
+    return req, None
+
+
+def _decode_reference(head, ref):
+    if ref.file_id is not None or ref.image_url is None:
+        raise InvalidParam("input_reference", ref.file_id, "only an uploaded file or a base64 data: URL image_url")
+    url = ref.image_url
+    if not url.startswith("data:") or ";base64," not in url[:100]:
+        raise InvalidParam("input_reference.image_url", url[:40], "must be a base64 data: URL (nothing is fetched)")
+    try:
+        data = base64.b64decode(url.split(",", 1)[1], validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise InvalidParam("input_reference.image_url", url[:40], f"invalid base64 ({e})") from None
+    return decode_image(data, head.limits.image_limits, "input_reference")
+
+
+def resolve_video(head, req: VideoCreateRequest, image):
+    """Params with the frame count from ``frames`` or ``seconds`` (the first count the model accepts)."""
+    lim, fps = head.limits, head.config.video_fps
+    if not head.family.is_video:
+        raise InvalidParam("model", head.model_id, "is an image model; use POST /v1/images/generations")
+    if req.frames is not None:
+        lim.check_frames(req.frames)
+        params, size = build_params(head, req, image=image, frames=req.frames)
+        return resolve(head, params, size)
+    if req.seconds is None:
+        params, size = build_params(head, req, image=image)
+        return resolve(head, params, size)
+    target = max(1, math.ceil(req.seconds * fps))
+    if target > lim.max_frames:
+        raise InvalidParam("seconds", req.seconds, f"{target} frames at {fps} fps exceeds the limit of {lim.max_frames}")
+    params, size = build_params(head, req, image=image)
+    last: InvalidParam | None = None
+    for frames in range(target, min(target + FRAME_SEARCH, lim.max_frames) + 1):
+        try:
+            return resolve(head, params.replace(frames=frames), size, frames_field="seconds")
+        except InvalidParam as e:
+            if e.field != "seconds":
+                raise
+            last = e
+    raise InvalidParam("seconds", req.seconds, f"no frame count from {target} at {fps} fps fits the model: {last.rule}")
+
+
+def _schema() -> dict:
+    schema = VideoCreateRequest.model_json_schema()
+    form = json.loads(json.dumps(schema))
+    form["properties"]["input_reference"] = {"type": "string", "format": "binary", "description": "condition image"}
+    content = {"application/json": {"schema": schema}, "multipart/form-data": {"schema": form}}
+    return {"requestBody": {"required": True, "content": content}}
+
+
+def add_video_routes(app: FastAPI, head) -> None:
+    def get_record(video_id: str) -> VideoRecord:
+        rec = head.videos.store.get(video_id)
+        if rec is None:
+            raise HTTPException(404, f"video {video_id!r} does not exist")
+        return rec
+
+    @app.post("/v1/videos", response_model=VideoObject, openapi_extra=_schema())
+    async def create_video(request: Request):
+        req, image = await parse_create(head, request)
+        params = resolve_video(head, req, image)
+        rec = VideoRecord(
+            id=f"video_{secrets.token_hex(12)}", created_at=int(time.time()), status="queued", progress=0,
+            model=head.model_id, prompt=params.prompt, size=f"{params.width}x{params.height}",
+            seconds=f"{(params.frames or 1) / head.config.video_fps:g}", frames=params.frames or 1,
+        )  # fmt: skip
+        head.videos.submit(rec, GenerationJob(rec.id, params, "mp4", fps=head.config.video_fps))
+        metrics.record_request("/v1/videos", "success")
+        return to_api(rec)
+
+    @app.get("/v1/videos", response_model=VideoList)
+    async def list_videos(
+        limit: int = Query(20, ge=1, le=100), after: str | None = Query(None, max_length=64),
+        order: Literal["asc", "desc"] = "desc",
+    ):  # fmt: skip
+        recs = head.videos.store.list(limit + 1, after, order)
+        data = [to_api(r) for r in recs[:limit]]
+        return VideoList(data=data, has_more=len(recs) > limit, first_id=data[0].id if data else None,
+                         last_id=data[-1].id if data else None)  # fmt: skip
+
+    @app.get("/v1/videos/{video_id}", response_model=VideoObject)
+    async def get_video(video_id: str):
+        return to_api(get_record(video_id))
+
+    @app.get("/v1/videos/{video_id}/content", response_class=FileResponse)
+    async def video_content(video_id: str, variant: Literal["video"] = "video"):
+        rec = get_record(video_id)
+        path = head.videos.path(video_id)
+        if rec.status != "completed" or not path.is_file():
+            raise HTTPException(409, f"video {video_id!r} has no content (status {rec.status!r})")
+        return FileResponse(path, media_type="video/mp4", filename=f"{video_id}.mp4")
+
+    @app.delete("/v1/videos/{video_id}", response_model=VideoDeleted)
+    async def delete_video(video_id: str):
+        if not await head.videos.delete(video_id):
+            raise HTTPException(404, f"video {video_id!r} does not exist")
+        return VideoDeleted(id=video_id, deleted=True)
