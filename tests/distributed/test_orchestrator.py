@@ -1,0 +1,68 @@
+"""The disaggregated path gives exactly the single-process result; late workers join and get work."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+from orchestrator_support import Cluster, job, nothing_held
+from PIL import Image
+
+from triptych.pipelines.registry import load_family, make_tiny
+from triptych.pipelines.runner import run_request
+from triptych.server.launch import TopologyConfig
+from triptych.server.media import encode_frames
+from triptych.server.transfer import mooncake_available
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = make_tiny("flux", tmp_path_factory.mktemp("orch") / "flux")
+    return path, load_family(path)
+
+
+def reference(family, j) -> tuple[np.ndarray, bytes]:
+    frames, _ = run_request(family, j.params, request_id=j.request_id)
+    return frames.to_uint8(), encode_frames(frames.to_uint8(), j.output_format)
+
+
+def decoded(data: bytes) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))[None]
+
+
+@pytest.mark.parametrize(
+    "transfer",
+    ["zmq", pytest.param("mooncake", marks=pytest.mark.skipif(not mooncake_available(), reason="no mooncake"))],
+)
+def test_bit_identical_to_single_process(model, transfer):
+    path, family = model
+    cluster = Cluster(path, TopologyConfig(transfer=transfer, capacity=2))
+    try:
+        assert {i["transfer"] for i in cluster.describe()["instances"]} == {transfer}
+        jobs = [job(family, f"exact-{seed}", seed=seed) for seed in (0, 5)]
+        for j in jobs:  # one at a time: the same batch composition as the single-process run
+            data = cluster.submit(j).result(300)
+            ref_pixels, ref_bytes = reference(family, j)
+            assert np.array_equal(decoded(data), ref_pixels)
+            assert data == ref_bytes
+        cluster.wait_until(nothing_held, "every slot back after the requests")
+    finally:
+        cluster.close()
+
+
+def test_worker_started_after_the_head_registers_and_gets_work(model):
+    path, family = model
+    cluster = Cluster(path, TopologyConfig(encoders=1, denoisers=0, decoders=1, transfer="zmq"))
+    try:
+        j = job(family, "late-1", seed=2)
+        pending = cluster.submit(j)
+        cluster.wait_until(lambda d: d["requests"] == {"queued": 1}, "request queued without a denoiser")
+        late = cluster.on_loop(cluster.backend.spawn, "denoiser")
+        data = pending.result(300)
+        assert data == reference(family, j)[1]
+        desc = cluster.wait_until(nothing_held, "every slot back")
+        (den,) = [i for i in desc["instances"] if i["role"] == "denoiser"]
+        assert den["id"] == late and den["assigned"] == 1
+    finally:
+        cluster.close()
