@@ -72,7 +72,7 @@ def test_threshold_zero_rows_use_base_forward_and_keep_no_state():
     rows = [FakeRow("a", 0, ones(1), threshold=0), FakeRow("b", 0, ones(2), threshold=0)]
     out = tc.forward(rows, base_forward)
     assert torch.equal(out, base_forward(rows))
-    assert fake.block_rows == [] and tc.stats.base_calls == 1 and len(tc) == 0
+    assert fake.block_rows == [] and tc.stats.base_calls == 1 and tc.num_states() == 0
 
 
 def test_skip_reuses_residual_until_accumulated_reaches_threshold():
@@ -120,7 +120,7 @@ def test_branches_keep_separate_state():
     fake, tc = make()
     tc.forward([FakeRow("a", 0, ones(1), branch="cond"), FakeRow("a", 0, ones(3), branch="uncond")], base_forward)
     out = tc.forward([FakeRow("a", 1, ones(1), branch="cond"), FakeRow("a", 1, ones(3), branch="uncond")], base_forward)
-    assert len(tc) == 2
+    assert tc.num_states() == 2
     assert torch.allclose(out, torch.cat([ones(3), ones(7)]))  # each adds its own residual (2 and 4)
 
 
@@ -129,10 +129,10 @@ def test_release_drops_every_branch_and_unknown_is_noop():
     tc.forward([FakeRow("a", 0, ones(1), branch="cond"), FakeRow("a", 0, ones(1), branch="uncond"),
                 FakeRow("b", 0, ones(1))], base_forward)  # fmt: skip
     tc.release("a")
-    assert len(tc) == 1 and tc.active_requests() == ["b"]
+    assert tc.num_states() == 1 and tc.active_requests() == ["b"]
     tc.release("b")
     tc.release("never-seen")
-    assert len(tc) == 0 and tc.active_requests() == []
+    assert tc.num_states() == 0 and tc.active_requests() == []
 
 
 def test_missing_profile_is_refused_unless_coefficients_given():
@@ -141,10 +141,10 @@ def test_missing_profile_is_refused_unless_coefficients_given():
     with pytest.raises(InvalidParam) as e:
         tc.forward([FakeRow("a", 0, ones(1))], base_forward)
     assert e.value.field == "teacache_threshold" and "not calibrated" in str(e.value)
-    assert len(tc) == 0
+    assert tc.num_states() == 0
     tc.admit("a", threshold=0.5, steps=6, coefficients=IDENTITY)
     tc.forward([FakeRow("a", 0, ones(1))], base_forward)
-    assert len(tc) == 1
+    assert tc.num_states() == 1
 
 
 @pytest.mark.parametrize("threshold", [-0.1, float("nan"), 5.0])

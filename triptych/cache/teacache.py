@@ -355,8 +355,8 @@ class TeaCache:
     def active_requests(self) -> list[str]:
         return sorted(set(self._settings) | set(self._states.requests()))
 
-    def __len__(self) -> int:
-        """Number of (request, branch) states held."""
+    def num_states(self) -> int:
+        """Number of (request, branch) states held (not ``__len__``: an empty cache must stay truthy)."""
         return len(self._states)
 
     def bind(self, base_forward: Callable[[Sequence[Any]], torch.Tensor]) -> Callable[[Sequence[Any]], torch.Tensor]:
