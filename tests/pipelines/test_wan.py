@@ -1,0 +1,226 @@
+"""Wan 2.1 text-to-video and image-to-video families against diffusers' own pipelines.
+
+Tiny seeded checkpoints are built once per module. The reference is the diffusers pipeline's
+``__call__`` on the same weights in the same test; staged single requests must match it exactly,
+batched requests within a stated tolerance (batching changes kernel reduction order on CPU).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from triptych.errors import InvalidParam
+from triptych.pipelines.base import GenerationParams, Role
+from triptych.pipelines.registry import load_family, make_tiny
+
+# Batched vs alone, float32 CPU (measured ~1e-6 latents / >90 dB frames on the tiny models).
+LATENT_ATOL = 1e-4
+MIN_PSNR_DB = 40.0
+
+FAMILIES = ("wan-t2v", "wan-i2v")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """NOTE: on the shared 2-core machine intra-op threads wait on each other (~15x slower); results
+    do not depend on the thread count, and the reference runs under the same setting."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("wan")
+    return {name: make_tiny(name, root / name, seed=0) for name in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def families(model_dirs):
+    return {name: load_family(path) for name, path in model_dirs.items()}
+
+
+def _image(height: int = 40, width: int = 48, seed: int = 0) -> Image.Image:
+    rgb = np.random.RandomState(seed).randint(0, 256, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(rgb)
+
+
+def _params(name: str, **kw) -> GenerationParams:
+    if name == "wan-i2v":
+        kw.setdefault("image", _image())
+    return GenerationParams(prompt=kw.pop("prompt", "a cat sitting on a red chair"), **kw)
+
+
+def _staged(fam, params: GenerationParams, denoiser=None, decoder=None):
+    denoiser, decoder = denoiser or fam, decoder or fam
+    state = denoiser.prepare("r0", params, fam.encode(params))
+    while not state.done:
+        denoiser.denoise_step([state])
+    return state.latents, decoder.decode(state.latents, params).array
+
+
+def _psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
+    return float("inf") if mse == 0 else 10 * np.log10(1.0 / mse)
+
+
+class _CallCounter:
+    """Forward hook on the transformer: the batch size of every call."""
+
+    def __init__(self, module):
+        self.batches: list[int] = []
+        self._handle = module.register_forward_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module, args, kwargs, output):
+        self.batches.append(kwargs["hidden_states"].shape[0])
+
+    def remove(self):
+        self._handle.remove()
+
+
+CASES = {
+    "cfg": dict(guidance=5.0, seed=1),
+    "no-cfg": dict(guidance=1.0, seed=2),
+    "negative-nonsquare": dict(guidance=4.0, negative_prompt="blurry, low quality", height=32, width=48, seed=3),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("name", FAMILIES)
+def test_staged_matches_pipeline_exactly(families, name, case):
+    fam = families[name]
+    params = fam.resolve(_params(name, **CASES[case]))
+    ref = fam.reference_call(params, output_type="np")[0]
+    _, frames = _staged(fam, params)
+    assert frames.shape == (params.frames, params.height, params.width, 3)
+    assert frames.dtype == np.float32 and 0.0 <= frames.min() and frames.max() <= 1.0
+    assert np.abs(frames - ref).max() == 0.0
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_split_roles_match_pipeline_exactly(families, model_dirs, name):
+    """Each role loads only its components (i2v's encoder also loads the VAE) and still agrees."""
+    encoder = load_family(model_dirs[name], roles=[Role.ENCODER])
+    denoiser = load_family(model_dirs[name], roles=[Role.DENOISER])
+    decoder = load_family(model_dirs[name], roles=[Role.DECODER])
+    assert denoiser.pipe.vae is None and decoder.pipe.transformer is None and encoder.pipe.transformer is None
+    assert (encoder.pipe.vae is not None) == encoder.accepts_image  # i2v encodes the first frame
+    params = encoder.resolve(_params(name, guidance=5.0, negative_prompt="blurry", height=48, width=32, seed=4))
+    ref = families[name].reference_call(params, output_type="np")[0]
+    _, frames = _staged(encoder, params, denoiser=denoiser, decoder=decoder)
+    assert np.abs(frames - ref).max() == 0.0
+
+
+BATCH = (  # same size and frames; different seeds, guidance (CFG on and off) and step counts
+    dict(guidance=5.0, steps=4, seed=11),
+    dict(guidance=3.0, steps=6, seed=12, negative_prompt="blurry"),
+    dict(guidance=1.0, steps=3, seed=13),
+)
+
+
+@pytest.fixture(scope="module")
+def batch_alone(families):
+    """Per family: the BATCH requests' params, conditionings and their runs alone (computed once)."""
+    memo = {}
+
+    def get(name):
+        if name not in memo:
+            fam = families[name]
+            params = [fam.resolve(_params(name, height=32, width=48, **kw)) for kw in BATCH]
+            conds = [fam.encode(p) for p in params]
+            alone = []
+            for i, (p, c) in enumerate(zip(params, conds)):
+                state = fam.prepare(f"alone{i}", p, c)
+                while not state.done:
+                    fam.denoise_step([state])
+                alone.append((state.latents, fam.decode(state.latents, p).array))
+            memo[name] = params, conds, alone
+        return memo[name]
+
+    return get
+
+
+@pytest.mark.parametrize("fuse_cfg", [False, True], ids=["per-branch", "fused"])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_batched_requests_match_alone_within_tolerance(families, batch_alone, name, fuse_cfg):
+    fam = families[name]
+    params, conds, alone = batch_alone(name)
+    states = [fam.prepare(f"r{i}", p, c) for i, (p, c) in enumerate(zip(params, conds))]
+    counter = _CallCounter(fam.pipe.transformer)
+    try:
+        steps = 0
+        while not all(s.done for s in states):
+            active = [s for s in states if not s.done]
+            before = len(counter.batches)
+            stats = fam.denoise_step(states, fuse_cfg=fuse_cfg)
+            calls = counter.batches[before:]
+            groups = {b for s in active for b in s.branches()}
+            assert len(calls) == stats.forwards == (1 if fuse_cfg else len(groups))
+            assert sum(calls) == stats.rows == sum(len(s.branches()) for s in active)
+            steps += 1
+    finally:
+        counter.remove()
+    assert steps == max(p.steps for p in params)
+    # The first step holds all three requests: 2 CFG rows + 2 CFG rows + 1 row.
+    assert counter.batches[: 1 if fuse_cfg else 2] == ([5] if fuse_cfg else [3, 2])
+    for state, p, (latents_alone, frames_alone) in zip(states, params, alone):
+        assert state.step == p.steps
+        latent_diff = (state.latents - latents_alone).abs().max().item()
+        psnr = _psnr(fam.decode(state.latents, p).array, frames_alone)
+        assert latent_diff <= LATENT_ATOL, (p.seed, latent_diff)
+        assert psnr >= MIN_PSNR_DB, (p.seed, psnr)
+
+
+BAD = [
+    ("frames", dict(frames=4)),
+    ("frames", dict(frames=0)),
+    ("height", dict(height=40)),
+    ("width", dict(width=8)),
+    ("steps", dict(steps=0)),
+    ("negative_prompt", dict(guidance=1.0, negative_prompt="blurry")),
+    ("true_cfg", dict(true_cfg=2.0)),
+    ("prompt", dict(prompt="  ")),
+]
+
+
+@pytest.mark.parametrize("field,overrides", BAD, ids=[f"{f}-{i}" for i, (f, _) in enumerate(BAD)])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_bad_params_raise_invalid_param(families, name, field, overrides):
+    with pytest.raises(InvalidParam) as err:
+        families[name].resolve(_params(name, **overrides))
+    assert err.value.field == field
+    assert err.value.rule
+
+
+def test_t2v_refuses_an_image(families):
+    with pytest.raises(InvalidParam) as err:
+        families["wan-t2v"].resolve(GenerationParams(prompt="a cat", image=_image()))
+    assert err.value.field == "image"
+
+
+@pytest.mark.parametrize("image", [None, np.zeros((32, 32, 3), dtype=np.uint8)], ids=["missing", "not-pil"])
+def test_i2v_needs_a_pil_image(families, image):
+    with pytest.raises(InvalidParam) as err:
+        families["wan-i2v"].resolve(GenerationParams(prompt="a cat", image=image))
+    assert err.value.field == "image"
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_defaults_come_from_triptych_json(families, name):
+    p = families[name].resolve(_params(name))
+    assert (p.height, p.width, p.frames, p.steps, p.guidance) == (32, 32, 5, 4, 5.0)
+    assert families[name].is_video
+
+
+def test_requests_own_their_scheduler(families):
+    """A reference call (which mutates ``pipe.scheduler``) does not leak into a request's sampler."""
+    fam = families["wan-t2v"]
+    params = fam.resolve(_params("wan-t2v", seed=5, steps=3))
+    before, _ = _staged(fam, params)
+    fam.reference_call(params.replace(steps=5), output_type="latent")
+    after, _ = _staged(fam, params)
+    assert torch.equal(before, after)
