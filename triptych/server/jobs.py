@@ -149,6 +149,7 @@ class VideoJobs:
         self.admission = admission
         self.ttl_s = ttl_s
         self._tasks: dict[str, asyncio.Task] = {}
+        self._closing = False
 
     def path(self, job_id: str) -> Path:
         return self.dir / f"{job_id}.mp4"
@@ -183,7 +184,10 @@ class VideoJobs:
             else:
                 logger.info("video %s completed in %.1f s", job_id, time.time() - t0)
         except Cancelled:
-            self.store.update(job_id, status="cancelled", error_code="cancelled", error_message="the job was cancelled")
+            if self._closing:
+                self.store.update(job_id, status="failed", error_code="interrupted", error_message="the server shut down")
+            else:
+                self.store.update(job_id, status="cancelled", error_code="cancelled", error_message="the job was cancelled")
         except (InvalidParam, StageFailed, Overloaded) as e:
             code = {InvalidParam: "invalid_request", StageFailed: "stage_failed", Overloaded: "overloaded"}[type(e)]
             self.store.update(job_id, status="failed", error_code=code, error_message=str(e))
@@ -207,7 +211,8 @@ class VideoJobs:
         if job_id in self._tasks:
             await self.backend.cancel(job_id)
         existed = self.store.delete(job_id)
-        self.path(job_id).unlink(missing_ok=True)
+        if existed:
+            self.path(job_id).unlink(missing_ok=True)
         return existed
 
     def sweep(self, now: float | None = None) -> int:
@@ -218,11 +223,18 @@ class VideoJobs:
             self.path(job_id).unlink(missing_ok=True)
         return len(ids)
 
-    async def close(self) -> None:
-        """Stop live jobs (their records become ``failed``/``interrupted``) and close the store."""
+    async def close(self, grace_s: float = 10.0) -> None:
+        """Stop live jobs (their records become ``failed``/``interrupted``) and close the store.
+
+        Jobs get ``grace_s`` to honour ``backend.cancel`` before their tasks are cancelled outright.
+        """
+        self._closing = True
         tasks = list(self._tasks.items())
-        for job_id, task in tasks:
+        for job_id, _ in tasks:
             await self.backend.cancel(job_id)
-            task.cancel()
-        await asyncio.gather(*(t for _, t in tasks), return_exceptions=True)
+        if tasks:
+            _, stuck = await asyncio.wait([t for _, t in tasks], timeout=grace_s)
+            for task in stuck:
+                task.cancel()
+            await asyncio.gather(*stuck, return_exceptions=True)
         self.store.close()
