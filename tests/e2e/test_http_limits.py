@@ -1,0 +1,139 @@
+"""Admission, uploads, disconnects and error mapping, over a fake backend (no model compute)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.http_support import FakeBackend, FakeFamily, png_bytes, serve, wait_for
+from triptych.server.admission import AdmissionLimits
+from triptych.server.backend import StageFailed
+from triptych.server.http import HeadConfig, create_app
+
+
+def make_server(tmp_path, gated=False, requires_image=True, **limits):
+    family = FakeFamily(tmp_path / "edit-model", accepts_image=True, requires_image=requires_image)
+    backend = FakeBackend(family, gated=gated)
+    limits = AdmissionLimits(**{"max_queued_requests": 4, "max_n": 2, **limits})
+    return backend, serve(create_app(backend, HeadConfig(data_dir=tmp_path / "data", limits=limits)))
+
+
+def post_async(url, **kw):
+    """POST in a thread; returns (thread, holder) where holder[0] becomes the response."""
+    holder: list = []
+    thread = threading.Thread(target=lambda: holder.append(httpx.post(url, timeout=60, **kw)), daemon=True)
+    thread.start()
+    return thread, holder
+
+
+def test_queue_full_is_429_with_retry_after(tmp_path):
+    backend, server = make_server(tmp_path, gated=True, max_queued_requests=2, retry_after_s=2.5)
+    with server as base:
+        url = f"{base}/v1/images/edits"
+        form = {"data": {"prompt": "x", "n": "2"}, "files": {"image": ("a.png", png_bytes())}}
+        thread, holder = post_async(url, **form)
+        wait_for(lambda: len(backend.running) == 2, "two jobs running")
+        resp = httpx.post(url, data={"prompt": "y"}, files={"image": ("a.png", png_bytes())})
+        assert resp.status_code == 429
+        assert resp.headers["retry-after"] == "3"
+        assert resp.json()["error"]["type"] == "rate_limit_error"
+        assert "max_queued_requests=2" in resp.json()["error"]["message"]
+        backend.open_gate()
+        thread.join(60)
+        assert holder[0].status_code == 200 and len(holder[0].json()["data"]) == 2
+
+
+def test_openai_client_sees_rate_limit_error(tmp_path):
+    backend, server = make_server(tmp_path, gated=True, max_queued_requests=1, max_n=1)
+    with server as base:
+        thread, _ = post_async(f"{base}/v1/images/edits", data={"prompt": "x"}, files={"image": ("a.png", png_bytes())})
+        wait_for(lambda: backend.running, "first job running")
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.RateLimitError):
+            client.images.edit(image=("a.png", png_bytes()), prompt="y")
+        backend.open_gate()
+        thread.join(60)
+
+
+def test_client_disconnect_cancels_the_job(tmp_path):
+    backend, server = make_server(tmp_path, gated=True, requires_image=False)
+    with server as base:
+        port = int(base.rsplit(":", 1)[1])
+        body = b'{"prompt": "a cat", "seed": 3}'
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(b"POST /v1/images/generations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+            job_id = wait_for(lambda: next(iter(backend.running), None), "job running")
+        wait_for(lambda: job_id in backend.cancelled, "cancel after disconnect")
+        wait_for(lambda: httpx.get(f"{base}/health").json()["in_flight"] == 0, "admission slot released")
+
+
+def test_edit_with_fake_image_family_passes_params(tmp_path):
+    backend, server = make_server(tmp_path)
+    with server as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        out = client.images.edit(image=("a.png", png_bytes()), prompt="blue", n=2, size="48x32",
+                                 extra_body={"seed": 5, "teacache_threshold": 0.3, "true_cfg_scale": 2.0,
+                                             "num_inference_steps": 3})  # fmt: skip
+        assert len(out.data) == 2 and out.size == "48x32"
+        params = [j.params for j in backend.jobs]
+        assert [p.seed for p in params] == [5, 6]
+        assert {(p.teacache_threshold, p.true_cfg, p.steps, p.width, p.height) for p in params} == {(0.3, 2.0, 3, 48, 32)}
+        assert params[0].image.size == (32, 32)
+
+
+@pytest.mark.parametrize(
+    "payload, needle",
+    [(b"", "empty"), (b"not an image at all", "decodable"), (png_bytes(64, 64), "pixels"), (b"x" * 5000, "bytes")],
+)
+def test_bad_uploads_are_400(tmp_path, payload, needle):
+    backend, server = make_server(tmp_path, max_upload_bytes=4096, max_upload_pixels=48 * 48)
+    with server as base:
+        resp = httpx.post(f"{base}/v1/images/edits", data={"prompt": "x"}, files={"image": ("a.png", payload)})
+        assert resp.status_code == 400, resp.text
+        err = resp.json()["error"]
+        assert err["param"] == "image" and needle in err["message"]
+        assert not backend.jobs
+
+
+def test_huge_body_is_refused_before_reading(tmp_path):
+    backend, server = make_server(tmp_path, max_upload_bytes=1024)
+    with server as base:
+        big = b"\0" * (6 * 1024 * 1024)
+        resp = httpx.post(f"{base}/v1/images/edits", data={"prompt": "x"}, files={"image": ("a.png", big)})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "image"
+
+
+def test_form_fields_are_validated(tmp_path):
+    backend, server = make_server(tmp_path)
+    with server as base:
+        for data, param in [({"prompt": "x", "n": "two"}, "n"), ({"prompt": "x", "size": "65x64"}, "size"),
+                            ({"prompt": "x", "bogus": "1"}, "bogus"), ({"n": "1"}, "prompt")]:  # fmt: skip
+            resp = httpx.post(f"{base}/v1/images/edits", data=data, files={"image": ("a.png", png_bytes())})
+            assert resp.status_code == 400 and resp.json()["error"]["param"] == param, (data, resp.text)
+        resp = httpx.post(f"{base}/v1/images/edits", data={"prompt": "x"})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "image"
+
+
+def test_stage_failure_is_502_not_bad_input(tmp_path):
+    backend, server = make_server(tmp_path)
+
+    async def failing_run(job, on_progress=None):
+        raise StageFailed("decoder instance dec-0 died; retries exhausted")
+
+    backend.run = failing_run
+    with server as base:
+        resp = httpx.post(f"{base}/v1/images/edits", data={"prompt": "x"}, files={"image": ("a.png", png_bytes())})
+        assert resp.status_code == 502
+        assert resp.json()["error"]["type"] == "server_error" and "dec-0 died" in resp.json()["error"]["message"]
+
+
+def test_lifespan_starts_and_closes_backend(tmp_path):
+    backend, server = make_server(tmp_path)
+    with server:
+        assert backend.lifecycle == ["start"]
+    assert backend.lifecycle == ["start", "close"]
