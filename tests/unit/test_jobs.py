@@ -79,6 +79,9 @@ def test_metrics_update_from_stats_objects():
     assert 'triptych_queue_depth{stage="encode"} 3.0' in text and 'triptych_queue_depth{stage="head"} 1.0' in text
     assert 'triptych_stage_run_seconds_count{stage="denoise"}' in text
     assert 'triptych_transfer_bytes_total{backend="zmq"}' in text
+    metrics.update_from_describe({"instances": [{"role": "decoder", "assigned": 2}, {"role": "decoder", "assigned": 0}]})
+    text = metrics.render().decode()
+    assert 'triptych_instances{role="decoder",state="busy"} 1.0' in text and 'state="idle"} 1.0' in text
     metrics.update_from_describe({})  # a fresh snapshot drops stale label sets
     assert 'role="encoder"' not in metrics.render().decode()
     with pytest.raises(AssertionError):

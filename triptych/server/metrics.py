@@ -10,6 +10,9 @@ them; ``/metrics`` serves ``render()``.
 
     {"instances": [{"id": "enc-0", "role": "encoder", "state": "ready"}, ...],
      "queues": {"encode": 3, "denoise": 1, "decode": 0}}
+
+An instance without ``state`` counts as ``busy`` when its ``assigned`` is non-empty/non-zero, else
+``idle`` (the orchestrator's describe() reports ``assigned`` rather than a state).
 """
 
 from __future__ import annotations
@@ -95,7 +98,8 @@ def update_from_describe(describe: dict, head_in_flight: int | None = None) -> N
     """Replace the instance and queue gauges with a fresh ``backend.describe()`` snapshot."""
     counts: dict[tuple[str, str], int] = {}
     for inst in describe.get("instances", ()):
-        key = (str(inst.get("role", "unknown")), str(inst.get("state", "unknown")))
+        state = inst.get("state") or ("busy" if inst.get("assigned") else "idle")
+        key = (str(inst.get("role", "unknown")), str(state))
         counts[key] = counts.get(key, 0) + 1
     INSTANCES.clear()
     for (role, state), count in counts.items():
