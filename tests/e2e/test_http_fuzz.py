@@ -10,7 +10,7 @@ import pytest
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 
-from tests.e2e.http_support import FakeBackend, serve  # noqa: E402
+from tests.e2e.http_support import FakeBackend, FakeFamily, serve  # noqa: E402
 from triptych.pipelines.registry import load_family  # noqa: E402
 from triptych.server.admission import AdmissionLimits  # noqa: E402
 from triptych.server.http import HeadConfig, create_app  # noqa: E402
@@ -31,6 +31,17 @@ def api_schema(base_url):
     return schemathesis.openapi.from_url(f"{base_url}/openapi.json")
 
 
+@pytest.fixture(scope="module")
+def video_base_url(tiny_model_dir, tmp_path_factory):
+    try:
+        family = load_family(tiny_model_dir("wan-t2v"), roles=())
+    except (ImportError, ValueError):
+        family = FakeFamily(tmp_path_factory.mktemp("fake-video"), is_video=True)
+    app = create_app(FakeBackend(family), HeadConfig(data_dir=tmp_path_factory.mktemp("fuzz-video"), limits=LIMITS))
+    with serve(app) as base:
+        yield base
+
+
 def check(case, base_url) -> None:
     response = case.call(base_url=base_url, timeout=30)
     assert response.status_code < 500, f"{case.method} {case.path}: {response.status_code} {response.text[:300]}"
@@ -49,5 +60,18 @@ def test_no_5xx_and_openai_error_shape(api_schema, base_url):
         @settings(max_examples=25, deadline=None, database=None, suppress_health_check=list(HealthCheck))
         def fuzz(case):
             check(case, base_url)
+
+        fuzz()
+
+
+def test_video_create_on_a_video_model_never_5xx(video_base_url):
+    schema = schemathesis.openapi.from_url(f"{video_base_url}/openapi.json").include(path="/v1/videos", method="POST")
+    (operation,) = [op.ok() for op in schema.get_all_operations()]
+    for media_type in ("application/json", "multipart/form-data"):
+
+        @given(case=operation.as_strategy(media_type=media_type))
+        @settings(max_examples=25, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+        def fuzz(case):
+            check(case, video_base_url)
 
         fuzz()

@@ -94,6 +94,24 @@ class ImageReference(BaseModel):
 VideoCreateRequest.model_rebuild()
 
 
+def inline_schema(model: type[BaseModel]) -> dict:
+    """The model's JSON schema with ``$defs`` inlined, for hand-written OpenAPI request bodies (a
+    ``#/$defs/...`` reference would resolve against the OpenAPI document, not this schema)."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def walk(node):
+        if isinstance(node, dict):
+            if "$ref" in node and node["$ref"].startswith("#/$defs/"):
+                return walk(defs[node["$ref"].rsplit("/", 1)[1]])
+            return {k: walk(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        return node
+
+    return walk(schema)
+
+
 # ---- responses ---------------------------------------------------------------------------------
 class ImageData(BaseModel):
     b64_json: str | None = None

@@ -18,7 +18,7 @@ from starlette.datastructures import UploadFile
 from triptych.errors import InvalidParam
 from triptych.pipelines.base import GenerationParams
 from triptych.server import metrics
-from triptych.server.api_models import ImageData, ImageEditForm, ImageGenerationRequest, ImagesResponse
+from triptych.server.api_models import ImageData, ImageEditForm, ImageGenerationRequest, ImagesResponse, inline_schema
 from triptych.server.backend import GenerationJob
 from triptych.server.media import decode_image
 
@@ -170,7 +170,7 @@ async def generate_images(head, request: Request, req, image, endpoint: str) -> 
 
 
 def _edit_schema() -> dict:
-    schema = ImageEditForm.model_json_schema()
+    schema = inline_schema(ImageEditForm)
     schema["properties"]["image"] = {"type": "string", "format": "binary", "description": "the image to edit"}
     schema["required"] = [*schema.get("required", []), "image"]
     return {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": schema}}}}

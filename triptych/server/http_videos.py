@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException
 
 from triptych.errors import InvalidParam
 from triptych.server import metrics
-from triptych.server.api_models import VideoCreateRequest, VideoDeleted, VideoError, VideoList, VideoObject
+from triptych.server.api_models import VideoCreateRequest, inline_schema, VideoDeleted, VideoError, VideoList, VideoObject
 from triptych.server.backend import GenerationJob
 from triptych.server.http_images import build_params, read_form, read_upload, resolve, text_fields
 from triptych.server.jobs import VideoRecord
@@ -109,7 +109,7 @@ def resolve_video(head, req: VideoCreateRequest, image):
 
 
 def _schema() -> dict:
-    schema = VideoCreateRequest.model_json_schema()
+    schema = inline_schema(VideoCreateRequest)
     form = json.loads(json.dumps(schema))
     form["properties"]["input_reference"] = {"type": "string", "format": "binary", "description": "condition image"}
     content = {"application/json": {"schema": schema}, "multipart/form-data": {"schema": form}}
