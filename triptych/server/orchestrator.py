@@ -243,7 +243,8 @@ class Orchestrator(GenerationBackend):
             return
         tr = self._requests.get(msg.request_id)
         if tr is None or tr.machine.generation != msg.generation:
-            self.stats["dropped_stale"] += 1
+            # NOTE: a PushDone racing the MediaResult of a finished request lands here too.
+            self.stats["dropped_after_end" if tr is None else "dropped_stale"] += 1
             logger.debug("dropped stale %s for %s g%d", type(msg).__name__, msg.request_id, msg.generation)
             return
         self._handlers[type(msg)](tr, msg)
