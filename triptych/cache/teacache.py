@@ -45,6 +45,13 @@ guessed. Profile file (JSON, one per family × model × steps)::
       "quality": {"points": 84, "r2": 0.97, "rmse": 0.004, "x_range": [lo, hi], ...}  # fit figures
     }
 
+Adding a family: write ``triptych/pipelines/<family>/teacache.py`` with ``make_plan(transformer) ->
+TeaCachePlan`` (see the FLUX one: ``describe`` is family-independent and can be reused), test that
+``head(e, blocks(e, None))`` equals the family's ``forward``, and register it in
+``triptych.calibration.collect.PLANS``. Modulated inputs used by the TeaCache reference code: Qwen-Image,
+the first block's ``img_mod(temb)`` shift/scale applied to ``img_norm1(hidden)``; Wan 2.1, the timestep
+embedding after ``time_projection`` (``e0``) or before it (``e``), per the paper's two variants.
+
 Where profiles are found (:func:`find_profile`): ``<profiles_dir>/*.json`` (an operator's directory;
 entries must name the model in ``"model"``) first, then ``<model_dir>/teacache/*.json`` (shipped with
 the model; the model is implied). A profile matches on ``family`` and ``steps``.
@@ -414,7 +421,7 @@ class TeaCache:
         idx = [i for i in range(n) if compute[i]]
         computed = None
         if idx:
-            computed = self.plan.blocks(emb, None if len(idx) == n else torch.tensor(idx))
+            computed = self.plan.blocks(emb, None if len(idx) == n else torch.tensor(idx, device=emb.hidden.device))
             self.stats.block_calls += 1
         self.stats.rows_computed += len(idx)
         self.stats.rows_skipped += n - len(idx)
