@@ -1,0 +1,100 @@
+"""The head against scripted fake workers (raw ZMQ sockets): registration, stale and malformed input."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import zmq
+from orchestrator_support import job
+
+from triptych.pipelines.registry import load_family, make_tiny
+from triptych.server import protocol as P
+from triptych.server.backend import Cancelled
+from triptych.server.orchestrator import Orchestrator, OrchestratorConfig
+
+SPEC = {"cond.prompt_embeds": P.TensorSpec("float32", (1, 4, 8))}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = make_tiny("flux", tmp_path_factory.mktemp("orch-proto") / "flux")
+    return path, load_family(path, roles=())
+
+
+@pytest.fixture
+def head(model):
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    orch = Orchestrator(model[0], OrchestratorConfig(heartbeat_interval_s=5.0, heartbeat_timeout_s=60.0))
+    asyncio.run_coroutine_threadsafe(orch.start(), loop).result(30)
+    yield orch, loop
+    asyncio.run_coroutine_threadsafe(orch.close(), loop).result(30)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+
+
+class FakeWorker:
+    def __init__(self, ctx, head: Orchestrator, instance_id: str, role: str, revision: str | None = None):
+        self.id = instance_id
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, instance_id.encode())
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(head.control_address)
+        self.send(P.Register(instance_id, role, 2, instance_id, "tcp://127.0.0.1:1", "zmq",
+                             revision or head.revision, 1))  # fmt: skip
+        self.ack = self.recv()
+
+    def send(self, msg) -> None:
+        self.sock.send(P.encode(msg))
+
+    def recv(self, timeout_s: float = 30.0):
+        assert self.sock.poll(timeout_s * 1000), f"{self.id}: no message from the head"
+        return P.decode_from_head(self.sock.recv())
+
+
+def on_loop(loop, fn):
+    async def run():
+        return fn()
+
+    return asyncio.run_coroutine_threadsafe(run(), loop).result(30)
+
+
+def test_revision_mismatch_is_refused(head):
+    orch, loop = head
+    ctx = zmq.Context()
+    worker = FakeWorker(ctx, orch, "den-bad", "denoiser", revision="0" * 16)
+    assert worker.ack.accepted is False and "revision" in worker.ack.reason
+    assert on_loop(loop, orch.describe)["instances"] == []
+    ctx.destroy(linger=0)
+
+
+def test_stale_and_malformed_messages_are_dropped_and_cancel_reaches_every_holder(head, model):
+    orch, loop = head
+    ctx = zmq.Context()
+    enc, den, dec = (FakeWorker(ctx, orch, f"{r}-0", r) for r in ("encoder", "denoiser", "decoder"))
+    assert enc.ack.accepted and den.ack.accepted and dec.ack.accepted
+    pending = asyncio.run_coroutine_threadsafe(orch.run(job(model[1], "p-1")), loop)
+    task = enc.recv()
+    assert isinstance(task, P.EncodeTask) and task.denoiser == "denoiser-0" and task.generation == 1
+
+    enc.sock.send(b"\xc1 not msgpack")
+    enc.send(P.EncodeDone("p-1", 7, "encoder-0", SPEC))  # a generation that does not exist
+    den.send(P.EncodeDone("p-1", 1, "denoiser-0", SPEC))  # right generation, wrong sender
+    enc.send(P.EncodeDone("p-1", 1, "encoder-0", SPEC))
+    denoise = den.recv()
+    assert isinstance(denoise, P.DenoiseTask) and denoise.source == "encoder-0" and denoise.decoder == "decoder-0"
+    stats = on_loop(loop, orch.describe)["stats"]
+    assert stats["malformed"] == 1 and stats["dropped_stale"] == 1 and stats["dropped_misrouted"] == 1
+
+    assert asyncio.run_coroutine_threadsafe(orch.cancel("p-1"), loop).result(30)
+    for worker in (enc, den, dec):
+        msg = worker.recv()
+        assert isinstance(msg, P.Cancel) and (msg.request_id, msg.generation) == ("p-1", 1)
+    with pytest.raises(Cancelled, match="p-1"):
+        pending.result(30)
+    desc = on_loop(loop, orch.describe)
+    assert desc["requests"] == {} and all(i["free"] == i["capacity"] for i in desc["instances"])
+    ctx.destroy(linger=0)
