@@ -173,3 +173,13 @@ def test_state_store_counts_and_releases():
     store.get_or_create("r", "uncond", list)
     assert ("r", "uncond") in store and len(store) == 2
     assert store.release("r") == 2 and len(store) == 0
+
+
+def test_family_without_a_plan_is_named():
+    from triptych.pipelines.teacache import plan_for
+
+    class NoPlan:
+        name = "no-such-family"
+
+    with pytest.raises(ValueError, match="no-such-family"):
+        plan_for(NoPlan())

@@ -48,7 +48,7 @@ guessed. Profile file (JSON, one per family × model × steps)::
 Adding a family: write ``triptych/pipelines/<family>/teacache.py`` with ``make_plan(transformer) ->
 TeaCachePlan`` (see the FLUX one: ``describe`` is family-independent and can be reused), test that
 ``head(e, blocks(e, None))`` equals the family's ``forward``, and register it in
-``triptych.calibration.collect.PLANS``. Modulated inputs used by the TeaCache reference code: Qwen-Image,
+``triptych.pipelines.teacache.PLANS``. Modulated inputs used by the TeaCache reference code: Qwen-Image,
 the first block's ``img_mod(temb)`` shift/scale applied to ``img_norm1(hidden)``; Wan 2.1, the timestep
 embedding after ``time_projection`` (``e0``) or before it (``e``), per the paper's two variants.
 
@@ -304,7 +304,7 @@ class TeaCache:
     ``profiles(steps)`` returns the calibration for a step count or None (e.g. :class:`ProfileIndex`).
     Engine use::
 
-        tc = TeaCache(plan, profiles=ProfileIndex(model_dir, family.name))
+        tc = TeaCache(plan_for(family), profiles=ProfileIndex(model_dir, family.name))  # pipelines.teacache
         tc.admit(rid, threshold=p.teacache_threshold, steps=p.steps)      # at join: raises InvalidParam
         family.denoise_step(batch, fuse_cfg=..., forward=tc.bind(family.forward))
         tc.release(rid)                                                    # finished / failed / aborted

@@ -11,7 +11,6 @@ Runs uncached denoising (every step computes) for several prompts × seeds and r
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -19,11 +18,7 @@ import torch
 
 from triptych.cache.teacache import TeaCachePlan
 from triptych.pipelines.base import Family, GenerationParams, Row
-
-# Family.name → "module:function(family) -> TeaCachePlan". A family without an entry has no TeaCache.
-PLANS: dict[str, str] = {
-    "flux": "triptych.pipelines.flux.teacache:plan_for",
-}
+from triptych.pipelines.teacache import plan_for
 
 DEFAULT_PROMPTS = (
     "a red fox in a snowy forest at dawn",
@@ -31,13 +26,6 @@ DEFAULT_PROMPTS = (
     "an old lighthouse on a cliff during a storm",
     "a watercolor map of an imaginary island",
 )
-
-
-def plan_for(family: Family) -> TeaCachePlan:
-    if family.name not in PLANS:
-        raise ValueError(f"family {family.name!r} has no TeaCache plan; known: {sorted(PLANS)}")
-    module, name = PLANS[family.name].split(":")
-    return getattr(importlib.import_module(module), name)(family)
 
 
 def rel_l1(cur: torch.Tensor, prev: torch.Tensor) -> float:
