@@ -200,13 +200,22 @@ class Family(ABC):
         self.dtype = dtype
         wanted = {c for r in self.roles for c in self.role_components[r]}
         skipped = {c: None for c in self.all_components if c not in wanted}
-        self.pipe = self.pipeline_class.from_pretrained(str(self.model_dir), dtype=dtype, **skipped)
+        built = self._build_components(frozenset(wanted))
+        self.pipe = self.pipeline_class.from_pretrained(str(self.model_dir), dtype=dtype, **skipped, **built)
         self.pipe.to(self.device)
         self.pipe.set_progress_bar_config(disable=True)
         self._post_load()
 
     def _post_load(self) -> None:
         """Hook for families that derive geometry from configs after loading."""
+
+    def _build_components(self, wanted: frozenset[str]) -> dict[str, Any]:
+        """Components the family constructs itself instead of letting ``from_pretrained`` load them.
+
+        For a component whose declared class cannot be built here (e.g. a processor that needs
+        torchvision); none by default. Only called with the components this instance's roles need.
+        """
+        return {}
 
     # ---- stage 0: validation -------------------------------------------------------------
     @abstractmethod
