@@ -1,0 +1,102 @@
+"""Qwen-Image denoise stage: per-request latents and sampler, one transformer call over stacked rows.
+
+Rows of one call may carry prompts of different token lengths: they are right-padded with zeros
+and ``encoder_hidden_states_mask`` marks the padding. In diffusers 0.42.1 the transformer turns that
+mask into a joint (text + image) key mask for attention, and text RoPE positions are ``0..L-1`` from
+the left for every row, so right padding leaves each row's valid tokens at the positions they have
+alone; only kernel reduction order changes (see the batched tolerance in the tests). With equal
+lengths (always true for one row) no mask is passed, exactly as the pipeline does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
+
+from triptych.pipelines.base import COND, UNCOND, Conditioning, DenoiseState, GenerationParams, Row
+
+
+def prepare(family, request_id: str, params: GenerationParams, cond: Conditioning) -> DenoiseState:
+    pipe = family.pipe
+    channels = pipe.transformer.config.in_channels // 4
+    args = (1, channels, params.height, params.width, family.dtype, family.device, family.generator(params.seed))
+    if family.accepts_image:  # the edit pipeline's prepare_latents also returns (here: no) image latents
+        latents, _ = pipe.prepare_latents(None, *args)
+    else:
+        latents = pipe.prepare_latents(*args)
+    scheduler = family.new_scheduler()
+    steps = params.steps
+    cfg = scheduler.config
+    mu = calculate_shift(
+        latents.shape[1],
+        cfg.get("base_image_seq_len", 256),
+        cfg.get("max_image_seq_len", 4096),
+        cfg.get("base_shift", 0.5),
+        cfg.get("max_shift", 1.15),
+    )
+    sigmas = np.linspace(1.0, 1 / steps, steps)
+    timesteps, _ = retrieve_timesteps(scheduler, steps, family.device, sigmas=sigmas, mu=mu)
+    scheduler.set_begin_index(0)
+    return DenoiseState(request_id, params, latents, scheduler, timesteps, cond)
+
+
+def image_shapes(state: DenoiseState, vae_scale_factor: int) -> list[tuple[int, int, int]]:
+    """RoPE shapes of one row's image-stream segments: the noise latents, then edit's condition image."""
+    p = state.params
+    shapes = [(1, p.height // vae_scale_factor // 2, p.width // vae_scale_factor // 2)]
+    if "image_shape" in state.cond.shared:
+        shapes.append(tuple(int(v) for v in state.cond.shared["image_shape"]))
+    return shapes
+
+
+def pad_prompts(embeds: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Stack (1, L_i, D) prompt embeddings into (B, max L, D); a mask only when lengths differ."""
+    longest = max(e.shape[1] for e in embeds)
+    if all(e.shape[1] == longest for e in embeds):
+        return torch.cat(embeds), None
+    padded = [torch.cat([e, e.new_zeros(1, longest - e.shape[1], e.shape[2])], dim=1) for e in embeds]
+    mask = torch.zeros(len(embeds), longest, dtype=torch.long, device=embeds[0].device)
+    for i, e in enumerate(embeds):
+        mask[i, : e.shape[1]] = 1
+    return torch.cat(padded), mask
+
+
+def forward(transformer, rows: Sequence[Row], vae_scale_factor: int) -> torch.Tensor:
+    states = [r.state for r in rows]
+    latents = torch.cat([s.latents for s in states])
+    noise_tokens = latents.shape[1]
+    hidden = latents
+    if "image_latents" in states[0].cond.shared:
+        image_latents = torch.cat([s.cond.shared["image_latents"] for s in states])
+        hidden = torch.cat([latents, image_latents], dim=1)
+    # Same ops as the pipeline: t.expand(B).to(latents.dtype), then / 1000; one value per row.
+    timestep = torch.cat([s.timestep.expand(1).to(latents.dtype) for s in states])
+    embeds, mask = pad_prompts([r.state.cond.branches[r.branch]["prompt_embeds"] for r in rows])
+    # Equal for every row of a batch (compat key: same size and condition-image shape).
+    shapes = [image_shapes(states[0], vae_scale_factor)] * len(rows)
+    out = transformer(
+        hidden_states=hidden,
+        timestep=timestep / 1000,
+        guidance=None,
+        encoder_hidden_states_mask=mask,
+        encoder_hidden_states=embeds,
+        img_shapes=shapes,
+        attention_kwargs={},
+        return_dict=False,
+    )[0]
+    return out[:, :noise_tokens]
+
+
+def combine(state: DenoiseState, preds: dict[str, torch.Tensor]) -> torch.Tensor:
+    """True CFG with Qwen's rescale: the combined prediction keeps the cond prediction's per-token norm."""
+    pos = preds[COND]
+    if UNCOND not in preds:
+        return pos
+    neg = preds[UNCOND]
+    comb = neg + state.params.guidance * (pos - neg)
+    cond_norm = torch.norm(pos, dim=-1, keepdim=True)
+    noise_norm = torch.norm(comb, dim=-1, keepdim=True)
+    return comb * (cond_norm / noise_norm)

@@ -1,0 +1,172 @@
+"""Qwen-Image and Qwen-Image-Edit adapters over diffusers' QwenImagePipeline / QwenImageEditPipeline.
+
+``guidance`` is the pipelines' ``true_cfg_scale``. They run CFG only when it is > 1 *and* a negative
+prompt is given; a request with guidance > 1 and no negative prompt gets ``DEFAULT_NEGATIVE_PROMPT``
+(the model card's " "), so guidance alone turns CFG on, and ``reference_call`` passes the same
+negative prompt, so the reference runs the same CFG. A negative prompt with guidance <= 1 would be
+ignored by the pipeline and is refused instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from diffusers import QwenImageEditPipeline, QwenImagePipeline
+from diffusers.image_processor import VaeImageProcessor
+
+from triptych.errors import InvalidParam
+from triptych.pipelines.base import Conditioning, DenoiseState, Family, Frames, GenerationParams, Role, Row
+from triptych.pipelines.geometry import model_defaults, vae_config
+from triptych.pipelines.qwenimage import decode as dec
+from triptych.pipelines.qwenimage import denoise as den
+from triptych.pipelines.qwenimage import encode as enc
+
+DEFAULT_NEGATIVE_PROMPT = " "
+
+
+class QwenImageFamily(Family):
+    name = "qwen-image"
+    pipeline_class = QwenImagePipeline
+    all_components = ("vae", "text_encoder", "tokenizer", "transformer")
+    role_components = {
+        Role.ENCODER: ("text_encoder", "tokenizer"),
+        Role.DENOISER: ("transformer",),
+        Role.DECODER: ("vae",),
+    }
+    #: the pipelines' ``__call__`` default; t2i truncates prompt embeddings to it, edit ignores it.
+    max_sequence_length = 512
+    default_steps = 50  # the pipelines' default num_inference_steps
+    default_guidance = 4.0  # the pipelines' default true_cfg_scale
+
+    def _post_load(self) -> None:
+        # Without the VAE loaded the pipeline guesses its geometry: read the real one.
+        vae = vae_config(self.model_dir)
+        scale = 2 ** len(vae["temperal_downsample"])
+        self.pipe.vae_scale_factor = scale
+        self.pipe.image_processor = VaeImageProcessor(vae_scale_factor=scale * 2)
+        self.pipe.latent_channels = vae["z_dim"]
+        defaults = model_defaults(self.model_dir)
+        size = self.pipe.default_sample_size * scale
+        self.defaults = {
+            "height": defaults.get("height", size),
+            "width": defaults.get("width", size),
+            "steps": defaults.get("steps", self.default_steps),
+            "guidance": defaults.get("guidance", self.default_guidance),
+        }
+
+    @property
+    def multiple(self) -> int:
+        """Height and width must be multiples of this (VAE scale × 2×2 patches)."""
+        return self.pipe.vae_scale_factor * 2
+
+    def resolve(self, p: GenerationParams) -> GenerationParams:
+        p = p.replace(**{k: v for k, v in self._defaults_for(p).items() if getattr(p, k) is None})
+        self._check_common(p, self.multiple)
+        if p.steps < 2 and self.pipe.scheduler.config.get("shift_terminal"):
+            # sigmas are stretched so the last equals shift_terminal: with one step that is 0/0.
+            raise InvalidParam("steps", p.steps, "must be >= 2 (a one-step shift_terminal schedule is NaN)")
+        if p.guidance < 1:
+            raise InvalidParam("guidance", p.guidance, "must be >= 1 (the true-CFG scale; 1 disables CFG)")
+        if p.true_cfg != 1.0:
+            raise InvalidParam("true_cfg", p.true_cfg, f"{self.name} takes its CFG scale from guidance")
+        if p.negative_prompt is not None and p.guidance <= 1:
+            raise InvalidParam("negative_prompt", p.negative_prompt, "is used only with guidance > 1")
+        if p.negative_prompt is None and p.guidance > 1:
+            p = p.replace(negative_prompt=DEFAULT_NEGATIVE_PROMPT)
+        return p.replace(frames=1)
+
+    def _defaults_for(self, p: GenerationParams) -> dict[str, Any]:
+        return self.defaults
+
+    def uses_cfg(self, p: GenerationParams) -> bool:
+        """The pipelines' ``do_true_cfg``."""
+        return p.guidance > 1 and p.negative_prompt is not None
+
+    @torch.no_grad()
+    def encode(self, params: GenerationParams) -> Conditioning:
+        return enc.encode_text(self.pipe, params, self.uses_cfg(params), self.max_sequence_length)
+
+    def prepare(self, request_id: str, params: GenerationParams, cond: Conditioning) -> DenoiseState:
+        return den.prepare(self, request_id, params, cond)
+
+    @torch.no_grad()
+    def forward(self, rows: Sequence[Row]) -> torch.Tensor:
+        return den.forward(self.pipe.transformer, rows, self.pipe.vae_scale_factor)
+
+    def combine(self, state: DenoiseState, preds: dict[str, torch.Tensor]) -> torch.Tensor:
+        return den.combine(state, preds)
+
+    def decode(self, latents: torch.Tensor, params: GenerationParams) -> Frames:
+        return dec.decode(self.pipe, latents, params)
+
+    def _reference_kwargs(self, params: GenerationParams) -> dict[str, Any]:
+        return dict(
+            prompt=params.prompt,
+            negative_prompt=params.negative_prompt,
+            true_cfg_scale=params.guidance,
+            height=params.height,
+            width=params.width,
+            num_inference_steps=params.steps,
+            generator=self.generator(params.seed),
+            max_sequence_length=self.max_sequence_length,
+        )
+
+    def reference_call(self, params: GenerationParams, output_type: str = "np"):
+        return self.pipe(**self._reference_kwargs(params), output_type=output_type).images
+
+
+class QwenImageEditFamily(QwenImageFamily):
+    """Edit: the encoder role also runs the processor (vision tokens) and the VAE (condition latents)."""
+
+    name = "qwen-image-edit"
+    pipeline_class = QwenImageEditPipeline
+    all_components = ("vae", "text_encoder", "tokenizer", "processor", "transformer")
+    role_components = {
+        Role.ENCODER: ("text_encoder", "tokenizer", "processor", "vae"),
+        Role.DENOISER: ("transformer",),
+        Role.DECODER: ("vae",),
+    }
+    accepts_image = True
+    requires_image = True
+
+    def _build_components(self, wanted: frozenset[str]) -> dict[str, Any]:
+        # NOTE: real checkpoints declare transformers' Qwen2VLProcessor, which cannot be built without
+        # torchvision; the processor is always rebuilt from its files without the video processor.
+        if "processor" not in wanted:
+            return {}
+        from triptych.pipelines.qwenimage.processor import load_processor
+
+        return {"processor": load_processor(self.model_dir / "processor")}
+
+    def _defaults_for(self, p: GenerationParams) -> dict[str, Any]:
+        defaults = dict(self.defaults)
+        if not (self.model_dir / "triptych.json").exists() and _is_image(p.image):
+            # The pipeline's own default: the condition image's ~1 MP size, floored to the multiple.
+            height, width = enc.condition_size(p.image)
+            defaults["height"] = height // self.multiple * self.multiple
+            defaults["width"] = width // self.multiple * self.multiple
+        return defaults
+
+    def resolve(self, p: GenerationParams) -> GenerationParams:
+        if p.image is not None and not _is_image(p.image):
+            raise InvalidParam("image", type(p.image).__name__, "must be a PIL image")
+        return super().resolve(p)
+
+    def compat_key(self, state: DenoiseState) -> tuple:
+        """Rows also share the condition image's latent shape (it is part of the sequence)."""
+        return super().compat_key(state) + (tuple(state.cond.shared["image_shape"].tolist()),)
+
+    @torch.no_grad()
+    def encode(self, params: GenerationParams) -> Conditioning:
+        return enc.encode_edit(self.pipe, params, self.uses_cfg(params), self.max_sequence_length, self.dtype)
+
+    def _reference_kwargs(self, params: GenerationParams) -> dict[str, Any]:
+        return dict(super()._reference_kwargs(params), image=params.image)
+
+
+def _is_image(obj: Any) -> bool:
+    from PIL import Image
+
+    return isinstance(obj, Image.Image)
