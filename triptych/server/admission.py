@@ -97,7 +97,8 @@ class AdmissionLimits:
 
     def check_prompt(self, text: str | None, field: str = "prompt") -> None:
         if text is not None and len(text) > self.max_prompt_chars:
-            raise InvalidParam(field, f"<{len(text)} characters>", f"must be at most {self.max_prompt_chars} characters")
+            limit = self.max_prompt_chars
+            raise InvalidParam(field, f"<{len(text)} characters>", f"must be at most {limit} characters")
 
     def check_resolved(self, width: int, height: int, frames: int | None, steps: int) -> None:
         """Re-check after the family filled its defaults (a model's default may exceed a head limit)."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -276,7 +275,3 @@ def create_app(backend: GenerationBackend, config: HeadConfig) -> FastAPI:
         return FileResponse(found[0], media_type=found[1])
 
     return app
-
-
-def now_s() -> int:
-    return int(time.time())

@@ -165,8 +165,10 @@ async def generate_images(head, request: Request, req, image, endpoint: str) -> 
     else:
         data = [ImageData(b64_json=base64.b64encode(out).decode("ascii")) for out in outputs]
     metrics.record_request(endpoint, "success", time.perf_counter() - t0)
-    return ImagesResponse(created=int(time.time()), data=data, output_format=fmt, size=f"{params.width}x{params.height}",
-                          seeds=[j.params.seed for j in jobs], expires_at=expires)  # fmt: skip
+    size = f"{params.width}x{params.height}"
+    seeds = [j.params.seed for j in jobs]
+    return ImagesResponse(created=int(time.time()), data=data, output_format=fmt, size=size, seeds=seeds,
+                          expires_at=expires)  # fmt: skip
 
 
 def _edit_schema() -> dict:

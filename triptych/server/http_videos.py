@@ -23,7 +23,9 @@ from starlette.exceptions import HTTPException
 
 from triptych.errors import InvalidParam
 from triptych.server import metrics
-from triptych.server.api_models import VideoCreateRequest, inline_schema, VideoDeleted, VideoError, VideoList, VideoObject
+from triptych.server.api_models import (
+    VideoCreateRequest, VideoDeleted, VideoError, VideoList, VideoObject, inline_schema,
+)
 from triptych.server.backend import GenerationJob
 from triptych.server.http_images import build_params, read_form, read_upload, resolve, text_fields
 from triptych.server.jobs import VideoRecord
@@ -49,7 +51,8 @@ async def parse_create(head, request: Request):
         form = await read_form(head, request)
         upload = form.get("input_reference")
         fields = text_fields(form, skip=("input_reference",) if isinstance(upload, UploadFile) else ())
-        nested = {k[len("input_reference[") : -1]: fields.pop(k) for k in list(fields) if k.startswith("input_reference[")}
+        prefix = "input_reference["
+        nested = {k[len(prefix) : -1]: fields.pop(k) for k in list(fields) if k.startswith(prefix)}
         if nested:
             fields["input_reference"] = nested
         req = VideoCreateRequest.model_validate(fields)
@@ -95,7 +98,8 @@ def resolve_video(head, req: VideoCreateRequest, image):
         return resolve(head, params, size)
     target = max(1, math.ceil(req.seconds * fps))
     if target > lim.max_frames:
-        raise InvalidParam("seconds", req.seconds, f"{target} frames at {fps} fps exceeds the limit of {lim.max_frames}")
+        rule = f"{target} frames at {fps} fps exceeds the limit of {lim.max_frames}"
+        raise InvalidParam("seconds", req.seconds, rule)
     params, size = build_params(head, req, image=image)
     last: InvalidParam | None = None
     for frames in range(target, min(target + FRAME_SEARCH, lim.max_frames) + 1):

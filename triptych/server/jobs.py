@@ -185,21 +185,24 @@ class VideoJobs:
                 logger.info("video %s completed in %.1f s", job_id, time.time() - t0)
         except Cancelled:
             if self._closing:
-                self.store.update(job_id, status="failed", error_code="interrupted", error_message="the server shut down")
+                self._fail(job_id, "interrupted", "the server shut down")
             else:
-                self.store.update(job_id, status="cancelled", error_code="cancelled", error_message="the job was cancelled")
+                self.store.update(job_id, status="cancelled", error_code="cancelled", error_message="cancelled")
         except (InvalidParam, StageFailed, Overloaded) as e:
             code = {InvalidParam: "invalid_request", StageFailed: "stage_failed", Overloaded: "overloaded"}[type(e)]
-            self.store.update(job_id, status="failed", error_code=code, error_message=str(e))
+            self._fail(job_id, code, str(e))
         except asyncio.CancelledError:
-            self.store.update(job_id, status="failed", error_code="interrupted", error_message="the server shut down")
+            self._fail(job_id, "interrupted", "the server shut down")
             raise
         except Exception as e:  # noqa: BLE001 - a backend bug must fail this job, not the head
             logger.exception("video job %s failed", job_id)
-            self.store.update(job_id, status="failed", error_code="internal_error", error_message=type(e).__name__)
+            self._fail(job_id, "internal_error", type(e).__name__)
         finally:
             self._tasks.pop(job_id, None)
             self.admission.release(1)
+
+    def _fail(self, job_id: str, code: str, message: str) -> None:
+        self.store.update(job_id, status="failed", error_code=code, error_message=message)
 
     def _write(self, job_id: str, data: bytes) -> None:
         tmp = self.dir / f".{job_id}.tmp"

@@ -28,7 +28,8 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 _SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 QUEUE_DEPTH = Gauge(
-    "triptych_queue_depth", "Requests waiting per stage (head = admitted, unfinished jobs)", ["stage"], registry=REGISTRY
+    "triptych_queue_depth", "Requests waiting per stage (head = admitted, unfinished jobs)", ["stage"],
+    registry=REGISTRY,
 )
 QUEUE_WAIT = Histogram(
     "triptych_queue_wait_seconds", "Time a job waited before a stage started it", ["stage"],
