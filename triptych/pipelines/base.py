@@ -272,6 +272,7 @@ class Family(ABC):
         p = state.params
         return (self.name, p.height, p.width, p.frames or 1, str(self.dtype))
 
+    @torch.no_grad()
     def denoise_step(
         self, states: Sequence[DenoiseState], fuse_cfg: bool = False, forward: ForwardFn | None = None
     ) -> StepStats:
