@@ -29,9 +29,13 @@ def run_request(
     params: GenerationParams,
     request_id: str = "local",
     on_step: StepCallback | None = None,
-    fuse_cfg: bool = False,
+    fuse_cfg: bool = True,
 ) -> tuple[Frames, StageTimings]:
-    """Resolve, encode, prepare, denoise until done, decode. ``params`` may be unresolved."""
+    """Resolve, encode, prepare, denoise until done, decode. ``params`` may be unresolved.
+
+    ``fuse_cfg=True`` (default) runs both CFG branches in one forward, as the serving engine does,
+    so a request served alone equals this; ``False`` runs them as diffusers does (bit-identical).
+    """
     timings = StageTimings()
     params = family.resolve(params)
     t = time.perf_counter()

@@ -84,7 +84,8 @@ class InProcessBackend(GenerationBackend):
         self.max_queued = max_queued
         self._lock = asyncio.Lock()
         self._waiting = 0
-        self._cancelled: set[str] = set()
+        self._active: set[str] = set()  # queued or running request ids
+        self._cancelled: set[str] = set()  # subset of _active
 
     async def run(self, job: GenerationJob, on_progress: ProgressFn | None = None) -> bytes:
         from triptych.pipelines.runner import run_request
@@ -93,6 +94,7 @@ class InProcessBackend(GenerationBackend):
         if self._waiting >= self.max_queued:
             raise Overloaded(f"queue is full ({self.max_queued} requests)", retry_after=1.0)
         self._waiting += 1
+        self._active.add(job.request_id)
         try:
             async with self._lock:
                 if job.request_id in self._cancelled:
@@ -108,8 +110,11 @@ class InProcessBackend(GenerationBackend):
                 return await asyncio.to_thread(encode_frames, frames.to_uint8(), job.output_format, job.fps)
         finally:
             self._waiting -= 1
+            self._active.discard(job.request_id)
             self._cancelled.discard(job.request_id)
 
     async def cancel(self, request_id: str) -> bool:
+        if request_id not in self._active:
+            return False
         self._cancelled.add(request_id)
         return True
