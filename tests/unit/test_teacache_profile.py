@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from triptych.cache.teacache import (
-    PROFILE_FORMAT, ProfileError, ProfileIndex, TeaCacheProfile, find_profile, load_profile, save_profile,
+    PROFILE_FORMAT, ProfileError, ProfileIndex, TeaCacheProfile, find_profile, load_profile, model_identity,
+    save_profile,
 )  # fmt: skip
 from triptych.calibration.fit import fit_coefficients
 
@@ -59,8 +60,17 @@ def test_profiles_dir_first_and_must_name_the_model(tmp_path):
     save_profile(prof(), model / "teacache" / "shipped.json")
     save_profile(TeaCacheProfile("flux", "other-model", 8, (0, 0, 0, 1, 0)), extra / "x.json")
     assert find_profile(model, 8, "flux", extra).path.endswith("shipped.json")  # other model's profile ignored
-    save_profile(TeaCacheProfile("flux", "model", 8, (0, 0, 0, 1, 0)), extra / "y.json")
+    save_profile(TeaCacheProfile("flux", model_identity(model), 8, (0, 0, 0, 1, 0)), extra / "y.json")
     assert find_profile(model, 8, "flux", extra).path.endswith("y.json")
+    assert find_profile(model, 8, "flux", extra, model="renamed").path.endswith("shipped.json")
+
+
+def test_model_identity_names_dir_and_transformer_config(tmp_path):
+    a, b = tmp_path / "m", tmp_path / "n" / "m"
+    for d, layers in ((a, 1), (b, 2)):
+        (d / "transformer").mkdir(parents=True)
+        (d / "transformer" / "config.json").write_text(json.dumps({"num_layers": layers}))
+    assert model_identity(a).startswith("m@") and model_identity(a) != model_identity(b)
 
 
 def test_index_memoises(tmp_path):

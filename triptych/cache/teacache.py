@@ -53,12 +53,13 @@ the first block's ``img_mod(temb)`` shift/scale applied to ``img_norm1(hidden)``
 embedding after ``time_projection`` (``e0``) or before it (``e``), per the paper's two variants.
 
 Where profiles are found (:func:`find_profile`): ``<profiles_dir>/*.json`` (an operator's directory;
-entries must name the model in ``"model"``) first, then ``<model_dir>/teacache/*.json`` (shipped with
+entries must name the model in ``"model"``, see :func:`model_identity`) first, then ``<model_dir>/teacache/*.json`` (shipped with
 the model; the model is implied). A profile matches on ``family`` and ``steps``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -156,6 +157,18 @@ def profile_filename(family: str, steps: int) -> str:
     return f"{family}-{steps}steps.json"
 
 
+def model_identity(model_dir: str | Path) -> str:
+    """``<dir name>@<sha256[:12] of transformer/config.json>``: what a profile's ``model`` names.
+
+    NOTE: it names the directory and the architecture, not the weights: give each checkpoint its own
+    directory name (or pass ``model`` explicitly) when several share one profiles dir.
+    """
+    model_dir = Path(model_dir)
+    config = model_dir / "transformer" / "config.json"
+    digest = hashlib.sha256(config.read_bytes()).hexdigest()[:12] if config.is_file() else "unknown"
+    return f"{model_dir.resolve().name}@{digest}"
+
+
 def find_profile(
     model_dir: str | Path,
     steps: int,
@@ -165,10 +178,10 @@ def find_profile(
 ) -> TeaCacheProfile | None:
     """The profile for ``(family, steps)`` of the model in ``model_dir``, or None.
 
-    ``profiles_dir`` entries must also name the model (``model``, default: the model dir's name);
+    ``profiles_dir`` entries must also name the model (``model``, default :func:`model_identity`);
     ``<model_dir>/teacache/`` entries belong to that model by location. Broken files raise.
     """
-    model = model or Path(model_dir).name
+    model = model or model_identity(model_dir)
     places = [(Path(profiles_dir), True)] if profiles_dir is not None else []
     places.append((Path(model_dir) / "teacache", False))
     for directory, must_name_model in places:

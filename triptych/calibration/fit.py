@@ -9,14 +9,13 @@ quality figures.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import logging
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
-from triptych.cache.teacache import DEGREE, TeaCacheProfile, profile_filename, save_profile
+from triptych.cache.teacache import DEGREE, TeaCacheProfile, model_identity, profile_filename, save_profile
 from triptych.calibration.collect import DEFAULT_PROMPTS, Trajectory, collect
 
 logger = logging.getLogger(__name__)
@@ -55,14 +54,6 @@ def build_profile(
     return TeaCacheProfile(family, model, steps, tuple(coeffs), warmup, cooldown, quality)
 
 
-def model_name(model_dir: str | Path) -> str:
-    """``<dir name>@<sha256[:12] of transformer/config.json>``: names the model and its architecture."""
-    model_dir = Path(model_dir)
-    config = model_dir / "transformer" / "config.json"
-    digest = hashlib.sha256(config.read_bytes()).hexdigest()[:12] if config.is_file() else "unknown"
-    return f"{model_dir.resolve().name}@{digest}"
-
-
 def calibrate(
     model_dir: str | Path,
     steps: int,
@@ -80,7 +71,7 @@ def calibrate(
 
     family = family or load_family(model_dir, roles=(Role.ENCODER, Role.DENOISER))
     trajectories = collect(family, steps, prompts, seeds, base=GenerationParams(prompt="-", **base))
-    profile = build_profile(family.name, model_name(model_dir), steps, trajectories, warmup, cooldown)
+    profile = build_profile(family.name, model_identity(model_dir), steps, trajectories, warmup, cooldown)
     path = Path(out) if out else Path(model_dir) / "teacache" / profile_filename(family.name, steps)
     save_profile(profile, path)
     logger.info("TeaCache profile %s: r2=%.4f over %d points", path, profile.quality["r2"], profile.quality["points"])
