@@ -1,0 +1,43 @@
+"""Write the trained components as the two diffusers directories the Qwen-Image family adapter loads."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+DEFAULTS = {"height": 64, "width": 64, "steps": 20, "guidance": 4.0}
+
+
+def write_model(parts: dict, out: Path, edit: bool, defaults: dict | None = None) -> Path:
+    from diffusers import QwenImageEditPipeline, QwenImagePipeline
+
+    from triptych.training.train_dit import scheduler
+
+    out = Path(out)
+    if out.exists():
+        shutil.rmtree(out)
+    common = {k: parts[k] for k in ("vae", "text_encoder", "tokenizer", "transformer")}
+    if edit:
+        QwenImageEditPipeline(scheduler=scheduler(), processor=parts["processor"], **common).save_pretrained(out)
+    else:
+        QwenImagePipeline(scheduler=scheduler(), **common).save_pretrained(out)
+    (out / "triptych.json").write_text(json.dumps(defaults or DEFAULTS, indent=2) + "\n")
+    return out
+
+
+def assemble(run: Path, defaults: dict | None = None) -> tuple[Path, Path]:
+    from diffusers import QwenImageTransformer2DModel
+
+    from triptych.training.train_dit import load_frozen
+
+    parts = load_frozen(run)
+    parts["transformer"] = QwenImageTransformer2DModel.from_pretrained(run / "transformer")
+    return write_model(parts, run / "model", False, defaults), write_model(parts, run / "model_edit", True, defaults)
+
+
+def random_model(out: Path, seed: int, edit: bool, defaults: dict | None = None) -> Path:
+    """The same architecture (and tokenizer) with untrained, seeded weights: the chance baseline."""
+    from triptych.training import build
+
+    return write_model(build.components(seed, edit=edit), out, edit, defaults)

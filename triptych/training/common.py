@@ -1,0 +1,144 @@
+"""Shared pieces of the training stages: model sizes, seeding, checkpoints, CPU speed-ups."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+logger = logging.getLogger("triptych.training")
+
+IMAGE_SIZE = 64
+#: Qwen2.5-VL input images are resized to exactly this many pixels (112 x 112 → 16 vision tokens).
+VLM_PIXELS = 112 * 112
+CAPTION_QUESTION = "What is in this image?"
+DEFAULT_SYSTEM = "You are a helpful assistant."
+
+# Qwen2-VL / Qwen2.5-VL chat template (as in the released checkpoints).
+CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def dims():
+    """Sizes of the default model (see MODEL_CARD.md): 32x VAE so a 64 px image is one 2x2 latent patch."""
+    from triptych.pipelines.qwenimage.tiny import QwenImageDims
+
+    return QwenImageDims(
+        layers=4, heads=2, head_dim=32, rope_axes=(8, 12, 12), z_dim=16,
+        vae_base_dim=4, vae_dim_mult=(1, 2, 4, 4, 8, 8),
+        text_dim=64, text_layers=2, text_heads=2, text_mlp=128,
+        vision_dim=32, vision_layers=2, vision_heads=2, image_max_pixels=VLM_PIXELS, vocab_size=1000,
+    )  # fmt: skip
+
+
+def setup(seed: int, threads: int = 1) -> None:
+    """Deterministic CPU training. One thread by default: on a shared 2-core machine a second
+    thread spin-waits and made steps 10-30x slower in measurements (and results depend on it)."""
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    seed_all(seed)
+
+
+def seed_all(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict[str, Any]:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+def save_checkpoint(path: Path, **state: Any) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: Path) -> dict[str, Any] | None:
+    if not path.is_file():
+        return None
+    return torch.load(path, weights_only=False)
+
+
+def cosine_lr(step: int, total: int, base: float, warmup: int = 50) -> float:
+    if step < warmup:
+        return base * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return base * (0.05 + 0.95 * 0.5 * (1 + np.cos(np.pi * min(1.0, progress))))
+
+
+class Timer:
+    def __init__(self):
+        self.start = time.time()
+
+    def __call__(self) -> float:
+        return time.time() - self.start
+
+
+def write_json(path: Path, data: Any) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True))
+
+
+def file_sha256(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def tree_sha256(root: Path, pattern: str = "*.safetensors") -> dict[str, str]:
+    return {str(p.relative_to(root)): file_sha256(p) for p in sorted(Path(root).rglob(pattern))}
+
+
+@contextlib.contextmanager
+def single_frame_convs():
+    """Run the Qwen-Image VAE's causal 3-D convolutions as 2-D ones on single-frame inputs.
+
+    A causal conv on one frame sees two zero frames of padding plus the frame itself, so only the
+    kernel's last time tap contributes: ``conv2d`` with that tap is the same function (and the same
+    gradient for that tap) at a third of the cost. Used for training and for precomputing latents;
+    the shipped model runs the unmodified diffusers code.
+    """
+    import torch.nn.functional as F
+    from diffusers.models.autoencoders import autoencoder_kl_qwenimage as m
+
+    original = m.QwenImageCausalConv3d.forward
+
+    def forward(self, x, cache_x=None):
+        if x.shape[2] != 1 or cache_x is not None:
+            return original(self, x, cache_x)
+        pad_h, pad_w = self._padding[2], self._padding[0]
+        y = F.pad(x[:, :, 0], (pad_w, self._padding[1], pad_h, self._padding[3]))
+        y = F.conv2d(y, self.weight[:, :, -1], self.bias, self.stride[1:], 0, self.dilation[1:], self.groups)
+        return y.unsqueeze(2)
+
+    m.QwenImageCausalConv3d.forward = forward
+    try:
+        yield
+    finally:
+        m.QwenImageCausalConv3d.forward = original

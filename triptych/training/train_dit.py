@@ -1,0 +1,264 @@
+"""Stage 3: the QwenImageTransformer2DModel trained jointly on text-to-image and edit (flow matching).
+
+Everything the transformer sees is computed by the Qwen-Image pipelines' own code paths, once, up
+front (the VAE and the captioner are frozen):
+
+- targets: VAE posterior means of world images, normalised with the VAE's ``latents_mean/std`` and
+  packed into 2x2 patches (``_pack_latents``), exactly as ``QwenImagePipeline`` unpacks/denormalises;
+- text-to-image conditions: ``QwenImagePipeline._get_qwen_prompt_embeds`` of every train prompt;
+- edit conditions: the Qwen2.5-VL hidden states of QwenImageEditPipeline's template (source image at
+  ~1 MP as the pipeline resizes it, plus the instruction, first 64 tokens dropped), and the source
+  image's VAE latents at that size (``_encode_vae_image``), appended to the noise tokens with
+  ``img_shapes = [(1, h, w), (1, H, W)]`` as the pipeline does.
+
+Objective: rectified flow as FlowMatchEulerDiscreteScheduler integrates it: ``x_s = (1 - s) x0 + s e``,
+the transformer gets ``timestep = s`` (the pipeline passes ``t / 1000``) and predicts ``e - x0``.
+10% of conditions are replaced by the negative prompt " " so true CFG works. EMA weights are saved.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from triptych.training import data
+from triptych.training.common import (
+    Timer,
+    cosine_lr,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    seed_all,
+    set_rng_state,
+    single_frame_convs,
+)
+
+logger = logging.getLogger("triptych.training.dit")
+STYLES = ("short", "long", "tag")
+STYLE_P = (0.4, 0.4, 0.2)
+NEGATIVE = " "
+CFG_DROP = 0.1
+
+
+def load_frozen(out: Path) -> dict:
+    from diffusers import AutoencoderKLQwenImage
+    from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+
+    from triptych.training import build
+
+    tok = AutoTokenizer.from_pretrained(out / "tokenizer")
+    parts = {
+        "vae": AutoencoderKLQwenImage.from_pretrained(out / "vae").eval(),
+        "text_encoder": Qwen2_5_VLForConditionalGeneration.from_pretrained(out / "text_encoder").eval(),
+        "tokenizer": tok,
+        "processor": build.processor(tok),
+    }
+    return parts
+
+
+def scheduler():
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    # Qwen-Image's scheduler settings (as the family's tiny builder writes them).
+    return FlowMatchEulerDiscreteScheduler(
+        shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9, base_image_seq_len=256,
+        max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential",
+    )  # fmt: skip
+
+
+def pipelines(parts: dict, transformer):
+    from diffusers import QwenImageEditPipeline, QwenImagePipeline
+
+    common = dict(scheduler=scheduler(), vae=parts["vae"], text_encoder=parts["text_encoder"],
+                  tokenizer=parts["tokenizer"], transformer=transformer)  # fmt: skip
+    return QwenImagePipeline(**common), QwenImageEditPipeline(**common, processor=parts["processor"])
+
+
+def new_transformer(seed: int):
+    from diffusers import QwenImageTransformer2DModel
+
+    from triptych.training.common import dims
+
+    d = dims()
+    torch.manual_seed(seed)
+    return QwenImageTransformer2DModel(
+        patch_size=2, in_channels=4 * d.z_dim, out_channels=d.z_dim, num_layers=d.layers,
+        attention_head_dim=d.head_dim, num_attention_heads=d.heads, joint_attention_dim=d.text_dim,
+        guidance_embeds=False, axes_dims_rope=d.rope_axes,
+    )  # fmt: skip
+
+
+def _split(embeds: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
+    return [e[: int(m.sum())].clone() for e, m in zip(embeds, mask)]
+
+
+@torch.no_grad()
+def precompute(out: Path, seed: int, edit_sources: int) -> dict:
+    path = out / "dit_data.pt"
+    if path.is_file():
+        return torch.load(path, weights_only=False)
+    from triptych.pipelines.qwenimage.tokenizer import EDIT_TEMPLATE
+    from triptych.training.train_vlm import VLMInputs
+
+    timer = Timer()
+    parts = load_frozen(out)
+    t2i, edit = pipelines(parts, new_transformer(seed))
+    vae = parts["vae"]
+    scenes = list(data.train_scenes())
+    index = {s: i for i, s in enumerate(scenes)}
+    with single_frame_convs():
+        lat = _normalised_latents(vae, scenes)
+    c, h, w = lat.shape[1], lat.shape[3], lat.shape[4]
+    x0 = t2i._pack_latents(lat, lat.shape[0], c, h, w)  # (N, tokens, 4c)
+    logger.info("dit: %d target latents %s (%.0fs)", len(scenes), tuple(x0.shape), timer())
+
+    prompts = data.all_prompts(scenes) + [NEGATIVE]
+    embeds: list[torch.Tensor] = []
+    for i in range(0, len(prompts), 64):
+        e, m = t2i._get_qwen_prompt_embeds(prompt=prompts[i : i + 64], device=torch.device("cpu"))
+        embeds += _split(e, m)
+    ref, _ = t2i.encode_prompt(prompt=prompts[7], device=torch.device("cpu"))
+    logger.info("dit: %d prompt embeddings (batched vs single max diff %.2e) (%.0fs)",
+                len(prompts), (ref[0] - embeds[7]).abs().max().item(), timer())  # fmt: skip
+    prompt_index = {p: i for i, p in enumerate(prompts)}
+    t2i_table = np.array([[prompt_index[data.prompt_for(s, st)] for st in STYLES] for s in scenes])
+
+    # Edit: K sources, their condition latents at the pipeline's ~1 MP size, every train edit of them.
+    sources = data.sample_edit_sources(edit_sources, seed)
+    inputs = VLMInputs(parts["tokenizer"], parts["processor"])
+    cond, pairs, edit_embeds, neg_index = [], [], [], []
+    for k, src in enumerate(sources):
+        big = data.rescale_like_edit_pipeline(data.image(src))
+        pix = edit.image_processor.preprocess(big, big.size[1], big.size[0]).unsqueeze(2)
+        with single_frame_convs():
+            latents = edit._encode_vae_image(image=pix, generator=None)
+        cond.append(edit._pack_latents(latents, 1, latents.shape[1], latents.shape[3], latents.shape[4]))
+        src_pairs = data.edits_of(src)
+        texts = [p.instruction for p in src_pairs] + [NEGATIVE]
+        for i in range(0, len(texts), 32):
+            chunk = texts[i : i + 32]
+            b = inputs.batch([EDIT_TEMPLATE.format(t) for t in chunk], None, [src] * len(chunk), edit_path=True,
+                             token_types=False)  # fmt: skip
+            hs = parts["text_encoder"](**b, output_hidden_states=True).hidden_states[-1]
+            edit_embeds += [e[64:] for e in _split(hs, b["attention_mask"])]
+        base = len(edit_embeds) - len(texts)
+        neg_index.append(len(edit_embeds) - 1)
+        pairs += [(k, base + j, index[p.target]) for j, p in enumerate(src_pairs)]
+        if k == 0:
+            ref, _ = edit.encode_prompt(image=big, prompt=src_pairs[0].instruction, device=torch.device("cpu"))
+            logger.info("dit: edit embedding vs pipeline max diff %.2e", (ref[0] - edit_embeds[base]).abs().max().item())
+        if k % 8 == 0:
+            logger.info("dit: edit source %d/%d (%.0fs)", k, len(sources), timer())
+    shape = (1, latents.shape[3] // 2, latents.shape[4] // 2)
+    result = dict(x0=x0, embeds=embeds, t2i_table=torch.from_numpy(t2i_table), neg=prompt_index[NEGATIVE],
+                  cond=torch.cat(cond), cond_shape=shape, pairs=torch.tensor(pairs), edit_embeds=edit_embeds,
+                  edit_neg=torch.tensor(neg_index), noise_shape=(1, h // 2, w // 2))  # fmt: skip
+    torch.save(result, path)
+    logger.info("dit: %d edit pairs from %d sources, condition %s (%.0fs)", len(pairs), len(sources), shape, timer())
+    return result
+
+
+def _normalised_latents(vae, scenes) -> torch.Tensor:
+    """``(mode - latents_mean) / latents_std``, the pipelines' normalisation (``_encode_vae_image``)."""
+    from triptych.training.train_vae import encode_mode
+
+    z = encode_mode(vae, scenes)
+    mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+    return (z - mean) / std
+
+
+def _pad(embeds: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    n = max(e.shape[0] for e in embeds)
+    out = torch.zeros(len(embeds), n, embeds[0].shape[1])
+    mask = torch.zeros(len(embeds), n, dtype=torch.long)
+    for i, e in enumerate(embeds):
+        out[i, : e.shape[0]] = e
+        mask[i, : e.shape[0]] = 1
+    return out, mask
+
+
+def _sigmas(gen: torch.Generator, n: int) -> torch.Tensor:
+    uniform = torch.rand(n, generator=gen)
+    logit = torch.sigmoid(torch.randn(n, generator=gen))
+    pick = torch.rand(n, generator=gen) < 0.5
+    return torch.where(pick, uniform, logit).clamp(1e-3, 1.0)
+
+
+def flow_loss(model, x0, embeds, mask, shapes, gen, extra=None) -> torch.Tensor:
+    s = _sigmas(gen, x0.shape[0])
+    noise = torch.randn(x0.shape, generator=gen)
+    xt = (1 - s.view(-1, 1, 1)) * x0 + s.view(-1, 1, 1) * noise
+    hidden = xt if extra is None else torch.cat([xt, extra], dim=1)
+    pred = model(hidden_states=hidden, timestep=s, encoder_hidden_states=embeds, encoder_hidden_states_mask=mask,
+                 img_shapes=[shapes] * x0.shape[0], return_dict=False)[0][:, : x0.shape[1]]  # fmt: skip
+    return (pred - (noise - x0)).pow(2).mean()
+
+
+def train_dit(out: Path, seed: int, steps: int, batch: int = 64, edit_batch: int = 8, lr: float = 1e-3,
+              edit_sources: int = 48, resume: bool = False, log_every: int = 50, ckpt_every: int = 200):  # fmt: skip
+    if (out / "transformer" / "config.json").is_file():
+        logger.info("dit: done already (%s)", out / "transformer")
+        return
+    seed_all(seed)
+    d = precompute(out, seed, edit_sources)
+    model = new_transformer(seed)
+    ema = copy.deepcopy(model).requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.99))
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(f"{seed}|dit")
+    start = 0
+    ckpt = out / "dit.ckpt"
+    state = load_checkpoint(ckpt) if resume else None
+    if state:
+        model.load_state_dict(state["model"])
+        ema.load_state_dict(state["ema"])
+        opt.load_state_dict(state["opt"])
+        start = state["step"]
+        set_rng_state(state["rng"])
+        gen.set_state(state["gen"])
+        rng.setstate(state["pyrng"])
+        logger.info("dit: resumed at step %d", start)
+    n_scenes = d["x0"].shape[0]
+    n_pairs = d["pairs"].shape[0]
+    timer = Timer()
+    model.train()
+    for step in range(start, steps):
+        for g in opt.param_groups:
+            g["lr"] = cosine_lr(step, steps, lr, warmup=100)
+        opt.zero_grad(set_to_none=True)
+        # text-to-image
+        idx = [rng.randrange(n_scenes) for _ in range(batch)]
+        emb = []
+        for i in idx:
+            style = rng.choices(range(3), STYLE_P)[0]
+            j = d["neg"] if rng.random() < CFG_DROP else int(d["t2i_table"][i, style])
+            emb.append(d["embeds"][j])
+        e, m = _pad(emb)
+        loss_t = flow_loss(model, d["x0"][idx], e, m, [d["noise_shape"]], gen)
+        loss_t.backward()
+        # edit
+        rows = d["pairs"][[rng.randrange(n_pairs) for _ in range(edit_batch)]]
+        emb = [d["edit_embeds"][int(d["edit_neg"][k]) if rng.random() < CFG_DROP else int(j)] for k, j, _ in rows.tolist()]
+        e, m = _pad(emb)
+        loss_e = flow_loss(model, d["x0"][rows[:, 2]], e, m, [d["noise_shape"], d["cond_shape"]], gen,
+                           extra=d["cond"][rows[:, 0]])  # fmt: skip
+        loss_e.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        decay = min(0.999, (1 + step) / (10 + step))
+        with torch.no_grad():
+            for pe, pm in zip(ema.parameters(), model.parameters()):
+                pe.lerp_(pm, 1 - decay)
+        if step % log_every == 0 or step == steps - 1:
+            logger.info("dit step %d/%d loss t2i %.4f edit %.4f (%.0fs)", step, steps, loss_t.item(), loss_e.item(), timer())
+        if (step + 1) % ckpt_every == 0:
+            save_checkpoint(ckpt, model=model.state_dict(), ema=ema.state_dict(), opt=opt.state_dict(), step=step + 1,
+                            rng=rng_state(), gen=gen.get_state(), pyrng=rng.getstate())  # fmt: skip
+    ema.save_pretrained(out / "transformer")
+    logger.info("dit: saved (%.0fs)", timer())

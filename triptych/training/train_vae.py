@@ -1,0 +1,130 @@
+"""Stage 1: the AutoencoderKLQwenImage (32x spatial compression, z=16) trained to reconstruct world images.
+
+Loss: L1 + L2 on pixels of a posterior sample's decoding, plus a small KL term. Afterwards the
+per-channel mean/std of the posterior means over every train scene become the VAE config's
+``latents_mean``/``latents_std``, which the Qwen-Image pipelines use to normalise latents.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+
+import torch
+
+from triptych.training import data
+from triptych.training.common import (
+    Timer,
+    cosine_lr,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    seed_all,
+    set_rng_state,
+    single_frame_convs,
+)
+
+logger = logging.getLogger("triptych.training.vae")
+
+
+def build_vae(seed: int):
+    from diffusers import AutoencoderKLQwenImage
+
+    from triptych.training.common import dims
+
+    d = dims()
+    torch.manual_seed(seed + 2)
+    vae = AutoencoderKLQwenImage(
+        base_dim=d.vae_base_dim, z_dim=d.z_dim, dim_mult=list(d.vae_dim_mult), num_res_blocks=1,
+        temperal_downsample=[False] * (len(d.vae_dim_mult) - 1),
+        latents_mean=[0.0] * d.z_dim, latents_std=[1.0] * d.z_dim,
+    )  # fmt: skip
+    # Start with a narrow posterior (std ~0.05): at unit variance the sampling noise drowns the
+    # still-small means and the decoder settles on the mean image (loss plateau seen at ~2.0).
+    with torch.no_grad():
+        vae.quant_conv.bias[d.z_dim :] = -6.0
+    return vae
+
+
+def train_vae(out: Path, seed: int, steps: int, batch: int = 16, lr: float = 2.5e-3, kl: float = 1e-4,
+              resume: bool = False, log_every: int = 25, ckpt_every: int = 100):  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    if (out / "vae" / "config.json").is_file():
+        logger.info("vae: done already (%s)", out / "vae")
+        return
+    seed_all(seed)
+    vae = build_vae(seed)
+    opt = torch.optim.AdamW(vae.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.99))
+    start = 0
+    ckpt = out / "vae.ckpt"
+    state = load_checkpoint(ckpt) if resume else None
+    if state:
+        vae.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        start = state["step"]
+        set_rng_state(state["rng"])
+        logger.info("vae: resumed at step %d", start)
+    scenes = list(data.train_scenes())
+    rng = random.Random(f"{seed}|vae")
+    if state:
+        rng.setstate(state["pyrng"])
+    timer = Timer()
+    vae.train()
+    with single_frame_convs():
+        for step in range(start, steps):
+            for g in opt.param_groups:
+                g["lr"] = cosine_lr(step, steps, lr)
+            x = data.pixels(rng.sample(scenes, batch))
+            post = vae.encode(x).latent_dist
+            z = post.sample()
+            y = decode_unclamped(vae, z)
+            rec = (y - x).abs().mean() + (y - x).pow(2).mean()
+            kl_term = 0.5 * (post.mean.pow(2) + post.var - 1.0 - post.logvar).mean()
+            loss = rec + kl * kl_term
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+            opt.step()
+            if step % log_every == 0 or step == steps - 1:
+                logger.info("vae step %d/%d rec %.4f kl %.2f (%.0fs)", step, steps, rec.item(), kl_term.item(), timer())
+            if (step + 1) % ckpt_every == 0:
+                save_checkpoint(ckpt, model=vae.state_dict(), opt=opt.state_dict(), step=step + 1, rng=rng_state(),
+                                pyrng=rng.getstate())  # fmt: skip
+        vae.eval()
+        mean, std = latent_stats(vae, scenes)
+    vae.register_to_config(latents_mean=mean, latents_std=std)
+    vae.save_pretrained(out / "vae")
+    logger.info("vae: saved (%.0fs); latents mean %s std %s", timer(), [round(v, 2) for v in mean], [round(v, 2) for v in std])
+
+
+def decode_unclamped(vae, z: torch.Tensor) -> torch.Tensor:
+    """``vae.decode`` of one frame without its final clamp to [-1, 1] (which zeroes gradients)."""
+    vae.clear_cache()
+    out = vae.decoder(vae.post_quant_conv(z), feat_cache=vae._feat_map, feat_idx=[0])
+    vae.clear_cache()
+    return out
+
+
+@torch.no_grad()
+def encode_mode(vae, scenes, batch: int = 64) -> torch.Tensor:
+    """Posterior means (N, z, 1, h, w), unnormalised."""
+    out = [vae.encode(data.pixels(scenes[i : i + batch])).latent_dist.mode() for i in range(0, len(scenes), batch)]
+    return torch.cat(out)
+
+
+def latent_stats(vae, scenes) -> tuple[list[float], list[float]]:
+    z = encode_mode(vae, scenes)
+    flat = z.transpose(0, 1).reshape(z.shape[1], -1)
+    return flat.mean(1).tolist(), flat.std(1).clamp_min(1e-3).tolist()
+
+
+@torch.no_grad()
+def reconstruction_accuracy(vae, scenes) -> dict[str, float]:
+    from triptych.world import accuracy, score
+
+    x = data.pixels(scenes)
+    with single_frame_convs():
+        y = vae.decode(vae.encode(x).latent_dist.mode()).sample
+    arr = ((y[:, :, 0].permute(0, 2, 3, 1).clamp(-1, 1) + 1) * 127.5).round().byte().numpy()
+    return accuracy([score(a, s) for a, s in zip(arr, scenes)])

@@ -1,0 +1,180 @@
+"""Stage 2: the Qwen2.5-VL trained as a captioner of world images; afterwards it is frozen and serves
+as the text/image encoder of the Qwen-Image pipelines.
+
+Three next-token tasks, loss on the answer only:
+
+- caption: chat template, user turn = image + "What is in this image?", answer = the long caption;
+- edit: QwenImageEditPipeline's own prompt template (source image + instruction), answer = the
+  long caption of the *edited* scene, fed exactly as the pipeline feeds it (no ``mm_token_type_ids``);
+- prompt: QwenImagePipeline's template (text only), answer = the canonical caption.
+
+The last two make the hidden states the pipelines read (the template's user turn) describe the
+scene to draw, which is what the transformer is then trained to condition on.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+
+import torch
+
+from triptych.training import data
+from triptych.training.common import (
+    CAPTION_QUESTION,
+    Timer,
+    cosine_lr,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    seed_all,
+    set_rng_state,
+)
+
+logger = logging.getLogger("triptych.training.vlm")
+IMAGE_TOKENS = 16  # 112x112 px → 8x8 patches of 14 px → 2x2 merge → 16 tokens
+GRID = (1, 8, 8)
+IM_END = "<|im_end|>"
+
+
+class VLMInputs:
+    """Builds Qwen2.5-VL batches the way the processor does, from cached per-scene pixel values."""
+
+    def __init__(self, tok, proc):
+        self.tok = tok
+        self.proc = proc
+        self.image_pad = tok.convert_tokens_to_ids("<|image_pad|>")
+        self._direct: dict = {}
+        self._edit: dict = {}
+
+    def pixel_values(self, scene, edit_path: bool) -> torch.Tensor:
+        cache = self._edit if edit_path else self._direct
+        if scene not in cache:
+            img = data.image(scene)
+            if edit_path:
+                img = data.rescale_like_edit_pipeline(img)
+            cache[scene] = self.proc.image_processor(images=[img], return_tensors="pt")["pixel_values"]
+        return cache[scene]
+
+    def caption_prompt(self) -> str:
+        msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": CAPTION_QUESTION}]}]
+        return self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+
+    def batch(self, prompts: list[str], answers: list[str] | None, scenes=None, edit_path=False, token_types=True):
+        """Right-padded batch; ``labels`` cover each answer and its ``<|im_end|>``."""
+        expanded = [p.replace("<|image_pad|>", "<|image_pad|>" * IMAGE_TOKENS) for p in prompts]
+        ids = [self.tok(p)["input_ids"] for p in expanded]
+        labels = [[-100] * len(x) for x in ids]
+        if answers is not None:
+            for i, a in enumerate(answers):
+                extra = self.tok(a + IM_END)["input_ids"]
+                ids[i] = ids[i] + extra
+                labels[i] = labels[i] + extra
+        n = max(len(x) for x in ids)
+        pad = self.tok.pad_token_id
+        out = {
+            "input_ids": torch.tensor([x + [pad] * (n - len(x)) for x in ids]),
+            "attention_mask": torch.tensor([[1] * len(x) + [0] * (n - len(x)) for x in ids]),
+        }
+        if answers is not None:
+            out["labels"] = torch.tensor([x + [-100] * (n - len(x)) for x in labels])
+        if scenes is not None:
+            out["pixel_values"] = torch.cat([self.pixel_values(s, edit_path) for s in scenes])
+            out["image_grid_thw"] = torch.tensor([GRID] * len(scenes))
+            if token_types:
+                out["mm_token_type_ids"] = (out["input_ids"] == self.image_pad).long()
+        return out
+
+
+def _tasks(rng: random.Random, inputs: VLMInputs, batch: int):
+    from triptych.pipelines.qwenimage.tokenizer import EDIT_TEMPLATE, T2I_TEMPLATE
+
+    scenes = list(data.train_scenes())
+    cap = rng.sample(scenes, batch)
+    yield inputs.batch([inputs.caption_prompt()] * batch, [data.caption_answer(s) for s in cap], cap)
+    sources = rng.sample(scenes, batch * 2)
+    pairs = []
+    for s in sources:
+        options = data.edits_of(s)
+        if options:
+            pairs.append(rng.choice(options))
+        if len(pairs) == batch:
+            break
+    yield inputs.batch(
+        [EDIT_TEMPLATE.format(p.instruction) for p in pairs],
+        [data.caption_answer(p.target) for p in pairs],
+        [p.source for p in pairs],
+        edit_path=True,
+        token_types=False,
+    )
+    t2i = rng.sample(scenes, batch)
+    styles = [rng.choice(("short", "long", "tag")) for _ in t2i]
+    yield inputs.batch(
+        [T2I_TEMPLATE.format(data.prompt_for(s, st)) for s, st in zip(t2i, styles)],
+        [data.prompt_for(s, "short" if st == "short" else "long") for s, st in zip(t2i, styles)],
+    )
+
+
+def train_vlm(out: Path, seed: int, steps: int, batch: int = 16, lr: float = 2e-3, resume: bool = False,
+              log_every: int = 25, ckpt_every: int = 100):  # fmt: skip
+    from triptych.training import build
+
+    out.mkdir(parents=True, exist_ok=True)
+    if (out / "text_encoder" / "config.json").is_file():
+        logger.info("vlm: done already (%s)", out / "text_encoder")
+        return
+    seed_all(seed)
+    tok = build.tokenizer()
+    proc = build.processor(tok)
+    model = build.text_encoder(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
+    rng = random.Random(f"{seed}|vlm")
+    start = 0
+    ckpt = out / "vlm.ckpt"
+    state = load_checkpoint(ckpt) if resume else None
+    if state:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        start = state["step"]
+        set_rng_state(state["rng"])
+        rng.setstate(state["pyrng"])
+        logger.info("vlm: resumed at step %d", start)
+    inputs = VLMInputs(tok, proc)
+    timer = Timer()
+    model.train()
+    for step in range(start, steps):
+        for g in opt.param_groups:
+            g["lr"] = cosine_lr(step, steps, lr)
+        losses = []
+        opt.zero_grad(set_to_none=True)
+        for b in _tasks(rng, inputs, batch):
+            loss = model(**b).loss
+            loss.backward()
+            losses.append(loss.item())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % log_every == 0 or step == steps - 1:
+            logger.info("vlm step %d/%d loss caption %.3f edit %.3f prompt %.3f (%.0fs)", step, steps, *losses, timer())
+        if (step + 1) % ckpt_every == 0:
+            save_checkpoint(ckpt, model=model.state_dict(), opt=opt.state_dict(), step=step + 1, rng=rng_state(),
+                            pyrng=rng.getstate())  # fmt: skip
+    model.eval()
+    model.save_pretrained(out / "text_encoder")
+    tok.save_pretrained(out / "tokenizer")
+    proc.save_pretrained(out / "processor")
+    logger.info("vlm: saved (%.0fs)", timer())
+
+
+@torch.no_grad()
+def caption_images(model, proc, images, max_new_tokens: int = 24) -> list[str]:
+    """Ask the model 'What is in this image?' through its chat template (greedy)."""
+    tok = proc.tokenizer
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": CAPTION_QUESTION}]}]
+    text = tok.apply_chat_template(msgs, chat_template=proc.chat_template, tokenize=False, add_generation_prompt=True)
+    answers = []
+    for img in images:
+        inp = proc(text=[text], images=[img], return_tensors="pt")
+        gen = model.generate(**inp, max_new_tokens=max_new_tokens, do_sample=False)
+        answers.append(tok.decode(gen[0, inp["input_ids"].shape[1] :], skip_special_tokens=True).strip())
+    return answers
