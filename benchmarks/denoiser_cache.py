@@ -37,6 +37,7 @@ import torch
 from torchmetrics.functional.image import peak_signal_noise_ratio, structural_similarity_index_measure
 
 from triptych.cache.teacache import ProfileIndex, TeaCache
+from triptych.calibration.collect import DEFAULT_PROMPTS
 from triptych.calibration.fit import calibrate
 from triptych.pipelines.base import GenerationParams
 from triptych.pipelines.flux.teacache import plan_for
@@ -202,6 +203,7 @@ def main(argv=None) -> int:
     ap.add_argument("--thresholds", type=float, nargs="+", default=[0.1, 0.2, 0.4])
     ap.add_argument("--prompts", type=int, default=len(PROMPTS))
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--calib-prompts", type=int, default=4, help="calibration prompts (x 2 seeds)")
     ap.add_argument("--model-dir", help="existing FLUX model dir (default: build the seeded --size model)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads; 1 = time CPU seconds, else wall")
     ap.add_argument("--no-cache-dit", action="store_true")
@@ -213,7 +215,7 @@ def main(argv=None) -> int:
         "flux", Path(tempfile.mkdtemp()) / f"{args.size}-flux", seed=0, size=args.size)  # fmt: skip
     family = load_family(model)
     t0 = time.perf_counter()
-    profile, _ = calibrate(model, args.steps, family=family)
+    profile, _ = calibrate(model, args.steps, prompts=DEFAULT_PROMPTS[: args.calib_prompts], family=family)
     calib_s = time.perf_counter() - t0
     plist = [family.resolve(GenerationParams(prompt=p, seed=SEED, steps=args.steps)) for p in PROMPTS[: args.prompts]]
     cond = {p.prompt: family.encode(p) for p in plist}
