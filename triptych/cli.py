@@ -28,6 +28,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--guidance", type=float, help="true-CFG scale (Qwen-Image, Wan) or distilled guidance (FLUX)")
     p.add_argument("--true-cfg", type=float, default=1.0, help="FLUX only: true CFG scale with --negative-prompt")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--teacache-threshold", type=float, default=0.0,
+                   help="TeaCache threshold (0 = off); needs a calibration profile (triptych calibrate)")
     p.add_argument("--fps", type=int, default=16, help="MP4 frame rate")
     p.add_argument("--separate-cfg", action="store_true",
                    help="run CFG branches as separate forwards, as diffusers does (bit-identical to it); "
@@ -69,16 +71,24 @@ def cmd_generate(args) -> int:
     params = GenerationParams(
         prompt=args.prompt, negative_prompt=args.negative_prompt, height=args.height, width=args.width,
         frames=args.frames, steps=args.steps, guidance=args.guidance, true_cfg=args.true_cfg,
-        seed=args.seed, image=image,
+        seed=args.seed, image=image, teacache_threshold=args.teacache_threshold,
     )  # fmt: skip
     t0 = time.perf_counter()
     family = load_family(resolve_model(args.model))
     load_s = time.perf_counter() - t0
     params = family.resolve(params)
+    accel = None
+    if params.teacache_threshold:
+        from triptych.server.engine.accel import check_teacache, make_teacache
+
+        check_teacache(family, params)
+        accel = make_teacache(family)
     if family.is_video != (fmt == "mp4"):
         raise InvalidParam("out", args.out, "video families write .mp4; image families write .png/.jpg/.webp")
     bar = tqdm(total=params.steps, desc="denoising", unit="step", file=sys.stderr)
-    frames, timings = run_request(family, params, on_step=lambda s: bar.update(1), fuse_cfg=not args.separate_cfg)
+    frames, timings = run_request(
+        family, params, on_step=lambda s: bar.update(1), fuse_cfg=not args.separate_cfg, accel=accel
+    )
     bar.close()
     t = time.perf_counter()
     data = encode_frames(frames.to_uint8(), fmt, fps=args.fps)
@@ -89,6 +99,30 @@ def cmd_generate(args) -> int:
     print(f"wrote {args.out} ({family.name}, {params.width}x{params.height}, {params.steps} steps, seed {params.seed})")
     print(f"timings: {stages}")
     return 0
+
+
+def _add_calibrate(sub) -> None:
+    p = sub.add_parser("calibrate", help="fit a TeaCache profile for a model and step count")
+    p.add_argument("--model", help="diffusers model directory (default: the built-in model)")
+    p.add_argument("--steps", type=int, required=True, help="the step schedule the profile is for")
+    p.add_argument("--prompt", action="append", help="calibration prompt (repeatable; default: a built-in set)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    p.add_argument("--out", help="profile path (default MODEL_DIR/teacache/<family>-<steps>steps.json)")
+    p.set_defaults(func=cmd_calibrate)
+
+
+def cmd_calibrate(args) -> int:
+    from triptych.calibration.fit import main as fit_main
+    from triptych.models import resolve_model
+
+    if args.steps < 1:
+        raise InvalidParam("steps", args.steps, "must be >= 1")
+    argv = [str(resolve_model(args.model)), "--steps", str(args.steps), "--seeds", *map(str, args.seeds)]
+    for prompt in args.prompt or []:
+        argv += ["--prompt", prompt]
+    if args.out:
+        argv += ["--out", args.out]
+    return fit_main(argv)
 
 
 def cmd_make_tiny(args) -> int:
@@ -105,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_make_tiny(sub)
+    _add_calibrate(sub)
     try:
         from triptych.server.cli import add_server_commands
     except ImportError:

@@ -311,6 +311,44 @@ class TeaCacheStats:
 
 
 # ---- the cache -----------------------------------------------------------------------------------
+def resolve_settings(
+    family: str,
+    profiles: Callable[[int], TeaCacheProfile | None],
+    config: TeaCacheConfig,
+    threshold: float,
+    steps: int,
+    coefficients: Sequence[float] | None = None,
+) -> RequestSettings:
+    """Check a request's TeaCache parameters; raises ``InvalidParam`` (HTTP 400) when unusable.
+
+    Needs no weights, so the head validates with it before a request is queued.
+    """
+    if not (isinstance(threshold, (int, float)) and math.isfinite(threshold)) or not (
+        0 < threshold <= config.max_threshold
+    ):
+        raise InvalidParam("teacache_threshold", threshold, f"must be 0 (off) or in (0, {config.max_threshold}]")
+    profile = None
+    if coefficients is not None:
+        try:
+            coeffs = check_coefficients(coefficients, "teacache coefficients")
+        except (TypeError, ValueError) as e:
+            raise InvalidParam("teacache_coefficients", coefficients, str(e)) from e
+    else:
+        profile = profiles(steps)
+        if profile is None:
+            raise InvalidParam(
+                "teacache_threshold", threshold,
+                f"TeaCache is not calibrated for family {family!r} at {steps} steps: no profile "
+                "found; calibrate one (triptych calibrate), set threshold 0, or pass coefficients",
+            )  # fmt: skip
+        coeffs = profile.coefficients
+    warmup = config.warmup_steps if config.warmup_steps is not None else (profile.warmup if profile else 1)
+    cooldown = config.cooldown_steps
+    if cooldown is None:
+        cooldown = profile.cooldown if profile else 1
+    return RequestSettings(float(threshold), steps, coeffs, warmup, cooldown, profile.path if profile else None)
+
+
 class TeaCache:
     """Wraps the family's transformer call for a batch of rows; see the module docstring.
 
@@ -336,30 +374,7 @@ class TeaCache:
     # -- lifecycle ---------------------------------------------------------------------------------
     def resolve(self, threshold: float, steps: int, coefficients: Sequence[float] | None = None) -> RequestSettings:
         """Check a request's TeaCache parameters; raises ``InvalidParam`` (HTTP 400) when unusable."""
-        if not (isinstance(threshold, (int, float)) and math.isfinite(threshold)) or not (
-            0 < threshold <= self.config.max_threshold
-        ):
-            raise InvalidParam("teacache_threshold", threshold, f"must be 0 (off) or in (0, {self.config.max_threshold}]")
-        profile = None
-        if coefficients is not None:
-            try:
-                coeffs = check_coefficients(coefficients, "teacache coefficients")
-            except (TypeError, ValueError) as e:
-                raise InvalidParam("teacache_coefficients", coefficients, str(e)) from e
-        else:
-            profile = self.profiles(steps)
-            if profile is None:
-                raise InvalidParam(
-                    "teacache_threshold", threshold,
-                    f"TeaCache is not calibrated for family {self.plan.family!r} at {steps} steps: no profile "
-                    "found; calibrate one (triptych.calibration.fit), set threshold 0, or pass coefficients",
-                )  # fmt: skip
-            coeffs = profile.coefficients
-        warmup = self.config.warmup_steps if self.config.warmup_steps is not None else (profile.warmup if profile else 1)
-        cooldown = self.config.cooldown_steps
-        if cooldown is None:
-            cooldown = profile.cooldown if profile else 1
-        return RequestSettings(float(threshold), steps, coeffs, warmup, cooldown, profile.path if profile else None)
+        return resolve_settings(self.plan.family, self.profiles, self.config, threshold, steps, coefficients)
 
     def admit(self, request_id: str, threshold: float, steps: int, coefficients: Sequence[float] | None = None) -> None:
         """Register a request before its first step (optional: ``forward`` admits unseen rows itself)."""

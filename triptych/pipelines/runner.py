@@ -30,11 +30,14 @@ def run_request(
     request_id: str = "local",
     on_step: StepCallback | None = None,
     fuse_cfg: bool = True,
+    accel=None,
 ) -> tuple[Frames, StageTimings]:
     """Resolve, encode, prepare, denoise until done, decode. ``params`` may be unresolved.
 
     ``fuse_cfg=True`` (default) runs both CFG branches in one forward, as the serving engine does,
     so a request served alone equals this; ``False`` runs them as diffusers does (bit-identical).
+    ``accel``: an acceleration owning per-request state (``admit``/``bind``/``release``, e.g. a
+    ``triptych.cache.teacache.TeaCache``), used when ``params.teacache_threshold`` > 0.
     """
     timings = StageTimings()
     params = family.resolve(params)
@@ -43,10 +46,18 @@ def run_request(
     timings.add("encode", t)
     t = time.perf_counter()
     state = family.prepare(request_id, params, cond)
-    while not state.done:
-        family.denoise_step([state], fuse_cfg=fuse_cfg)
-        if on_step is not None:
-            on_step(state)
+    forward = None
+    if accel is not None and params.teacache_threshold > 0:
+        accel.admit(request_id, params.teacache_threshold, state.total_steps)
+        forward = accel.bind(family.forward)
+    try:
+        while not state.done:
+            family.denoise_step([state], fuse_cfg=fuse_cfg, forward=forward)
+            if on_step is not None:
+                on_step(state)
+    finally:
+        if accel is not None:
+            accel.release(request_id)
     timings.add("denoise", t)
     t = time.perf_counter()
     frames = family.decode(state.latents, params)

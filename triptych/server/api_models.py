@@ -35,7 +35,7 @@ class _GenerationFields(BaseModel):
     guidance_scale: FiniteFloat | None = Field(None, ge=0)
     negative_prompt: str | None = Field(None, max_length=MAX_TEXT)
     true_cfg_scale: FiniteFloat | None = Field(None, ge=0)
-    teacache_threshold: FiniteFloat | None = Field(None, ge=0, le=10, description="0 = TeaCache off")
+    teacache_threshold: FiniteFloat | None = Field(None, ge=0, le=2, description="0 = TeaCache off; needs a calibration profile")
     # OpenAI fields accepted and ignored
     user: str | None = Field(None, max_length=256)
     quality: str | None = Field(None, max_length=32)
@@ -79,7 +79,7 @@ class VideoCreateRequest(BaseModel):
     guidance_scale: FiniteFloat | None = Field(None, ge=0)
     negative_prompt: str | None = Field(None, max_length=MAX_TEXT)
     true_cfg_scale: FiniteFloat | None = Field(None, ge=0)
-    teacache_threshold: FiniteFloat | None = Field(None, ge=0, le=10)
+    teacache_threshold: FiniteFloat | None = Field(None, ge=0, le=2)
     input_reference: ImageReference | None = Field(None, description="JSON form of the condition image")
 
 

@@ -80,7 +80,10 @@ class InProcessBackend(GenerationBackend):
     """Runs one job at a time in a worker thread of the head process (no pools)."""
 
     def __init__(self, family: Family, max_queued: int = 64):
+        from triptych.server.engine.accel import make_teacache
+
         self.family = family
+        self._accel = make_teacache(family)
         self.max_queued = max_queued
         self._lock = asyncio.Lock()
         self._waiting = 0
@@ -106,7 +109,9 @@ class InProcessBackend(GenerationBackend):
                     if on_progress is not None:
                         on_progress(state.step, state.total_steps)
 
-                frames, _ = await asyncio.to_thread(run_request, self.family, job.params, job.request_id, on_step)
+                frames, _ = await asyncio.to_thread(
+                    run_request, self.family, job.params, job.request_id, on_step, True, self._accel
+                )
                 return await asyncio.to_thread(encode_frames, frames.to_uint8(), job.output_format, job.fps)
         finally:
             self._waiting -= 1

@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from starlette.datastructures import UploadFile
 
 from triptych.errors import InvalidParam
+from triptych.server.engine.accel import check_teacache
 from triptych.pipelines.base import GenerationParams
 from triptych.server import metrics
 from triptych.server.api_models import ImageData, ImageEditForm, ImageGenerationRequest, ImagesResponse, inline_schema
@@ -58,6 +59,7 @@ def resolve(head, params: GenerationParams, size: str | None, frames_field: str 
             raise InvalidParam(frames_field, e.value, e.rule) from None
         raise InvalidParam(API_FIELD.get(e.field, e.field), e.value, e.rule) from None
     head.limits.check_resolved(p.width, p.height, p.frames, p.steps)
+    check_teacache(head.family, p)  # refused at the door rather than as a failed stage
     return p
 
 

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from itertools import count
 
+from triptych.errors import InvalidParam
 from triptych.pipelines.base import DenoiseState, Family
 
 from triptych.server.engine.config import EngineConfig
@@ -46,8 +47,14 @@ class DenoiserEngine:
 
     # ---- membership -------------------------------------------------------------------------
     def add(self, state: DenoiseState) -> None:
+        """Join at the next step boundary; raises ``InvalidParam`` for an unusable TeaCache request."""
         if state.request_id in self._running:
             raise ValueError(f"request {state.request_id!r} is already running")
+        threshold = state.params.teacache_threshold
+        if threshold > 0:
+            if self.accel is None:
+                raise InvalidParam("teacache_threshold", threshold, f"TeaCache is not available for {self.family.name}")
+            self.accel.admit(state.request_id, threshold, state.total_steps)
         key = self.family.compat_key(state)
         tokens = int(state.latents[0].numel() // state.latents.shape[-1]) if state.latents.dim() == 3 else int(
             state.latents[0, 0].numel()
@@ -104,7 +111,7 @@ class DenoiserEngine:
         s.step_seconds += elapsed
         s.batch_sizes[len(states)] += 1
         if self.accel is not None:
-            s.skipped_rows = getattr(self.accel, "skipped_rows", s.skipped_rows)
+            s.skipped_rows = self.accel.stats.rows_skipped
 
     def update(self, batch: list[Running], out: EngineStepOutput) -> None:
         self._tick += 1

@@ -1,0 +1,105 @@
+"""TeaCache attached to the engine, generate and the head's validation (calibrate → use → release)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import psnr
+from triptych.errors import InvalidParam
+from triptych.pipelines.base import GenerationParams
+from triptych.pipelines.registry import load_family, make_tiny
+from triptych.pipelines.runner import run_request
+from triptych.server.engine import DenoiserEngine, EngineConfig
+from triptych.server.engine.accel import check_teacache, make_teacache
+
+STEPS = 8
+MIN_PSNR_DB = 25.0  # TeaCache is an approximation: stated floor vs the uncached output
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory):
+    """A tiny FLUX with a TeaCache profile fitted by the CLI, as a user would."""
+    from triptych.cli import main
+
+    model = make_tiny("flux", tmp_path_factory.mktemp("flux-tc"), seed=0)
+    assert main(["calibrate", "--model", str(model), "--steps", str(STEPS)]) == 0
+    return load_family(model)
+
+
+def test_no_profile_is_refused_at_the_head_and_in_the_engine(tiny_model_dir):
+    family = load_family(tiny_model_dir("flux"))
+    p = family.resolve(GenerationParams(prompt="x", teacache_threshold=0.2))
+    with pytest.raises(InvalidParam) as err:
+        check_teacache(family, p)
+    assert err.value.field == "teacache_threshold" and "not calibrated" in err.value.rule
+    engine = DenoiserEngine(family, accel=make_teacache(family))
+    with pytest.raises(InvalidParam):
+        engine.add(family.prepare("r", p, family.encode(p)))
+    assert not engine.has_work()
+
+
+def test_engine_teacache_three_way_and_release(calibrated):
+    family = calibrated
+    base = family.resolve(GenerationParams(prompt="a red circle", seed=3, steps=STEPS))
+    check_teacache(family, base.replace(teacache_threshold=0.3))  # profile found: accepted
+
+    def run(threshold):
+        engine = DenoiserEngine(family, EngineConfig(), accel=make_teacache(family))
+        p = base.replace(teacache_threshold=threshold)
+        engine.add(family.prepare("r", p, family.encode(p)))
+        out = engine.run_until_done()[0]
+        assert engine.accel.num_states() == 0 and engine.accel.active_requests() == []  # released
+        return out, engine.stats
+
+    off, off_stats = run(0.0)
+    on, on_stats = run(0.3)
+    again, _ = run(0.0)
+    assert (again.latents == off.latents).all()
+    assert on_stats.skipped_rows > 0 and off_stats.skipped_rows == 0
+    assert psnr(family.decode(on.latents, base).array, family.decode(off.latents, base).array) >= MIN_PSNR_DB
+
+
+def test_generate_cli_with_teacache(calibrated, tmp_path):
+    from triptych.cli import main
+
+    model = str(calibrated.model_dir)
+    out = tmp_path / "a.png"
+    assert main(["generate", "--model", model, "--prompt", "a red circle", "--steps", str(STEPS),
+                 "--teacache-threshold", "0.3", "--out", str(out)]) == 0  # fmt: skip
+    assert out.stat().st_size > 0
+    # Same request at a step count without a profile: one clear line, exit code 2.
+    assert main(["generate", "--model", model, "--prompt", "x", "--steps", "5",
+                 "--teacache-threshold", "0.3", "--out", str(out)]) == 2  # fmt: skip
+
+
+def test_run_request_accel_matches_engine(calibrated):
+    family = calibrated
+    p = family.resolve(GenerationParams(prompt="a blue square", seed=4, steps=STEPS, teacache_threshold=0.3))
+    accel = make_teacache(family)
+    frames, _ = run_request(family, p, accel=accel)
+    engine = DenoiserEngine(family, accel=make_teacache(family))
+    engine.add(family.prepare("r", p, family.encode(p)))
+    state = engine.run_until_done()[0]
+    assert (family.decode(state.latents, p).array == frames.array).all()
+    assert accel.num_states() == 0
+
+
+def test_rest_teacache_request_and_refusals(calibrated, tmp_path):
+    import httpx
+
+    from tests.e2e.http_support import serve
+    from triptych.server.backend import InProcessBackend
+    from triptych.server.http import HeadConfig, create_app
+
+    app = create_app(InProcessBackend(calibrated), HeadConfig(data_dir=tmp_path / "data"))
+    with serve(app) as base:
+        url = f"{base}/v1/images/generations"
+        body = {"prompt": "a red circle", "size": "64x64", "seed": 1, "num_inference_steps": STEPS,
+                "response_format": "b64_json"}  # fmt: skip
+        ok = httpx.post(url, json={**body, "teacache_threshold": 0.3}, timeout=120)
+        assert ok.status_code == 200, ok.text
+        for bad in ({"teacache_threshold": 0.3, "num_inference_steps": 5}, {"teacache_threshold": 5.0}):
+            resp = httpx.post(url, json={**body, **bad}, timeout=120)
+            assert resp.status_code == 400, resp.text
+            err = resp.json()["error"]
+            assert err["param"] == "teacache_threshold", err
