@@ -16,10 +16,14 @@ REF = TensorRef("r1/g1/cond/cond.prompt_embeds", "float32", (1, 4, 8), 128, "den
                 MooncakeLocation("127.0.0.1:1234", 4096))  # fmt: skip
 WIRE = P.params_to_wire(GenerationParams("a cat", height=32, width=32, frames=1, steps=2, guidance=3.5, seed=7))
 SPEC = {"latents": P.TensorSpec("float32", (1, 16, 64))}
+ENGINE = P.EngineReport(10, 12, 24, 30, 2, 0.5, {1: 4, 3: 6}, 5, 1)
+TRANSFER = P.TransferReport("zmq", 5, 4096, 0.02, 3, 2048, 0, 0)
 
 MESSAGES = [
     P.Register("enc-0", "encoder", 4, "enc-0", "tcp://127.0.0.1:1", "zmq", "abc", 123),
     P.Heartbeat("den-0", 1, 63, 64, 1),
+    P.StatsReport("den-0", 12.5, ENGINE, TRANSFER),
+    P.StatsReport("enc-0", 3.0, None, TRANSFER),
     P.EncodeDone("r1", 1, "enc-0", SPEC),
     P.DenoiseDone("r1", 2, "den-0", SPEC),
     P.SlotsReserved("r1", 1, "den-0", "cond", {"cond.prompt_embeds": REF}),

@@ -12,6 +12,10 @@ import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from triptych.server.protocol import StatsReport
 
 
 @dataclass
@@ -29,6 +33,7 @@ class Instance:
     held: set[str] = field(default_factory=set)  # request ids holding one of its slots
     assigned: int = 0  # requests ever routed here (metrics, tests)
     report: dict = field(default_factory=dict)  # last heartbeat's load report
+    stats: StatsReport | None = None  # last cumulative stats report (the base of the next window)
 
     @property
     def free(self) -> int:

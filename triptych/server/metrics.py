@@ -1,8 +1,8 @@
 """Prometheus exposition of the stats objects the core produces.
 
 The core (head, orchestrator, workers) never touches Prometheus: it produces plain stats objects
-(``StageStats``, ``TransferStats``, request outcomes, ``GenerationBackend.describe()``) and hands them
-to the ``record_*`` / ``update_*`` functions here, which are the only writers of the collectors.
+(``StageStats``, ``TransferStats``, worker ``StatsWindow``s, request outcomes, ``describe()``) and
+hands them to the ``record_*`` / ``update_*`` functions here, the only writers of the collectors.
 All collectors live in one module-level ``REGISTRY`` so any component in the head process can feed
 them; ``/metrics`` serves ``render()``.
 
@@ -12,15 +12,20 @@ them; ``/metrics`` serves ``render()``.
      "queues": {"encode": 3, "denoise": 1, "decode": 0}}
 
 An instance without ``state`` counts as ``busy`` when its ``assigned`` is non-empty/non-zero, else
-``idle`` (the orchestrator's describe() reports ``assigned`` rather than a state).
+``idle``. The orchestrator's describe() gives ``state`` (``busy`` while it holds a slot charged to a
+request, else ``idle``); its ``assigned`` counts requests ever routed there.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summary, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+if TYPE_CHECKING:
+    from triptych.server.worker_stats import StatsWindow
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -54,6 +59,27 @@ REQUEST_LATENCY = Histogram(
     buckets=_SECONDS_BUCKETS, registry=REGISTRY,
 )  # fmt: skip
 INSTANCES = Gauge("triptych_instances", "Worker instances by role and state", ["role", "state"], registry=REGISTRY)
+DENOISER_BATCH_SIZE = Histogram(
+    "triptych_denoiser_batch_size", "Requests advanced by one denoiser engine step (one batched forward)",
+    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64), registry=REGISTRY,
+)  # fmt: skip
+DENOISER_STEP_TIME = Summary(
+    "triptych_denoiser_step_seconds", "Wall time of one denoiser engine step (all requests of its batch)",
+    registry=REGISTRY,
+)  # fmt: skip
+DENOISER_STEPS = Counter(
+    "triptych_denoiser_steps", "Denoising steps advanced, summed over requests", registry=REGISTRY
+)
+DENOISER_SKIPPED = Counter(
+    "triptych_denoiser_skipped_steps",
+    "Denoising rows (request x CFG branch, one step) served from a cache (TeaCache) instead of the transformer",
+    registry=REGISTRY,
+)  # fmt: skip
+DENOISER_FORWARDS = Counter("triptych_denoiser_forwards", "Transformer forward calls", registry=REGISTRY)
+DENOISER_STEP_RATE = Gauge(
+    "triptych_denoiser_steps_per_second", "Request steps per wall second over a denoiser's last report window",
+    ["instance"], registry=REGISTRY,
+)  # fmt: skip
 
 #: Outcomes ``record_request`` accepts (a closed set keeps label cardinality bounded).
 OUTCOMES = ("success", "invalid", "overloaded", "cancelled", "failed", "error")
@@ -85,6 +111,44 @@ def record_stage(stats: StageStats) -> None:
 def record_transfer(stats: TransferStats) -> None:
     TRANSFER_BYTES.labels(stats.backend).inc(stats.nbytes)
     TRANSFER_LATENCY.labels(stats.backend).observe(stats.seconds)
+
+
+def record_worker_window(window: StatsWindow) -> None:
+    """One worker report window (``worker_stats.stats_window``): engine and transfer deltas.
+
+    Reports carry counts and sums, not single events, so the step-time summary and the transfer
+    latency histogram observe the window's mean once per event: their ``_count`` and ``_sum`` are
+    exact, the latency buckets are smoothed over one report window (a heartbeat interval).
+    """
+    t = window.transfer
+    if t.pushes_sent > 0:
+        TRANSFER_BYTES.labels(t.backend).inc(t.bytes_sent)
+        _observe_mean(TRANSFER_LATENCY.labels(t.backend), t.push_seconds, t.pushes_sent)
+    e = window.engine
+    if e is None:
+        return
+    for size, ticks in e.batch_sizes.items():
+        for _ in range(ticks):
+            DENOISER_BATCH_SIZE.observe(size)
+    _observe_mean(DENOISER_STEP_TIME, e.step_seconds, e.steps)
+    DENOISER_STEPS.inc(e.request_steps)
+    DENOISER_SKIPPED.inc(e.skipped_rows)
+    DENOISER_FORWARDS.inc(e.forwards)
+    if window.seconds > 0:
+        DENOISER_STEP_RATE.labels(window.instance_id).set(e.request_steps / window.seconds)
+
+
+def _observe_mean(metric, total: float, count: int) -> None:
+    for _ in range(count):
+        metric.observe(total / count)
+
+
+def forget_instance(instance_id: str) -> None:
+    """Drop the per-instance series of an instance that left (died or shut down)."""
+    try:
+        DENOISER_STEP_RATE.remove(instance_id)
+    except KeyError:
+        pass
 
 
 def record_request(endpoint: str, outcome: str, latency_s: float | None = None) -> None:

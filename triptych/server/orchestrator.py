@@ -14,6 +14,9 @@ Ownership contract:
 - A dead instance (silent past ``heartbeat_timeout_s``) is removed; every live peer is told to
   reclaim its transfer slots; each request it was serving is retried once elsewhere under a new
   generation. Messages of an older generation are counted and dropped.
+- Stats: at each stage end the orchestrator hands a ``StageStats`` (queue wait and run time as the
+  head sees them) to ``metrics``; each worker's cumulative ``StatsReport`` becomes a ``StatsWindow``
+  of deltas against the instance's previous one (``worker_stats``), handed to ``metrics`` too.
 All state lives on the asyncio loop that called ``start``; nothing here takes a lock.
 """
 
@@ -30,10 +33,12 @@ import zmq
 import zmq.asyncio
 
 from triptych.pipelines.base import Role
+from triptych.server import metrics
 from triptych.server import protocol as P
 from triptych.server.backend import Cancelled, GenerationBackend, GenerationJob, Overloaded, ProgressFn, StageFailed
 from triptych.server.dispatch import Instance, make_policy
 from triptych.server.request_state import RequestMachine, RequestState, StateTimeouts
+from triptych.server.worker_stats import stats_window
 
 logger = logging.getLogger(__name__)
 S = RequestState
@@ -86,6 +91,8 @@ class Tracked:
     assigned: dict[str, str] = field(default_factory=dict)  # role -> instance id charged a slot
     cond_specs: dict[str, P.TensorSpec] | None = None
     retries: int = 0
+    waited_s: float = 0.0  # queue wait of the current stage (reported with its run time at its end)
+    encoded_at: float = 0.0  # monotonic time of EncodeDone: the wait for a decoder slot starts
 
 
 class Orchestrator(GenerationBackend):
@@ -188,8 +195,9 @@ class Orchestrator(GenerationBackend):
             "control": self.control_address,
             "revision": self.revision,
             "instances": [
-                {"id": i.instance_id, "role": i.role, "capacity": i.capacity, "free": i.free, "held": sorted(i.held),
-                 "assigned": i.assigned, "transfer": i.transfer, "pid": i.pid, "report": dict(i.report)}
+                {"id": i.instance_id, "role": i.role, "state": "busy" if i.held else "idle", "capacity": i.capacity,
+                 "free": i.free, "held": sorted(i.held), "assigned": i.assigned, "transfer": i.transfer, "pid": i.pid,
+                 "report": dict(i.report)}
                 for i in sorted(self.instances.values(), key=lambda i: i.instance_id)
             ],  # fmt: skip
             "requests": dict(Counter(t.machine.state.value for t in self._requests.values())),
@@ -241,6 +249,10 @@ class Orchestrator(GenerationBackend):
         if isinstance(msg, P.Heartbeat):
             inst.report = {f: getattr(msg, f) for f in msg.__struct_fields__ if f != "instance_id"}
             return
+        if isinstance(msg, P.StatsReport):
+            metrics.record_worker_window(stats_window(inst.role, inst.stats, msg))
+            inst.stats = msg
+            return
         tr = self._requests.get(msg.request_id)
         if tr is None or tr.machine.generation != msg.generation:
             # NOTE: a PushDone racing the MediaResult of a finished request lands here too.
@@ -286,7 +298,9 @@ class Orchestrator(GenerationBackend):
             tr = self._requests[self._wait_encode.popleft()]
             self._charge(tr, enc)
             self._charge(tr, den)
-            tr.machine.to(S.ENCODING)
+            now = time.monotonic()
+            tr.waited_s = now - tr.machine.entered_at
+            tr.machine.to(S.ENCODING, now)
             self._send(enc.instance_id, P.EncodeTask(tr.job.request_id, tr.machine.generation, tr.wire, den.instance_id))
         while self._wait_decoder:
             dec = self._policies["decoder"].pick(self.pool("decoder"))
@@ -294,7 +308,9 @@ class Orchestrator(GenerationBackend):
                 break
             tr = self._requests[self._wait_decoder.popleft()]
             self._charge(tr, dec)
-            tr.machine.to(S.DENOISING)
+            now = time.monotonic()
+            tr.waited_s = now - tr.encoded_at
+            tr.machine.to(S.DENOISING, now)
             self._send(tr.assigned["denoiser"], P.DenoiseTask(
                 tr.job.request_id, tr.machine.generation, tr.wire, tr.cond_specs, tr.assigned["encoder"],
                 dec.instance_id, self.config.reserve_timeout_s,
@@ -312,6 +328,7 @@ class Orchestrator(GenerationBackend):
     def _on_encode_done(self, tr: Tracked, m: P.EncodeDone) -> None:
         if self._from(tr, "encoder", m) and tr.machine.state is S.ENCODING and tr.cond_specs is None:
             tr.cond_specs = m.specs
+            tr.encoded_at = self._stage_done(tr, "encode")
             self._wait_decoder.append(tr.job.request_id)
 
     def _on_slots_reserved(self, tr: Tracked, m: P.SlotsReserved) -> None:
@@ -330,7 +347,8 @@ class Orchestrator(GenerationBackend):
 
     def _on_denoise_done(self, tr: Tracked, m: P.DenoiseDone) -> None:
         if self._from(tr, "denoiser", m) and tr.machine.state is S.DENOISING:
-            tr.machine.to(S.DECODING)
+            tr.waited_s = 0.0  # the decoder slot was charged before denoising started
+            tr.machine.to(S.DECODING, self._stage_done(tr, "denoise"))
             job = tr.job
             self._send(tr.assigned["decoder"], P.DecodeTask(
                 job.request_id, m.generation, tr.wire, m.specs, m.instance_id, job.output_format, job.fps,
@@ -339,7 +357,14 @@ class Orchestrator(GenerationBackend):
 
     def _on_media(self, tr: Tracked, m: P.MediaResult) -> None:
         if self._from(tr, "decoder", m) and tr.machine.state is S.DECODING:
+            self._stage_done(tr, "decode")
             self._finish(tr, S.DONE, result=m.data)
+
+    def _stage_done(self, tr: Tracked, stage: str) -> float:
+        """Report the stage that just ended (its queue wait and its run time); returns now."""
+        now = time.monotonic()
+        metrics.record_stage(metrics.StageStats(stage, tr.waited_s, now - tr.machine.entered_at))
+        return now
 
     def _on_stage_error(self, tr: Tracked, m: P.StageError) -> None:
         if m.instance_id not in tr.assigned.values():
@@ -390,6 +415,7 @@ class Orchestrator(GenerationBackend):
         if inst is None:
             return
         self.stats["instances_lost"] += 1
+        metrics.forget_instance(instance_id)
         logger.warning("%s %s declared dead (%s); %d requests affected", inst.role, instance_id, why, len(inst.held))
         for other in list(self.instances):
             self._send(other, P.PeerDown(instance_id))

@@ -7,7 +7,7 @@ travel inside a message: a receiver reserves slots on its transfer endpoint and 
 
 Every request-scoped message carries ``request_id`` and ``generation``. The head bumps the
 generation when it retries a request elsewhere; any message of an older generation is dropped.
-``Register``/``RegisterAck``/``Heartbeat``/``PeerDown``/``Shutdown`` are instance-scoped.
+``Register``/``RegisterAck``/``Heartbeat``/``StatsReport``/``PeerDown``/``Shutdown`` are instance-scoped.
 
 The handoff of tensors between two stages (conditioning encoder → denoiser, final latents
 denoiser → decoder) is the same five messages each time::
@@ -82,6 +82,42 @@ class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat"):
     free_slots: int  # free receiver slots of its transfer pool
     max_slots: int  # receiver slots of its transfer pool
     engine_running: int  # denoiser: requests in the step-batching engine; 0 for other roles
+
+
+class EngineReport(msgspec.Struct, frozen=True):
+    """A denoiser engine's ``EngineStats``: cumulative since the worker started (or a window's deltas)."""
+
+    steps: int  # engine ticks that ran a forward
+    forwards: int  # transformer calls
+    rows: int  # rows computed (request × CFG branch)
+    request_steps: int  # denoising steps advanced, summed over requests
+    skipped_rows: int  # rows served from a cache (TeaCache) instead of the transformer
+    step_seconds: float  # wall time spent in the engine's execute()
+    batch_sizes: dict[int, int]  # requests in one tick → number of such ticks
+    finished: int  # requests that finished denoising
+    aborted: int  # requests dropped from the engine before finishing
+
+
+class TransferReport(msgspec.Struct, frozen=True):
+    """A transfer endpoint's ``TransferStats``: cumulative since the worker started (or a window's deltas)."""
+
+    backend: str  # transfer backend kind ("zmq" | "mooncake")
+    pushes_sent: int  # pushes this (sender) side completed
+    bytes_sent: int
+    push_seconds: float  # summed wall time of those pushes
+    pushes_received: int  # pushes accepted into a reserved slot
+    bytes_received: int
+    rejected_pushes: int  # pushes refused (unreserved, duplicate, wrong size/sender, expired)
+    timeouts: int  # reservations released by a deadline
+
+
+class StatsReport(msgspec.Struct, frozen=True, tag="stats_report"):
+    """Periodic cumulative counters of a worker; the head turns consecutive reports into metric deltas."""
+
+    instance_id: str
+    uptime_s: float  # seconds since the worker started (its monotonic clock): rate windows, restarts
+    engine: EngineReport | None  # the denoiser's engine; None for roles without one
+    transfer: TransferReport  # its transfer endpoint
 
 
 class EncodeDone(msgspec.Struct, frozen=True, tag="encode_done"):
@@ -226,7 +262,10 @@ class Shutdown(msgspec.Struct, frozen=True, tag="shutdown"):
     reason: str
 
 
-WorkerMessage = Register | Heartbeat | EncodeDone | DenoiseDone | SlotsReserved | PushDone | Progress | MediaResult | StageError  # fmt: skip
+WorkerMessage = (
+    Register | Heartbeat | StatsReport | EncodeDone | DenoiseDone | SlotsReserved | PushDone | Progress | MediaResult
+    | StageError
+)
 HeadMessage = RegisterAck | EncodeTask | DenoiseTask | DecodeTask | PushTask | Cancel | PeerDown | Shutdown
 Message = WorkerMessage | HeadMessage
 

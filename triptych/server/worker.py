@@ -17,6 +17,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -112,6 +113,8 @@ class Worker:
         self._stop = threading.Event()
         self._hb_interval = 1.0
         self._hb_thread: threading.Thread | None = None
+        self._started = time.monotonic()
+        self._next_report = 0.0
 
     # ---- control socket -----------------------------------------------------------------------
     def _dealer(self, identity: str) -> zmq.Socket:
@@ -165,8 +168,23 @@ class Worker:
                 if self.runner.has_work():
                     self.runner.execute()
                 self.collect()
+                self.report_stats()
         finally:
             self.close()
+
+    def report_stats(self) -> None:
+        """Send cumulative ``StatsReport`` counters, at most once per heartbeat interval.
+
+        Sent from the loop thread (which owns ``EngineStats``), not the heartbeat thread: stats may
+        lag during a long forward; liveness never does.
+        """
+        now = time.monotonic()
+        if now < self._next_report:
+            return
+        self._next_report = now + self._hb_interval
+        snap = self.endpoint.stats.snapshot()
+        transfer = P.TransferReport(**{f: snap[f] for f in P.TransferReport.__struct_fields__})
+        self.send(P.StatsReport(self.instance_id, now - self._started, self.runner.engine_report(), transfer))
 
     def receive(self, timeout_ms: int) -> None:
         while self._sock.poll(timeout_ms):

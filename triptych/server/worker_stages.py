@@ -18,6 +18,7 @@ from triptych.errors import TriptychError
 from triptych.pipelines.base import Conditioning, GenerationParams, Role
 from triptych.server import protocol as P
 from triptych.server.engine import DenoiserEngine
+from triptych.server.engine.accel import make_teacache
 from triptych.server.transfer import TransferError
 from triptych.server.transfer.refs import dtype_name
 
@@ -84,6 +85,9 @@ class StageRunner:
     def engine_running(self) -> int:
         return 0
 
+    def engine_report(self) -> P.EngineReport | None:
+        return None
+
     def _new_job(self, task) -> Job:
         job = Job(task.request_id, task.generation, P.params_from_wire(task.params), task)
         old = self.worker.jobs.get(job.request_id)
@@ -124,7 +128,7 @@ class DenoiserRunner(StageRunner):
 
     def __init__(self, worker: Worker):
         super().__init__(worker)
-        self.engine = DenoiserEngine(self.family, worker.config.engine)
+        self.engine = DenoiserEngine(self.family, worker.config.engine, accel=make_teacache(self.family))
 
     def accept(self, task) -> None:
         if not isinstance(task, P.DenoiseTask):
@@ -136,6 +140,11 @@ class DenoiserRunner(StageRunner):
 
     def engine_running(self) -> int:
         return len(self.engine)
+
+    def engine_report(self) -> P.EngineReport:
+        s = self.engine.stats
+        counts = {f: getattr(s, f) for f in P.EngineReport.__struct_fields__ if f != "batch_sizes"}
+        return P.EngineReport(**counts, batch_sizes=dict(s.batch_sizes))
 
     def execute(self) -> None:
         while self.ready:  # prepare every arrival first: they join the batch at this step boundary

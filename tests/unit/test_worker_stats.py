@@ -1,0 +1,70 @@
+"""Cumulative worker reports → windows of deltas → Prometheus series (no processes, no sockets)."""
+
+from __future__ import annotations
+
+from triptych.server import metrics
+from triptych.server import protocol as P
+from triptych.server.worker_stats import stats_window
+
+
+def engine(steps: int, request_steps: int, seconds: float, sizes: dict[int, int], skipped: int = 0) -> P.EngineReport:
+    return P.EngineReport(steps, steps, steps, request_steps, skipped, seconds, sizes, 0, 0)
+
+
+def transfer(pushes: int, nbytes: int, seconds: float) -> P.TransferReport:
+    return P.TransferReport("zmq", pushes, nbytes, seconds, 0, 0, 0, 0)
+
+
+def sample(name: str, labels: str = "") -> float:
+    for line in metrics.render().decode().splitlines():
+        if line.startswith(f"{name}{labels} "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_first_report_is_the_whole_window_without_a_rate():
+    cur = P.StatsReport("den-x", 30.0, engine(4, 6, 0.4, {1: 2, 2: 2}), transfer(2, 100, 0.01))
+    w = stats_window("denoiser", None, cur)
+    assert w.seconds == 0.0 and w.engine == cur.engine and w.transfer == cur.transfer
+
+
+def test_window_is_the_difference_of_consecutive_reports():
+    prev = P.StatsReport("den-x", 10.0, engine(4, 6, 0.4, {1: 2, 2: 2}), transfer(2, 100, 0.01))
+    cur = P.StatsReport("den-x", 12.0, engine(7, 14, 0.7, {1: 2, 2: 3, 3: 2}, skipped=3), transfer(5, 400, 0.04))
+    w = stats_window("denoiser", prev, cur)
+    assert w.seconds == 2.0
+    assert w.engine.steps == 3 and w.engine.request_steps == 8 and w.engine.skipped_rows == 3
+    assert w.engine.batch_sizes == {2: 1, 3: 2}  # unchanged sizes drop out
+    assert w.transfer.pushes_sent == 3 and w.transfer.bytes_sent == 300 and w.transfer.backend == "zmq"
+
+
+def test_a_restarted_worker_counts_from_zero():
+    prev = P.StatsReport("den-x", 100.0, engine(50, 50, 5.0, {1: 50}), transfer(9, 900, 0.1))
+    cur = P.StatsReport("den-x", 3.0, engine(2, 2, 0.2, {1: 2}), transfer(1, 10, 0.01))
+    w = stats_window("denoiser", prev, cur)
+    assert w.engine == cur.engine and w.transfer == cur.transfer and w.seconds == 3.0
+
+
+def test_windows_feed_the_denoiser_and_transfer_series():
+    before = {
+        "b3": sample("triptych_denoiser_batch_size_bucket", '{le="3.0"}'),
+        "b2": sample("triptych_denoiser_batch_size_bucket", '{le="2.0"}'),
+        "steps": sample("triptych_denoiser_steps_total"),
+        "skipped": sample("triptych_denoiser_skipped_steps_total"),
+        "ticks": sample("triptych_denoiser_step_seconds_count"),
+        "bytes": sample("triptych_transfer_bytes_total", '{backend="zmq"}'),
+        "pushes": sample("triptych_transfer_latency_seconds_count", '{backend="zmq"}'),
+    }
+    prev = P.StatsReport("den-m", 10.0, engine(4, 6, 0.4, {1: 2, 2: 2}), transfer(2, 100, 0.01))
+    cur = P.StatsReport("den-m", 12.0, engine(7, 14, 0.7, {1: 2, 2: 3, 3: 2}, skipped=3), transfer(5, 400, 0.04))
+    metrics.record_worker_window(stats_window("denoiser", prev, cur))
+    assert sample("triptych_denoiser_batch_size_bucket", '{le="3.0"}') - before["b3"] == 3  # one 2, two 3s
+    assert sample("triptych_denoiser_batch_size_bucket", '{le="2.0"}') - before["b2"] == 1
+    assert sample("triptych_denoiser_steps_total") - before["steps"] == 8
+    assert sample("triptych_denoiser_skipped_steps_total") - before["skipped"] == 3
+    assert sample("triptych_denoiser_step_seconds_count") - before["ticks"] == 3
+    assert sample("triptych_denoiser_steps_per_second", '{instance="den-m"}') == 4.0  # 8 steps in 2 s
+    assert sample("triptych_transfer_bytes_total", '{backend="zmq"}') - before["bytes"] == 300
+    assert sample("triptych_transfer_latency_seconds_count", '{backend="zmq"}') - before["pushes"] == 3
+    metrics.forget_instance("den-m")
+    assert 'instance="den-m"' not in metrics.render().decode()
