@@ -19,6 +19,8 @@ from triptych.cache.teacache import TeaCachePlan
 # Family.name → "module:function(family) -> TeaCachePlan". A family without an entry has no TeaCache.
 PLANS: dict[str, str] = {
     "flux": "triptych.pipelines.flux.teacache:plan_for",
+    "qwen-image": "triptych.pipelines.qwenimage.teacache:plan_for",
+    "qwen-image-edit": "triptych.pipelines.qwenimage.teacache:plan_for",
 }
 
 
