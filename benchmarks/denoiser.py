@@ -21,6 +21,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+# One compute thread and process CPU time: on a shared machine wall time swings several-fold between
+# identical runs, CPU time of a single-threaded process does not.
+torch.set_num_threads(1)
+clock = time.process_time
+
 from triptych.pipelines.base import GenerationParams  # noqa: E402
 from triptych.pipelines.registry import load_family, make_tiny  # noqa: E402
 from triptych.server.engine import DenoiserEngine, EngineConfig  # noqa: E402
@@ -39,20 +44,20 @@ def _requests(family, n: int, cfg: bool) -> list[GenerationParams]:
 
 
 def run_triptych(family, params: list[GenerationParams]) -> float:
-    t = time.perf_counter()
+    t = clock()
     engine = DenoiserEngine(family, EngineConfig(max_batch_requests=len(params), fuse_cfg=True))
     for i, p in enumerate(params):
         engine.add(family.prepare(f"r{i}", p, family.encode(p)))
     for s in engine.run_until_done():
         family.decode(s.latents, s.params)
-    return time.perf_counter() - t
+    return clock() - t
 
 
 def run_diffusers(family, params: list[GenerationParams]) -> float:
-    t = time.perf_counter()
+    t = clock()
     for p in params:
         family.reference_call(p)
-    return time.perf_counter() - t
+    return clock() - t
 
 
 def main(argv=None) -> int:
