@@ -17,7 +17,7 @@ from pathlib import Path
 logger = logging.getLogger("triptych.training")
 
 
-def _stage(name: str, out: str, seed: int, steps: int, resume: bool, threads: int) -> float:
+def _stage(name: str, out: str, seed: int, steps, resume: bool, threads: int) -> float:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", force=True)
     from triptych.training.common import setup
 
@@ -30,7 +30,9 @@ def _stage(name: str, out: str, seed: int, steps: int, resume: bool, threads: in
     elif name == "vlm":
         from triptych.training.train_vlm import train_vlm
 
-        train_vlm(Path(out), seed, steps, resume=resume)
+        phase1, phase2 = steps
+        train_vlm(Path(out), seed, phase1, phase=1, resume=resume)
+        train_vlm(Path(out), seed, phase2, phase=2, resume=resume)
     else:
         from triptych.training.train_dit import train_dit
 
@@ -43,8 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true")
-    p.add_argument("--vae-steps", type=int, default=1000)
-    p.add_argument("--vlm-steps", type=int, default=1200)
+    p.add_argument("--vae-steps", type=int, default=1400)
+    p.add_argument("--vlm-steps", type=int, nargs=2, default=[1200, 1000], metavar=("PHASE1", "PHASE2"))
     p.add_argument("--dit-steps", type=int, default=3000)
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (1: deterministic, fastest on a shared box)")
     p.add_argument("--sequential", action="store_true", help="train the VAE and the captioner one after the other")

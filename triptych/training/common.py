@@ -41,12 +41,12 @@ CHAT_TEMPLATE = (
 
 
 def dims():
-    """Sizes of the default model (see MODEL_CARD.md): 32x VAE so a 64 px image is one 2x2 latent patch."""
+    """Sizes of the default model (see MODEL_CARD.md): 16x VAE, a 64 px image is a 4x4x16 latent = 4 tokens."""
     from triptych.pipelines.qwenimage.tiny import QwenImageDims
 
     return QwenImageDims(
         layers=4, heads=2, head_dim=32, rope_axes=(8, 12, 12), z_dim=16,
-        vae_base_dim=4, vae_dim_mult=(1, 2, 4, 4, 8, 8),
+        vae_base_dim=4, vae_dim_mult=(1, 2, 4, 4, 8),
         text_dim=64, text_layers=2, text_heads=2, text_mlp=128,
         vision_dim=32, vision_layers=2, vision_heads=2, image_max_pixels=VLM_PIXELS, vocab_size=1000,
     )  # fmt: skip

@@ -173,6 +173,18 @@ def _normalised_latents(vae, scenes) -> torch.Tensor:
     return (z - mean) / std
 
 
+def _ema(ema, model, step: int) -> None:
+    decay = min(0.999, (1 + step) / (10 + step))
+    with torch.no_grad():
+        for pe, pm in zip(ema.parameters(), model.parameters()):
+            pe.lerp_(pm, 1 - decay)
+
+
+def _log(step, steps, loss_t, loss_e, timer, every) -> None:
+    if step % every == 0 or step == steps - 1:
+        logger.info("dit step %d/%d loss t2i %.4f edit %.4f (%.0fs)", step, steps, loss_t.item(), loss_e.item(), timer())
+
+
 def _pad(embeds: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     n = max(e.shape[0] for e in embeds)
     out = torch.zeros(len(embeds), n, embeds[0].shape[1])
@@ -200,8 +212,10 @@ def flow_loss(model, x0, embeds, mask, shapes, gen, extra=None) -> torch.Tensor:
     return (pred - (noise - x0)).pow(2).mean()
 
 
-def train_dit(out: Path, seed: int, steps: int, batch: int = 64, edit_batch: int = 8, lr: float = 1e-3,
-              edit_sources: int = 48, resume: bool = False, log_every: int = 50, ckpt_every: int = 200):  # fmt: skip
+def train_dit(out: Path, seed: int, steps: int, batch: int = 64, edit_batch: int = 2, edit_every: int = 2,
+              lr: float = 1e-3, edit_sources: int = 32, resume: bool = False, log_every: int = 50,
+              ckpt_every: int = 200):  # fmt: skip
+    """``edit_every``: an edit batch every that many steps (an edit row is ~1,060 tokens, a t2i row ~16)."""
     if (out / "transformer" / "config.json").is_file():
         logger.info("dit: done already (%s)", out / "transformer")
         return
@@ -228,6 +242,7 @@ def train_dit(out: Path, seed: int, steps: int, batch: int = 64, edit_batch: int
     n_pairs = d["pairs"].shape[0]
     timer = Timer()
     model.train()
+    loss_e = torch.zeros(())
     for step in range(start, steps):
         for g in opt.param_groups:
             g["lr"] = cosine_lr(step, steps, lr, warmup=100)
@@ -243,20 +258,17 @@ def train_dit(out: Path, seed: int, steps: int, batch: int = 64, edit_batch: int
         loss_t = flow_loss(model, d["x0"][idx], e, m, [d["noise_shape"]], gen)
         loss_t.backward()
         # edit
-        rows = d["pairs"][[rng.randrange(n_pairs) for _ in range(edit_batch)]]
-        emb = [d["edit_embeds"][int(d["edit_neg"][k]) if rng.random() < CFG_DROP else int(j)] for k, j, _ in rows.tolist()]
-        e, m = _pad(emb)
-        loss_e = flow_loss(model, d["x0"][rows[:, 2]], e, m, [d["noise_shape"], d["cond_shape"]], gen,
-                           extra=d["cond"][rows[:, 0]])  # fmt: skip
-        loss_e.backward()
+        if step % edit_every == 0:
+            rows = d["pairs"][[rng.randrange(n_pairs) for _ in range(edit_batch)]]
+            emb = [d["edit_embeds"][int(d["edit_neg"][k]) if rng.random() < CFG_DROP else int(j)] for k, j, _ in rows.tolist()]
+            e, m = _pad(emb)
+            loss_e = flow_loss(model, d["x0"][rows[:, 2]], e, m, [d["noise_shape"], d["cond_shape"]], gen,
+                               extra=d["cond"][rows[:, 0]])  # fmt: skip
+            loss_e.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        decay = min(0.999, (1 + step) / (10 + step))
-        with torch.no_grad():
-            for pe, pm in zip(ema.parameters(), model.parameters()):
-                pe.lerp_(pm, 1 - decay)
-        if step % log_every == 0 or step == steps - 1:
-            logger.info("dit step %d/%d loss t2i %.4f edit %.4f (%.0fs)", step, steps, loss_t.item(), loss_e.item(), timer())
+        _ema(ema, model, step)
+        _log(step, steps, loss_t, loss_e, timer, log_every)
         if (step + 1) % ckpt_every == 0:
             save_checkpoint(ckpt, model=model.state_dict(), ema=ema.state_dict(), opt=opt.state_dict(), step=step + 1,
                             rng=rng_state(), gen=gen.get_state(), pyrng=rng.getstate())  # fmt: skip

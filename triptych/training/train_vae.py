@@ -1,12 +1,13 @@
-"""Stage 1: the AutoencoderKLQwenImage (32x spatial compression, z=16) trained to reconstruct world images.
+"""Stage 1: the AutoencoderKLQwenImage (16x spatial compression, z=16) trained to reconstruct world images.
 
-Loss: L1 + L2 on pixels of a posterior sample's decoding, plus a small KL term. Afterwards the
+Loss: L2 on pixels of a posterior sample's decoding, plus a small KL term. Afterwards the
 per-channel mean/std of the posterior means over every train scene become the VAE config's
 ``latents_mean``/``latents_std``, which the Qwen-Image pipelines use to normalise latents.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import random
 from pathlib import Path
@@ -47,7 +48,7 @@ def build_vae(seed: int):
     return vae
 
 
-def train_vae(out: Path, seed: int, steps: int, batch: int = 16, lr: float = 2.5e-3, kl: float = 1e-4,
+def train_vae(out: Path, seed: int, steps: int, batch: int = 16, lr: float = 5e-4, kl: float = 1e-4,
               resume: bool = False, log_every: int = 25, ckpt_every: int = 100):  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     if (out / "vae" / "config.json").is_file():
@@ -71,26 +72,40 @@ def train_vae(out: Path, seed: int, steps: int, batch: int = 16, lr: float = 2.5
         rng.setstate(state["pyrng"])
     timer = Timer()
     vae.train()
+    # Collapse guard: with 4-channel RMS norms (they normalise per pixel over the channels) a step
+    # can blow up and leave the decoder drawing the mean image for good. Keep a snapshot every 50
+    # steps; if the smoothed loss jumps well above the snapshot's, go back to it with half the lr.
+    smooth, snapshot, scale = None, None, state.get("scale", 1.0) if state else 1.0
     with single_frame_convs():
         for step in range(start, steps):
             for g in opt.param_groups:
-                g["lr"] = cosine_lr(step, steps, lr)
+                g["lr"] = cosine_lr(step, steps, lr) * scale
             x = data.pixels(rng.sample(scenes, batch))
             post = vae.encode(x).latent_dist
             z = post.sample()
             y = decode_unclamped(vae, z)
-            rec = (y - x).abs().mean() + (y - x).pow(2).mean()
+            rec = (y - x).pow(2).mean()
             kl_term = 0.5 * (post.mean.pow(2) + post.var - 1.0 - post.logvar).mean()
             loss = rec + kl * kl_term
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+            torch.nn.utils.clip_grad_norm_(vae.parameters(), 0.5)
             opt.step()
+            smooth = rec.item() if smooth is None else 0.9 * smooth + 0.1 * rec.item()
+            if step % 50 == 0:
+                if snapshot is not None and smooth > snapshot[0] + 0.15:
+                    scale *= 0.5
+                    vae.load_state_dict(snapshot[1])
+                    opt.load_state_dict(snapshot[2])
+                    smooth = snapshot[0]
+                    logger.info("vae step %d: loss jumped; back to the last snapshot, lr x%.2f", step, scale)
+                else:
+                    snapshot = (smooth, copy.deepcopy(vae.state_dict()), copy.deepcopy(opt.state_dict()))
             if step % log_every == 0 or step == steps - 1:
                 logger.info("vae step %d/%d rec %.4f kl %.2f (%.0fs)", step, steps, rec.item(), kl_term.item(), timer())
             if (step + 1) % ckpt_every == 0:
                 save_checkpoint(ckpt, model=vae.state_dict(), opt=opt.state_dict(), step=step + 1, rng=rng_state(),
-                                pyrng=rng.getstate())  # fmt: skip
+                                pyrng=rng.getstate(), scale=scale)  # fmt: skip
         vae.eval()
         mean, std = latent_stats(vae, scenes)
     vae.register_to_config(latents_mean=mean, latents_std=std)

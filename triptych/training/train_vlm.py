@@ -87,12 +87,12 @@ class VLMInputs:
         return out
 
 
-def _tasks(rng: random.Random, inputs: VLMInputs, batch: int):
+def _tasks(rng: random.Random, inputs: VLMInputs, batch: int, caption_batch: int, prompt_batch: int):
     from triptych.pipelines.qwenimage.tokenizer import EDIT_TEMPLATE, T2I_TEMPLATE
 
     scenes = list(data.train_scenes())
-    cap = rng.sample(scenes, batch)
-    yield inputs.batch([inputs.caption_prompt()] * batch, [data.caption_answer(s) for s in cap], cap)
+    cap = rng.sample(scenes, caption_batch)
+    yield inputs.batch([inputs.caption_prompt()] * caption_batch, [data.caption_answer(s) for s in cap], cap)
     sources = rng.sample(scenes, batch * 2)
     pairs = []
     for s in sources:
@@ -108,7 +108,7 @@ def _tasks(rng: random.Random, inputs: VLMInputs, batch: int):
         edit_path=True,
         token_types=False,
     )
-    t2i = rng.sample(scenes, batch)
+    t2i = rng.sample(scenes, prompt_batch)
     styles = [rng.choice(("short", "long", "tag")) for _ in t2i]
     yield inputs.batch(
         [T2I_TEMPLATE.format(data.prompt_for(s, st)) for s, st in zip(t2i, styles)],
@@ -116,22 +116,39 @@ def _tasks(rng: random.Random, inputs: VLMInputs, batch: int):
     )
 
 
-def train_vlm(out: Path, seed: int, steps: int, batch: int = 16, lr: float = 2e-3, resume: bool = False,
-              log_every: int = 25, ckpt_every: int = 100):  # fmt: skip
+#: Two phases: all three tasks, then mostly captioning (shape and position are the slow part:
+#: after phase 1 the captioner got colours, background and size right but shapes at chance).
+PHASES = {
+    1: dict(batch=16, caption_batch=16, prompt_batch=16, lr=2e-3),
+    2: dict(batch=16, caption_batch=32, prompt_batch=4, lr=2e-3),
+}
+
+
+def train_vlm(out: Path, seed: int, steps: int, phase: int = 1, resume: bool = False, log_every: int = 25,
+              ckpt_every: int = 100):  # fmt: skip
+    """Phase 1 writes ``out/vlm_phase1``; phase 2 continues from it and writes ``out/text_encoder``."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
     from triptych.training import build
 
+    cfg = PHASES[phase]
+    batch, lr = cfg["batch"], cfg["lr"]
     out.mkdir(parents=True, exist_ok=True)
-    if (out / "text_encoder" / "config.json").is_file():
-        logger.info("vlm: done already (%s)", out / "text_encoder")
+    dest = out / ("vlm_phase1" if phase == 1 else ".")
+    if (dest / "text_encoder" / "config.json").is_file():
+        logger.info("vlm phase %d: done already (%s)", phase, dest / "text_encoder")
         return
-    seed_all(seed)
+    seed_all(seed + 100 * (phase - 1))
     tok = build.tokenizer()
     proc = build.processor(tok)
-    model = build.text_encoder(seed)
+    if phase == 1:
+        model = build.text_encoder(seed)
+    else:
+        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(out / "vlm_phase1" / "text_encoder")
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
-    rng = random.Random(f"{seed}|vlm")
+    rng = random.Random(f"{seed}|vlm|{phase}")
     start = 0
-    ckpt = out / "vlm.ckpt"
+    ckpt = out / f"vlm{phase}.ckpt"
     state = load_checkpoint(ckpt) if resume else None
     if state:
         model.load_state_dict(state["model"])
@@ -148,22 +165,22 @@ def train_vlm(out: Path, seed: int, steps: int, batch: int = 16, lr: float = 2e-
             g["lr"] = cosine_lr(step, steps, lr)
         losses = []
         opt.zero_grad(set_to_none=True)
-        for b in _tasks(rng, inputs, batch):
+        for b in _tasks(rng, inputs, batch, cfg["caption_batch"], cfg["prompt_batch"]):
             loss = model(**b).loss
             loss.backward()
             losses.append(loss.item())
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if step % log_every == 0 or step == steps - 1:
-            logger.info("vlm step %d/%d loss caption %.3f edit %.3f prompt %.3f (%.0fs)", step, steps, *losses, timer())
+            logger.info(f"vlm{phase} step %d/%d loss caption %.3f edit %.3f prompt %.3f (%.0fs)", step, steps, *losses, timer())
         if (step + 1) % ckpt_every == 0:
             save_checkpoint(ckpt, model=model.state_dict(), opt=opt.state_dict(), step=step + 1, rng=rng_state(),
                             pyrng=rng.getstate())  # fmt: skip
     model.eval()
-    model.save_pretrained(out / "text_encoder")
-    tok.save_pretrained(out / "tokenizer")
-    proc.save_pretrained(out / "processor")
-    logger.info("vlm: saved (%.0fs)", timer())
+    model.save_pretrained(dest / "text_encoder")
+    tok.save_pretrained(dest / "tokenizer")
+    proc.save_pretrained(dest / "processor")
+    logger.info("vlm phase %d: saved (%.0fs)", phase, timer())
 
 
 @torch.no_grad()

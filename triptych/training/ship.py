@@ -1,0 +1,68 @@
+"""Copy a trained, evaluated run into the package (``triptych/assets/default[_edit]``) with its model card.
+
+``python -m triptych.training.ship --run DIR [--eval DIR]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+from triptych.models import PACKAGED_DEFAULT
+from triptych.training.common import tree_sha256
+
+PACKAGED_EDIT = PACKAGED_DEFAULT.parent / "default_edit"
+
+
+def _size(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def ship(run: Path, eval_dir: Path, notes: str = "") -> None:
+    for src, dst in ((run / "model", PACKAGED_DEFAULT), (run / "model_edit", PACKAGED_EDIT)):
+        if dst.exists():
+            shutil.rmtree(dst)
+        shutil.copytree(src, dst)
+    for name in ("gallery.png", "gallery_edit.png"):
+        if (eval_dir / name).is_file():
+            shutil.copy(eval_dir / name, PACKAGED_DEFAULT / name)
+    results = json.loads((eval_dir / "results.json").read_text())
+    training = json.loads((run / "training.json").read_text()) if (run / "training.json").is_file() else {}
+    (PACKAGED_DEFAULT / "MODEL_CARD.md").write_text(card(results, training, notes))
+
+
+def card(results: dict, training: dict, notes: str) -> str:
+    from triptych.training.evaluate import table
+
+    hashes = tree_sha256(PACKAGED_DEFAULT)
+    sizes = {p.name: _size(p) for p in (PACKAGED_DEFAULT, PACKAGED_EDIT)}
+    defaults = json.loads((PACKAGED_DEFAULT / "triptych.json").read_text())
+    examples = "\n".join(f"| {a} | {b} |" for a, b in results.get("caption_examples", []))
+    template = (Path(__file__).parent / "MODEL_CARD.template.md").read_text()
+    return template.format(
+        table=table(results),
+        hashes="\n".join(f"    {h}  {p}" for p, h in hashes.items()),
+        size_default=sizes["default"] / 1e6,
+        size_edit=sizes["default_edit"] / 1e6,
+        defaults=json.dumps(defaults),
+        training=json.dumps(training, indent=2),
+        caption_examples=examples,
+        t2i_seconds=results.get("t2i_seconds", float("nan")),
+        edit_seconds=results.get("edit_seconds", float("nan")),
+        notes=notes,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m triptych.training.ship")
+    p.add_argument("--run", type=Path, required=True)
+    p.add_argument("--eval", type=Path)
+    p.add_argument("--notes", default="")
+    args = p.parse_args(argv)
+    ship(args.run, args.eval or args.run / "eval", args.notes)
+
+
+if __name__ == "__main__":
+    main()
