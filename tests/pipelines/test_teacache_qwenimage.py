@@ -101,7 +101,7 @@ _ENCODED: dict = {}
 
 def encode(family, p):
     """Encodings are read-only inputs: share them between the runs of the module."""
-    key = (family.name, p.prompt, p.negative_prompt, family.uses_cfg(p))
+    key = (family.name, p.prompt, p.negative_prompt, family.uses_cfg(p), p.image and p.image.tobytes())
     if key not in _ENCODED:
         _ENCODED[key] = family.encode(p)
     return _ENCODED[key]

@@ -21,6 +21,8 @@ PLANS: dict[str, str] = {
     "flux": "triptych.pipelines.flux.teacache:plan_for",
     "qwen-image": "triptych.pipelines.qwenimage.teacache:plan_for",
     "qwen-image-edit": "triptych.pipelines.qwenimage.teacache:plan_for",
+    "wan-t2v": "triptych.pipelines.wan.teacache:plan_for",
+    "wan-i2v": "triptych.pipelines.wan.teacache:plan_for",
 }
 
 
