@@ -108,6 +108,7 @@ def _add_calibrate(sub) -> None:
     p.add_argument("--prompt", action="append", help="calibration prompt (repeatable; default: a built-in set)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--out", help="profile path (default MODEL_DIR/teacache/<family>-<steps>steps.json)")
+    p.add_argument("--image", help="condition image (edit / image-to-video families)")
     p.set_defaults(func=cmd_calibrate)
 
 
@@ -122,6 +123,10 @@ def cmd_calibrate(args) -> int:
         argv += ["--prompt", prompt]
     if args.out:
         argv += ["--out", args.out]
+    if args.image:
+        if not os.path.isfile(args.image):
+            raise InvalidParam("image", args.image, "file does not exist")
+        argv += ["--image", args.image]
     return fit_main(argv)
 
 

@@ -87,10 +87,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--cooldown", type=int, default=1)
     ap.add_argument("--out", help="profile path (default MODEL_DIR/teacache/<family>-<steps>steps.json)")
+    ap.add_argument("--image", help="condition image for image-conditioned families (edit, image-to-video)")
     args = ap.parse_args(argv)
+    base = {}
+    if args.image:
+        from PIL import Image
+
+        with Image.open(args.image) as img:
+            base["image"] = img.convert("RGB")
     profile, path = calibrate(
         args.model_dir, args.steps, args.prompt or DEFAULT_PROMPTS, args.seeds, args.out,
-        warmup=args.warmup, cooldown=args.cooldown,
+        warmup=args.warmup, cooldown=args.cooldown, **base,
     )  # fmt: skip
     q = profile.quality
     print(f"wrote {path}: r2={q['r2']:.4f} rmse={q['rmse']:.3g} points={q['points']} x_range={q['x_range']}")
