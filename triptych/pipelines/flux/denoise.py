@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import torch
-from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
 
-from triptych.pipelines.base import COND, UNCOND, Conditioning, DenoiseState, GenerationParams, Row
+from triptych.pipelines.base import Conditioning, DenoiseState, GenerationParams, Row
+from triptych.pipelines.guidance import cfg_combine
+from triptych.pipelines.sampling import flow_match_schedule
 
 
 def prepare(family, request_id: str, params: GenerationParams, cond: Conditioning) -> DenoiseState:
@@ -18,20 +18,7 @@ def prepare(family, request_id: str, params: GenerationParams, cond: Conditionin
         1, channels, params.height, params.width, family.dtype, family.device, family.generator(params.seed)
     )
     scheduler = family.new_scheduler()
-    steps = params.steps
-    sigmas = np.linspace(1.0, 1 / steps, steps)
-    if getattr(scheduler.config, "use_flow_sigmas", False):
-        sigmas = None
-    cfg = scheduler.config
-    mu = calculate_shift(
-        latents.shape[1],
-        cfg.get("base_image_seq_len", 256),
-        cfg.get("max_image_seq_len", 4096),
-        cfg.get("base_shift", 0.5),
-        cfg.get("max_shift", 1.15),
-    )
-    timesteps, _ = retrieve_timesteps(scheduler, steps, family.device, sigmas=sigmas, mu=mu)
-    scheduler.set_begin_index(0)
+    timesteps = flow_match_schedule(scheduler, params.steps, latents.shape[1], family.device)
     aux = {"img_ids": img_ids}
     if pipe.transformer.config.guidance_embeds:
         aux["guidance"] = torch.full([1], params.guidance, device=family.device, dtype=torch.float32)
@@ -59,8 +46,4 @@ def forward(transformer, rows: Sequence[Row]) -> torch.Tensor:
 
 
 def combine(state: DenoiseState, preds: dict[str, torch.Tensor]) -> torch.Tensor:
-    pos = preds[COND]
-    if UNCOND not in preds:
-        return pos
-    neg = preds[UNCOND]
-    return neg + state.params.true_cfg * (pos - neg)
+    return cfg_combine(preds, state.params.true_cfg)

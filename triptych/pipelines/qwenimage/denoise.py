@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import torch
-from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
 
-from triptych.pipelines.base import COND, UNCOND, Conditioning, DenoiseState, GenerationParams, Row
+from triptych.pipelines.base import Conditioning, DenoiseState, GenerationParams, Row
+from triptych.pipelines.guidance import cfg_combine_norm_rescaled
+from triptych.pipelines.sampling import flow_match_schedule
 
 
 def prepare(family, request_id: str, params: GenerationParams, cond: Conditioning) -> DenoiseState:
@@ -28,18 +28,7 @@ def prepare(family, request_id: str, params: GenerationParams, cond: Conditionin
     else:
         latents = pipe.prepare_latents(*args)
     scheduler = family.new_scheduler()
-    steps = params.steps
-    cfg = scheduler.config
-    mu = calculate_shift(
-        latents.shape[1],
-        cfg.get("base_image_seq_len", 256),
-        cfg.get("max_image_seq_len", 4096),
-        cfg.get("base_shift", 0.5),
-        cfg.get("max_shift", 1.15),
-    )
-    sigmas = np.linspace(1.0, 1 / steps, steps)
-    timesteps, _ = retrieve_timesteps(scheduler, steps, family.device, sigmas=sigmas, mu=mu)
-    scheduler.set_begin_index(0)
+    timesteps = flow_match_schedule(scheduler, params.steps, latents.shape[1], family.device)
     return DenoiseState(request_id, params, latents, scheduler, timesteps, cond)
 
 
@@ -92,11 +81,4 @@ def forward(transformer, rows: Sequence[Row], vae_scale_factor: int) -> torch.Te
 
 def combine(state: DenoiseState, preds: dict[str, torch.Tensor]) -> torch.Tensor:
     """True CFG with Qwen's rescale: the combined prediction keeps the cond prediction's per-token norm."""
-    pos = preds[COND]
-    if UNCOND not in preds:
-        return pos
-    neg = preds[UNCOND]
-    comb = neg + state.params.guidance * (pos - neg)
-    cond_norm = torch.norm(pos, dim=-1, keepdim=True)
-    noise_norm = torch.norm(comb, dim=-1, keepdim=True)
-    return comb * (cond_norm / noise_norm)
+    return cfg_combine_norm_rescaled(preds, state.params.guidance)

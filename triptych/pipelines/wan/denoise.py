@@ -7,7 +7,8 @@ from collections.abc import Sequence
 import torch
 from diffusers import WanPipeline
 
-from triptych.pipelines.base import COND, UNCOND, Conditioning, DenoiseState, GenerationParams, Row
+from triptych.pipelines.base import Conditioning, DenoiseState, GenerationParams, Row
+from triptych.pipelines.guidance import cfg_combine
 
 
 def prepare(family, request_id: str, params: GenerationParams, cond: Conditioning) -> DenoiseState:
@@ -45,8 +46,4 @@ def forward(transformer, rows: Sequence[Row]) -> torch.Tensor:
 
 
 def combine(state: DenoiseState, preds: dict[str, torch.Tensor]) -> torch.Tensor:
-    pos = preds[COND]
-    if UNCOND not in preds:
-        return pos
-    neg = preds[UNCOND]
-    return neg + state.params.guidance * (pos - neg)
+    return cfg_combine(preds, state.params.guidance)
