@@ -113,21 +113,25 @@ def _add_calibrate(sub) -> None:
 
 
 def cmd_calibrate(args) -> int:
-    from triptych.calibration.fit import main as fit_main
+    from triptych.calibration.fit import DEFAULT_PROMPTS, calibrate
     from triptych.models import resolve_model
 
     if args.steps < 1:
         raise InvalidParam("steps", args.steps, "must be >= 1")
-    argv = [str(resolve_model(args.model)), "--steps", str(args.steps), "--seeds", *map(str, args.seeds)]
-    for prompt in args.prompt or []:
-        argv += ["--prompt", prompt]
-    if args.out:
-        argv += ["--out", args.out]
+    base = {}
     if args.image:
-        if not os.path.isfile(args.image):
-            raise InvalidParam("image", args.image, "file does not exist")
-        argv += ["--image", args.image]
-    return fit_main(argv)
+        from triptych.server.media import decode_image
+
+        try:
+            with open(args.image, "rb") as f:
+                base["image"] = decode_image(f.read())
+        except FileNotFoundError:
+            raise InvalidParam("image", args.image, "file does not exist") from None
+    profile, path = calibrate(resolve_model(args.model), args.steps, args.prompt or DEFAULT_PROMPTS, args.seeds,
+                              args.out, **base)  # fmt: skip
+    q = profile.quality
+    print(f"wrote {path}: r2={q['r2']:.4f} rmse={q['rmse']:.3g} points={q['points']} x_range={q['x_range']}")
+    return 0
 
 
 def cmd_make_tiny(args) -> int:

@@ -1,6 +1,6 @@
 """Fit TeaCache's rescaling polynomial and write a profile file (format: ``triptych.cache.teacache``).
 
-``python -m triptych.calibration.fit MODEL_DIR --steps 28`` collects reference trajectories
+``triptych calibrate --model MODEL_DIR --steps 28`` collects reference trajectories
 (``collect.py``), fits ``output_rel ≈ polyval(coefficients, input_rel)`` with ``numpy.polyfit`` at
 degree 4, and writes ``MODEL_DIR/teacache/<family>-<steps>steps.json`` (or ``--out``) with the fit's
 quality figures.
@@ -8,7 +8,6 @@ quality figures.
 
 from __future__ import annotations
 
-import argparse
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -76,33 +75,3 @@ def calibrate(
     save_profile(profile, path)
     logger.info("TeaCache profile %s: r2=%.4f over %d points", path, profile.quality["r2"], profile.quality["points"])
     return profile, path
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("model_dir")
-    ap.add_argument("--steps", type=int, required=True)
-    ap.add_argument("--prompt", action="append", help="repeatable; default: a built-in set of 4")
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--cooldown", type=int, default=1)
-    ap.add_argument("--out", help="profile path (default MODEL_DIR/teacache/<family>-<steps>steps.json)")
-    ap.add_argument("--image", help="condition image for image-conditioned families (edit, image-to-video)")
-    args = ap.parse_args(argv)
-    base = {}
-    if args.image:
-        from PIL import Image
-
-        with Image.open(args.image) as img:
-            base["image"] = img.convert("RGB")
-    profile, path = calibrate(
-        args.model_dir, args.steps, args.prompt or DEFAULT_PROMPTS, args.seeds, args.out,
-        warmup=args.warmup, cooldown=args.cooldown, **base,
-    )  # fmt: skip
-    q = profile.quality
-    print(f"wrote {path}: r2={q['r2']:.4f} rmse={q['rmse']:.3g} points={q['points']} x_range={q['x_range']}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
