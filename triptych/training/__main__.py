@@ -26,13 +26,13 @@ def _stage(name: str, out: str, seed: int, steps, resume: bool, threads: int) ->
     if name == "vae":
         from triptych.training.train_vae import train_vae
 
-        train_vae(Path(out), seed, steps, resume=resume)
+        for phase, n in enumerate(steps, 1):
+            train_vae(Path(out), seed, n, phase=phase, resume=resume)
     elif name == "vlm":
         from triptych.training.train_vlm import train_vlm
 
-        phase1, phase2 = steps
-        train_vlm(Path(out), seed, phase1, phase=1, resume=resume)
-        train_vlm(Path(out), seed, phase2, phase=2, resume=resume)
+        for phase, n in enumerate(steps, 1):
+            train_vlm(Path(out), seed, n, phase=phase, resume=resume)
     else:
         from triptych.training.train_dit import train_dit
 
@@ -45,8 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true")
-    p.add_argument("--vae-steps", type=int, default=1400)
-    p.add_argument("--vlm-steps", type=int, nargs=2, default=[1200, 1000], metavar=("PHASE1", "PHASE2"))
+    p.add_argument("--vae-steps", type=int, nargs=2, default=[1000, 800], metavar=("PHASE1", "PHASE2"))
+    p.add_argument("--vlm-steps", type=int, nargs=4, default=[1200, 1000, 800, 700],
+                   metavar=("PHASE1", "PHASE2", "PHASE3", "PHASE4"))
     p.add_argument("--dit-steps", type=int, default=3000)
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (1: deterministic, fastest on a shared box)")
     p.add_argument("--sequential", action="store_true", help="train the VAE and the captioner one after the other")

@@ -46,7 +46,7 @@ def dims():
 
     return QwenImageDims(
         layers=4, heads=2, head_dim=32, rope_axes=(8, 12, 12), z_dim=16,
-        vae_base_dim=4, vae_dim_mult=(1, 2, 4, 4, 8),
+        vae_base_dim=8, vae_dim_mult=(1, 1, 2, 2, 4),
         text_dim=64, text_layers=2, text_heads=2, text_mlp=128,
         vision_dim=32, vision_layers=2, vision_heads=2, image_max_pixels=VLM_PIXELS, vocab_size=1000,
     )  # fmt: skip

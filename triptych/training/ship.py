@@ -41,7 +41,12 @@ def card(results: dict, training: dict, notes: str) -> str:
     defaults = json.loads((PACKAGED_DEFAULT / "triptych.json").read_text())
     examples = "\n".join(f"| {a} | {b} |" for a, b in results.get("caption_examples", []))
     template = (Path(__file__).parent / "MODEL_CARD.template.md").read_text()
+    vae = json.loads((PACKAGED_DEFAULT / "vae" / "config.json").read_text())
+    scale = 2 ** len(vae["temperal_downsample"])
     return template.format(
+        vae_arch=f"base_dim {vae['base_dim']}, dim_mult {tuple(vae['dim_mult'])}, z_dim {vae['z_dim']}, **{scale}x** "
+        "spatial compression",
+        latent=f"{64 // scale}x{64 // scale}x{vae['z_dim']}",
         table=table(results),
         hashes="\n".join(f"    {h}  {p}" for p, h in hashes.items()),
         size_default=sizes["default"] / 1e6,

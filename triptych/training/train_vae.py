@@ -1,6 +1,6 @@
 """Stage 1: the AutoencoderKLQwenImage (16x spatial compression, z=16) trained to reconstruct world images.
 
-Loss: L2 on pixels of a posterior sample's decoding, plus a small KL term. Afterwards the
+Loss: L2 on pixels and on 8x8-pooled pixels of a posterior sample's decoding, plus a small KL term. Afterwards the
 per-channel mean/std of the posterior means over every train scene become the VAE config's
 ``latents_mean``/``latents_std``, which the Qwen-Image pipelines use to normalise latents.
 """
@@ -48,17 +48,32 @@ def build_vae(seed: int):
     return vae
 
 
-def train_vae(out: Path, seed: int, steps: int, batch: int = 16, lr: float = 5e-4, kl: float = 1e-4,
+#: Phase 1 learns backgrounds and layout; phase 2 (from phase 1's weights, fresh schedule) weights
+#: shape pixels 5x: after phase 1 backgrounds read back 100% but shapes were faint.
+#: Phase 3 trains the decoder only, on the frozen encoder's latents (plus a little noise, as sampled
+#: latents are never exact): the latent space the transformer is trained on does not move, so the
+#: transformer can train at the same time.
+PHASES = {1: dict(fg_weight=1.0), 2: dict(fg_weight=5.0), 3: dict(fg_weight=5.0, decoder_only=True)}
+
+
+def train_vae(out: Path, seed: int, steps: int, phase: int = 1, batch: int = 16, lr: float = 5e-4, kl: float = 0.0,
               resume: bool = False, log_every: int = 25, ckpt_every: int = 100):  # fmt: skip
+    """Phase k starts from ``out/vae_phase{k-1}`` and writes ``out/vae_phase{k}`` (the last phase: ``out/vae``)."""
+    from diffusers import AutoencoderKLQwenImage
+
     out.mkdir(parents=True, exist_ok=True)
-    if (out / "vae" / "config.json").is_file():
-        logger.info("vae: done already (%s)", out / "vae")
+    dest = out / ("vae" if phase == len(PHASES) else f"vae_phase{phase}")
+    if (dest / "config.json").is_file():
+        logger.info("vae phase %d: done already (%s)", phase, dest)
         return
-    seed_all(seed)
-    vae = build_vae(seed)
+    fg_weight = PHASES[phase]["fg_weight"]
+    seed_all(seed + 100 * (phase - 1))
+    vae = build_vae(seed) if phase == 1 else AutoencoderKLQwenImage.from_pretrained(out / f"vae_phase{phase - 1}")
+    if PHASES[phase].get("decoder_only"):
+        return _train_decoder(vae, out, dest, seed, steps, phase, batch, lr, fg_weight, resume, log_every, ckpt_every)
     opt = torch.optim.AdamW(vae.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.99))
     start = 0
-    ckpt = out / "vae.ckpt"
+    ckpt = out / f"vae{phase}.ckpt"
     state = load_checkpoint(ckpt) if resume else None
     if state:
         vae.load_state_dict(state["model"])
@@ -67,7 +82,7 @@ def train_vae(out: Path, seed: int, steps: int, batch: int = 16, lr: float = 5e-
         set_rng_state(state["rng"])
         logger.info("vae: resumed at step %d", start)
     scenes = list(data.train_scenes())
-    rng = random.Random(f"{seed}|vae")
+    rng = random.Random(f"{seed}|vae|{phase}")
     if state:
         rng.setstate(state["pyrng"])
     timer = Timer()
@@ -82,9 +97,13 @@ def train_vae(out: Path, seed: int, steps: int, batch: int = 16, lr: float = 5e-
                 g["lr"] = cosine_lr(step, steps, lr) * scale
             x = data.pixels(rng.sample(scenes, batch))
             post = vae.encode(x).latent_dist
-            z = post.sample()
+            z = post.sample() if kl > 0 else post.mode()
             y = decode_unclamped(vae, z)
-            rec = (y - x).pow(2).mean()
+            # Full-resolution MSE plus MSE of 8x8-pooled images (colour and layout: a 4-channel-wide run
+            # learnt shape and position but collapsed colour onto one axis).
+            fg = ((x - x[:, :, :, :1, :1]).abs().sum(1, keepdim=True) > 0.05).float()
+            weight = 1.0 + (fg_weight - 1.0) * fg
+            rec = ((y - x).pow(2) * weight).mean() / weight.mean() + (_pool(y) - _pool(x)).pow(2).mean()
             kl_term = 0.5 * (post.mean.pow(2) + post.var - 1.0 - post.logvar).mean()
             loss = rec + kl * kl_term
             opt.zero_grad(set_to_none=True)
@@ -93,7 +112,7 @@ def train_vae(out: Path, seed: int, steps: int, batch: int = 16, lr: float = 5e-
             opt.step()
             smooth = rec.item() if smooth is None else 0.9 * smooth + 0.1 * rec.item()
             if step % 50 == 0:
-                if snapshot is not None and smooth > snapshot[0] + 0.15:
+                if snapshot is not None and smooth > 1.5 * snapshot[0]:
                     scale *= 0.5
                     vae.load_state_dict(snapshot[1])
                     opt.load_state_dict(snapshot[2])
@@ -109,8 +128,58 @@ def train_vae(out: Path, seed: int, steps: int, batch: int = 16, lr: float = 5e-
         vae.eval()
         mean, std = latent_stats(vae, scenes)
     vae.register_to_config(latents_mean=mean, latents_std=std)
-    vae.save_pretrained(out / "vae")
-    logger.info("vae: saved (%.0fs); latents mean %s std %s", timer(), [round(v, 2) for v in mean], [round(v, 2) for v in std])
+    vae.save_pretrained(dest)
+    logger.info(f"vae phase {phase}: saved (%.0fs); latents mean %s std %s", timer(), [round(v, 2) for v in mean], [round(v, 2) for v in std])
+
+
+def _train_decoder(vae, out, dest, seed, steps, phase, batch, lr, fg_weight, resume, log_every, ckpt_every):
+    params = list(vae.decoder.parameters()) + list(vae.post_quant_conv.parameters())
+    vae.requires_grad_(False)
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.99))
+    scenes = list(data.train_scenes())
+    with single_frame_convs():
+        latents = encode_mode(vae.eval(), scenes)
+    noise = 0.1 * latents.std(dim=(0, 2, 3, 4), keepdim=True)
+    rng = random.Random(f"{seed}|vae|{phase}")
+    start, ckpt = 0, out / f"vae{phase}.ckpt"
+    state = load_checkpoint(ckpt) if resume else None
+    if state:
+        vae.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        start = state["step"]
+        set_rng_state(state["rng"])
+        rng.setstate(state["pyrng"])
+    timer = Timer()
+    vae.decoder.train()
+    with single_frame_convs():
+        for step in range(start, steps):
+            for g in opt.param_groups:
+                g["lr"] = cosine_lr(step, steps, lr)
+            idx = rng.sample(range(len(scenes)), batch)
+            x = data.pixels([scenes[i] for i in idx])
+            z = latents[idx] + noise * torch.randn_like(latents[idx])
+            y = decode_unclamped(vae, z)
+            fg = ((x - x[:, :, :, :1, :1]).abs().sum(1, keepdim=True) > 0.05).float()
+            weight = 1.0 + (fg_weight - 1.0) * fg
+            rec = ((y - x).pow(2) * weight).mean() / weight.mean() + (_pool(y) - _pool(x)).pow(2).mean()
+            opt.zero_grad(set_to_none=True)
+            rec.backward()
+            torch.nn.utils.clip_grad_norm_(params, 0.5)
+            opt.step()
+            if step % log_every == 0 or step == steps - 1:
+                logger.info("vae decoder step %d/%d rec %.4f (%.0fs)", step, steps, rec.item(), timer())
+            if (step + 1) % ckpt_every == 0:
+                save_checkpoint(ckpt, model=vae.state_dict(), opt=opt.state_dict(), step=step + 1, rng=rng_state(),
+                                pyrng=rng.getstate())  # fmt: skip
+    vae.eval().requires_grad_(True)
+    vae.save_pretrained(dest)  # latents_mean/std unchanged: the encoder did not move
+    logger.info("vae phase %d (decoder only): saved (%.0fs)", phase, timer())
+
+
+def _pool(x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.avg_pool2d(x[:, :, 0], 8)
 
 
 def decode_unclamped(vae, z: torch.Tensor) -> torch.Tensor:
