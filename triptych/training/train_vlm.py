@@ -149,7 +149,7 @@ def train_vlm(out: Path, seed: int, steps: int, phase: int = 1, resume: bool = F
     else:
         model = Qwen2_5_VLForConditionalGeneration.from_pretrained(out / f"vlm_phase{phase - 1}" / "text_encoder")
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
-    rng = random.Random(f"{seed}|vlm|{phase}")
+    rng = random.Random(f"{seed}|vlm" if phase == 1 else f"{seed}|vlm|{phase}")
     start = 0
     ckpt = out / f"vlm{phase}.ckpt"
     state = load_checkpoint(ckpt) if resume else None
