@@ -77,13 +77,18 @@ def test_edit_with_fake_image_family_passes_params(tmp_path):
     with server as base:
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
         out = client.images.edit(image=("a.png", png_bytes()), prompt="blue", n=2, size="48x32",
-                                 extra_body={"seed": 5, "teacache_threshold": 0.3, "true_cfg_scale": 2.0,
-                                             "num_inference_steps": 3})  # fmt: skip
+                                 extra_body={"seed": 5, "true_cfg_scale": 2.0, "num_inference_steps": 3})  # fmt: skip
         assert len(out.data) == 2 and out.size == "48x32"
         params = [j.params for j in backend.jobs]
         assert [p.seed for p in params] == [5, 6]
-        assert {(p.teacache_threshold, p.true_cfg, p.steps, p.width, p.height) for p in params} == {(0.3, 2.0, 3, 48, 32)}
+        assert {(p.teacache_threshold, p.true_cfg, p.steps, p.width, p.height) for p in params} == {(0.0, 2.0, 3, 48, 32)}
         assert params[0].image.size == (32, 32)
+        # A family without a TeaCache plan refuses a threshold at the door (pass-through on a real
+        # family: tests/pipelines/test_engine_teacache.py).
+        with pytest.raises(openai.BadRequestError) as err:
+            client.images.edit(image=("a.png", png_bytes()), prompt="blue", extra_body={"teacache_threshold": 0.3})
+        assert err.value.body["param"] == "teacache_threshold"
+        assert len(backend.jobs) == 2
 
 
 @pytest.mark.parametrize(
