@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true")
-    p.add_argument("--vae-steps", type=int, nargs=4, default=[1000, 800, 3000, 5000], metavar=("P1", "P2", "P3", "P4"))
+    p.add_argument("--vae-steps", type=int, nargs=5, default=[1000, 800, 3000, 5000, 4000],
+                   metavar=("P1", "P2", "P3", "P4", "P5"))
     p.add_argument("--vlm-steps", type=int, nargs=4, default=[1200, 1000, 800, 700],
                    metavar=("PHASE1", "PHASE2", "PHASE3", "PHASE4"))
     p.add_argument("--dit-steps", type=int, default=5000)
