@@ -14,30 +14,9 @@ import multiprocessing as mp
 import time
 from pathlib import Path
 
+from triptych.training.stages import run_stage as _stage
+
 logger = logging.getLogger("triptych.training")
-
-
-def _stage(name: str, out: str, seed: int, steps, resume: bool, threads: int) -> float:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", force=True)
-    from triptych.training.common import setup
-
-    setup(seed, threads)
-    start = time.time()
-    if name == "vae":
-        from triptych.training.train_vae import train_vae
-
-        for phase, n in enumerate(steps, 1):
-            train_vae(Path(out), seed, n, phase=phase, resume=resume)
-    elif name == "vlm":
-        from triptych.training.train_vlm import train_vlm
-
-        for phase, n in enumerate(steps, 1):
-            train_vlm(Path(out), seed, n, phase=phase, resume=resume)
-    else:
-        from triptych.training.train_dit import train_dit
-
-        train_dit(Path(out), seed, steps, resume=resume)
-    return time.time() - start
 
 
 def main(argv: list[str] | None = None) -> int:
