@@ -25,14 +25,15 @@ def prepare(family, request_id: str, params: GenerationParams, cond: Conditionin
     return DenoiseState(request_id, params, latents, scheduler, timesteps, cond, aux)
 
 
-def forward(transformer, rows: Sequence[Row]) -> torch.Tensor:
+def transformer_inputs(rows: Sequence[Row]) -> dict:
+    """The transformer's keyword arguments for stacked rows (TeaCache's split forward reuses them)."""
     states = [r.state for r in rows]
     hidden = torch.cat([s.latents for s in states])
     # Same ops as the pipeline: t.expand(B).to(latents.dtype) / 1000, one value per row.
     timestep = torch.cat([s.timestep.expand(1).to(hidden.dtype) for s in states]) / 1000
     guidance = torch.cat([s.aux["guidance"] for s in states]) if "guidance" in states[0].aux else None
     branch = [r.state.cond.branches[r.branch] for r in rows]
-    return transformer(
+    return dict(
         hidden_states=hidden,
         timestep=timestep,
         guidance=guidance,
@@ -40,9 +41,11 @@ def forward(transformer, rows: Sequence[Row]) -> torch.Tensor:
         encoder_hidden_states=torch.cat([b["prompt_embeds"] for b in branch]),
         txt_ids=branch[0]["text_ids"],  # zeros (seq, 3): equal for every row of equal text length
         img_ids=states[0].aux["img_ids"],  # same size in a batch (compat key)
-        joint_attention_kwargs={},
-        return_dict=False,
-    )[0]
+    )
+
+
+def forward(transformer, rows: Sequence[Row]) -> torch.Tensor:
+    return transformer(**transformer_inputs(rows), joint_attention_kwargs={}, return_dict=False)[0]
 
 
 def combine(state: DenoiseState, preds: dict[str, torch.Tensor]) -> torch.Tensor:

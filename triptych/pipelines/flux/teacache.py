@@ -21,6 +21,7 @@ import torch
 
 from triptych.cache.teacache import RowStep, TeaCachePlan
 from triptych.pipelines.base import Row
+from triptych.pipelines.flux.denoise import transformer_inputs
 
 
 @dataclass
@@ -39,24 +40,6 @@ def describe(row: Row) -> RowStep:
     coeffs = getattr(s.params, "teacache_coefficients", None)  # if GenerationParams grows the field
     return RowStep(s.request_id, row.branch, s.step, s.total_steps, s.params.teacache_threshold,
                    tuple(coeffs) if coeffs is not None else None)  # fmt: skip
-
-
-def transformer_inputs(rows: Sequence[Row]) -> dict:
-    """The keyword arguments ``denoise.forward`` passes to the transformer (same ops, same order)."""
-    states = [r.state for r in rows]
-    hidden = torch.cat([s.latents for s in states])
-    timestep = torch.cat([s.timestep.expand(1).to(hidden.dtype) for s in states]) / 1000
-    guidance = torch.cat([s.aux["guidance"] for s in states]) if "guidance" in states[0].aux else None
-    branch = [r.state.cond.branches[r.branch] for r in rows]
-    return dict(
-        hidden_states=hidden,
-        timestep=timestep,
-        guidance=guidance,
-        pooled_projections=torch.cat([b["pooled_prompt_embeds"] for b in branch]),
-        encoder_hidden_states=torch.cat([b["prompt_embeds"] for b in branch]),
-        txt_ids=branch[0]["text_ids"],
-        img_ids=states[0].aux["img_ids"],
-    )
 
 
 def make_plan(transformer) -> TeaCachePlan:

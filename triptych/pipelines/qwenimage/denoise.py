@@ -53,7 +53,9 @@ def pad_prompts(embeds: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor 
     return torch.cat(padded), mask
 
 
-def forward(transformer, rows: Sequence[Row], vae_scale_factor: int) -> torch.Tensor:
+def transformer_inputs(rows: Sequence[Row], vae_scale_factor: int) -> tuple[dict, int]:
+    """The transformer's keyword arguments for stacked rows, and how many leading output tokens are
+    the noise prediction (edit appends the condition image's tokens). TeaCache reuses it."""
     states = [r.state for r in rows]
     latents = torch.cat([s.latents for s in states])
     noise_tokens = latents.shape[1]
@@ -66,16 +68,16 @@ def forward(transformer, rows: Sequence[Row], vae_scale_factor: int) -> torch.Te
     embeds, mask = pad_prompts([r.state.cond.branches[r.branch]["prompt_embeds"] for r in rows])
     # Equal for every row of a batch (compat key: same size and condition-image shape).
     shapes = [image_shapes(states[0], vae_scale_factor)] * len(rows)
-    out = transformer(
-        hidden_states=hidden,
-        timestep=timestep / 1000,
-        guidance=None,
-        encoder_hidden_states_mask=mask,
-        encoder_hidden_states=embeds,
-        img_shapes=shapes,
-        attention_kwargs={},
-        return_dict=False,
-    )[0]
+    kwargs = dict(
+        hidden_states=hidden, timestep=timestep / 1000, encoder_hidden_states_mask=mask,
+        encoder_hidden_states=embeds, img_shapes=shapes,
+    )  # fmt: skip
+    return kwargs, noise_tokens
+
+
+def forward(transformer, rows: Sequence[Row], vae_scale_factor: int) -> torch.Tensor:
+    kwargs, noise_tokens = transformer_inputs(rows, vae_scale_factor)
+    out = transformer(**kwargs, guidance=None, attention_kwargs={}, return_dict=False)[0]
     return out[:, :noise_tokens]
 
 

@@ -33,7 +33,7 @@ from diffusers.models.transformers.transformer_qwenimage import compute_text_seq
 from triptych.cache.teacache import TeaCachePlan
 from triptych.pipelines.base import Row
 from triptych.pipelines.flux.teacache import describe  # family-independent (Row/DenoiseState only)
-from triptych.pipelines.qwenimage.denoise import image_shapes, pad_prompts
+from triptych.pipelines.qwenimage.denoise import transformer_inputs
 
 
 @dataclass
@@ -47,26 +47,6 @@ class QwenEmbedded:
     rotary: tuple[torch.Tensor, torch.Tensor]  # shared by the rows (same image shapes, padded text length)
     modulate_index: torch.Tensor | None  # (rows, img_seq) 0 = noise token, 1 = condition; zero_cond_t only
     noise_tokens: int  # image-stream tokens that are the output (the rest is the edit condition)
-
-
-def transformer_inputs(rows: Sequence[Row], vae_scale_factor: int) -> tuple[dict, int]:
-    """The keyword arguments ``denoise.forward`` passes to the transformer (same ops, same order),
-    and the number of noise tokens it keeps from the output."""
-    states = [r.state for r in rows]
-    latents = torch.cat([s.latents for s in states])
-    noise_tokens = latents.shape[1]
-    hidden = latents
-    if "image_latents" in states[0].cond.shared:
-        image_latents = torch.cat([s.cond.shared["image_latents"] for s in states])
-        hidden = torch.cat([latents, image_latents], dim=1)
-    timestep = torch.cat([s.timestep.expand(1).to(latents.dtype) for s in states])
-    embeds, mask = pad_prompts([r.state.cond.branches[r.branch]["prompt_embeds"] for r in rows])
-    shapes = [image_shapes(states[0], vae_scale_factor)] * len(rows)
-    kwargs = dict(
-        hidden_states=hidden, timestep=timestep / 1000, encoder_hidden_states_mask=mask,
-        encoder_hidden_states=embeds, img_shapes=shapes,
-    )  # fmt: skip
-    return kwargs, noise_tokens
 
 
 def make_plan(transformer, vae_scale_factor: int, family_name: str = "qwen-image") -> TeaCachePlan:

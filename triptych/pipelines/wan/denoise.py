@@ -26,23 +26,25 @@ def prepare(family, request_id: str, params: GenerationParams, cond: Conditionin
     return DenoiseState(request_id, params, latents, scheduler, scheduler.timesteps, cond)
 
 
-def forward(transformer, rows: Sequence[Row]) -> torch.Tensor:
+def transformer_inputs(transformer, rows: Sequence[Row]) -> dict:
+    """The transformer's keyword arguments for stacked rows (TeaCache's split forward reuses them)."""
     states = [r.state for r in rows]
-    dtype = transformer.dtype
     if "condition" in states[0].cond.shared:  # image-to-video: noise ‖ mask ‖ condition latents
         hidden = torch.cat([torch.cat([s.latents, s.cond.shared["condition"]], dim=1) for s in states])
         image_embeds = torch.cat([s.cond.shared["image_embeds"] for s in states])
     else:
         hidden = torch.cat([s.latents for s in states])
         image_embeds = None
-    return transformer(
-        hidden_states=hidden.to(dtype),
+    return dict(
+        hidden_states=hidden.to(transformer.dtype),
         timestep=torch.cat([s.timestep.expand(1) for s in states]),  # as the pipeline: t.expand(B)
         encoder_hidden_states=torch.cat([r.state.cond.branches[r.branch]["prompt_embeds"] for r in rows]),
         encoder_hidden_states_image=image_embeds,
-        attention_kwargs=None,
-        return_dict=False,
-    )[0]
+    )
+
+
+def forward(transformer, rows: Sequence[Row]) -> torch.Tensor:
+    return transformer(**transformer_inputs(transformer, rows), attention_kwargs=None, return_dict=False)[0]
 
 
 def combine(state: DenoiseState, preds: dict[str, torch.Tensor]) -> torch.Tensor:

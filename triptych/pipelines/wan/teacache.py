@@ -29,6 +29,7 @@ import torch
 from triptych.cache.teacache import TeaCachePlan
 from triptych.pipelines.base import Row
 from triptych.pipelines.flux.teacache import describe  # family-independent (Row/DenoiseState only)
+from triptych.pipelines.wan.denoise import transformer_inputs
 
 
 @dataclass
@@ -41,23 +42,6 @@ class WanEmbedded:
     timestep_proj: torch.Tensor  # (rows, 6, dim) per-block modulation ("e0")
     rotary: tuple[torch.Tensor, torch.Tensor]  # shared by the rows (same latent shape)
     shape: tuple[int, int, int, int]  # (rows, frames, height, width) after patchify
-
-
-def transformer_inputs(transformer, rows: Sequence[Row]) -> dict:
-    """The keyword arguments ``denoise.forward`` passes to the transformer (same ops, same order)."""
-    states = [r.state for r in rows]
-    if "condition" in states[0].cond.shared:  # image-to-video: noise ‖ mask ‖ condition latents
-        hidden = torch.cat([torch.cat([s.latents, s.cond.shared["condition"]], dim=1) for s in states])
-        image_embeds = torch.cat([s.cond.shared["image_embeds"] for s in states])
-    else:
-        hidden = torch.cat([s.latents for s in states])
-        image_embeds = None
-    return dict(
-        hidden_states=hidden.to(transformer.dtype),
-        timestep=torch.cat([s.timestep.expand(1) for s in states]),
-        encoder_hidden_states=torch.cat([r.state.cond.branches[r.branch]["prompt_embeds"] for r in rows]),
-        encoder_hidden_states_image=image_embeds,
-    )
 
 
 def make_plan(transformer, family_name: str = "wan-t2v") -> TeaCachePlan:
