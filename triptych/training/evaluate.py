@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
         gallery(args.out / "gallery_edit.png", mixed, labels)
         logger.info("edit %s", results["edit"])
     (args.out / "results.json").write_text(json.dumps(results, indent=2))
-    print(table(results))
+    logger.info("results\n%s", table(results))
     return results
 
 
