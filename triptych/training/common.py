@@ -88,6 +88,20 @@ def load_checkpoint(path: Path) -> dict[str, Any] | None:
     return torch.load(path, weights_only=False)
 
 
+def resume_from(path: Path, resume: bool, model, opt, pyrng=None) -> tuple[int, dict[str, Any] | None]:
+    """Restore model, optimiser, torch RNG (and ``pyrng``, a ``random.Random``) from ``path`` when
+    ``resume`` and the checkpoint exists; returns (step to start at, the checkpoint or None)."""
+    state = load_checkpoint(path) if resume else None
+    if not state:
+        return 0, None
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["opt"])
+    set_rng_state(state["rng"])
+    if pyrng is not None:
+        pyrng.setstate(state["pyrng"])
+    return state["step"], state
+
+
 def cosine_lr(step: int, total: int, base: float, warmup: int = 50) -> float:
     if step < warmup:
         return base * (step + 1) / warmup

@@ -28,14 +28,13 @@ import torch
 
 from triptych.training import data
 from triptych.training.common import (
-    Timer,
     cosine_lr,
-    load_checkpoint,
+    resume_from,
     rng_state,
     save_checkpoint,
     seed_all,
-    set_rng_state,
     single_frame_convs,
+    Timer,
 )
 
 logger = logging.getLogger("triptych.training.dit")
@@ -226,17 +225,11 @@ def train_dit(out: Path, seed: int, steps: int, batch: int = 64, edit_batch: int
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.99))
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(f"{seed}|dit")
-    start = 0
     ckpt = out / "dit.ckpt"
-    state = load_checkpoint(ckpt) if resume else None
+    start, state = resume_from(ckpt, resume, model, opt, rng)
     if state:
-        model.load_state_dict(state["model"])
         ema.load_state_dict(state["ema"])
-        opt.load_state_dict(state["opt"])
-        start = state["step"]
-        set_rng_state(state["rng"])
         gen.set_state(state["gen"])
-        rng.setstate(state["pyrng"])
         logger.info("dit: resumed at step %d", start)
     n_scenes = d["x0"].shape[0]
     n_pairs = d["pairs"].shape[0]

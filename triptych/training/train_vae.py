@@ -16,14 +16,13 @@ import torch
 
 from triptych.training import data
 from triptych.training.common import (
-    Timer,
     cosine_lr,
-    load_checkpoint,
+    resume_from,
     rng_state,
     save_checkpoint,
     seed_all,
-    set_rng_state,
     single_frame_convs,
+    Timer,
 )
 
 logger = logging.getLogger("triptych.training.vae")
@@ -83,14 +82,9 @@ def train_vae(out: Path, seed: int, steps: int, phase: int = 1, batch: int = 16,
         return _train_decoder(vae, out, dest, seed, steps, phase, batch, lr, fg_weight, resume, log_every, ckpt_every,
                               PHASES[phase].get("noise", 0.1))  # fmt: skip
     opt = torch.optim.AdamW(vae.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.99))
-    start = 0
     ckpt = out / f"vae{phase}.ckpt"
-    state = load_checkpoint(ckpt) if resume else None
+    start, state = resume_from(ckpt, resume, vae, opt)
     if state:
-        vae.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
-        start = state["step"]
-        set_rng_state(state["rng"])
         logger.info("vae: resumed at step %d", start)
     scenes = list(data.train_scenes())
     rng = random.Random(f"{seed}|vae" if phase == 1 else f"{seed}|vae|{phase}")
@@ -156,14 +150,8 @@ def _train_decoder(vae, out, dest, seed, steps, phase, batch, lr, fg_weight, res
         latents = encode_mode(vae.eval(), scenes)
     noise = noise_std * latents.std(dim=(0, 2, 3, 4), keepdim=True)
     rng = random.Random(f"{seed}|vae|{phase}")
-    start, ckpt = 0, out / f"vae{phase}.ckpt"
-    state = load_checkpoint(ckpt) if resume else None
-    if state:
-        vae.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
-        start = state["step"]
-        set_rng_state(state["rng"])
-        rng.setstate(state["pyrng"])
+    ckpt = out / f"vae{phase}.ckpt"
+    start, _ = resume_from(ckpt, resume, vae, opt, rng)
     timer = Timer()
     vae.decoder.train()
     with single_frame_convs():

@@ -23,13 +23,12 @@ import torch
 from triptych.training import data
 from triptych.training.common import (
     CAPTION_QUESTION,
-    Timer,
     cosine_lr,
-    load_checkpoint,
+    resume_from,
     rng_state,
     save_checkpoint,
     seed_all,
-    set_rng_state,
+    Timer,
 )
 
 logger = logging.getLogger("triptych.training.vlm")
@@ -150,15 +149,9 @@ def train_vlm(out: Path, seed: int, steps: int, phase: int = 1, resume: bool = F
         model = Qwen2_5_VLForConditionalGeneration.from_pretrained(out / f"vlm_phase{phase - 1}" / "text_encoder")
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
     rng = random.Random(f"{seed}|vlm" if phase == 1 else f"{seed}|vlm|{phase}")
-    start = 0
     ckpt = out / f"vlm{phase}.ckpt"
-    state = load_checkpoint(ckpt) if resume else None
+    start, state = resume_from(ckpt, resume, model, opt, rng)
     if state:
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
-        start = state["step"]
-        set_rng_state(state["rng"])
-        rng.setstate(state["pyrng"])
         logger.info("vlm: resumed at step %d", start)
     inputs = VLMInputs(tok, proc)
     timer = Timer()
