@@ -24,16 +24,12 @@ the computing rows.
 
 from __future__ import annotations
 
-from collections import defaultdict
 
-import numpy as np
 import pytest
 import torch
 from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
-from PIL import Image
 
-from tests.helpers import psnr
-from triptych.cache.teacache import ProfileIndex, TeaCache
+from tests.pipelines.teacache_support import condition_image, decoded_psnr, encode, new_cache, run
 from triptych.calibration.fit import calibrate
 from triptych.pipelines.base import GenerationParams, Row
 from triptych.pipelines.registry import load_family
@@ -66,11 +62,6 @@ def small_condition_area():
         yield
 
 
-def condition_image(seed=7):
-    rng = np.random.RandomState(seed)
-    return Image.fromarray((rng.rand(40, 48, 3) * 255).astype("uint8"))
-
-
 def extra(name):
     return dict(image=condition_image()) if name == "qwen-image-edit" else {}
 
@@ -91,49 +82,9 @@ def family(request, families):
     return families[request.param]
 
 
-def new_cache(family):
-    return TeaCache(plan_for(family), ProfileIndex(family.model_dir, family.name))
-
-
 def params(family, prompt="a small house by a lake", seed=3, threshold=0.0, **kw):
     kw = {"guidance": 1.0, **SIZE, **extra(family.name), **kw}
     return family.resolve(GenerationParams(prompt=prompt, seed=seed, steps=STEPS, teacache_threshold=threshold, **kw))
-
-
-_ENCODED: dict = {}
-
-
-def encode(family, p):
-    """Encodings are read-only inputs: share them between the runs of the module."""
-    key = (family.name, p.prompt, p.negative_prompt, family.uses_cfg(p), p.image and p.image.tobytes())
-    if key not in _ENCODED:
-        _ENCODED[key] = family.encode(p)
-    return _ENCODED[key]
-
-
-def run(family, plist, tc=None, fuse_cfg=False, stop_after=None):
-    """Denoise requests ``r0..`` in one batch; returns states and per-(request, branch) decisions."""
-    states = [family.prepare(f"r{i}", p, encode(family, p)) for i, p in enumerate(plist)]
-    decisions = defaultdict(list)
-
-    def forward(rows):
-        out = tc.forward(rows, family.forward)
-        for d in tc.last_decisions:
-            decisions[(d.request_id, d.branch)].append(d.compute)
-        return out
-
-    steps = 0
-    while not all(s.done for s in states) and steps != stop_after:
-        family.denoise_step(states, fuse_cfg=fuse_cfg, forward=forward if tc is not None else None)
-        steps += 1
-    if tc is not None and stop_after is None:
-        for s in states:
-            tc.release(s.request_id)
-    return states, decisions
-
-
-def decoded_psnr(family, a, b):
-    return psnr(family.decode(a.latents, a.params).array, family.decode(b.latents, b.params).array)
 
 
 def mixed_rows(family):
