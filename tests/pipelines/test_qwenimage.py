@@ -151,6 +151,29 @@ def test_edit_at_the_pipelines_real_condition_size(edit, monkeypatch):
     assert np.abs(frames.array - reference).max() == 0
 
 
+def test_edit_condition_area_from_the_models_triptych_json(model_dirs, tmp_path, monkeypatch):
+    """A model may record the condition area it was trained at (the packaged default: 64×64); the
+    family resizes the condition image (VAE latents and the VLM's prompt image) to that area."""
+    monkeypatch.setattr(pipeline_qwenimage_edit, "calculate_dimensions", ORIGINAL_CALCULATE_DIMENSIONS)
+    model = shutil.copytree(model_dirs["edit"], tmp_path / "edit")
+    settings = json.loads((model / "triptych.json").read_text())
+    (model / "triptych.json").write_text(json.dumps({**settings, "condition_area": 64 * 64}))
+    family = QwenImageEditFamily(model)
+    assert family.condition_area == 64 * 64
+    image = condition_image(96, 96)
+    p = family.resolve(GenerationParams(prompt="make it blue", image=image, seed=1, steps=2, guidance=1.0))
+    state, frames = staged(family, p)
+    assert state.cond.shared["image_latents"].shape[1] == (64 // 16) ** 2
+    assert state.cond.shared["image_shape"].tolist() == [1, 4, 4]
+    # Both the VAE latents and the VLM's prompt embeddings saw the 64×64 resize: handing the family
+    # that resize (which it keeps as is) gives the same conditioning exactly.
+    resized = family.pipe.image_processor.resize(image, 64, 64)
+    again = family.encode(p.replace(image=resized))
+    assert torch.equal(again.shared["image_latents"], state.cond.shared["image_latents"])
+    assert torch.equal(again.branches["cond"]["prompt_embeds"], state.cond.branches["cond"]["prompt_embeds"])
+    assert frames.array.shape == (1, p.height, p.width, 3)
+
+
 # ---- batching: one forward per CFG group, close to each request alone ------------------------------
 def batch_requests(image):
     return [  # different prompts (token lengths), seeds, guidance, negative prompts, step counts

@@ -1,8 +1,10 @@
 """``python -m triptych.training --out DIR --seed 0 [--resume]``: train every stage, then assemble.
 
-The VAE and the captioner do not depend on each other and train at the same time in two processes
-(one thread each); the transformer needs both. Each stage checkpoints every few hundred steps and
-``--resume`` continues from the last checkpoint (finished stages are skipped).
+Two processes (one thread each) at a time: first the VAE's joint phases beside the captioner (they do
+not depend on each other); then the transformer, which needs the captioner and the VAE's final
+encoder, beside the VAE's decoder-only phases (they do not move the latent space). Each stage
+checkpoints every few hundred steps and ``--resume`` continues from the last checkpoint (finished
+stages and phases are skipped).
 """
 
 from __future__ import annotations
@@ -24,29 +26,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true")
-    p.add_argument("--vae-steps", type=int, nargs=5, default=[1000, 800, 3000, 5000, 4000],
-                   metavar=("P1", "P2", "P3", "P4", "P5"))
+    p.add_argument("--vae-steps", type=int, nargs=4, default=[1200, 1200, 2500, 2000],
+                   metavar=("P1", "P2", "P3", "P4"))
     p.add_argument("--vlm-steps", type=int, nargs=4, default=[1200, 1000, 800, 700],
                    metavar=("PHASE1", "PHASE2", "PHASE3", "PHASE4"))
     p.add_argument("--dit-steps", type=int, default=5000)
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (1: deterministic, fastest on a shared box)")
-    p.add_argument("--sequential", action="store_true", help="train the VAE and the captioner one after the other")
+    p.add_argument("--sequential", action="store_true", help="one stage at a time instead of two processes")
     p.add_argument("--evaluate", action="store_true", help="run triptych.training.evaluate on the result")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     args.out.mkdir(parents=True, exist_ok=True)
     times: dict[str, float] = {}
     t0 = time.time()
-    first = [("vae", args.vae_steps), ("vlm", args.vlm_steps)]
-    if args.sequential:
-        for name, steps in first:
-            times[name] = _stage(name, str(args.out), args.seed, steps, args.resume, args.threads)
-    else:
+    from triptych.training.train_vae import JOINT_PHASES
+
+    joint = len(JOINT_PHASES)
+    waves = [[("vae-joint", args.vae_steps[:joint]), ("vlm", args.vlm_steps)],
+             [("dit", args.dit_steps), ("vae-decoder", args.vae_steps[joint:])]]  # fmt: skip
+    for wave in waves:
+        if args.sequential:
+            for name, steps in wave:
+                times[name] = _stage(name, str(args.out), args.seed, steps, args.resume, args.threads)
+            continue
         ctx = mp.get_context("spawn")
         with ctx.Pool(2) as pool:
-            jobs = {n: pool.apply_async(_stage, (n, str(args.out), args.seed, s, args.resume, args.threads)) for n, s in first}
+            jobs = {n: pool.apply_async(_stage, (n, str(args.out), args.seed, s, args.resume, args.threads)) for n, s in wave}
             times.update({n: j.get() for n, j in jobs.items()})
-    times["dit"] = _stage("dit", str(args.out), args.seed, args.dit_steps, args.resume, args.threads)
     from triptych.training.assemble import assemble
     from triptych.training.common import tree_sha256
 

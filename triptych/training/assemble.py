@@ -6,7 +6,11 @@ import json
 import shutil
 from pathlib import Path
 
+from triptych.training.common import CONDITION_AREA
+
 DEFAULTS = {"height": 64, "width": 64, "steps": 20, "guidance": 4.0}
+#: The edit model also records the condition image's area it was trained with (the family reads it).
+EDIT_DEFAULTS = {"condition_area": CONDITION_AREA}
 
 
 def write_model(parts: dict, out: Path, edit: bool, defaults: dict | None = None) -> Path:
@@ -22,7 +26,8 @@ def write_model(parts: dict, out: Path, edit: bool, defaults: dict | None = None
         QwenImageEditPipeline(scheduler=scheduler(), processor=parts["processor"], **common).save_pretrained(out)
     else:
         QwenImagePipeline(scheduler=scheduler(), **common).save_pretrained(out)
-    (out / "triptych.json").write_text(json.dumps(defaults or DEFAULTS, indent=2) + "\n")
+    settings = dict(defaults or DEFAULTS, **(EDIT_DEFAULTS if edit else {}))
+    (out / "triptych.json").write_text(json.dumps(settings, indent=2) + "\n")
     return out
 
 
@@ -31,7 +36,7 @@ def assemble(run: Path, defaults: dict | None = None) -> tuple[Path, Path]:
 
     from triptych.training.train_dit import load_frozen
 
-    parts = load_frozen(run)
+    parts = load_frozen(run)  # the finished VAE
     parts["transformer"] = QwenImageTransformer2DModel.from_pretrained(run / "transformer")
     return write_model(parts, run / "model", False, defaults), write_model(parts, run / "model_edit", True, defaults)
 

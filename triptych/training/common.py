@@ -18,6 +18,12 @@ import torch
 logger = logging.getLogger("triptych.training")
 
 IMAGE_SIZE = 64
+#: Edit condition images are VAE-encoded at this many pixels (the edit model's ``condition_area``):
+#: the world's own 64 px, 16 condition tokens, instead of QwenImageEditPipeline's 1 MP (1,024 tokens).
+CONDITION_AREA = IMAGE_SIZE * IMAGE_SIZE
+#: The captioner's edit-template examples were rendered at the pipeline's 1 MP (how the shipped text
+#: encoder was trained, before the default model moved to ``CONDITION_AREA``).
+VLM_EDIT_AREA = 1024 * 1024
 #: Qwen2.5-VL input images are resized to exactly this many pixels (112 x 112 → 16 vision tokens).
 VLM_PIXELS = 112 * 112
 CAPTION_QUESTION = "What is in this image?"
@@ -41,12 +47,12 @@ CHAT_TEMPLATE = (
 
 
 def dims():
-    """Sizes of the default model (see MODEL_CARD.md): 16x VAE, a 64 px image is a 4x4x16 latent = 4 tokens."""
+    """Sizes of the default model (see MODEL_CARD.md): 8x VAE, a 64 px image is an 8x8x16 latent = 16 tokens."""
     from triptych.pipelines.qwenimage.tiny import QwenImageDims
 
     return QwenImageDims(
-        layers=4, heads=2, head_dim=32, rope_axes=(8, 12, 12), z_dim=16,
-        vae_base_dim=8, vae_dim_mult=(1, 1, 2, 2, 4),
+        layers=6, heads=3, head_dim=32, rope_axes=(8, 12, 12), z_dim=16,
+        vae_base_dim=16, vae_dim_mult=(1, 2, 2, 4),
         text_dim=64, text_layers=2, text_heads=2, text_mlp=128,
         vision_dim=32, vision_layers=2, vision_heads=2, image_max_pixels=VLM_PIXELS, vocab_size=1000,
     )  # fmt: skip

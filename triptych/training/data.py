@@ -103,12 +103,12 @@ def caption_answer(scene: Scene) -> str:
     return caption(scene, "long")
 
 
-def rescale_like_edit_pipeline(img: Image.Image) -> Image.Image:
-    """The condition image as QwenImageEditPipeline sees it: resized to ~1 megapixel (lanczos)."""
+def rescale_like_edit_pipeline(img: Image.Image, area: int) -> Image.Image:
+    """The condition image as the edit family sees it: resized to ~``area`` pixels (lanczos)."""
     from diffusers.image_processor import VaeImageProcessor
     from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
 
-    w, h, _ = calculate_dimensions(1024 * 1024, img.size[0] / img.size[1])
+    w, h, _ = calculate_dimensions(area, img.size[0] / img.size[1])
     return VaeImageProcessor(vae_scale_factor=16).resize(img, h, w)
 
 

@@ -8,15 +8,18 @@ from pathlib import Path
 
 
 def run_stage(name: str, out: str, seed: int, steps, resume: bool, threads: int) -> float:
+    """``name``: "vae-joint" (the VAE phases that train the encoder), "vae-decoder" (the decoder-only
+    phases after them), "vlm" or "dit"; ``steps``: one count per phase (for "dit", one count)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", force=True)
     from triptych.training.common import setup
 
     setup(seed, threads)
     start = time.time()
-    if name == "vae":
-        from triptych.training.train_vae import train_vae
+    if name.startswith("vae"):
+        from triptych.training.train_vae import JOINT_PHASES, PHASES, train_vae
 
-        for phase, n in enumerate(steps, 1):
+        phases = JOINT_PHASES if name == "vae-joint" else [k for k in PHASES if k not in JOINT_PHASES]
+        for phase, n in zip(phases, steps, strict=True):
             train_vae(Path(out), seed, n, phase=phase, resume=resume)
     elif name == "vlm":
         from triptych.training.train_vlm import train_vlm

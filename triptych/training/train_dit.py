@@ -6,10 +6,11 @@ front (the VAE and the captioner are frozen):
 - targets: VAE posterior means of world images, normalised with the VAE's ``latents_mean/std`` and
   packed into 2x2 patches (``_pack_latents``), exactly as ``QwenImagePipeline`` unpacks/denormalises;
 - text-to-image conditions: ``QwenImagePipeline._get_qwen_prompt_embeds`` of every train prompt;
-- edit conditions: the Qwen2.5-VL hidden states of QwenImageEditPipeline's template (source image at
-  ~1 MP as the pipeline resizes it, plus the instruction, first 64 tokens dropped), and the source
-  image's VAE latents at that size (``_encode_vae_image``), appended to the noise tokens with
-  ``img_shapes = [(1, h, w), (1, H, W)]`` as the pipeline does.
+- edit conditions: the Qwen2.5-VL hidden states of QwenImageEditPipeline's template (source image
+  resized to the model's ``condition_area``, 64x64, as the edit family resizes it, plus the
+  instruction, first 64 tokens dropped), and the source image's VAE latents at that size
+  (``_encode_vae_image``), appended to the noise tokens with ``img_shapes = [(1, h, w), (1, H, W)]``
+  as the pipeline does.
 
 Objective: rectified flow as FlowMatchEulerDiscreteScheduler integrates it: ``x_s = (1 - s) x0 + s e``,
 the transformer gets ``timestep = s`` (the pipeline passes ``t / 1000``) and predicts ``e - x0``.
@@ -28,6 +29,7 @@ import torch
 
 from triptych.training import data
 from triptych.training.common import (
+    CONDITION_AREA,
     cosine_lr,
     resume_from,
     rng_state,
@@ -44,7 +46,7 @@ NEGATIVE = " "
 CFG_DROP = 0.1
 
 
-def load_frozen(out: Path) -> dict:
+def load_frozen(out: Path, vae_dir: Path | None = None) -> dict:
     from diffusers import AutoencoderKLQwenImage
     from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
@@ -52,7 +54,7 @@ def load_frozen(out: Path) -> dict:
 
     tok = AutoTokenizer.from_pretrained(out / "tokenizer")
     parts = {
-        "vae": AutoencoderKLQwenImage.from_pretrained(out / "vae").eval(),
+        "vae": AutoencoderKLQwenImage.from_pretrained(vae_dir or out / "vae").eval(),
         "text_encoder": Qwen2_5_VLForConditionalGeneration.from_pretrained(out / "text_encoder").eval(),
         "tokenizer": tok,
         "processor": build.processor(tok),
@@ -104,8 +106,10 @@ def precompute(out: Path, seed: int, edit_sources: int) -> dict:
     from triptych.pipelines.qwenimage.tokenizer import EDIT_TEMPLATE
     from triptych.training.train_vlm import VLMInputs
 
+    from triptych.training.train_vae import encoder_dir
+
     timer = Timer()
-    parts = load_frozen(out)
+    parts = load_frozen(out, encoder_dir(out))  # the decoder may still be training: only the encoder is used
     t2i, edit = pipelines(parts, new_transformer(seed))
     vae = parts["vae"]
     scenes = list(data.train_scenes())
@@ -127,12 +131,12 @@ def precompute(out: Path, seed: int, edit_sources: int) -> dict:
     prompt_index = {p: i for i, p in enumerate(prompts)}
     t2i_table = np.array([[prompt_index[data.prompt_for(s, st)] for st in STYLES] for s in scenes])
 
-    # Edit: K sources, their condition latents at the pipeline's ~1 MP size, every train edit of them.
+    # Edit: K sources, their condition latents at the model's condition size, every train edit of them.
     sources = data.sample_edit_sources(edit_sources, seed)
-    inputs = VLMInputs(parts["tokenizer"], parts["processor"])
+    inputs = VLMInputs(parts["tokenizer"], parts["processor"], edit_area=CONDITION_AREA)
     cond, pairs, edit_embeds, neg_index = [], [], [], []
     for k, src in enumerate(sources):
-        big = data.rescale_like_edit_pipeline(data.image(src))
+        big = data.rescale_like_edit_pipeline(data.image(src), CONDITION_AREA)
         pix = edit.image_processor.preprocess(big, big.size[1], big.size[0]).unsqueeze(2)
         with single_frame_convs():
             latents = edit._encode_vae_image(image=pix, generator=None)
@@ -151,7 +155,7 @@ def precompute(out: Path, seed: int, edit_sources: int) -> dict:
         if k == 0:
             ref, _ = edit.encode_prompt(image=big, prompt=src_pairs[0].instruction, device=torch.device("cpu"))
             logger.info("dit: edit embedding vs pipeline max diff %.2e", (ref[0] - edit_embeds[base]).abs().max().item())
-        if k % 8 == 0:
+        if k % 64 == 0:
             logger.info("dit: edit source %d/%d (%.0fs)", k, len(sources), timer())
     shape = (1, latents.shape[3] // 2, latents.shape[4] // 2)
     result = dict(x0=x0, embeds=embeds, t2i_table=torch.from_numpy(t2i_table), neg=prompt_index[NEGATIVE],
@@ -211,10 +215,10 @@ def flow_loss(model, x0, embeds, mask, shapes, gen, extra=None) -> torch.Tensor:
     return (pred - (noise - x0)).pow(2).mean()
 
 
-def train_dit(out: Path, seed: int, steps: int, batch: int = 64, edit_batch: int = 2, edit_every: int = 2,
-              lr: float = 1e-3, edit_sources: int = 32, resume: bool = False, log_every: int = 50,
+def train_dit(out: Path, seed: int, steps: int, batch: int = 48, edit_batch: int = 16, edit_every: int = 1,
+              lr: float = 1e-3, edit_sources: int = 512, resume: bool = False, log_every: int = 50,
               ckpt_every: int = 200):  # fmt: skip
-    """``edit_every``: an edit batch every that many steps (an edit row is ~1,060 tokens, a t2i row ~16)."""
+    """``edit_every``: an edit batch every that many steps (an edit row is 32 image tokens, a t2i row 16)."""
     if (out / "transformer" / "config.json").is_file():
         logger.info("dit: done already (%s)", out / "transformer")
         return

@@ -23,6 +23,7 @@ import torch
 from triptych.training import data
 from triptych.training.common import (
     CAPTION_QUESTION,
+    VLM_EDIT_AREA,
     cosine_lr,
     resume_from,
     rng_state,
@@ -40,9 +41,10 @@ IM_END = "<|im_end|>"
 class VLMInputs:
     """Builds Qwen2.5-VL batches the way the processor does, from cached per-scene pixel values."""
 
-    def __init__(self, tok, proc):
+    def __init__(self, tok, proc, edit_area: int = VLM_EDIT_AREA):
         self.tok = tok
         self.proc = proc
+        self.edit_area = edit_area
         self.image_pad = tok.convert_tokens_to_ids("<|image_pad|>")
         self._direct: dict = {}
         self._edit: dict = {}
@@ -52,7 +54,7 @@ class VLMInputs:
         if scene not in cache:
             img = data.image(scene)
             if edit_path:
-                img = data.rescale_like_edit_pipeline(img)
+                img = data.rescale_like_edit_pipeline(img, self.edit_area)
             cache[scene] = self.proc.image_processor(images=[img], return_tensors="pt")["pixel_values"]
         return cache[scene]
 
@@ -137,6 +139,8 @@ def train_vlm(out: Path, seed: int, steps: int, phase: int = 1, resume: bool = F
     batch, lr = cfg["batch"], cfg["lr"]
     out.mkdir(parents=True, exist_ok=True)
     dest = out / (f"vlm_phase{phase}" if phase < len(PHASES) else ".")
+    if (out / "text_encoder" / "config.json").is_file():
+        dest = out  # the last phase's output: every phase is done
     if (dest / "text_encoder" / "config.json").is_file():
         logger.info("vlm phase %d: done already (%s)", phase, dest / "text_encoder")
         return

@@ -12,6 +12,8 @@ from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
 from triptych.pipelines.base import COND, UNCOND, Conditioning, GenerationParams
 
 #: QwenImageEditPipeline resizes every condition image to about this many pixels (hard-coded there).
+#: A model's ``triptych.json`` may set its own ``condition_area`` (the packaged default model was
+#: trained with 64x64 condition images); real checkpoints keep the pipeline's.
 EDIT_CONDITION_AREA = 1024 * 1024
 
 
@@ -28,22 +30,24 @@ def encode_text(pipe, params: GenerationParams, cfg: bool, max_sequence_length: 
     return Conditioning(branches=branches)
 
 
-def condition_size(image) -> tuple[int, int]:
+def condition_size(image, area: int = EDIT_CONDITION_AREA) -> tuple[int, int]:
     """(height, width) the edit pipeline resizes a condition image to, from its aspect ratio."""
     # Looked up on the pipeline module at call time, as its __call__ does (tests shrink the area there).
     ratio = image.size[0] / image.size[1]
-    width, height, _ = pipeline_qwenimage_edit.calculate_dimensions(EDIT_CONDITION_AREA, ratio)
+    width, height, _ = pipeline_qwenimage_edit.calculate_dimensions(area, ratio)
     return height, width
 
 
-def encode_edit(pipe, params: GenerationParams, cfg: bool, max_sequence_length: int, dtype) -> Conditioning:
+def encode_edit(
+    pipe, params: GenerationParams, cfg: bool, max_sequence_length: int, dtype, area: int = EDIT_CONDITION_AREA
+) -> Conditioning:
     """Prompt embeddings (text + vision tokens of the resized image) and the image's packed VAE latents.
 
     ``shared["image_latents"]`` (1, tokens, 4·z) joins the noise latents along the sequence at every
     step; ``shared["image_shape"]`` is its (frames, height, width) in 2×2 patches, for RoPE.
     """
     device = pipe._execution_device
-    height, width = condition_size(params.image)
+    height, width = condition_size(params.image, area)
     prompt_image = pipe.image_processor.resize(params.image, height, width)
     pixels = pipe.image_processor.preprocess(prompt_image, height, width).unsqueeze(2)
 

@@ -55,6 +55,9 @@ class QwenImageFamily(Family):
             "steps": defaults.get("steps", self.default_steps),
             "guidance": defaults.get("guidance", self.default_guidance),
         }
+        #: Edit only: pixel area the condition image is resized to (the pipeline's 1 MP unless the
+        #: model's triptych.json says otherwise).
+        self.condition_area = int(defaults.get("condition_area", enc.EDIT_CONDITION_AREA))
 
     @property
     def multiple(self) -> int:
@@ -144,7 +147,7 @@ class QwenImageEditFamily(QwenImageFamily):
         defaults = dict(self.defaults)
         if not (self.model_dir / "triptych.json").exists() and _is_image(p.image):
             # The pipeline's own default: the condition image's ~1 MP size, floored to the multiple.
-            height, width = enc.condition_size(p.image)
+            height, width = enc.condition_size(p.image, self.condition_area)
             defaults["height"] = height // self.multiple * self.multiple
             defaults["width"] = width // self.multiple * self.multiple
         return defaults
@@ -160,7 +163,9 @@ class QwenImageEditFamily(QwenImageFamily):
 
     @torch.no_grad()
     def encode(self, params: GenerationParams) -> Conditioning:
-        return enc.encode_edit(self.pipe, params, self.uses_cfg(params), self.max_sequence_length, self.dtype)
+        return enc.encode_edit(
+            self.pipe, params, self.uses_cfg(params), self.max_sequence_length, self.dtype, self.condition_area
+        )
 
     def _reference_kwargs(self, params: GenerationParams) -> dict[str, Any]:
         return dict(super()._reference_kwargs(params), image=params.image)
