@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -17,14 +18,31 @@ PACKAGED_EDIT = PACKAGED_DEFAULT.parent / "default_edit"
 
 
 def _size(root: Path) -> int:
-    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+    """Bytes on disk, not following the edit directory's links to ``default/`` (os.walk does not)."""
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(root) for f in files)
+
+
+def _same_tree(a: Path, b: Path) -> bool:
+    files = lambda root: sorted(p.relative_to(root) for p in root.rglob("*") if p.is_file())  # noqa: E731
+    return files(a) == files(b) and all((a / f).read_bytes() == (b / f).read_bytes() for f in files(a))
 
 
 def ship(run: Path, eval_dir: Path, notes: str = "") -> None:
-    for src, dst in ((run / "model", PACKAGED_DEFAULT), (run / "model_edit", PACKAGED_EDIT)):
+    """The edit directory links (relative symlinks) every component it shares byte for byte with
+    ``default/`` (VAE, text encoder, tokenizer, transformer, scheduler): the weights ship once."""
+    for dst in (PACKAGED_DEFAULT, PACKAGED_EDIT):
         if dst.exists():
             shutil.rmtree(dst)
-        shutil.copytree(src, dst)
+    shutil.copytree(run / "model", PACKAGED_DEFAULT)
+    PACKAGED_EDIT.mkdir()
+    for entry in sorted((run / "model_edit").iterdir()):
+        shared = PACKAGED_DEFAULT / entry.name
+        if entry.is_dir() and shared.is_dir() and _same_tree(entry, shared):
+            (PACKAGED_EDIT / entry.name).symlink_to(Path("..") / PACKAGED_DEFAULT.name / entry.name, target_is_directory=True)
+        elif entry.is_dir():
+            shutil.copytree(entry, PACKAGED_EDIT / entry.name)
+        else:
+            shutil.copy(entry, PACKAGED_EDIT / entry.name)
     for name in ("gallery.png", "gallery_edit.png"):
         if (eval_dir / name).is_file():
             shutil.copy(eval_dir / name, PACKAGED_DEFAULT / name)
@@ -43,7 +61,12 @@ def card(results: dict, training: dict, notes: str) -> str:
     template = (Path(__file__).parent / "MODEL_CARD.template.md").read_text()
     vae = json.loads((PACKAGED_DEFAULT / "vae" / "config.json").read_text())
     scale = 2 ** len(vae["temperal_downsample"])
+    dit = json.loads((PACKAGED_DEFAULT / "transformer" / "config.json").read_text())
     return template.format(
+        dit_arch=f"{dit['num_layers']} layers, {dit['num_attention_heads']} heads x {dit['attention_head_dim']}, "
+        f"joint_attention_dim {dit['joint_attention_dim']}, RoPE axes {tuple(dit['axes_dims_rope'])}",
+        dit_phases=training.get("dit_phases_note", ""),
+        provenance=training.get("provenance", ""),
         vae_arch=f"base_dim {vae['base_dim']}, dim_mult {tuple(vae['dim_mult'])}, z_dim {vae['z_dim']}, **{scale}x** "
         "spatial compression",
         latent=f"{64 // scale}x{64 // scale}x{vae['z_dim']}",

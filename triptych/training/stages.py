@@ -9,7 +9,8 @@ from pathlib import Path
 
 def run_stage(name: str, out: str, seed: int, steps, resume: bool, threads: int) -> float:
     """``name``: "vae-joint" (the VAE phases that train the encoder), "vae-decoder" (the decoder-only
-    phases after them), "vlm" or "dit"; ``steps``: one count per phase (for "dit", one count)."""
+    phases after them), "vlm" or "dit"; ``steps``: one count per phase (for "dit": ((schedule
+    length, stop step) of phase 1, phase 2's steps))."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", force=True)
     from triptych.training.common import setup
 
@@ -29,5 +30,7 @@ def run_stage(name: str, out: str, seed: int, steps, resume: bool, threads: int)
     else:
         from triptych.training.train_dit import train_dit
 
-        train_dit(Path(out), seed, steps, resume=resume)
+        (phase1, stop), phase2 = steps
+        train_dit(Path(out), seed, phase1, resume=resume, phase=1, stop=stop)
+        train_dit(Path(out), seed, phase2, resume=resume, phase=2)
     return time.time() - start
