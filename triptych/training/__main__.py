@@ -21,6 +21,12 @@ from triptych.training.stages import run_stage as _stage
 logger = logging.getLogger("triptych.training")
 
 
+def _schedule(text: str) -> tuple[int, int | None]:
+    """'18000:6800' -> (18000, 6800); '11000' -> (11000, None)."""
+    length, _, stop = str(text).partition(":")
+    return int(length), int(stop) if stop else None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m triptych.training", description=__doc__)
     p.add_argument("--out", required=True, type=Path)
@@ -28,11 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--vae-steps", type=int, nargs=3, default=[1200, 1200, 5000],
                    metavar=("P1", "P2", "P3"))
-    p.add_argument("--vlm-steps", type=int, nargs=4, default=[1200, 1000, 800, 700],
-                   metavar=("PHASE1", "PHASE2", "PHASE3", "PHASE4"))
-    p.add_argument("--dit-steps", type=int, nargs=2, default=[18000, 9000], metavar=("P1", "P2"),
-                   help="transformer phase 1's schedule length and phase 2's steps")
-    p.add_argument("--dit-stop", type=int, default=6800, help="phase 1 ends at this step of its schedule")
+    p.add_argument("--vlm-steps", type=int, nargs=5, default=[1200, 1000, 800, 700, 400],
+                   metavar=("P1", "P2", "P3", "P4", "P5"))
+    p.add_argument("--dit-steps", type=_schedule, nargs=4, default=["18000:6800", "9000:3000", "10000:2800", "11000"],
+                   metavar=("P1", "P2", "P3", "P4"),
+                   help="per transformer phase: its cosine schedule's length, and ':N' to stop at step N of it")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (1: deterministic, fastest on a shared box)")
     p.add_argument("--sequential", action="store_true", help="one stage at a time instead of two processes")
     p.add_argument("--evaluate", action="store_true", help="run triptych.training.evaluate on the result")
@@ -45,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
 
     joint = len(JOINT_PHASES)
     waves = [[("vae-joint", args.vae_steps[:joint]), ("vlm", args.vlm_steps)],
-             [("dit", ((args.dit_steps[0], args.dit_stop), args.dit_steps[1])), ("vae-decoder", args.vae_steps[joint:])]]  # fmt: skip
+             [("dit", args.dit_steps), ("vae-decoder", args.vae_steps[joint:])]]  # fmt: skip
     for wave in waves:
         if args.sequential:
             for name, steps in wave:
@@ -60,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model, edit = assemble(args.out)
     times["total"] = time.time() - t0
-    summary = {"seed": args.seed, "steps": {"vae": args.vae_steps, "vlm": args.vlm_steps, "dit": args.dit_steps, "dit_stop": args.dit_stop},
+    summary = {"seed": args.seed, "steps": {"vae": args.vae_steps, "vlm": args.vlm_steps, "dit": args.dit_steps},
                "wall_seconds_this_invocation": times, "sha256": tree_sha256(model)}  # fmt: skip
     (args.out / "training.json").write_text(json.dumps(summary, indent=2))
     logger.info("trained: %s and %s; %s", model, edit, json.dumps(times))

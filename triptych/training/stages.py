@@ -9,8 +9,8 @@ from pathlib import Path
 
 def run_stage(name: str, out: str, seed: int, steps, resume: bool, threads: int) -> float:
     """``name``: "vae-joint" (the VAE phases that train the encoder), "vae-decoder" (the decoder-only
-    phases after them), "vlm" or "dit"; ``steps``: one count per phase (for "dit": ((schedule
-    length, stop step) of phase 1, phase 2's steps))."""
+    phases after them), "vlm" or "dit"; ``steps``: one count per phase (for "dit": a (schedule
+    length, stop step or None) pair per phase)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", force=True)
     from triptych.training.common import setup
 
@@ -30,7 +30,6 @@ def run_stage(name: str, out: str, seed: int, steps, resume: bool, threads: int)
     else:
         from triptych.training.train_dit import train_dit
 
-        (phase1, stop), phase2 = steps
-        train_dit(Path(out), seed, phase1, resume=resume, phase=1, stop=stop)
-        train_dit(Path(out), seed, phase2, resume=resume, phase=2)
+        for phase, (schedule, stop) in enumerate(steps, 1):
+            train_dit(Path(out), seed, schedule, resume=resume, phase=phase, stop=stop)
     return time.time() - start
