@@ -50,7 +50,7 @@ def build_vae(seed: int):
 #: Phase 1 learns backgrounds and layout; phase 2 (from phase 1's weights, fresh schedule) weights
 #: shape pixels 5x: after phase 1 backgrounds read back 100% but shapes were faint.
 #: Phase 3 trains the decoder only, on the frozen encoder's latents (plus a little noise, as sampled
-#: latents are never exact) with the sharpness terms of ``decoder_loss``: the latent space the
+#: latents are never exact) with the sharpness terms of ``reconstruction_loss``: the latent space the
 #: transformer is trained on does not move, so the transformer trains at the same time.
 #: ``jump``: how the collapse guard detects a jump of the smoothed loss over the last snapshot's
 #: (phase 1 ran with an absolute margin; the fg-weighted loss is noisier, so later phases use a ratio).
@@ -114,9 +114,7 @@ def train_vae(out: Path, seed: int, steps: int, phase: int = 1, batch: int = 16,
             y = decode_unclamped(vae, z)
             # Full-resolution MSE plus MSE of 8x8-pooled images (colour and layout: a 4-channel-wide run
             # learnt shape and position but collapsed colour onto one axis).
-            fg = ((x - x[:, :, :, :1, :1]).abs().sum(1, keepdim=True) > 0.05).float()
-            weight = 1.0 + (fg_weight - 1.0) * fg
-            rec = ((y - x).pow(2) * weight).mean() / weight.mean() + (_pool(y) - _pool(x)).pow(2).mean()
+            rec = reconstruction_loss(y, x, fg_weight)
             kl_term = 0.5 * (post.mean.pow(2) + post.var - 1.0 - post.logvar).mean()
             loss = rec + kl * kl_term
             opt.zero_grad(set_to_none=True)
@@ -170,7 +168,7 @@ def _train_decoder(vae, out, dest, seed, steps, phase, batch, lr, fg_weight, res
             x = data.pixels([scenes[i] for i in idx])
             z = latents[idx] + noise * torch.randn_like(latents[idx])
             y = decode_unclamped(vae, z)
-            rec = decoder_loss(y, x, fg_weight, sharp)
+            rec = reconstruction_loss(y, x, fg_weight, sharp)
             opt.zero_grad(set_to_none=True)
             rec.backward()
             torch.nn.utils.clip_grad_norm_(params, 0.5)
@@ -185,7 +183,7 @@ def _train_decoder(vae, out, dest, seed, steps, phase, batch, lr, fg_weight, res
     logger.info("vae phase %d (decoder only): saved (%.0fs)", phase, timer())
 
 
-def decoder_loss(y: torch.Tensor, x: torch.Tensor, fg_weight: float, sharp: bool) -> torch.Tensor:
+def reconstruction_loss(y: torch.Tensor, x: torch.Tensor, fg_weight: float, sharp: bool = False) -> torch.Tensor:
     """Shape-weighted L2 plus L2 of 8x8-pooled images; ``sharp`` adds shape-weighted L1 on pixels and on
     their horizontal/vertical differences. L2 alone leaves small squares and crosses as round blobs (the
     mean of the plausible outlines), which the scorer reads as circles; L1 is median-seeking and the
