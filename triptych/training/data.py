@@ -47,6 +47,12 @@ def pixels(scenes: Iterable[Scene]) -> torch.Tensor:
     return torch.from_numpy(arr).permute(0, 3, 1, 2).unsqueeze(2).contiguous()
 
 
+def shape_mask(pixels: torch.Tensor) -> torch.Tensor:
+    """1.0 where a pixel differs from the image's top-left (background) pixel; channels on dim 1,
+    height and width last, (B, 3, H, W) or the VAE's (B, 3, 1, H, W)."""
+    return ((pixels - pixels[..., :1, :1]).abs().sum(1, keepdim=True) > 0.05).float()
+
+
 def prompt_for(scene: Scene, style: str) -> str:
     return caption(scene, style)
 

@@ -104,9 +104,8 @@ def precompute(out: Path, seed: int, edit_sources: int) -> dict:
     if path.is_file():
         return torch.load(path, weights_only=False)
     from triptych.pipelines.qwenimage.tokenizer import EDIT_TEMPLATE
-    from triptych.training.train_vlm import VLMInputs
-
     from triptych.training.train_vae import encoder_dir
+    from triptych.training.train_vlm import VLMInputs
 
     timer = Timer()
     parts = load_frozen(out, encoder_dir(out))  # the decoder may still be training: only the encoder is used
@@ -230,11 +229,10 @@ PHASES = {
 }
 
 
-def token_foreground(scenes, size: int = 64, patch: int = 16) -> torch.Tensor:
+def token_foreground(scenes, patch: int = 16) -> torch.Tensor:
     """(N, tokens) 1.0 where a 2x2-latent token's pixels (``patch`` px square) touch the shape."""
-    pix = data.pixels(scenes)[:, :, 0]  # (N, 3, H, W)
-    fg = ((pix - pix[:, :, :1, :1]).abs().sum(1, keepdim=True) > 0.05).float()
-    return torch.nn.functional.max_pool2d(fg, patch).flatten(1)
+    mask = data.shape_mask(data.pixels(scenes)[:, :, 0])  # (N, 1, H, W)
+    return torch.nn.functional.max_pool2d(mask, patch).flatten(1)
 
 
 def flow_loss(model, x0, embeds, mask, shapes, gen, extra=None, high: float = 0.0, weight=None) -> torch.Tensor:
@@ -245,15 +243,16 @@ def flow_loss(model, x0, embeds, mask, shapes, gen, extra=None, high: float = 0.
     hidden = xt if extra is None else torch.cat([xt, extra], dim=1)
     pred = model(hidden_states=hidden, timestep=s, encoder_hidden_states=embeds, encoder_hidden_states_mask=mask,
                  img_shapes=[shapes] * x0.shape[0], return_dict=False)[0][:, : x0.shape[1]]  # fmt: skip
-    err = (pred - (noise - x0)).pow(2).mean(-1)
-    return err.mean() if weight is None else (err * weight).sum() / weight.sum()
+    if weight is None:
+        return (pred - (noise - x0)).pow(2).mean()
+    return ((pred - (noise - x0)).pow(2).mean(-1) * weight).sum() / weight.sum()
 
 
 def train_dit(out: Path, seed: int, steps: int, batch: int = 48, edit_batch: int = 16, edit_every: int = 1,
               edit_sources: int = 512, resume: bool = False, log_every: int = 50,
               ckpt_every: int = 200, phase: int = 1, stop: int | None = None):  # fmt: skip
-    """``edit_every``: an edit batch every that many steps (an edit row is 32 image tokens, a t2i row 16)."""
-    """Phase k > 1 starts from ``out/dit{k-1}.ckpt``'s weights; ``stop``: end at that step of a
+    """``edit_every``: an edit batch every that many steps (an edit row is 32 image tokens, a t2i row 16).
+    Phase k > 1 starts from ``out/dit{k-1}.ckpt``'s weights; ``stop``: end at that step of a
     ``steps``-long schedule. The last phase writes ``out/transformer`` (EMA weights)."""
     if (out / "transformer" / "config.json").is_file():
         logger.info("dit: done already (%s)", out / "transformer")

@@ -184,12 +184,11 @@ def _train_decoder(vae, out, dest, seed, steps, phase, batch, lr, fg_weight, res
 
 
 def reconstruction_loss(y: torch.Tensor, x: torch.Tensor, fg_weight: float, sharp: bool = False) -> torch.Tensor:
-    """Shape-weighted L2 plus L2 of 8x8-pooled images; ``sharp`` adds shape-weighted L1 on pixels and on
-    their horizontal/vertical differences. L2 alone leaves small squares and crosses as round blobs (the
+    """Shape-weighted L2 plus L2 of 8x8-pooled images; ``sharp`` adds shape-weighted L1 on pixels and
+    L1 on their horizontal/vertical differences. L2 alone leaves small squares and crosses as round blobs (the
     mean of the plausible outlines), which the scorer reads as circles; L1 is median-seeking and the
     difference terms put a price on soft edges and rounded corners."""
-    fg = ((x - x[:, :, :, :1, :1]).abs().sum(1, keepdim=True) > 0.05).float()
-    weight = 1.0 + (fg_weight - 1.0) * fg
+    weight = 1.0 + (fg_weight - 1.0) * data.shape_mask(x)
     loss = ((y - x).pow(2) * weight).mean() / weight.mean() + (_pool(y) - _pool(x)).pow(2).mean()
     if sharp:
         loss = loss + ((y - x).abs() * weight).mean() / weight.mean()
