@@ -90,3 +90,60 @@ def test_incompatible_sizes_never_share_a_forward(family):
     while engine.has_work():
         batches.append(engine.step().batch)
     assert all(len(b) == 1 for b in batches) and len(batches) == 4
+
+
+def test_a_tick_that_raises_evicts_its_batch_and_the_rest_run_on_bit_identically(family, monkeypatch):
+    """A forward that raises (an out-of-memory, a kernel error) fails the requests of that tick and
+    only those: they leave the engine, reported in ``failed``; another batch keeps stepping and ends
+    exactly where it would have without the failure."""
+    engine = DenoiserEngine(family, EngineConfig(max_batch_requests=1))
+    params = {f"r{i}": _params(family, i) for i in range(3)}
+    for rid, p in params.items():
+        engine.add(family.prepare(rid, p, family.encode(p)))
+    real = family.forward
+
+    def forward(rows):
+        if any(r.state.request_id == "r1" for r in rows):
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return real(rows)
+
+    monkeypatch.setattr(family, "forward", forward)
+    failed, finished = [], {}
+    while engine.has_work():
+        out = engine.step()
+        failed += out.failed
+        finished.update({s.request_id: s for s in out.finished})
+    assert [(rid, str(e)) for rid, e in failed] == [("r1", "CUDA out of memory (simulated)")]
+    assert engine.stats.failed == 1 and engine.stats.aborted == 0 and len(engine) == 0
+    assert not engine.abort("r1")  # gone already: the worker's drop after the failure is a no-op
+    monkeypatch.setattr(family, "forward", real)
+    assert sorted(finished) == ["r0", "r2"]
+    for rid in finished:
+        assert (finished[rid].latents == _alone(family, params[rid], fuse_cfg=True).latents).all()
+
+
+def test_the_denoiser_worker_fails_an_evicted_request_as_retryable_and_keeps_serving(family, monkeypatch):
+    """The worker half of eviction: the evicted request's job gets a retryable ``StageError`` (the head
+    retries it on another denoiser), the other request's progress is still sent."""
+    from types import SimpleNamespace
+
+    from triptych.server import protocol as P
+    from triptych.server.worker_stages import DenoiserRunner, Job
+
+    sent, failures = [], []
+    worker = SimpleNamespace(family=family, config=SimpleNamespace(engine=EngineConfig(max_batch_requests=1)),
+                             jobs={}, instance_id="d0", send=sent.append,
+                             fail=lambda job, error, retryable: failures.append((job.request_id, retryable)))  # fmt: skip
+    runner = DenoiserRunner(worker)
+    for rid in ("bad", "good"):
+        p = _params(family, 0)
+        worker.jobs[rid] = Job(rid, 1, p, task=None)
+        runner.engine.add(family.prepare(rid, p, family.encode(p)))
+    real = family.forward
+    monkeypatch.setattr(family, "forward", lambda rows: (_ for _ in ()).throw(RuntimeError("boom"))
+                        if rows[0].state.request_id == "bad" else real(rows))  # fmt: skip
+    while runner.has_work():
+        runner.execute()
+    assert failures == [("bad", True)]
+    assert [m.request_id for m in sent if isinstance(m, P.DenoiseDone)] == ["good"]
+    assert not any(m.request_id == "bad" for m in sent if isinstance(m, P.Progress))

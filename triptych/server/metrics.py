@@ -76,6 +76,11 @@ DENOISER_SKIPPED = Counter(
     registry=REGISTRY,
 )  # fmt: skip
 DENOISER_FORWARDS = Counter("triptych_denoiser_forwards", "Transformer forward calls", registry=REGISTRY)
+DENOISER_EVICTED = Counter(
+    "triptych_denoiser_evicted_requests",
+    "Requests evicted from a denoiser engine because the step that ran them raised (retried elsewhere)",
+    registry=REGISTRY,
+)  # fmt: skip
 DENOISER_STEP_RATE = Gauge(
     "triptych_denoiser_steps_per_second", "Request steps per wall second over a denoiser's last report window",
     ["instance"], registry=REGISTRY,
@@ -134,6 +139,7 @@ def record_worker_window(window: StatsWindow) -> None:
     DENOISER_STEPS.inc(e.request_steps)
     DENOISER_SKIPPED.inc(e.skipped_rows)
     DENOISER_FORWARDS.inc(e.forwards)
+    DENOISER_EVICTED.inc(e.failed)
     if window.seconds > 0:
         DENOISER_STEP_RATE.labels(window.instance_id).set(e.request_steps / window.seconds)
 

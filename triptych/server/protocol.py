@@ -96,6 +96,7 @@ class EngineReport(msgspec.Struct, frozen=True):
     batch_sizes: dict[int, int]  # requests in one tick → number of such ticks
     finished: int  # requests that finished denoising
     aborted: int  # requests dropped from the engine before finishing
+    failed: int = 0  # requests evicted because the engine tick that ran them raised
 
 
 class TransferReport(msgspec.Struct, frozen=True):

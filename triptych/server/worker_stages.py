@@ -153,6 +153,10 @@ class DenoiserRunner(StageRunner):
             return
         out = self.engine.step()
         worker = self.worker
+        for rid, error in out.failed:  # another instance may well succeed (e.g. this one ran out of memory)
+            job = worker.jobs.get(rid)
+            if job is not None:
+                worker.fail(job, error, retryable=True)
         for rid, step, total in out.progress:
             job = worker.jobs.get(rid)
             if job is not None:

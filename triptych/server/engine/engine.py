@@ -30,6 +30,7 @@ class EngineStepOutput:
     finished: list[DenoiseState] = field(default_factory=list)
     progress: list[tuple[str, int, int]] = field(default_factory=list)  # (request_id, step, total)
     batch: list[str] = field(default_factory=list)  # request ids that advanced
+    failed: list[tuple[str, Exception]] = field(default_factory=list)  # (request_id, error): left the engine
 
 
 class DenoiserEngine:
@@ -84,7 +85,11 @@ class DenoiserEngine:
         out = EngineStepOutput()
         if not batch:
             return out
-        self.execute(batch)
+        try:
+            self.execute(batch)
+        except Exception as e:  # noqa: BLE001 - one bad tick must not take the other requests down
+            self.evict(batch, e, out)
+            return out
         self.update(batch, out)
         return out
 
@@ -125,6 +130,17 @@ class DenoiserEngine:
                 self._release(rid)
                 self.stats.finished += 1
                 out.finished.append(r.state)
+
+    def evict(self, batch: list[Running], error: Exception, out: EngineStepOutput) -> None:
+        """A tick raised: its requests leave the engine (their states may be half-stepped) and are
+        reported in ``out.failed``; requests outside the batch keep running untouched."""
+        logger.warning("engine step failed for %d request(s): %s: %s", len(batch), type(error).__name__, error)
+        for r in batch:
+            rid = r.state.request_id
+            if self._running.pop(rid, None) is not None:
+                self._release(rid)
+                self.stats.failed += 1
+                out.failed.append((rid, error))
 
     def _release(self, request_id: str) -> None:
         if self.accel is not None:

@@ -17,6 +17,7 @@ class EngineStats:
     batch_sizes: Counter = field(default_factory=Counter)  # requests per tick → count
     finished: int = 0
     aborted: int = 0
+    failed: int = 0  # requests evicted because the tick that ran them raised
 
     @property
     def steps_per_second(self) -> float:
