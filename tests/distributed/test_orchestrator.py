@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -24,7 +25,7 @@ def model(tmp_path_factory):
 
 def reference(family, j) -> tuple[np.ndarray, bytes]:
     frames, _ = run_request(family, j.params, request_id=j.request_id)
-    return frames.to_uint8(), encode_frames(frames.to_uint8(), j.output_format)
+    return frames.to_uint8(), encode_frames(frames.to_uint8(), j.output_format, quality=j.quality)
 
 
 def decoded(data: bytes) -> np.ndarray:
@@ -46,6 +47,9 @@ def test_bit_identical_to_single_process(model, transfer):
             ref_pixels, ref_bytes = reference(family, j)
             assert np.array_equal(decoded(data), ref_pixels)
             assert data == ref_bytes
+        lossy = replace(job(family, "exact-webp", seed=5, fmt="webp"), quality=30)  # the decoder gets the quality
+        default_quality = reference(family, replace(lossy, quality=None))[1]
+        assert cluster.submit(lossy).result(300) == reference(family, lossy)[1] != default_quality
         cluster.wait_until(nothing_held, "every slot back after the requests")
     finally:
         cluster.close()

@@ -84,6 +84,27 @@ def test_output_format_jpeg(client):
     assert out.output_format == "jpeg"
 
 
+def test_output_compression_sets_the_jpeg_and_webp_quality(client, reference):
+    """OpenAI's ``output_compression`` is the lossy encoders' quality: lower means fewer bytes and
+    a farther copy of the very pixels ``run_request`` makes; png (lossless) refuses it."""
+    want = reference(3, steps=2).astype(float)
+    for fmt in ("jpeg", "webp"):
+        sizes, errors = [], []
+        for q in (100, 5):
+            out = client.images.generate(prompt="a red cube", output_format=fmt, output_compression=q,
+                                         extra_body={"seed": 3, "num_inference_steps": 2})  # fmt: skip
+            data = base64.b64decode(out.data[0].b64_json)
+            sizes.append(len(data))
+            errors.append(np.abs(decode_pixels(data).astype(float) - want).mean())
+        assert sizes[1] < sizes[0] and errors[1] > errors[0], (fmt, sizes, errors)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.images.generate(prompt="x", output_format="png", output_compression=50)
+    assert e.value.body["param"] == "output_compression" and "png" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.images.generate(prompt="x", output_format="jpeg", output_compression=101)
+    assert e.value.body["param"] == "output_compression"
+
+
 def test_edits_on_text_only_family_is_400_naming_image(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.images.edit(image=("a.png", b"\x89PNG..."), prompt="make it blue")

@@ -36,6 +36,9 @@ class _GenerationFields(BaseModel):
     negative_prompt: str | None = Field(None, max_length=MAX_TEXT)
     true_cfg_scale: FiniteFloat | None = Field(None, ge=0)
     teacache_threshold: FiniteFloat | None = Field(None, ge=0, le=2, description="0 = TeaCache off; needs a calibration profile")
+    output_compression: int | None = Field(
+        None, ge=0, le=100, description="jpeg/webp quality, 0-100 (100: least compression); default 95"
+    )
     # OpenAI fields accepted and ignored
     user: str | None = Field(None, max_length=256)
     quality: str | None = Field(None, max_length=32)
@@ -43,7 +46,6 @@ class _GenerationFields(BaseModel):
     moderation: str | None = Field(None, max_length=32)
     safety_identifier: str | None = Field(None, max_length=256)
     background: Literal["auto", "opaque"] | None = None
-    output_compression: int | None = Field(None, ge=0, le=100)
     stream: Literal[False] | None = Field(None, description="streaming is not supported")
     partial_images: Literal[0] | None = None
 

@@ -50,6 +50,7 @@ class GenerationJob:
     params: GenerationParams  # already passed through Family.resolve
     output_format: str  # png | jpeg | webp | mp4
     fps: int = 16
+    quality: int | None = None  # jpeg/webp quality (OpenAI's output_compression); None: the default
 
 
 class GenerationBackend(ABC):
@@ -112,7 +113,7 @@ class InProcessBackend(GenerationBackend):
                 frames, _ = await asyncio.to_thread(
                     run_request, self.family, job.params, job.request_id, on_step, True, self._accel
                 )
-                return await asyncio.to_thread(encode_frames, frames.to_uint8(), job.output_format, job.fps)
+                return await asyncio.to_thread(encode_frames, frames.to_uint8(), job.output_format, job.fps, job.quality)
         finally:
             self._waiting -= 1
             self._active.discard(job.request_id)

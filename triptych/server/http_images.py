@@ -154,8 +154,11 @@ async def generate_images(head, request: Request, req, image, endpoint: str) -> 
     params, size = build_params(head, req, image=image)
     params = resolve(head, params, size)
     fmt = req.output_format or "png"
+    if req.output_compression is not None and fmt == "png":
+        raise InvalidParam("output_compression", req.output_compression, "applies to jpeg and webp only (png is lossless)")
     rid = f"img-{secrets.token_hex(8)}"
-    jobs = [GenerationJob(f"{rid}-{i}", params.replace(seed=params.seed + i), fmt) for i in range(req.n or 1)]
+    jobs = [GenerationJob(f"{rid}-{i}", params.replace(seed=params.seed + i), fmt, quality=req.output_compression)
+            for i in range(req.n or 1)]  # fmt: skip
     with head.admission.admit(len(jobs)):
         outputs = await run_jobs(head, request, jobs)
     expires = None

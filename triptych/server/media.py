@@ -31,13 +31,21 @@ def format_for_path(path: str) -> str:
     return ext
 
 
-def encode_image(frame_uint8: np.ndarray, fmt: str, quality: int = 95) -> bytes:
+DEFAULT_QUALITY = 95  # jpeg/webp quality when a request names none
+
+
+def encode_image(frame_uint8: np.ndarray, fmt: str, quality: int | None = None) -> bytes:
     from PIL import Image
 
     if fmt not in IMAGE_FORMATS:
         raise InvalidParam("output_format", fmt, f"must be one of {sorted(IMAGE_FORMATS)}")
     buf = io.BytesIO()
-    kwargs = {"quality": quality} if IMAGE_FORMATS[fmt] in ("JPEG", "WEBP") else {}
+    lossy = IMAGE_FORMATS[fmt] in ("JPEG", "WEBP")
+    if quality is not None and not lossy:
+        raise InvalidParam("output_compression", quality, "applies to jpeg and webp only (png is lossless)")
+    if quality is not None and not 0 <= quality <= 100:
+        raise InvalidParam("output_compression", quality, "must be between 0 and 100")
+    kwargs = {"quality": DEFAULT_QUALITY if quality is None else quality} if lossy else {}
     Image.fromarray(frame_uint8).save(buf, format=IMAGE_FORMATS[fmt], **kwargs)
     return buf.getvalue()
 
@@ -59,13 +67,14 @@ def encode_video(frames_uint8: np.ndarray, fps: int = 16) -> bytes:
             return f.read()
 
 
-def encode_frames(frames_uint8: np.ndarray, fmt: str, fps: int = 16) -> bytes:
-    """frames (F, H, W, 3) uint8 → bytes; ``mp4`` for video, one image format for a single frame."""
+def encode_frames(frames_uint8: np.ndarray, fmt: str, fps: int = 16, quality: int | None = None) -> bytes:
+    """frames (F, H, W, 3) uint8 → bytes; ``mp4`` for video, one image format for a single frame;
+    ``quality``: jpeg/webp quality (OpenAI's ``output_compression``), None for the default."""
     if fmt in VIDEO_FORMATS:
         return encode_video(frames_uint8, fps=fps)
     if frames_uint8.shape[0] != 1:
         raise InvalidParam("output_format", fmt, "a video needs mp4")
-    return encode_image(frames_uint8[0], fmt)
+    return encode_image(frames_uint8[0], fmt, quality)
 
 
 @dataclass(frozen=True)

@@ -352,7 +352,7 @@ class Orchestrator(GenerationBackend):
             job = tr.job
             self._send(tr.assigned["decoder"], P.DecodeTask(
                 job.request_id, m.generation, tr.wire, m.specs, m.instance_id, job.output_format, job.fps,
-                self.config.reserve_timeout_s,
+                self.config.reserve_timeout_s, job.quality,
             ))  # fmt: skip
 
     def _on_media(self, tr: Tracked, m: P.MediaResult) -> None:

@@ -232,6 +232,7 @@ class DecodeTask(msgspec.Struct, frozen=True, tag="decode_task"):
     output_format: str  # png | jpeg | webp | mp4
     fps: int
     reserve_timeout_s: float
+    quality: int | None = None  # jpeg/webp quality; None: the encoder's default
 
 
 class PushTask(msgspec.Struct, frozen=True, tag="push_task"):

@@ -198,7 +198,7 @@ class DecoderRunner(StageRunner):
         task: P.DecodeTask = job.task
         with torch.no_grad():
             frames = self.family.decode(latents, job.params)
-        data = encode_frames(frames.to_uint8(), task.output_format, task.fps)
+        data = encode_frames(frames.to_uint8(), task.output_format, task.fps, task.quality)
         self.worker.jobs.pop(job.request_id, None)
         self.worker.send(P.MediaResult(job.request_id, job.generation, self.worker.instance_id, data,
                                        task.output_format))  # fmt: skip
