@@ -137,13 +137,10 @@ class DenoiseState:
 
 @dataclass
 class Frames:
-    """Decoded output: float32 array (frames, H, W, 3) in [0, 1]; an image is one frame."""
+    """Decoded output: float32 array (frames, H, W, 3) in [0, 1]; an image is one frame. Whether it
+    is a video is the family's ``is_video`` (a one-frame Wan output is still a video), not the count."""
 
     array: np.ndarray
-
-    @property
-    def is_video(self) -> bool:
-        return self.array.shape[0] > 1
 
     def to_pil(self) -> list:
         from PIL import Image
