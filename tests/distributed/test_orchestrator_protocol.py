@@ -98,3 +98,38 @@ def test_stale_and_malformed_messages_are_dropped_and_cancel_reaches_every_holde
     desc = on_loop(loop, orch.describe)
     assert desc["requests"] == {} and all(i["free"] == i["capacity"] for i in desc["instances"])
     ctx.destroy(linger=0)
+
+
+def _next(worker, kind):
+    """The next message of type ``kind`` (skipping others, e.g. the Cancels a retry sends)."""
+    while True:
+        msg = worker.recv()
+        if isinstance(msg, kind):
+            return msg
+
+
+def test_a_retry_avoids_the_instance_that_failed_the_request(head, model):
+    """A retryable stage failure (a denoiser evicted the request, e.g. out of memory) retries it on
+    another instance of that role, even where the dispatch policy's turn would pick the same one."""
+    orch, loop = head
+    ctx = zmq.Context()
+    enc = FakeWorker(ctx, orch, "encoder-0", "encoder")
+    dens = {i: FakeWorker(ctx, orch, i, "denoiser") for i in ("denoiser-0", "denoiser-1")}
+    dec = FakeWorker(ctx, orch, "decoder-0", "decoder")
+    assert all(w.ack.accepted for w in (enc, dec, *dens.values()))
+    first = asyncio.run_coroutine_threadsafe(orch.run(job(model[1], "r-1")), loop)
+    a = _next(enc, P.EncodeTask)
+    asyncio.run_coroutine_threadsafe(orch.run(job(model[1], "r-2")), loop)
+    b = _next(enc, P.EncodeTask)
+    assert {a.denoiser, b.denoiser} == set(dens)  # round robin: r-2 went to the other one
+    enc.send(P.EncodeDone("r-1", 1, "encoder-0", SPEC))
+    _next(dens[a.denoiser], P.DenoiseTask)
+    dens[a.denoiser].send(P.StageError("r-1", 1, a.denoiser, "denoise", "OutOfMemoryError", "out of memory", True))
+    retry = _next(enc, P.EncodeTask)
+    assert (retry.request_id, retry.generation) == ("r-1", 2)
+    assert retry.denoiser == b.denoiser != a.denoiser  # round robin's turn was a.denoiser again
+    assert on_loop(loop, orch.describe)["stats"]["retries"] == 1
+    asyncio.run_coroutine_threadsafe(orch.cancel("r-1"), loop).result(30)
+    with pytest.raises(Cancelled):
+        first.result(30)
+    ctx.destroy(linger=0)

@@ -91,6 +91,7 @@ class Tracked:
     assigned: dict[str, str] = field(default_factory=dict)  # role -> instance id charged a slot
     cond_specs: dict[str, P.TensorSpec] | None = None
     retries: int = 0
+    avoid: dict[str, set[str]] = field(default_factory=dict)  # role -> instances that failed this request
     waited_s: float = 0.0  # queue wait of the current stage (reported with its run time at its end)
     encoded_at: float = 0.0  # monotonic time of EncodeDone: the wait for a decoder slot starts
 
@@ -291,11 +292,10 @@ class Orchestrator(GenerationBackend):
     def _pump(self) -> None:
         """Start whatever the free slots allow: encodes (encoder + denoiser slot), then denoises (decoder slot)."""
         while self._wait_encode:
-            enc = self._policies["encoder"].pick(self.pool("encoder"))
-            den = enc and self._policies["denoiser"].pick(self.pool("denoiser"))
-            if enc is None or den is None:
+            placed = self._place_encode()
+            if placed is None:
                 break
-            tr = self._requests[self._wait_encode.popleft()]
+            tr, enc, den = placed
             self._charge(tr, enc)
             self._charge(tr, den)
             now = time.monotonic()
@@ -303,10 +303,11 @@ class Orchestrator(GenerationBackend):
             tr.machine.to(S.ENCODING, now)
             self._send(enc.instance_id, P.EncodeTask(tr.job.request_id, tr.machine.generation, tr.wire, den.instance_id))
         while self._wait_decoder:
-            dec = self._policies["decoder"].pick(self.pool("decoder"))
+            tr = self._requests[self._wait_decoder[0]]
+            dec = self._pick("decoder", tr)
             if dec is None:
                 break
-            tr = self._requests[self._wait_decoder.popleft()]
+            self._wait_decoder.popleft()
             self._charge(tr, dec)
             now = time.monotonic()
             tr.waited_s = now - tr.encoded_at
@@ -315,6 +316,32 @@ class Orchestrator(GenerationBackend):
                 tr.job.request_id, tr.machine.generation, tr.wire, tr.cond_specs, tr.assigned["encoder"],
                 dec.instance_id, self.config.reserve_timeout_s,
             ))  # fmt: skip
+
+    def _place_encode(self) -> tuple[Tracked, Instance, Instance] | None:
+        """The first waiting request (in order) that an encoder and a denoiser slot can take now.
+
+        A retried request may avoid instances that failed it, so it can wait while one behind it
+        starts; the first request with nothing to avoid that cannot start ends the search (every
+        later one would fail the same way), so order holds among ordinary requests."""
+        for rid in self._wait_encode:
+            tr = self._requests[rid]
+            enc = self._pick("encoder", tr)
+            den = enc and self._pick("denoiser", tr)
+            if enc is not None and den is not None:
+                self._wait_encode.remove(rid)
+                return tr, enc, den
+            if not tr.avoid:
+                return None
+        return None
+
+    def _pick(self, role: str, tr: Tracked) -> Instance | None:
+        """The policy's choice among the role's instances, leaving out those that failed this request
+        while any other is registered (it waits for that one's free slot rather than go back)."""
+        pool = self.pool(role)
+        avoid = frozenset(tr.avoid.get(role, ()))
+        if avoid and all(i.instance_id in avoid for i in pool):
+            avoid = frozenset()
+        return self._policies[role].pick(pool, exclude=avoid)
 
     def _charge(self, tr: Tracked, inst: Instance) -> None:
         inst.hold(tr.job.request_id)
@@ -404,6 +431,8 @@ class Orchestrator(GenerationBackend):
         if role is not None and not [i for i in self.pool(role) if i.instance_id != exclude]:
             return self._finish(tr, S.FAILED, error=StageFailed(f"{why}; no other {role} instance is registered"))
         self._release(tr, cancel_workers=True, reason=f"retry: {why}")
+        if role is not None:
+            tr.avoid.setdefault(role, set()).add(exclude)
         tr.retries += 1
         tr.machine.to(S.QUEUED)
         self._wait_encode.appendleft(tr.job.request_id)
