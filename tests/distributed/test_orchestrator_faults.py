@@ -72,3 +72,59 @@ def test_killing_the_last_denoiser_fails_with_a_clear_error(cluster, model):
         pending.result(120)
     desc = cluster.wait_until(nothing_held, "nothing leaked after the failure")
     assert [i["role"] for i in desc["instances"]] == ["decoder", "encoder"]
+
+
+HEAD_SCRIPT = """
+import asyncio, json, sys
+from triptych.server.launch import EmbeddedBackend, TopologyConfig
+from triptych.server.orchestrator import OrchestratorConfig
+
+async def main():
+    backend = EmbeddedBackend(sys.argv[1], OrchestratorConfig(heartbeat_interval_s=0.2, heartbeat_timeout_s=2.0),
+                              TopologyConfig(transfer="zmq", torch_threads=1))
+    await backend.start()
+    print(json.dumps({i: p.pid for i, p in backend.procs.items()}), flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+def test_workers_of_a_head_killed_with_sigkill_exit_on_their_own(model, tmp_path):
+    """kill -9 of the head runs none of its cleanup; the workers it spawned notice their parent is
+    gone (``--exit-with-parent``) and exit instead of holding memory and devices forever."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    head = subprocess.Popen([sys.executable, "-c", HEAD_SCRIPT, str(model[0])], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = json.loads(head.stdout.readline())
+        assert sorted(pids) == ["decoder-0", "denoiser-0", "encoder-0"]
+
+        def alive(pid: int) -> bool:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return False
+            with open(f"/proc/{pid}/stat") as f:  # reaped by init or not yet: a zombie has exited
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+        assert all(alive(p) for p in pids.values())
+        head.send_signal(signal.SIGKILL)
+        head.wait(30)
+        deadline = time.monotonic() + 60  # a liveness bound: heartbeat interval + the loop's stop
+        while any(alive(p) for p in pids.values()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [i for i, p in pids.items() if alive(p)], "orphaned workers still running"
+    finally:
+        head.kill()
+        head.wait(30)
+        for pid in pids.values() if "pids" in locals() else ():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -39,6 +39,8 @@ def add_server_commands(sub) -> None:
     w.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     w.add_argument("--max-batch-requests", type=int, default=8, help="denoiser: requests per forward")
     w.add_argument("--no-fuse-cfg", action="store_true", help="denoiser: one forward per CFG branch")
+    w.add_argument("--exit-with-parent", type=int, default=0, metavar="PID",
+                   help="exit when process PID (the spawning head) is gone, even after its kill -9")
     w.set_defaults(func=cmd_worker)
 
 
@@ -51,7 +53,7 @@ def cmd_worker(args) -> int:
     config = WorkerConfig(
         role=Role(args.role), head=args.head, model_dir=Path(resolve_model(args.model)),
         instance_id=args.instance_id, capacity=args.capacity, transfer=args.transfer, host=args.host,
-        device=args.device, torch_threads=args.threads,
+        device=args.device, torch_threads=args.threads, parent_pid=args.exit_with_parent,
         engine=EngineConfig(max_batch_requests=args.max_batch_requests, fuse_cfg=not args.no_fuse_cfg),
     )  # fmt: skip
     return run_worker(config)

@@ -83,7 +83,8 @@ class EmbeddedBackend(Orchestrator):
         cmd = [
             sys.executable, "-m", "triptych.cli", "worker", "--role", role, "--head", self.control_address,
             "--model", str(self.model_dir), "--instance-id", instance_id, "--transfer", t.transfer,
-            "--capacity", str(t.capacity), "--threads", str(t.torch_threads), *t.extra_args,
+            "--capacity", str(t.capacity), "--threads", str(t.torch_threads),
+            "--exit-with-parent", str(os.getpid()), *t.extra_args,
         ]  # fmt: skip
         if logger.isEnabledFor(logging.DEBUG):
             cmd.insert(3, "-v")

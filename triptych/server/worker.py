@@ -77,6 +77,12 @@ class WorkerConfig:
     """How long to wait for the head's ``RegisterAck``."""
     torch_threads: int = 0
     """``torch.set_num_threads`` (0 = leave torch's default)."""
+    parent_pid: int = 0
+    """Exit when this process (the head that spawned us) is gone: a head killed with SIGKILL leaves no
+    orphan workers holding memory and devices. 0 = independent (remote workers)."""
+    parent_grace_s: float = 10.0
+    """After the parent is gone, how long the loop may take to stop (a forward may be running)
+    before the process exits hard."""
 
     def __post_init__(self) -> None:
         if self.capacity < 1:
@@ -141,10 +147,23 @@ class Worker:
         logger.info("%s registered with %s (transfer %s at %s)", self.instance_id, self.config.head,
                     self.endpoint.kind, self.endpoint.address)  # fmt: skip
 
+    def _parent_gone(self) -> bool:
+        return self.config.parent_pid > 0 and os.getppid() != self.config.parent_pid
+
+    def _orphaned(self) -> None:
+        """The spawning head is gone: stop the loop, and exit hard if it does not stop in time."""
+        logger.error("%s: parent process %d is gone; exiting", self.instance_id, self.config.parent_pid)
+        self._stop.set()
+        timer = threading.Timer(self.config.parent_grace_s, os._exit, (4,))
+        timer.daemon = True
+        timer.start()
+
     def _heartbeats(self) -> None:
         sock = self._dealer(f"{self.instance_id}#hb")
         try:
             while not self._stop.wait(self._hb_interval):
+                if self._parent_gone():
+                    return self._orphaned()
                 pool = self.endpoint.pool
                 sock.send(P.encode(P.Heartbeat(
                     self.instance_id, len(self.jobs), pool.free_slots, pool.max_slots, self.runner.engine_running(),
@@ -155,6 +174,8 @@ class Worker:
     # ---- main loop ----------------------------------------------------------------------------
     def run(self) -> None:
         try:
+            if self._parent_gone():
+                raise RegistrationRefused(f"parent process {self.config.parent_pid} is gone before registration")
             self.register()
         except BaseException:
             self.close()
