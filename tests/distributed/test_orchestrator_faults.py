@@ -128,3 +128,31 @@ def test_workers_of_a_head_killed_with_sigkill_exit_on_their_own(model, tmp_path
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_a_worker_declared_dead_while_only_stalled_rejoins_and_serves(model):
+    """SIGSTOP a denoiser past the heartbeat timeout (a stalled process, a partition): the head declares
+    it dead and fails its request (no other denoiser). On SIGCONT the worker's next heartbeat gets a
+    ``Rejoin``; it drops the stale job, registers again under its id, and serves the next request
+    exactly; nothing is left held."""
+    import signal
+
+    path, family = model
+    cluster = Cluster(path, TopologyConfig(transfer="zmq", capacity=2))
+    try:
+        _, pending = start_long(cluster, family, "stall-1", seed=8)
+        victim = holder_of(cluster.describe(), "stall-1", "denoiser")
+        cluster.on_loop(cluster.backend.kill, victim, signal.SIGSTOP)
+        with pytest.raises(StageFailed, match="no other denoiser instance is registered"):
+            pending.result(120)
+        assert victim not in {i["id"] for i in cluster.describe()["instances"]}
+        cluster.on_loop(cluster.backend.kill, victim, signal.SIGCONT)
+        desc = cluster.wait_until(lambda d: victim in {i["id"] for i in d["instances"]}, "the stalled denoiser rejoined")
+        assert desc["stats"]["rejoins_requested"] >= 1 and desc["stats"]["instances_lost"] == 1
+        j = job(family, "after-rejoin", seed=9)
+        data = cluster.submit(j).result(300)
+        frames, _ = run_request(family, j.params, request_id=j.request_id)
+        assert data == encode_frames(frames.to_uint8(), "png")
+        cluster.wait_until(nothing_held, "nothing held after the rejoin and a request")
+    finally:
+        cluster.close()

@@ -110,6 +110,8 @@ class Orchestrator(GenerationBackend):
         self.instances: dict[str, Instance] = {}
         self.stats: Counter[str] = Counter()
         self._identity: dict[str, bytes] = {}
+        self._rejoin_sent: dict[str, float] = {}  # unknown instance id -> when it was last told to rejoin
+        self._last_stats: dict[str, tuple[int, P.StatsReport]] = {}  # dead instance -> (pid, last report)
         self._policies = {role: make_policy(self.config.dispatch) for role in ROLES}
         self._requests: dict[str, Tracked] = {}
         self._wait_encode: deque[str] = deque()
@@ -245,6 +247,7 @@ class Orchestrator(GenerationBackend):
         if inst is None:
             self.stats["from_unknown_instance"] += 1
             logger.debug("message from unknown instance %s dropped", msg.instance_id)
+            self._tell_rejoin(msg.instance_id)
             return
         inst.last_seen = time.monotonic()
         if isinstance(msg, P.Heartbeat):
@@ -263,6 +266,19 @@ class Orchestrator(GenerationBackend):
         self._handlers[type(msg)](tr, msg)
         self._pump()
 
+    def _tell_rejoin(self, instance_id: str) -> None:
+        """An instance we do not know is alive (declared dead while only silent, e.g. a stalled
+        process or a partition): tell it to drop its jobs and register again, once per interval."""
+        now = time.monotonic()
+        if now - self._rejoin_sent.get(instance_id, -1e9) < self.config.heartbeat_interval_s:
+            return
+        self._rejoin_sent[instance_id] = now
+        _bound(self._rejoin_sent)
+        self.stats["rejoins_requested"] += 1
+        logger.warning("%s is alive but not registered (declared dead earlier?); asking it to rejoin", instance_id)
+        if self._sock is not None:
+            self._sock.send_multipart([instance_id.encode(), P.encode(P.Rejoin("not registered with this head"))])
+
     def _on_register(self, identity: bytes, m: P.Register) -> None:
         reason = None
         if m.revision != self.revision:
@@ -271,8 +287,12 @@ class Orchestrator(GenerationBackend):
             reason = f"instance id {m.instance_id!r} is already registered"
         if reason is None:
             self._identity[m.instance_id] = identity
-            self.instances[m.instance_id] = Instance(m.instance_id, m.role, m.capacity, m.control, m.data,
-                                                     m.transfer, m.pid, time.monotonic())  # fmt: skip
+            self._rejoin_sent.pop(m.instance_id, None)
+            inst = Instance(m.instance_id, m.role, m.capacity, m.control, m.data, m.transfer, m.pid, time.monotonic())
+            last = self._last_stats.pop(m.instance_id, None)
+            if last is not None and last[0] == m.pid:  # the same process rejoining: its counters continue
+                inst.stats = last[1]
+            self.instances[m.instance_id] = inst
             logger.info("registered %s %s (capacity %d, %s at %s)", m.role, m.instance_id, m.capacity, m.transfer, m.data)
             self._pump()
         else:
@@ -449,6 +469,15 @@ class Orchestrator(GenerationBackend):
         for other in list(self.instances):
             self._send(other, P.PeerDown(instance_id))
         self._identity.pop(instance_id, None)
+        if inst.stats is not None:
+            self._last_stats[instance_id] = (inst.pid, inst.stats)
+            _bound(self._last_stats)
         for tr in [t for t in self._requests.values() if instance_id in t.assigned.values()]:
             self._retry(tr, f"{inst.role} {instance_id} died ({why})", exclude=instance_id)
         self._pump()
+
+
+def _bound(d: dict, most: int = 1024) -> None:
+    """Forget the oldest entries of an insertion-ordered dict past ``most`` (ids of gone instances)."""
+    while len(d) > most:
+        del d[next(iter(d))]

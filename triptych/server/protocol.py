@@ -264,11 +264,18 @@ class Shutdown(msgspec.Struct, frozen=True, tag="shutdown"):
     reason: str
 
 
+class Rejoin(msgspec.Struct, frozen=True, tag="rejoin"):
+    """The head heard from an instance it does not know (declared dead while it was only silent, or
+    the head restarted): drop every job (the head retried them), then ``Register`` again."""
+
+    reason: str
+
+
 WorkerMessage = (
     Register | Heartbeat | StatsReport | EncodeDone | DenoiseDone | SlotsReserved | PushDone | Progress | MediaResult
     | StageError
 )
-HeadMessage = RegisterAck | EncodeTask | DenoiseTask | DecodeTask | PushTask | Cancel | PeerDown | Shutdown
+HeadMessage = RegisterAck | EncodeTask | DenoiseTask | DecodeTask | PushTask | Cancel | PeerDown | Shutdown | Rejoin
 Message = WorkerMessage | HeadMessage
 
 _ENCODER = msgspec.msgpack.Encoder()

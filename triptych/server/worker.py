@@ -20,6 +20,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -138,10 +139,16 @@ class Worker:
             self.instance_id, self.role.value, self.config.capacity, self.instance_id, self.endpoint.address,
             self.endpoint.kind, model_revision(self.config.model_dir), os.getpid(),
         ))  # fmt: skip
-        if not self._sock.poll(self.config.register_timeout_s * 1000):
-            raise RegistrationRefused(f"no RegisterAck from {self.config.head} in {self.config.register_timeout_s}s")
-        ack = P.decode_from_head(self._sock.recv())
-        if not isinstance(ack, P.RegisterAck) or not ack.accepted:
+        deadline = time.monotonic() + self.config.register_timeout_s
+        ack = None
+        while not isinstance(ack, P.RegisterAck):  # skips what the head sent before it (a stale Rejoin)
+            if not self._sock.poll(max(0.0, deadline - time.monotonic()) * 1000):
+                raise RegistrationRefused(f"no RegisterAck from {self.config.head} in {self.config.register_timeout_s}s")
+            try:
+                ack = P.decode_from_head(self._sock.recv())
+            except P.ProtocolError as e:
+                logger.warning("%s dropped a malformed control frame: %s", self.instance_id, e)
+        if not ack.accepted:
             raise RegistrationRefused(f"head refused {self.instance_id}: {getattr(ack, 'reason', ack)}")
         self._hb_interval = ack.heartbeat_interval_s
         logger.info("%s registered with %s (transfer %s at %s)", self.instance_id, self.config.head,
@@ -222,6 +229,8 @@ class Worker:
         if isinstance(msg, P.Shutdown):
             logger.info("%s shutting down: %s", self.instance_id, msg.reason)
             self._stop.set()
+        elif isinstance(msg, P.Rejoin):
+            self.rejoin(msg.reason)
         elif isinstance(msg, P.Cancel):
             self.drop(msg.request_id, msg.generation, msg.reason)
         elif isinstance(msg, P.PeerDown):
@@ -285,6 +294,20 @@ class Worker:
         self.drop(job.request_id, job.generation, "failed")
         self.send(P.StageError(job.request_id, job.generation, self.instance_id, self.runner.stage,
                                type(error).__name__, str(error), retryable))  # fmt: skip
+
+    def rejoin(self, reason: str) -> None:
+        """The head no longer counts us (it declared us dead and retried our requests elsewhere):
+        drop every job, let transfers already running end, and register again under the same id."""
+        logger.warning("%s: the head asks us to rejoin (%s); dropping %d job(s)", self.instance_id, reason, len(self.jobs))
+        for rid, job in list(self.jobs.items()):
+            self.drop(rid, job.generation, "rejoining the head")
+        futures_wait([f for f, *_ in self._pending], timeout=self.config.register_timeout_s)
+        self._pending = []
+        try:
+            self.register()
+        except RegistrationRefused as e:
+            logger.error("%s: could not rejoin: %s", self.instance_id, e)
+            self._stop.set()
 
     def drop(self, request_id: str, generation: int, reason: str) -> None:
         """Free everything held for this request generation (slots, tensors, engine state)."""
