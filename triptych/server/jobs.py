@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from triptych.errors import InvalidParam
+from triptych.server import metrics
 from triptych.server.admission import Admission
 from triptych.server.backend import Cancelled, GenerationBackend, GenerationJob, Overloaded, StageFailed
 
@@ -174,6 +175,7 @@ class VideoJobs:
                 self.store.update(job_id, status="in_progress", progress=pct)
 
         t0 = time.time()
+        outcome = "failed"
         try:
             data = await self.backend.run(job, on_progress)
             await asyncio.to_thread(self._write, job_id, data)
@@ -181,17 +183,22 @@ class VideoJobs:
             expires = now + int(self.ttl_s) if self.ttl_s else None
             if not self.store.update(job_id, status="completed", progress=100, completed_at=now, expires_at=expires):
                 self.path(job_id).unlink(missing_ok=True)  # deleted while running
+                outcome = "cancelled"
             else:
+                outcome = "completed"
                 logger.info("video %s completed in %.1f s", job_id, time.time() - t0)
         except Cancelled:
             if self._closing:
+                outcome = "interrupted"
                 self._fail(job_id, "interrupted", "the server shut down")
             else:
+                outcome = "cancelled"
                 self.store.update(job_id, status="cancelled", error_code="cancelled", error_message="cancelled")
         except (InvalidParam, StageFailed, Overloaded) as e:
             code = {InvalidParam: "invalid_request", StageFailed: "stage_failed", Overloaded: "overloaded"}[type(e)]
             self._fail(job_id, code, str(e))
         except asyncio.CancelledError:
+            outcome = "interrupted"
             self._fail(job_id, "interrupted", "the server shut down")
             raise
         except Exception as e:  # noqa: BLE001 - a backend bug must fail this job, not the head
@@ -200,6 +207,7 @@ class VideoJobs:
         finally:
             self._tasks.pop(job_id, None)
             self.admission.release(1)
+            metrics.record_video_job(outcome, time.time() - t0 if outcome == "completed" else None)
 
     def _fail(self, job_id: str, code: str, message: str) -> None:
         self.store.update(job_id, status="failed", error_code=code, error_message=message)

@@ -58,6 +58,14 @@ REQUEST_LATENCY = Histogram(
     "triptych_request_latency_seconds", "End-to-end time of a generation job at the head", ["endpoint"],
     buckets=_SECONDS_BUCKETS, registry=REGISTRY,
 )  # fmt: skip
+VIDEO_JOBS = Counter(
+    "triptych_video_jobs", "Finished video jobs by outcome (POST /v1/videos counts the accepted request)",
+    ["outcome"], registry=REGISTRY,
+)  # fmt: skip
+VIDEO_JOB_LATENCY = Histogram(
+    "triptych_video_job_seconds", "Submit-to-completed time of a successful video job", buckets=_SECONDS_BUCKETS,
+    registry=REGISTRY,
+)  # fmt: skip
 INSTANCES = Gauge("triptych_instances", "Worker instances by role and state", ["role", "state"], registry=REGISTRY)
 DENOISER_BATCH_SIZE = Histogram(
     "triptych_denoiser_batch_size", "Requests advanced by one denoiser engine step (one batched forward)",
@@ -163,6 +171,17 @@ def record_request(endpoint: str, outcome: str, latency_s: float | None = None) 
     REQUESTS.labels(endpoint, outcome).inc()
     if latency_s is not None:
         REQUEST_LATENCY.labels(endpoint).observe(latency_s)
+
+
+JOB_OUTCOMES = ("completed", "cancelled", "failed", "interrupted")
+
+
+def record_video_job(outcome: str, seconds: float | None = None) -> None:
+    """One video job that ended; ``seconds`` (completed jobs) feeds the latency histogram."""
+    assert outcome in JOB_OUTCOMES, f"unknown outcome {outcome!r}"
+    VIDEO_JOBS.labels(outcome).inc()
+    if seconds is not None:
+        VIDEO_JOB_LATENCY.observe(seconds)
 
 
 def update_from_describe(describe: dict, head_in_flight: int | None = None) -> None:
