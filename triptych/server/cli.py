@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import logging
 from pathlib import Path
 
@@ -25,6 +26,9 @@ def add_server_commands(sub) -> None:
     p.add_argument("--control-host", default="127.0.0.1", help="address remote workers reach the head at")
     p.add_argument("--control-port", type=int, default=0, help="worker control port (0: a free port, logged)")
     p.add_argument("--data-dir", help="head state: job records, videos, url files")
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' (repeat for several keys; also $TRIPTYCH_API_KEYS, "
+                   "comma-separated); default: no authentication")
     p.set_defaults(func=cmd_serve)
 
     w = sub.add_parser("worker", help="run one encoder/denoiser/decoder instance that registers with a head")
@@ -78,7 +82,8 @@ def cmd_serve(args) -> int:
     import uvicorn
 
     data_dir = Path(args.data_dir) if args.data_dir else cache_dir() / "head"
-    app = create_app(backend, HeadConfig(data_dir=data_dir))
+    keys = [*args.api_key, *(k for k in os.environ.get("TRIPTYCH_API_KEYS", "").split(",") if k.strip())]
+    app = create_app(backend, HeadConfig(data_dir=data_dir, api_keys=tuple(k.strip() for k in keys)))
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
 

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
 from pydantic import ValidationError
@@ -61,6 +62,11 @@ class HeadConfig:
     sweep_interval_s: float = 60.0
     """How often expired files and videos are deleted, seconds. Bounds: > 0."""
 
+    api_keys: tuple[str, ...] = ()
+    """Bearer tokens the API accepts (``Authorization: Bearer KEY``, what the OpenAI SDK sends);
+    empty = no authentication. ``/health``, ``/metrics`` and ``/v1/files/…`` links (unguessable
+    ids, handed out like pre-signed URLs) stay open."""
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir))
         for name in ("url_ttl_s", "sweep_interval_s"):
@@ -72,6 +78,9 @@ class HeadConfig:
             raise ValueError(f"HeadConfig.video_fps={self.video_fps!r}: must be between 1 and 120")
         if self.public_base_url is not None and not self.public_base_url.startswith(("http://", "https://")):
             raise ValueError(f"HeadConfig.public_base_url={self.public_base_url!r}: must start with http(s)://")
+        object.__setattr__(self, "api_keys", tuple(self.api_keys))
+        if any(len(k) < 8 or k != k.strip() for k in self.api_keys):
+            raise ValueError("HeadConfig.api_keys: every key must be at least 8 characters, without surrounding spaces")
 
 
 class ClientGone(Exception):
@@ -211,7 +220,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def on_http(request: Request, exc: HTTPException):
         outcome(request, "invalid" if exc.status_code < 500 else "error")
         type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        code = {404: "not_found", 405: "method_not_allowed", 413: "too_large"}.get(exc.status_code)
+        code = {401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed", 413: "too_large"}.get(exc.status_code)
         return error_response(exc.status_code, str(exc.detail), type_, None, code, getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
@@ -222,7 +231,26 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 # ---- the app --------------------------------------------------------------------------------------
-ERROR_RESPONSES = {code: {"model": ErrorResponse} for code in (400, 404, 409, 429, 502)}
+ERROR_RESPONSES = {code: {"model": ErrorResponse} for code in (400, 401, 404, 409, 429, 502)}
+OPEN_PATHS = ("/health", "/metrics", "/v1/files/")  # never behind the API key
+
+
+def api_key_check(keys: tuple[str, ...]):
+    """A FastAPI dependency: with ``keys``, every route outside ``OPEN_PATHS`` needs one of them as
+    a bearer token (compared in constant time); a 401 in OpenAI's error shape otherwise."""
+    encoded = [k.encode() for k in keys]
+
+    async def check(request: Request) -> None:
+        if not encoded or request.url.path.startswith(OPEN_PATHS):
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        given = token.strip().encode()
+        if scheme.lower() != "bearer" or not given:
+            raise HTTPException(401, "missing API key: send 'Authorization: Bearer <key>'", {"WWW-Authenticate": "Bearer"})
+        if not any(hmac.compare_digest(given, k) for k in encoded):
+            raise HTTPException(401, "invalid API key", {"WWW-Authenticate": "Bearer"})
+
+    return check
 
 
 def create_app(backend: GenerationBackend, config: HeadConfig) -> FastAPI:
@@ -242,7 +270,8 @@ def create_app(backend: GenerationBackend, config: HeadConfig) -> FastAPI:
             sweeper.cancel()
             await head.close()
 
-    app = FastAPI(title="Triptych", version="0.1.0", lifespan=lifespan, responses=ERROR_RESPONSES)
+    app = FastAPI(title="Triptych", version="0.1.0", lifespan=lifespan, responses=ERROR_RESPONSES,
+                  dependencies=[Depends(api_key_check(config.api_keys))])  # fmt: skip
     app.state.head = head
     install_error_handlers(app)
     add_image_routes(app, head)
