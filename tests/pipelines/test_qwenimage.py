@@ -299,3 +299,33 @@ def test_tokenizer_template_prefixes_have_the_pipelines_drop_lengths():
     assert tok.convert_ids_to_tokens(tok("a cyan hexagon")["input_ids"]) == ["a", "Ġcyan", "Ġhexagon"]
     with pytest.raises(ValueError, match="drops 34"):
         train_qwen_tokenizer(vocab_size=300)  # too few merges: template words split into pieces
+
+
+def test_mm_cache_runs_the_vision_tower_once_per_image_and_changes_nothing(model_dirs, edit, monkeypatch):
+    """The encoder's mm-hash cache: an edit with CFG encodes its image once (not once per branch), the
+    same image again not at all, another image once; the conditioning is bit-identical to a family
+    without the cache, and the cache stays within its byte budget."""
+    from tests.helpers import count_calls
+
+    monkeypatch.setenv("TRIPTYCH_MM_CACHE_MB", "0")
+    plain = QwenImageEditFamily(model_dirs["edit"], roles=(Role.ENCODER,))
+    assert plain.mm_cache is None
+    monkeypatch.delenv("TRIPTYCH_MM_CACHE_MB")
+    cached = QwenImageEditFamily(model_dirs["edit"], roles=(Role.ENCODER,))
+    cache = cached.mm_cache
+    tower = cached.pipe.text_encoder.model.visual.patch_embed  # the first layer: it runs only on a miss
+    p = cached.resolve(GenerationParams(prompt="make the circle green", image=condition_image(), guidance=4.0,
+                                        negative_prompt="blurry", height=64, width=64))  # fmt: skip
+    other = p.replace(image=condition_image(40, 48), prompt="make it red")
+    for params, runs in ((p, 1), (p.replace(prompt="make the square blue"), 0), (other, 1)):
+        with count_calls(tower) as calls:
+            got = cached.encode(params).flat()
+        with count_calls(plain.pipe.text_encoder.model.visual.patch_embed) as plain_calls:
+            want = plain.encode(params).flat()
+        assert len(calls) == runs and len(plain_calls) == 2  # the plain path: once per CFG branch
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+    assert (cache.stats.hits, cache.stats.misses, len(cache)) == (4, 2, 2)  # hits: 1 + 2 + 1
+    assert 0 < cache.nbytes <= cache.max_bytes
+    cache.max_bytes = cache.nbytes  # full: a third image evicts the least recently used one
+    cached.encode(p.replace(image=condition_image(32, 32)))
+    assert cache.stats.evictions >= 1 and cache.nbytes <= cache.max_bytes

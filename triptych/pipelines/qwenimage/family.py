@@ -9,6 +9,7 @@ ignored by the pipeline and is refused instead.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -133,6 +134,18 @@ class QwenImageEditFamily(QwenImageFamily):
     }
     accepts_image = True
     requires_image = True
+    #: The encoder's mm-hash cache of vision-tower outputs (``triptych.cache.mm``), None without a
+    #: text encoder or with ``TRIPTYCH_MM_CACHE_MB=0``.
+    mm_cache = None
+
+    def _post_load(self) -> None:
+        super()._post_load()
+        from triptych.cache import mm
+
+        visual = mm.vision_encoder(self.pipe.text_encoder) if self.pipe.text_encoder is not None else None
+        budget = int(float(os.environ.get("TRIPTYCH_MM_CACHE_MB", "256")) * (1 << 20))
+        if visual is not None and budget > 0:
+            self.mm_cache = mm.install(visual, mm.MMEmbeddingCache(budget))
 
     def _build_components(self, wanted: frozenset[str]) -> dict[str, Any]:
         # NOTE: real checkpoints declare transformers' Qwen2VLProcessor, which cannot be built without

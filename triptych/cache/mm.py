@@ -1,0 +1,162 @@
+"""The mm-hash cache: a vision encoder's outputs keyed by a content hash of its exact input.
+
+An edit request runs Qwen2.5-VL's vision tower once per CFG branch on the same image (diffusers'
+``encode_prompt`` is called for the prompt and again for the negative prompt), and the same image
+sent again (a second edit, a retry, later a chat turn about it) runs it again. The vision tower is
+deterministic, so its output for the same input tensor is the same tensor: this cache returns the
+stored result instead, which is exact, not an approximation.
+
+The key is a SHA-256 over the input tensors' dtype, shape and bytes (the preprocessed pixels and the
+patch grid, so a different resize is a different key) plus the call's simple keyword arguments.
+Calls with other arguments (tensors in kwargs, hooks asking for attentions) bypass the cache.
+Entries are evicted least-recently-used past ``max_bytes`` of stored tensors; a hit returns clones,
+so nothing downstream can alter a stored entry.
+
+Installed with diffusers' hook registry (``install``), like the other accelerations, on the module
+whose forward is the vision encoder (``text_encoder.model.visual`` for Qwen2.5-VL).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from diffusers.hooks import HookRegistry, ModelHook
+
+HOOK_NAME = "triptych_mm_cache"
+SIMPLE = (type(None), bool, int, float, str)
+
+
+@dataclass
+class MMCacheStats:
+    hits: int = 0
+    misses: int = 0
+    bypassed: int = 0  # calls the cache could not key (and ran as they are)
+    evictions: int = 0
+
+
+def content_hash(*tensors: torch.Tensor, extra: str = "") -> str:
+    """SHA-256 of each tensor's dtype, shape and bytes (in order), then ``extra``."""
+    h = hashlib.sha256()
+    for t in tensors:
+        t = t.detach().contiguous().cpu()
+        h.update(f"{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    h.update(extra.encode())
+    return h.hexdigest()
+
+
+def _tensors(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    values = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else ()
+    return [t for v in values for t in _tensors(v)]
+
+
+def _clone(out: Any) -> Any:
+    """A copy whose tensors are fresh clones (ModelOutput, dict, tuple, list or tensor)."""
+    if isinstance(out, torch.Tensor):
+        return out.clone()
+    if isinstance(out, dict):  # transformers' ModelOutput is an OrderedDict dataclass
+        return type(out)(**{k: _clone(v) for k, v in out.items()})
+    if isinstance(out, (tuple, list)):
+        return type(out)(_clone(v) for v in out)
+    return out
+
+
+class MMEmbeddingCache:
+    """LRU of encoder outputs by content hash, bounded by the bytes of the stored tensors."""
+
+    def __init__(self, max_bytes: int = 256 << 20):
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes={max_bytes}: must be >= 0 (0 disables the cache)")
+        self.max_bytes = max_bytes
+        self.stats = MMCacheStats()
+        self._entries: OrderedDict[str, tuple[Any, int]] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def get(self, key: str) -> Any | None:
+        with self._lock:
+            found = self._entries.get(key)
+            if found is None:
+                return None
+            self._entries.move_to_end(key)
+            self.stats.hits += 1
+            return _clone(found[0])
+
+    def put(self, key: str, value: Any) -> None:
+        size = sum(t.numel() * t.element_size() for t in _tensors(value))
+        if size > self.max_bytes:
+            return
+        stored = _clone(value)
+        with self._lock:
+            if key in self._entries:
+                return
+            self._entries[key] = (stored, size)
+            self._bytes += size
+            while self._bytes > self.max_bytes:
+                _, (_, freed) = self._entries.popitem(last=False)
+                self._bytes -= freed
+                self.stats.evictions += 1
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._bytes = 0
+
+
+class _EncoderCacheHook(ModelHook):
+    def __init__(self, cache: MMEmbeddingCache):
+        super().__init__()
+        self.cache = cache
+
+    def new_forward(self, module: torch.nn.Module, *args, **kwargs):
+        run = self.fn_ref.original_forward
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        tensors += [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
+        simple = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
+        if any(not isinstance(a, (torch.Tensor, *SIMPLE)) for a in args) or any(
+            not isinstance(v, SIMPLE) for v in simple.values()
+        ):
+            self.cache.stats.bypassed += 1
+            return run(*args, **kwargs)
+        shape = (len(args), tuple(k for k, v in kwargs.items() if isinstance(v, torch.Tensor)))
+        extra = repr((shape, sorted(simple.items()), [a for a in args if not isinstance(a, torch.Tensor)]))
+        key = content_hash(*tensors, extra=extra)
+        hit = self.cache.get(key)
+        if hit is not None:
+            return hit
+        self.cache.stats.misses += 1
+        out = run(*args, **kwargs)
+        self.cache.put(key, out)
+        return out
+
+
+def install(module: torch.nn.Module, cache: MMEmbeddingCache) -> MMEmbeddingCache:
+    """Serve ``module``'s forward from ``cache`` (one registration per module; returns the cache)."""
+    registry = HookRegistry.check_if_exists_or_initialize(module)
+    if registry.get_hook(HOOK_NAME) is not None:
+        registry.remove_hook(HOOK_NAME, recurse=False)
+    registry.register_hook(_EncoderCacheHook(cache), HOOK_NAME)
+    return cache
+
+
+def vision_encoder(text_encoder: torch.nn.Module) -> torch.nn.Module | None:
+    """The vision tower of a transformers VLM (Qwen2.5-VL: ``.model.visual``), or None."""
+    for owner in (getattr(text_encoder, "model", None), text_encoder):
+        visual = getattr(owner, "visual", None)
+        if isinstance(visual, torch.nn.Module):
+            return visual
+    return None
