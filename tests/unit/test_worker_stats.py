@@ -68,3 +68,18 @@ def test_windows_feed_the_denoiser_and_transfer_series():
     assert sample("triptych_transfer_latency_seconds_count", '{backend="zmq"}') - before["pushes"] == 3
     metrics.forget_instance("den-m")
     assert 'instance="den-m"' not in metrics.render().decode()
+
+
+def test_mm_cache_counters_become_deltas_and_its_size_a_gauge():
+    before = {r: sample("triptych_mm_cache_lookups_total", f'{{result="{r}"}}') for r in ("hits", "misses")}
+    prev = P.StatsReport("enc-m", 10.0, None, transfer(0, 0, 0.0), P.CacheReport(4, 2, 0, 0, 2, 1000))
+    cur = P.StatsReport("enc-m", 12.0, None, transfer(0, 0, 0.0), P.CacheReport(9, 3, 0, 1, 2, 900))
+    w = stats_window("encoder", prev, cur)
+    assert (w.mm_cache.hits, w.mm_cache.misses, w.mm_cache.evictions) == (5, 1, 1)
+    assert (w.mm_cache.entries, w.mm_cache.nbytes) == (2, 900)  # levels: the latest, not a difference
+    metrics.record_worker_window(w)
+    assert sample("triptych_mm_cache_lookups_total", '{result="hits"}') - before["hits"] == 5
+    assert sample("triptych_mm_cache_lookups_total", '{result="misses"}') - before["misses"] == 1
+    assert sample("triptych_mm_cache_bytes", '{instance="enc-m"}') == 900
+    metrics.forget_instance("enc-m")
+    assert 'instance="enc-m"' not in metrics.render().decode()

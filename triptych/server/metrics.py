@@ -58,6 +58,14 @@ REQUEST_LATENCY = Histogram(
     "triptych_request_latency_seconds", "End-to-end time of a generation job at the head", ["endpoint"],
     buckets=_SECONDS_BUCKETS, registry=REGISTRY,
 )  # fmt: skip
+MM_CACHE_LOOKUPS = Counter(
+    "triptych_mm_cache_lookups", "Vision-encoder calls seen by the encoders' mm-hash caches, by result",
+    ["result"], registry=REGISTRY,
+)  # fmt: skip
+MM_CACHE_BYTES = Gauge(
+    "triptych_mm_cache_bytes", "Bytes of stored vision-encoder outputs in an encoder's mm-hash cache", ["instance"],
+    registry=REGISTRY,
+)  # fmt: skip
 VIDEO_JOBS = Counter(
     "triptych_video_jobs", "Finished video jobs by outcome (POST /v1/videos counts the accepted request)",
     ["outcome"], registry=REGISTRY,
@@ -137,6 +145,11 @@ def record_worker_window(window: StatsWindow) -> None:
     if t.pushes_sent > 0:
         TRANSFER_BYTES.labels(t.backend).inc(t.bytes_sent)
         _observe_mean(TRANSFER_LATENCY.labels(t.backend), t.push_seconds, t.pushes_sent)
+    c = window.mm_cache
+    if c is not None:
+        for result in ("hits", "misses", "bypassed"):
+            MM_CACHE_LOOKUPS.labels(result).inc(getattr(c, result))
+        MM_CACHE_BYTES.labels(window.instance_id).set(c.nbytes)
     e = window.engine
     if e is None:
         return
@@ -159,10 +172,11 @@ def _observe_mean(metric, total: float, count: int) -> None:
 
 def forget_instance(instance_id: str) -> None:
     """Drop the per-instance series of an instance that left (died or shut down)."""
-    try:
-        DENOISER_STEP_RATE.remove(instance_id)
-    except KeyError:
-        pass
+    for gauge in (DENOISER_STEP_RATE, MM_CACHE_BYTES):
+        try:
+            gauge.remove(instance_id)
+        except KeyError:
+            pass
 
 
 def record_request(endpoint: str, outcome: str, latency_s: float | None = None) -> None:

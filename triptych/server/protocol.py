@@ -112,6 +112,17 @@ class TransferReport(msgspec.Struct, frozen=True):
     timeouts: int  # reservations released by a deadline
 
 
+class CacheReport(msgspec.Struct, frozen=True):
+    """An encoder's mm-hash cache (``cache.mm``): cumulative counters, and its size now."""
+
+    hits: int
+    misses: int
+    bypassed: int  # calls it could not key (ran uncached)
+    evictions: int
+    entries: int  # a level, not a counter: the window keeps the latest
+    nbytes: int  # a level, like entries
+
+
 class StatsReport(msgspec.Struct, frozen=True, tag="stats_report"):
     """Periodic cumulative counters of a worker; the head turns consecutive reports into metric deltas."""
 
@@ -119,6 +130,7 @@ class StatsReport(msgspec.Struct, frozen=True, tag="stats_report"):
     uptime_s: float  # seconds since the worker started (its monotonic clock): rate windows, restarts
     engine: EngineReport | None  # the denoiser's engine; None for roles without one
     transfer: TransferReport  # its transfer endpoint
+    mm_cache: CacheReport | None = None  # the encoder's mm-hash cache; None where there is none
 
 
 class EncodeDone(msgspec.Struct, frozen=True, tag="encode_done"):

@@ -212,7 +212,12 @@ class Worker:
         self._next_report = now + self._hb_interval
         snap = self.endpoint.stats.snapshot()
         transfer = P.TransferReport(**{f: snap[f] for f in P.TransferReport.__struct_fields__})
-        self.send(P.StatsReport(self.instance_id, now - self._started, self.runner.engine_report(), transfer))
+        cache = getattr(self.family, "mm_cache", None)
+        mm = None
+        if cache is not None:
+            s = cache.stats
+            mm = P.CacheReport(s.hits, s.misses, s.bypassed, s.evictions, len(cache), cache.nbytes)
+        self.send(P.StatsReport(self.instance_id, now - self._started, self.runner.engine_report(), transfer, mm))
 
     def receive(self, timeout_ms: int) -> None:
         while self._sock.poll(timeout_ms):

@@ -22,6 +22,10 @@ class StatsWindow:
     seconds: float  # worker-clock length of the window (0 for the first report of a worker)
     engine: P.EngineReport | None  # engine counter deltas; None for roles without an engine
     transfer: P.TransferReport  # transfer counter deltas
+    mm_cache: P.CacheReport | None = None  # mm-hash cache counter deltas (entries, nbytes: latest)
+
+
+LEVELS = frozenset({"entries", "nbytes"})  # fields that are levels, not counters: kept as reported
 
 
 def _minus(cur, prev):
@@ -29,7 +33,9 @@ def _minus(cur, prev):
     out = {}
     for name in cur.__struct_fields__:
         a, b = getattr(cur, name), getattr(prev, name)
-        if isinstance(a, dict):
+        if name in LEVELS:
+            out[name] = a
+        elif isinstance(a, dict):
             out[name] = {k: n - b.get(k, 0) for k, n in a.items() if n != b.get(k, 0)}
         elif isinstance(a, (int, float)):
             out[name] = a - b
@@ -41,6 +47,9 @@ def _minus(cur, prev):
 def stats_window(role: str, prev: P.StatsReport | None, cur: P.StatsReport) -> StatsWindow:
     """The deltas from ``prev`` (None: nothing seen yet from this worker) to ``cur``."""
     if prev is None or cur.uptime_s < prev.uptime_s:
-        return StatsWindow(cur.instance_id, role, 0.0 if prev is None else cur.uptime_s, cur.engine, cur.transfer)
+        seconds = 0.0 if prev is None else cur.uptime_s
+        return StatsWindow(cur.instance_id, role, seconds, cur.engine, cur.transfer, cur.mm_cache)
     engine = cur.engine if prev.engine is None or cur.engine is None else _minus(cur.engine, prev.engine)
-    return StatsWindow(cur.instance_id, role, cur.uptime_s - prev.uptime_s, engine, _minus(cur.transfer, prev.transfer))
+    cache = cur.mm_cache if prev.mm_cache is None or cur.mm_cache is None else _minus(cur.mm_cache, prev.mm_cache)
+    transfer = _minus(cur.transfer, prev.transfer)
+    return StatsWindow(cur.instance_id, role, cur.uptime_s - prev.uptime_s, engine, transfer, cache)
