@@ -1,0 +1,110 @@
+"""The encoder's mm-hash cache vs the plain encode stage (diffusers' own calls), same weights, same run.
+
+Qwen-Image-Edit's encode stage is diffusers' ``encode_prompt`` for the prompt and again for the
+negative prompt (each runs the Qwen2.5-VL vision tower on the condition image) plus the VAE encode
+of that image. Two encoder families are built on one seeded model: one with the mm-hash cache off
+(exactly the pipeline's calls) and one with it on. They alternate on the same requests:
+- ``new image``: an image neither has seen (the cache saves the second branch's vision pass);
+- ``same image again``: an image seen before (both branches hit).
+Reported: best process CPU time (one thread) of each and the ratio cached / plain (lower is
+better), plus a bit-identity check of the conditioning. Prints a markdown table.
+
+The packaged test sizes bound the processor to 16 vision tokens and a 2-layer, 16-64-wide vision
+tower, far from Qwen2.5-VL's (32 layers x 1280, ~1,300 tokens for the pipeline's 1 MP condition);
+``--vision-layers/--vision-dim`` build a heavier tower that sees the whole condition image.
+
+    python benchmarks/mm_cache.py [--size tiny|small] [--area 262144] [--repeats 3]
+                                  [--vision-layers 8 --vision-dim 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import tempfile
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+import transformers  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+clock = time.process_time
+
+from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit  # noqa: E402
+
+from triptych.pipelines.base import GenerationParams, Role  # noqa: E402
+from triptych.pipelines.qwenimage import tiny  # noqa: E402
+
+
+def image(seed: int):
+    from PIL import Image
+
+    return Image.fromarray((np.random.RandomState(seed).rand(384, 512, 3) * 255).astype("uint8"))
+
+
+def family(model_dir, cache_mb: str):
+    from triptych.pipelines.qwenimage.family import QwenImageEditFamily
+
+    os.environ["TRIPTYCH_MM_CACHE_MB"] = cache_mb
+    try:
+        return QwenImageEditFamily(model_dir, roles=(Role.ENCODER,))
+    finally:
+        del os.environ["TRIPTYCH_MM_CACHE_MB"]
+
+
+def timed(fn):
+    t = clock()
+    out = fn()
+    return clock() - t, out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", default="tiny", choices=["tiny", "small"])
+    ap.add_argument("--area", type=int, default=512 * 512, help="condition image area (the pipeline's: 1048576)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--vision-layers", type=int, help="vision tower depth (default: the size's)")
+    ap.add_argument("--vision-dim", type=int, help="vision tower width (default: the size's)")
+    args = ap.parse_args(argv)
+    original = pipeline_qwenimage_edit.calculate_dimensions
+    pipeline_qwenimage_edit.calculate_dimensions = lambda area, ratio: original(args.area, ratio)
+    rows = {"new image": ([], []), "same image again": ([], [])}
+    identical = True
+    with tempfile.TemporaryDirectory() as tmp:
+        dims = tiny.SIZES[args.size]
+        if args.vision_layers or args.vision_dim:
+            dims = dataclasses.replace(dims, vision_layers=args.vision_layers or dims.vision_layers,
+                                       vision_dim=args.vision_dim or dims.vision_dim, image_max_pixels=args.area)  # fmt: skip
+        model = tiny.save_model(tiny.build_components(dims, seed=0, edit=True), tmp,
+                                {"height": 64, "width": 64, "steps": 4, "guidance": 4.0})  # fmt: skip
+        plain, cached = family(model, "0"), family(model, "1024")
+        base = GenerationParams(prompt="make the circle green", negative_prompt="blurry", guidance=4.0, seed=0)
+        for r in range(args.repeats + 1):  # round 0 is a warm-up
+            p = cached.resolve(base.replace(image=image(r)))
+            for case in rows:  # a new image first, then the same one again
+                t_plain, want = timed(lambda: plain.encode(p).flat())
+                t_cached, got = timed(lambda: cached.encode(p).flat())
+                identical &= got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+                if r:
+                    rows[case][0].append(t_plain)
+                    rows[case][1].append(t_cached)
+    stats = cached.mm_cache.stats
+    print(f"qwen-image-edit {args.size} (vision tower {dims.vision_layers} layers x {dims.vision_dim}), condition area {args.area} px, CFG (prompt + negative), "
+          f"best of {args.repeats}; conditioning bit-identical: {identical}; cache hits {stats.hits}, "
+          f"misses {stats.misses}\n")  # fmt: skip
+    print("| request | plain encode CPU ms | cached encode CPU ms | ratio |")
+    print("|---|---|---|---|")
+    for case, (t_plain, t_cached) in rows.items():
+        a, b = min(t_plain), min(t_cached)
+        print(f"| {case} | {a * 1e3:.1f} | {b * 1e3:.1f} | {b / a:.2f} |")
+    return 0 if identical else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
