@@ -105,11 +105,43 @@ def _add_calibrate(sub) -> None:
     p = sub.add_parser("calibrate", help="fit a TeaCache profile for a model and step count")
     p.add_argument("--model", help="diffusers model directory (default: the built-in model)")
     p.add_argument("--steps", type=int, required=True, help="the step schedule the profile is for")
-    p.add_argument("--prompt", action="append", help="calibration prompt (repeatable; default: a built-in set)")
+    p.add_argument("--prompt", action="append",
+                   help="calibration prompt (repeatable; default: train-split captions for a shape-world model, else a built-in set)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--out", help="profile path (default MODEL_DIR/teacache/<family>-<steps>steps.json)")
     p.add_argument("--image", help="condition image (edit / image-to-video families)")
     p.set_defaults(func=cmd_calibrate)
+
+
+def _add_quality(sub) -> None:
+    p = sub.add_parser("quality", help="report what an acceleration changes against the plain path (PSNR, SSIM, adherence)")
+    p.add_argument("--model", help="diffusers model directory (default: the built-in model)")
+    p.add_argument("--teacache-threshold", type=float, nargs="+", required=True, metavar="T",
+                   help="TeaCache thresholds to compare with the plain path (each needs a profile: triptych calibrate)")
+    p.add_argument("--images", type=int, default=32, help="requests per setting (default 32)")
+    p.add_argument("--steps", type=int, help="denoising steps (default: the model's)")
+    p.add_argument("--world", choices=["auto", "on", "off"], default="auto",
+                   help="score prompt adherence on held-out shape-world prompts (auto: when the model says it draws that world)")
+    p.add_argument("--prompt", action="append", help="generic prompts (repeatable) when not scoring the world")
+    p.add_argument("--min-psnr", type=float, help="fail (exit 1) when any image's PSNR vs plain is below this (dB)")
+    p.add_argument("--max-adherence-drop", type=float,
+                   help="fail (exit 1) when adherence falls more than this fraction below plain (e.g. 0.05)")
+    p.add_argument("--out", help="also write the report: .json (everything) or .md (the table)")
+    p.set_defaults(func=cmd_quality)
+
+
+def cmd_quality(args) -> int:
+    from triptych.models import resolve_model
+    from triptych.quality import markdown, quality_report, write
+
+    world = {"auto": None, "on": True, "off": False}[args.world]
+    report = quality_report(resolve_model(args.model), args.teacache_threshold, images=args.images, steps=args.steps,
+                            world=world, prompts=args.prompt, min_psnr=args.min_psnr,
+                            max_adherence_drop=args.max_adherence_drop)  # fmt: skip
+    print(markdown(report))
+    if args.out:
+        print(f"wrote {write(report, args.out)}")
+    return 0 if report["passed"] else 1
 
 
 def cmd_calibrate(args) -> int:
@@ -127,8 +159,11 @@ def cmd_calibrate(args) -> int:
                 base["image"] = decode_image(f.read())
         except FileNotFoundError:
             raise InvalidParam("image", args.image, "file does not exist") from None
-    profile, path = calibrate(resolve_model(args.model), args.steps, args.prompt or DEFAULT_PROMPTS, args.seeds,
-                              args.out, **base)  # fmt: skip
+    from triptych.quality import world_prompts
+
+    model = resolve_model(args.model)
+    prompts = args.prompt or world_prompts(model) or DEFAULT_PROMPTS
+    profile, path = calibrate(model, args.steps, prompts, args.seeds, args.out, **base)
     q = profile.quality
     print(f"wrote {path}: r2={q['r2']:.4f} rmse={q['rmse']:.3g} points={q['points']} x_range={q['x_range']}")
     return 0
@@ -149,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_make_tiny(sub)
     _add_calibrate(sub)
+    _add_quality(sub)
     try:
         from triptych.server.cli import add_server_commands
     except ImportError:

@@ -1,0 +1,56 @@
+"""``triptych quality``: plain vs accelerated on the same requests, with fidelity, skipped work,
+adherence and gates that can fail (a tiny FLUX with a profile fitted here; the packaged default
+model for the shape-world adherence figures)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from triptych import cli
+from triptych.calibration.fit import calibrate
+from triptych.errors import InvalidParam
+from triptych.pipelines.registry import load_family, make_tiny
+from triptych.quality import quality_report
+
+STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def flux(tmp_path_factory):
+    model = make_tiny("flux", tmp_path_factory.mktemp("quality") / "flux", seed=0)
+    calibrate(model, STEPS, prompts=("a red fox in the snow", "a lighthouse at night"), seeds=(0, 1),
+              family=load_family(model))  # fmt: skip
+    return model
+
+
+def test_a_threshold_that_skips_nothing_is_identical_and_a_large_one_is_measured(flux):
+    report = quality_report(flux, [1e-9, 0.5], images=3, steps=STEPS, world=False)
+    none, large = report["settings"]
+    assert (none["skipped_fraction"], none["identical"], none["psnr_min"], none["ssim_min"]) == (0.0, 3, math.inf, 1.0)
+    assert large["skipped_fraction"] > 0 and large["identical"] < 3
+    assert 0 < large["psnr_min"] <= large["psnr_mean"] < math.inf and 0 < large["ssim_min"] < 1
+    assert none["adherence"] is None and report["world"] is False and report["passed"]
+
+
+def test_gates_fail_the_report_and_the_cli_exits_1(flux, tmp_path, capsys):
+    report = quality_report(flux, [0.5], images=2, steps=STEPS, world=False, min_psnr=1000.0)
+    assert not report["passed"] and "worst PSNR" in report["settings"][0]["failures"][0]
+    out = tmp_path / "q.json"
+    code = cli.main(["quality", "--model", str(flux), "--teacache-threshold", "0.5", "--images", "2", "--steps",
+                     str(STEPS), "--min-psnr", "1000", "--out", str(out)])  # fmt: skip
+    assert code == 1 and json.loads(out.read_text())["passed"] is False
+    assert "| 0.5 |" in capsys.readouterr().out
+    assert cli.main(["quality", "--model", str(flux), "--teacache-threshold", "0.5", "--images", "2", "--steps",
+                     str(STEPS), "--min-psnr", "1"]) == 0  # fmt: skip
+
+
+def test_bad_input_names_the_field(flux):
+    with pytest.raises(InvalidParam, match="teacache_threshold"):
+        quality_report(flux, [0.0], images=1, steps=STEPS)
+    with pytest.raises(InvalidParam, match="images"):
+        quality_report(flux, [0.1], images=0, steps=STEPS)
+    with pytest.raises(InvalidParam, match="teacache_threshold"):  # no profile for 3 steps
+        quality_report(flux, [0.1], images=1, steps=3)
