@@ -8,7 +8,9 @@ from pathlib import Path
 
 from triptych.training.common import CONDITION_AREA
 
-DEFAULTS = {"height": 64, "width": 64, "steps": 20, "guidance": 4.0}
+#: ``world``: the model draws the project's shape world, so ``triptych quality`` and ``calibrate``
+#: use (and score) shape-world prompts for it.
+DEFAULTS = {"height": 64, "width": 64, "steps": 20, "guidance": 4.0, "world": "shapes"}
 #: The edit model also records the condition image's area it was trained with (the family reads it).
 EDIT_DEFAULTS = {"condition_area": CONDITION_AREA}
 
