@@ -95,7 +95,8 @@ def main(argv=None) -> int:
                     rows[case][0].append(t_plain)
                     rows[case][1].append(t_cached)
     stats = cached.mm_cache.stats
-    print(f"qwen-image-edit {args.size} (vision tower {dims.vision_layers} layers x {dims.vision_dim}), condition area {args.area} px, CFG (prompt + negative), "
+    print(f"qwen-image-edit {args.size} (vision tower {dims.vision_layers} layers x {dims.vision_dim}), "
+          f"condition area {args.area} px, CFG (prompt + negative), "
           f"best of {args.repeats}; conditioning bit-identical: {identical}; cache hits {stats.hits}, "
           f"misses {stats.misses}\n")  # fmt: skip
     print("| request | plain encode CPU ms | cached encode CPU ms | ratio |")

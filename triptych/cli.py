@@ -114,7 +114,7 @@ def _add_calibrate(sub) -> None:
 
 
 def _add_quality(sub) -> None:
-    p = sub.add_parser("quality", help="report what an acceleration changes against the plain path (PSNR, SSIM, adherence)")
+    p = sub.add_parser("quality", help="what an acceleration changes against the plain path (PSNR, SSIM, adherence)")
     p.add_argument("--model", help="diffusers model directory (default: the built-in model)")
     p.add_argument("--teacache-threshold", type=float, nargs="+", required=True, metavar="T",
                    help="TeaCache thresholds to compare with the plain path (each needs a profile: triptych calibrate)")
