@@ -7,7 +7,8 @@ deterministic, so its output for the same input tensor is the same tensor: this 
 stored result instead, which is exact, not an approximation.
 
 The key is a SHA-256 over the input tensors' dtype, shape and bytes (the preprocessed pixels and the
-patch grid, so a different resize is a different key) plus the call's simple keyword arguments.
+patch grid, so a different resize or processor setting is a different key), the call's simple
+keyword arguments and the cache's scope (the encoder's model identity).
 Calls with other arguments (tensors in kwargs, hooks asking for attentions) bypass the cache.
 Entries are evicted least-recently-used past ``max_bytes`` of stored tensors; a hit returns clones,
 so nothing downstream can alter a stored entry.
@@ -71,10 +72,12 @@ def _clone(out: Any) -> Any:
 class MMEmbeddingCache:
     """LRU of encoder outputs by content hash, bounded by the bytes of the stored tensors."""
 
-    def __init__(self, max_bytes: int = 256 << 20):
+    def __init__(self, max_bytes: int = 256 << 20, scope: str = ""):
+        """``scope`` goes into every key: the encoder's identity (model revision), later a tenant."""
         if max_bytes < 0:
             raise ValueError(f"max_bytes={max_bytes}: must be >= 0 (0 disables the cache)")
         self.max_bytes = max_bytes
+        self.scope = scope
         self.stats = MMCacheStats()
         self._entries: OrderedDict[str, tuple[Any, int]] = OrderedDict()
         self._bytes = 0
@@ -134,7 +137,7 @@ class _EncoderCacheHook(ModelHook):
             return run(*args, **kwargs)
         shape = (len(args), tuple(k for k, v in kwargs.items() if isinstance(v, torch.Tensor)))
         extra = repr((shape, sorted(simple.items()), [a for a in args if not isinstance(a, torch.Tensor)]))
-        key = content_hash(*tensors, extra=extra)
+        key = content_hash(*tensors, extra=f"{self.cache.scope}|{extra}")
         hit = self.cache.get(key)
         if hit is not None:
             return hit
@@ -151,6 +154,21 @@ def install(module: torch.nn.Module, cache: MMEmbeddingCache) -> MMEmbeddingCach
         registry.remove_hook(HOOK_NAME, recurse=False)
     registry.register_hook(_EncoderCacheHook(cache), HOOK_NAME)
     return cache
+
+
+def encoder_identity(model_dir, component: str = "text_encoder") -> str:
+    """``<dir>/<component>@<sha256[:16]>`` of the component's config and its files' names and sizes:
+    what a cache scope names (cheap for a 15 GB encoder; a retrained one of the same shape in the
+    same place would need its directory renamed)."""
+    from pathlib import Path
+
+    root = Path(model_dir) / component
+    h = hashlib.sha256()
+    for f in sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else ():
+        h.update(f"{f.relative_to(root)}|{f.stat().st_size}|".encode())
+        if f.name == "config.json":
+            h.update(f.read_bytes())
+    return f"{Path(model_dir).name}/{component}@{h.hexdigest()[:16]}"
 
 
 def vision_encoder(text_encoder: torch.nn.Module) -> torch.nn.Module | None:

@@ -145,7 +145,7 @@ class QwenImageEditFamily(QwenImageFamily):
         visual = mm.vision_encoder(self.pipe.text_encoder) if self.pipe.text_encoder is not None else None
         budget = int(float(os.environ.get("TRIPTYCH_MM_CACHE_MB", "256")) * (1 << 20))
         if visual is not None and budget > 0:
-            self.mm_cache = mm.install(visual, mm.MMEmbeddingCache(budget))
+            self.mm_cache = mm.install(visual, mm.MMEmbeddingCache(budget, scope=mm.encoder_identity(self.model_dir)))
 
     def _build_components(self, wanted: frozenset[str]) -> dict[str, Any]:
         # NOTE: real checkpoints declare transformers' Qwen2VLProcessor, which cannot be built without
