@@ -68,7 +68,7 @@ def world_prompts(model_dir: str | Path, n: int = 4) -> list[str] | None:
     return [caption(s, "short") for s in sample_scenes(n, "calibrate", "train")]
 
 
-def _requests(family, model_dir: Path, images: int, steps: int | None, world: bool, prompts):
+def _requests(images: int, steps: int | None, world: bool, prompts):
     from triptych.pipelines.base import GenerationParams
 
     if world:
@@ -117,7 +117,7 @@ def quality_report(
         raise InvalidParam("teacache_threshold", thresholds, "give one or more thresholds in (0, 2]")
     family = load_family(model_dir)
     world = _is_world_model(model_dir) if world is None else world
-    requests = [(family.resolve(p), scene) for p, scene in _requests(family, model_dir, images, steps, world, prompts)]
+    requests = [(family.resolve(p), scene) for p, scene in _requests(images, steps, world, prompts)]
     for t in thresholds:  # fail before any compute when a threshold has no profile for these steps
         check_teacache(family, requests[0][0].replace(teacache_threshold=t), profiles_dir)
     cache = make_teacache(family, profiles_dir)

@@ -114,11 +114,6 @@ class MMEmbeddingCache:
                 self._bytes -= freed
                 self.stats.evictions += 1
 
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-            self._bytes = 0
-
 
 class _EncoderCacheHook(ModelHook):
     def __init__(self, cache: MMEmbeddingCache):
