@@ -1,4 +1,4 @@
-"""The ``triptych`` command line: generate, make-tiny, serve, worker.
+"""The ``triptych`` command line: generate, chat, make-tiny, calibrate, quality, serve, worker.
 
 User errors (``InvalidParam``, ``UnknownModel``) print one line and exit with code 2; no traceback.
 """
@@ -101,6 +101,50 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _add_chat(sub) -> None:
+    p = sub.add_parser("chat", help="ask the model's VLM about images, in this process (streams the answer)")
+    p.add_argument("--prompt", required=True, help='the question, e.g. "What is in this image?"')
+    p.add_argument("--image", action="append", default=[], help="an image file (repeat for several; shown before the question)")
+    p.add_argument("--model", help="model directory (default: the built-in model)")
+    p.add_argument("--system", help="system message")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_chat)
+
+
+def cmd_chat(args) -> int:
+    from triptych.models import resolve_model
+    from triptych.pipelines.base import Role
+    from triptych.pipelines.registry import family_class
+    from triptych.pipelines.vlm import ChatParams, ChatTurn
+    from triptych.server.media import decode_image
+
+    images = []
+    for i, path in enumerate(args.image):
+        try:
+            with open(path, "rb") as f:
+                images.append(decode_image(f.read(), field=f"image[{i}]"))
+        except FileNotFoundError:
+            raise InvalidParam("image", path, "file does not exist") from None
+    turns = ((ChatTurn("system", (args.system,)),) if args.system else ()) + (
+        ChatTurn("user", (*range(len(images)), args.prompt)),
+    )
+    params = ChatParams(turns, tuple(images), args.max_tokens, args.temperature, args.top_p, args.seed)
+    params.check(max_images=64)
+    model_dir = resolve_model(args.model)
+    family = family_class(model_dir)(model_dir, roles={Role.ENCODER})
+    chat = family.chat_model()
+    if chat is None:
+        raise InvalidParam("model", str(model_dir), f"({family.name}) has no VLM to chat with (no processor/)")
+    result = chat.run(params, on_text=lambda piece: print(piece, end="", flush=True))
+    print()
+    print(f"({result.prompt_tokens} prompt + {result.completion_tokens} completion tokens, {result.finish_reason})",
+          file=sys.stderr)  # fmt: skip
+    return 0
+
+
 def _add_calibrate(sub) -> None:
     p = sub.add_parser("calibrate", help="fit a TeaCache profile for a model and step count")
     p.add_argument("--model", help="diffusers model directory (default: the built-in model)")
@@ -182,6 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_chat(sub)
     _add_make_tiny(sub)
     _add_calibrate(sub)
     _add_quality(sub)

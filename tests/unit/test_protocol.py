@@ -31,6 +31,12 @@ MESSAGES = [
     P.Progress("r1", 1, "den-0", 2, 4),
     P.MediaResult("r1", 1, "dec-0", b"\x89PNG...", "png"),
     P.StageError("r1", 1, "dec-0", "decode", "RuntimeError", "boom", False),
+    P.StageError("c1", 0, "enc-0", "chat", "InvalidParam", "too long", False, ("max_tokens", "4096", "fit the context")),
+    P.Register("enc-1", "encoder", 4, "enc-1", "tcp://127.0.0.1:2", "zmq", "abc", 124, True),
+    P.ChatDelta("c1", 0, "enc-0", " circle"),
+    P.ChatDone("c1", 0, "enc-0", "a red circle", 43, 12, "stop"),
+    P.ChatTask("c1", 0, [P.ChatMessage("user", [P.ChatPart(image=0), P.ChatPart(text="hi")])], [b"\x89PNG"], 16, 0.0,
+               1.0, 5, True),
     P.RegisterAck("enc-0", False, "revision differs", 0.5),
     P.EncodeTask("r1", 1, WIRE, "den-0"),
     P.DenoiseTask("r1", 1, WIRE, SPEC, "enc-0", "dec-0", 30.0),
@@ -77,3 +83,17 @@ def test_params_round_trip_including_image():
     back = P.params_from_wire(msgspec.msgpack.decode(msgspec.msgpack.encode(P.params_to_wire(params)), type=P.WireParams))
     assert back.replace(image=None) == params.replace(image=None)
     assert back.image.tobytes() == image.tobytes()
+
+
+def test_chat_params_round_trip_including_images_in_order():
+    from triptych.pipelines.vlm import ChatParams, ChatTurn
+
+    images = (Image.new("RGB", (8, 8), (10, 20, 30)), Image.new("RGB", (4, 6), (1, 2, 3)))
+    params = ChatParams((ChatTurn("system", ("be brief",)), ChatTurn("user", (1, "and", 0, "?"))), images, 7, 0.7,
+                        0.9, 11, True)  # fmt: skip
+    task = P.decode_from_head(P.encode(P.chat_to_wire("c1", 2, params, stream=True)))
+    assert task.stream and task.generation == 2
+    back = P.chat_from_wire(task)
+    assert (back.turns, back.max_tokens, back.temperature, back.top_p, back.seed, back.ignore_eos) == (
+        params.turns, 7, 0.7, 0.9, 11, True)
+    assert [im.tobytes() for im in back.images] == [im.tobytes() for im in images]

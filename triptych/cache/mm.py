@@ -124,7 +124,7 @@ class _EncoderCacheHook(ModelHook):
         run = self.fn_ref.original_forward
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         tensors += [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
-        simple = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
+        simple = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor) and k not in UNKEYED}
         if any(not isinstance(a, (torch.Tensor, *SIMPLE)) for a in args) or any(
             not isinstance(v, SIMPLE) for v in simple.values()
         ):
@@ -137,9 +137,26 @@ class _EncoderCacheHook(ModelHook):
         if hit is not None:
             return hit
         self.cache.stats.misses += 1
-        out = run(*args, **kwargs)
+        out = _without_per_layer(run(*args, **kwargs))
         self.cache.put(key, out)
         return out
+
+
+#: Keyword arguments left out of the key. ``output_hidden_states`` reaches Qwen2.5-VL's vision tower
+#: only because the caller asked the *language model* for its hidden states (QwenImage's prompt
+#: encoding does; ``generate`` for chat does not); it adds the tower's per-block states to the output
+#: and changes nothing else. Left out, an edit encode and a chat about the same image share one entry.
+UNKEYED = ("output_hidden_states",)
+
+
+def _without_per_layer(out: Any) -> Any:
+    """The output with the tower's per-block ``hidden_states`` / ``attentions`` dropped (set to None):
+    every cached entry has the same fields however it was first computed. No consumer of the tower
+    reads them (Qwen2.5-VL's ``get_image_features`` keeps ``pooler_output``)."""
+    for name in ("hidden_states", "attentions"):
+        if isinstance(out, dict) and out.get(name) is not None:
+            out[name] = None
+    return out
 
 
 def install(module: torch.nn.Module, cache: MMEmbeddingCache) -> MMEmbeddingCache:

@@ -206,6 +206,15 @@ class Family(ABC):
     def _post_load(self) -> None:
         """Hook for families that derive geometry from configs after loading."""
 
+    @property
+    def supports_chat(self) -> bool:
+        """Whether the model answers chat (``/v1/chat/completions``) with its encoder's VLM."""
+        return False
+
+    def chat_model(self):
+        """This instance's ``triptych.pipelines.vlm.ChatModel``, or None (no VLM loaded here)."""
+        return None
+
     def _build_components(self, wanted: frozenset[str]) -> dict[str, Any]:
         """Components the family constructs itself instead of letting ``from_pretrained`` load them.
 

@@ -45,6 +45,12 @@ class AdmissionLimits:
     max_upload_pixels: int = 4096 * 4096
     """Largest uploaded image in pixels, read from the header before a full decode. Bounds: >= 1."""
 
+    max_chat_tokens: int = 2048
+    """Most tokens a chat answer may have (``max_tokens`` / ``max_completion_tokens``). Bounds: >= 1."""
+
+    max_chat_images: int = 8
+    """Most images in one chat request. Bounds: >= 1."""
+
     max_queued_requests: int = 64
     """Jobs accepted and not yet finished (queued + running) before new ones get 429. Bounds: >= 1."""
 

@@ -96,6 +96,76 @@ class ImageReference(BaseModel):
 VideoCreateRequest.model_rebuild()
 
 
+class ChatImageURL(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    url: str = Field(max_length=64 * 1024 * 1024, description="a base64 data: URL (the head fetches nothing)")
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the processor decides the resolution
+
+
+class ChatTextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str = Field(max_length=MAX_TEXT)
+
+
+class ChatImagePart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["image_url"]
+    image_url: ChatImageURL
+
+
+ChatPart = Annotated[ChatTextPart | ChatImagePart, Field(discriminator="type")]
+
+
+class ChatMessageIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ChatPart] = Field(max_length=MAX_TEXT)
+    name: str | None = Field(None, max_length=256)  # accepted and ignored
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool | None = None
+
+
+class ChatCompletionRequest(BaseModel):
+    """``POST /v1/chat/completions`` (JSON). OpenAI fields that would change the answer in ways the
+    server does not implement (``n`` > 1, ``stop``, penalties, tools, logprobs, JSON mode) are
+    refused by the route rather than silently ignored."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    messages: list[ChatMessageIn] = Field(min_length=1, max_length=256)
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: FiniteFloat | None = Field(None, ge=0, le=2, description="0 = greedy (the default)")
+    top_p: FiniteFloat | None = Field(None, gt=0, le=1)
+    seed: Seed | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    n: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    presence_penalty: FiniteFloat | None = None
+    frequency_penalty: FiniteFloat | None = None
+    logit_bias: dict[str, float] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: dict | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    # Triptych extras (vLLM's names)
+    ignore_eos: bool | None = Field(None, description="generate exactly max_tokens tokens (load tests)")
+    # accepted and ignored
+    user: str | None = Field(None, max_length=256)
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = Field(None, max_length=32)
+    safety_identifier: str | None = Field(None, max_length=256)
+
+
 def inline_schema(model: type[BaseModel]) -> dict:
     """The model's JSON schema with ``$defs`` inlined, for hand-written OpenAPI request bodies (a
     ``#/$defs/...`` reference would resolve against the OpenAPI document, not this schema)."""
@@ -188,3 +258,30 @@ class ErrorBody(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorBody
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    finish_reason: Literal["stop", "length"]
+
+
+class ChatUsage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: ChatUsage
+    seed: int = Field(description="the sampling seed used (Triptych extra)")

@@ -18,8 +18,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from triptych.errors import TriptychError
+from triptych.errors import InvalidParam, TriptychError
 from triptych.pipelines.base import Family, GenerationParams
+from triptych.pipelines.vlm import ChatParams, ChatResult
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,18 @@ class GenerationJob:
     quality: int | None = None  # jpeg/webp quality (OpenAI's output_compression); None: the default
 
 
+@dataclass(frozen=True)
+class ChatJob:
+    """One chat completion: checked ``ChatParams``; ``stream``: deliver pieces as they are decoded."""
+
+    request_id: str
+    params: ChatParams
+    stream: bool = False
+
+
+TextFn = Callable[[str], None]  # one streamed piece of a chat answer
+
+
 class GenerationBackend(ABC):
     """Runs jobs. ``family`` is a weightless adapter (configs and scheduler only) for validation."""
 
@@ -71,6 +84,10 @@ class GenerationBackend(ABC):
     @abstractmethod
     async def cancel(self, request_id: str) -> bool:
         """Cancel a queued or running job; True if it was known. Frees its slots and cache refs."""
+
+    async def chat(self, job: ChatJob, on_text: TextFn | None = None) -> ChatResult:
+        """Answer a chat with the model's VLM (``family.supports_chat``); ``on_text`` gets each piece."""
+        raise InvalidParam("model", self.family.name, "this backend does not serve chat")
 
     def describe(self) -> dict:
         """Instances and their state, for ``/health`` and metrics."""
@@ -124,3 +141,36 @@ class InProcessBackend(GenerationBackend):
             return False
         self._cancelled.add(request_id)
         return True
+
+    async def chat(self, job: ChatJob, on_text: TextFn | None = None) -> ChatResult:
+        """In the head's process, one job at a time (shared with generations); pieces are handed to
+        ``on_text`` on the event loop; a cancel stops generation at the next token."""
+        model = self.family.chat_model()
+        if model is None:
+            raise InvalidParam("model", self.family.name, "this model has no VLM to chat with")
+        if self._waiting >= self.max_queued:
+            raise Overloaded(f"queue is full ({self.max_queued} requests)", retry_after=1.0)
+        loop = asyncio.get_running_loop()
+        self._waiting += 1
+        self._active.add(job.request_id)
+        try:
+            async with self._lock:
+                if job.request_id in self._cancelled:
+                    raise Cancelled(job.request_id)
+                emit = None if on_text is None else (lambda text: loop.call_soon_threadsafe(on_text, text))
+                running = asyncio.ensure_future(
+                    asyncio.to_thread(model.run, job.params, emit, lambda: job.request_id in self._cancelled)
+                )
+                try:
+                    result = await asyncio.shield(running)
+                except asyncio.CancelledError:
+                    self._cancelled.add(job.request_id)  # the thread stops at its next token
+                    await asyncio.gather(running, return_exceptions=True)  # the model is free before the lock is
+                    raise
+                if result.finish_reason == "cancelled":
+                    raise Cancelled(job.request_id)
+                return result
+        finally:
+            self._waiting -= 1
+            self._active.discard(job.request_id)
+            self._cancelled.discard(job.request_id)

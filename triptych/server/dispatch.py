@@ -34,6 +34,7 @@ class Instance:
     assigned: int = 0  # requests ever routed here (metrics, tests)
     report: dict = field(default_factory=dict)  # last heartbeat's load report
     stats: StatsReport | None = None  # last cumulative stats report (the base of the next window)
+    chat: bool = False  # an encoder that answers chats (its text encoder is a VLM)
 
     @property
     def free(self) -> int:

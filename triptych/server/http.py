@@ -5,7 +5,8 @@ against ``AdmissionLimits`` and the backend's family (a weightless adapter is en
 ``GenerationJob``s and awaits ``backend.run``; it never sees a tensor. Errors leave in OpenAI's shape
 ``{"error": {"message", "type", "param", "code"}}``: bad input is a 400 naming the field, the value
 and the limit; ``Overloaded`` is a 429 with Retry-After; ``StageFailed`` is a 502. Routes:
-images (``http_images``), videos (``http_videos``), and here models, health, metrics, files.
+images (``http_images``), videos (``http_videos``), chat (``http_chat``), and here models, health,
+metrics, files.
 """
 
 from __future__ import annotations
@@ -255,6 +256,7 @@ def api_key_check(keys: tuple[str, ...]):
 
 def create_app(backend: GenerationBackend, config: HeadConfig) -> FastAPI:
     """The head's FastAPI app; startup opens the stores and starts ``backend``, shutdown closes both."""
+    from triptych.server.http_chat import add_chat_routes
     from triptych.server.http_images import add_image_routes
     from triptych.server.http_videos import add_video_routes
 
@@ -276,6 +278,7 @@ def create_app(backend: GenerationBackend, config: HeadConfig) -> FastAPI:
     install_error_handlers(app)
     add_image_routes(app, head)
     add_video_routes(app, head)
+    add_chat_routes(app, head)
 
     @app.get("/v1/models", response_model=ModelList)
     async def list_models():

@@ -8,8 +8,6 @@ or JSON (``input_reference`` as ``{"image_url": "data:image/png;base64,..."}``).
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import json
 import math
 import secrets
@@ -29,7 +27,7 @@ from triptych.server.api_models import (
 from triptych.server.backend import GenerationJob
 from triptych.server.http_images import build_params, read_form, read_upload, resolve, text_fields
 from triptych.server.jobs import VideoRecord
-from triptych.server.media import decode_image
+from triptych.server.media import decode_data_url
 
 FRAME_SEARCH = 8  # seconds → frames: try this many counts above seconds*fps for one the model accepts
 
@@ -74,14 +72,7 @@ async def parse_create(head, request: Request):
 def _decode_reference(head, ref):
     if ref.file_id is not None or ref.image_url is None:
         raise InvalidParam("input_reference", ref.file_id, "only an uploaded file or a base64 data: URL image_url")
-    url = ref.image_url
-    if not url.startswith("data:") or ";base64," not in url[:100]:
-        raise InvalidParam("input_reference.image_url", url[:40], "must be a base64 data: URL (nothing is fetched)")
-    try:
-        data = base64.b64decode(url.split(",", 1)[1], validate=True)
-    except (binascii.Error, ValueError) as e:
-        raise InvalidParam("input_reference.image_url", url[:40], f"invalid base64 ({e})") from None
-    return decode_image(data, head.limits.image_limits, "input_reference")
+    return decode_data_url(ref.image_url, head.limits.image_limits, "input_reference.image_url")
 
 
 def resolve_video(head, req: VideoCreateRequest, image):

@@ -107,3 +107,18 @@ def decode_image(data: bytes, limits: ImageLimits = ImageLimits(), field: str = 
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError,
             Image.DecompressionBombWarning) as e:  # fmt: skip
         raise InvalidParam(field, f"<{len(data)} bytes>", f"not a decodable PNG/JPEG/WebP image ({e})") from e
+
+
+def decode_data_url(url: str, limits: ImageLimits, field: str):
+    """A base64 ``data:`` URL → decoded RGB image (same limits as an upload). Nothing is ever fetched:
+    a remote URL is refused, so the head cannot be pointed at internal addresses."""
+    import base64
+    import binascii
+
+    if not url.startswith("data:") or ";base64," not in url[:200]:
+        raise InvalidParam(field, url[:40], "must be a base64 data: URL (the server fetches nothing)")
+    try:
+        data = base64.b64decode(url.split(",", 1)[1], validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise InvalidParam(field, url[:40], f"invalid base64 ({e})") from None
+    return decode_image(data, limits, field)

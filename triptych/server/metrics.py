@@ -66,6 +66,10 @@ MM_CACHE_BYTES = Gauge(
     "triptych_mm_cache_bytes", "Bytes of stored vision-encoder outputs in an encoder's mm-hash cache", ["instance"],
     registry=REGISTRY,
 )  # fmt: skip
+CHAT_TOKENS = Counter(
+    "triptych_chat_tokens", "Tokens of answered chats: prompt (images included) and completion", ["kind"],
+    registry=REGISTRY,
+)  # fmt: skip
 VIDEO_JOBS = Counter(
     "triptych_video_jobs", "Finished video jobs by outcome (POST /v1/videos counts the accepted request)",
     ["outcome"], registry=REGISTRY,
@@ -185,6 +189,11 @@ def record_request(endpoint: str, outcome: str, latency_s: float | None = None) 
     REQUESTS.labels(endpoint, outcome).inc()
     if latency_s is not None:
         REQUEST_LATENCY.labels(endpoint).observe(latency_s)
+
+
+def record_chat(prompt_tokens: int, completion_tokens: int) -> None:
+    CHAT_TOKENS.labels("prompt").inc(prompt_tokens)
+    CHAT_TOKENS.labels("completion").inc(completion_tokens)
 
 
 JOB_OUTCOMES = ("completed", "cancelled", "failed", "interrupted")

@@ -15,6 +15,9 @@ denoiser → decoder) is the same five messages each time::
     upstream ──EncodeDone/DenoiseDone(specs)──▶ head ──DenoiseTask/DecodeTask(specs, source)──▶ downstream
     downstream reserves a bundle ──SlotsReserved(refs)──▶ head ──PushTask(refs)──▶ upstream
     upstream pushes P2P, frees its copy ──PushDone──▶ head; downstream waits ready and runs
+
+A chat is one encoder's work and moves no tensors: ``ChatTask`` (messages, images as PNG) →
+``ChatDelta`` per decoded piece (when streaming) → ``ChatDone`` or ``StageError``.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from triptych.pipelines.base import GenerationParams
 from triptych.server.transfer.refs import TensorRef
 
 RoleName = Literal["encoder", "denoiser", "decoder"]
-StageName = Literal["encode", "denoise", "decode"]
+StageName = Literal["encode", "denoise", "decode", "chat"]
 HandoffName = Literal["cond", "latents"]  # which tensors a handoff moves
 
 
@@ -72,6 +75,7 @@ class Register(msgspec.Struct, frozen=True, tag="register"):
     transfer: str  # transfer backend kind actually running ("zmq" | "mooncake")
     revision: str  # hash of the model directory's configs; must equal the head's
     pid: int  # process id, for operators and tests
+    chat: bool = False  # an encoder that also answers ``ChatTask`` (its text encoder is a VLM)
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat"):
@@ -190,6 +194,27 @@ class MediaResult(msgspec.Struct, frozen=True, tag="media_result"):
     output_format: str
 
 
+class ChatDelta(msgspec.Struct, frozen=True, tag="chat_delta"):
+    """The next piece of a chat answer, sent as it is decoded (streaming)."""
+
+    request_id: str
+    generation: int
+    instance_id: str
+    text: str
+
+
+class ChatDone(msgspec.Struct, frozen=True, tag="chat_done"):
+    """A chat answer is complete; ``text`` is the whole answer (the deltas concatenated)."""
+
+    request_id: str
+    generation: int
+    instance_id: str
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str  # stop | length
+
+
 class StageError(msgspec.Struct, frozen=True, tag="stage_error"):
     """A stage failed on a worker; ``retryable`` says whether another instance may succeed."""
 
@@ -200,6 +225,9 @@ class StageError(msgspec.Struct, frozen=True, tag="stage_error"):
     kind: str  # exception class name, for logs and metrics
     message: str  # user-safe description
     retryable: bool
+    #: (field, value, rule) when the request broke a rule only the worker can check (a chat prompt
+    #: longer than the model's context): the head answers the client's 400 with it.
+    invalid: tuple[str, str, str] | None = None
 
 
 # ---- head → worker ---------------------------------------------------------------------------
@@ -247,6 +275,33 @@ class DecodeTask(msgspec.Struct, frozen=True, tag="decode_task"):
     quality: int | None = None  # jpeg/webp quality; None: the encoder's default
 
 
+class ChatPart(msgspec.Struct, frozen=True):
+    """A text, or the index of one of ``ChatTask.images``."""
+
+    text: str | None = None
+    image: int | None = None
+
+
+class ChatMessage(msgspec.Struct, frozen=True):
+    role: str  # system | user | assistant
+    parts: list[ChatPart]
+
+
+class ChatTask(msgspec.Struct, frozen=True, tag="chat_task"):
+    """Answer a chat with the encoder's VLM; reply with ``ChatDelta``s, then ``ChatDone`` or ``StageError``."""
+
+    request_id: str
+    generation: int
+    messages: list[ChatMessage]
+    images_png: list[bytes]  # lossless PNGs, referenced by ``ChatPart.image``
+    max_tokens: int
+    temperature: float  # 0: greedy
+    top_p: float
+    seed: int
+    stream: bool  # send ChatDelta messages as the answer is decoded
+    ignore_eos: bool = False  # generate exactly max_tokens
+
+
 class PushTask(msgspec.Struct, frozen=True, tag="push_task"):
     """Push the held tensors of a handoff into the downstream slots ``refs``."""
 
@@ -285,9 +340,11 @@ class Rejoin(msgspec.Struct, frozen=True, tag="rejoin"):
 
 WorkerMessage = (
     Register | Heartbeat | StatsReport | EncodeDone | DenoiseDone | SlotsReserved | PushDone | Progress | MediaResult
-    | StageError
+    | ChatDelta | ChatDone | StageError
 )
-HeadMessage = RegisterAck | EncodeTask | DenoiseTask | DecodeTask | PushTask | Cancel | PeerDown | Shutdown | Rejoin
+HeadMessage = (
+    RegisterAck | EncodeTask | DenoiseTask | DecodeTask | ChatTask | PushTask | Cancel | PeerDown | Shutdown | Rejoin
+)
 Message = WorkerMessage | HeadMessage
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -348,3 +405,32 @@ def params_from_wire(w: WireParams) -> GenerationParams:
         steps=w.steps, guidance=w.guidance, seed=w.seed, image=image, true_cfg=w.true_cfg,
         teacache_threshold=w.teacache_threshold,
     )  # fmt: skip
+
+
+# ---- ChatParams <-> ChatTask -----------------------------------------------------------------
+def _png(image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def chat_to_wire(request_id: str, generation: int, p, stream: bool) -> ChatTask:
+    """``p``: a checked ``triptych.pipelines.vlm.ChatParams``; images travel as lossless PNG."""
+    messages = [ChatMessage(t.role, [ChatPart(image=x) if isinstance(x, int) else ChatPart(text=x) for x in t.parts])
+                for t in p.turns]  # fmt: skip
+    return ChatTask(request_id, generation, messages, [_png(im) for im in p.images], int(p.max_tokens),
+                    float(p.temperature), float(p.top_p), int(p.seed), stream, bool(p.ignore_eos))  # fmt: skip
+
+
+def chat_from_wire(task: ChatTask):
+    from PIL import Image
+
+    from triptych.pipelines.vlm import ChatParams, ChatTurn
+
+    images = []
+    for data in task.images_png:
+        with Image.open(io.BytesIO(data)) as im:
+            images.append(im.convert("RGB"))
+    turns = tuple(ChatTurn(m.role, tuple(x.image if x.image is not None else x.text or "" for x in m.parts))
+                  for m in task.messages)  # fmt: skip
+    return ChatParams(turns, tuple(images), task.max_tokens, task.temperature, task.top_p, task.seed, task.ignore_eos)

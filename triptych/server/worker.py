@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import zmq
 
-from triptych.errors import TriptychError
+from triptych.errors import InvalidParam, TriptychError
 from triptych.pipelines.base import Role
 from triptych.server import protocol as P
 from triptych.server.engine import EngineConfig
@@ -138,6 +138,7 @@ class Worker:
         self.send(P.Register(
             self.instance_id, self.role.value, self.config.capacity, self.instance_id, self.endpoint.address,
             self.endpoint.kind, model_revision(self.config.model_dir), os.getpid(),
+            self.role is Role.ENCODER and self.family.chat_model() is not None,
         ))  # fmt: skip
         deadline = time.monotonic() + self.config.register_timeout_s
         ack = None
@@ -297,8 +298,12 @@ class Worker:
     def fail(self, job: Job, error: Exception, retryable: bool) -> None:
         logger.warning("%s: %s g%d failed: %s", self.instance_id, job.request_id, job.generation, error)
         self.drop(job.request_id, job.generation, "failed")
-        self.send(P.StageError(job.request_id, job.generation, self.instance_id, self.runner.stage,
-                               type(error).__name__, str(error), retryable))  # fmt: skip
+        invalid = None
+        if isinstance(error, InvalidParam):  # the request broke a rule only this worker could check
+            invalid = (error.field, repr(error.value)[:80], error.rule)
+        stage = "chat" if isinstance(job.task, P.ChatTask) else self.runner.stage
+        self.send(P.StageError(job.request_id, job.generation, self.instance_id, stage, type(error).__name__,
+                               str(error), retryable, invalid))  # fmt: skip
 
     def rejoin(self, reason: str) -> None:
         """The head no longer counts us (it declared us dead and retried our requests elsewhere):

@@ -34,8 +34,8 @@ class Job:
 
     request_id: str
     generation: int
-    params: GenerationParams
-    task: P.EncodeTask | P.DenoiseTask | P.DecodeTask
+    params: GenerationParams | None  # None for a chat
+    task: P.EncodeTask | P.DenoiseTask | P.DecodeTask | P.ChatTask
     reserved: list[str] = field(default_factory=list)  # transfer ids of our slots still waiting for a push
     outgoing: dict[str, torch.Tensor] | None = None  # produced tensors held until PushTask
 
@@ -109,16 +109,53 @@ class EncoderRunner(StageRunner):
     stage = "encode"
 
     def accept(self, task) -> None:
+        if isinstance(task, P.ChatTask):
+            return self._accept_chat(task)
         if not isinstance(task, P.EncodeTask):
             return super().accept(task)
         self.ready.append(self._new_job(task))
 
     def compute(self, job: Job) -> None:
+        if isinstance(job.task, P.ChatTask):
+            return self._chat(job)
         with torch.no_grad():
             cond = self.family.encode(job.params)
         job.outgoing = _owned(cond.flat())
         self.worker.send(P.EncodeDone(job.request_id, job.generation, self.worker.instance_id,
                                       specs_of(job.outgoing)))  # fmt: skip
+
+
+    # ---- chat (the VLM understanding path, on the encoder's own Qwen2.5-VL) -------------------
+    def _accept_chat(self, task: P.ChatTask) -> None:
+        job = Job(task.request_id, task.generation, None, task)
+        old = self.worker.jobs.get(job.request_id)
+        if old is not None:
+            self.worker.drop(old.request_id, old.generation, "superseded by a newer generation")
+        self.worker.jobs[job.request_id] = job
+        self.ready.append(job)
+
+    def _chat(self, job: Job) -> None:
+        """Generate the answer on the loop thread. Between tokens the control socket is read, so a
+        ``Cancel`` (client gone, timeout) stops generation at the next token; each decoded piece goes
+        to the head as a ``ChatDelta`` when the client streams."""
+        worker, task = self.worker, job.task
+        model = self.family.chat_model()
+        if model is None:
+            raise TriptychError(f"{worker.instance_id} has no VLM to chat with")
+
+        def cancelled() -> bool:
+            worker.receive(0)
+            return worker.jobs.get(job.request_id) is not job
+
+        def piece(text: str) -> None:
+            worker.send(P.ChatDelta(job.request_id, job.generation, worker.instance_id, text))
+
+        result = model.run(P.chat_from_wire(task), piece if task.stream else None, cancelled)
+        if result.finish_reason == "cancelled":
+            return
+        worker.jobs.pop(job.request_id, None)
+        worker.send(P.ChatDone(job.request_id, job.generation, worker.instance_id, result.text, result.prompt_tokens,
+                               result.completion_tokens, result.finish_reason))  # fmt: skip
 
 
 class DenoiserRunner(StageRunner):

@@ -40,6 +40,9 @@ class QwenImageFamily(Family):
     max_sequence_length = 512
     default_steps = 50  # the pipelines' default num_inference_steps
     default_guidance = 4.0  # the pipelines' default true_cfg_scale
+    #: The encoder's mm-hash cache of vision-tower outputs (``triptych.cache.mm``), shared by edit
+    #: encodes and chat; None without a text encoder or with ``TRIPTYCH_MM_CACHE_MB=0``.
+    mm_cache = None
 
     def _post_load(self) -> None:
         # Without the VAE loaded the pipeline guesses its geometry: read the real one.
@@ -59,6 +62,35 @@ class QwenImageFamily(Family):
         #: Edit only: pixel area the condition image is resized to (the pipeline's 1 MP unless the
         #: model's triptych.json says otherwise).
         self.condition_area = int(defaults.get("condition_area", enc.EDIT_CONDITION_AREA))
+        #: The Qwen2.5-VL processor (edit: the pipeline's own; text-to-image: ``processor/`` when the
+        #: model ships one), used by edit encodes and by chat.
+        self.processor = getattr(self.pipe, "processor", None)
+        if self.processor is None and Role.ENCODER in self.roles and self.supports_chat:
+            from triptych.pipelines.qwenimage.processor import load_processor
+
+            self.processor = load_processor(self.model_dir / "processor")
+        from triptych.cache import mm
+
+        visual = mm.vision_encoder(self.pipe.text_encoder) if self.pipe.text_encoder is not None else None
+        budget = int(float(os.environ.get("TRIPTYCH_MM_CACHE_MB", "256")) * (1 << 20))
+        if visual is not None and budget > 0:
+            self.mm_cache = mm.install(visual, mm.MMEmbeddingCache(budget, scope=mm.encoder_identity(self.model_dir)))
+        self._chat = None
+
+    @property
+    def supports_chat(self) -> bool:
+        """The model can answer ``/v1/chat/completions``: its text encoder is a Qwen2.5-VL and it ships
+        the processor (true of the model files alone, so a weightless adapter can tell)."""
+        return (self.model_dir / "processor").is_dir()
+
+    def chat_model(self):
+        """The encoder's Qwen2.5-VL as a ``ChatModel`` (same weights, same mm-hash cache), or None
+        when this instance has no text encoder or the model no processor."""
+        if self._chat is None and self.pipe.text_encoder is not None and self.processor is not None:
+            from triptych.pipelines.vlm import ChatModel
+
+            self._chat = ChatModel(self.pipe.text_encoder, self.processor)
+        return self._chat
 
     @property
     def multiple(self) -> int:
@@ -134,18 +166,6 @@ class QwenImageEditFamily(QwenImageFamily):
     }
     accepts_image = True
     requires_image = True
-    #: The encoder's mm-hash cache of vision-tower outputs (``triptych.cache.mm``), None without a
-    #: text encoder or with ``TRIPTYCH_MM_CACHE_MB=0``.
-    mm_cache = None
-
-    def _post_load(self) -> None:
-        super()._post_load()
-        from triptych.cache import mm
-
-        visual = mm.vision_encoder(self.pipe.text_encoder) if self.pipe.text_encoder is not None else None
-        budget = int(float(os.environ.get("TRIPTYCH_MM_CACHE_MB", "256")) * (1 << 20))
-        if visual is not None and budget > 0:
-            self.mm_cache = mm.install(visual, mm.MMEmbeddingCache(budget, scope=mm.encoder_identity(self.model_dir)))
 
     def _build_components(self, wanted: frozenset[str]) -> dict[str, Any]:
         # NOTE: real checkpoints declare transformers' Qwen2VLProcessor, which cannot be built without

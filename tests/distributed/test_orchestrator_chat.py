@@ -1,0 +1,165 @@
+"""Chat routing on the head against scripted fake encoders (raw ZMQ sockets): only chat-capable
+encoders get chats, pieces reach the caller in order, a worker's death before any piece retries the
+chat elsewhere (after one it fails, never restarting an answer the client has half seen), a
+worker-side rule break is the user's error, and a cancel reaches the worker and frees its slot."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import zmq
+
+from tests.e2e.http_support import wait_for
+from triptych.errors import InvalidParam
+from triptych.models import PACKAGED_DEFAULT
+from triptych.pipelines.vlm import ChatParams, ChatTurn
+from triptych.server import protocol as P
+from triptych.server.backend import Cancelled, ChatJob, StageFailed
+from triptych.server.orchestrator import Orchestrator, OrchestratorConfig
+
+MODEL = PACKAGED_DEFAULT.parent / "default_edit"
+PARAMS = ChatParams((ChatTurn("user", ("hello",)),), max_tokens=8)
+
+
+@pytest.fixture
+def head():
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    orch = Orchestrator(MODEL, OrchestratorConfig(heartbeat_interval_s=5.0, heartbeat_timeout_s=60.0))
+    asyncio.run_coroutine_threadsafe(orch.start(), loop).result(30)
+    ctx = zmq.Context()
+    yield orch, loop, ctx
+    asyncio.run_coroutine_threadsafe(orch.close(), loop).result(30)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+    ctx.destroy(linger=0)
+
+
+class Encoder:
+    def __init__(self, ctx, head: Orchestrator, instance_id: str, chat: bool):
+        self.id = instance_id
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, instance_id.encode())
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(head.control_address)
+        self.send(P.Register(instance_id, "encoder", 2, instance_id, "tcp://127.0.0.1:1", "zmq", head.revision, 1, chat))
+        assert self.recv().accepted
+
+    def send(self, msg) -> None:
+        self.sock.send(P.encode(msg))
+
+    def recv(self, timeout_s: float = 30.0):
+        assert self.sock.poll(timeout_s * 1000), f"{self.id}: no message from the head"
+        return P.decode_from_head(self.sock.recv())
+
+    def next(self, kind: type):
+        """The next message of ``kind`` (skipping others: PeerDown, the Cancel that follows a failure)."""
+        while not isinstance(msg := self.recv(), kind):
+            pass
+        return msg
+
+    def silent(self, timeout_s: float = 0.3) -> bool:
+        return not self.sock.poll(timeout_s * 1000)
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+def start_chat(loop, orch, rid: str, pieces: list[str], stream: bool = True):
+    def on_text(text: str) -> None:
+        pieces.append(text)
+
+    return asyncio.run_coroutine_threadsafe(orch.chat(ChatJob(rid, PARAMS, stream), on_text), loop)
+
+
+def held(loop, orch) -> dict[str, list[str]]:
+    async def read():
+        return {i["id"]: i["held"] for i in orch.describe()["instances"]}
+
+    return asyncio.run_coroutine_threadsafe(read(), loop).result(10)
+
+
+def test_chat_goes_to_a_chat_capable_encoder_and_streams_in_order(head):
+    orch, loop, ctx = head
+    plain, vlm = Encoder(ctx, orch, "enc-a", chat=False), Encoder(ctx, orch, "enc-b", chat=True)
+    pieces: list[str] = []
+    future = start_chat(loop, orch, "c1", pieces)
+    task = vlm.recv()
+    assert isinstance(task, P.ChatTask) and task.stream and task.messages[0].parts[0].text == "hello"
+    assert plain.silent()
+    for text in ("a", " red", " circle"):
+        vlm.send(P.ChatDelta("c1", task.generation, "enc-b", text))
+    vlm.send(P.ChatDone("c1", task.generation, "enc-b", "a red circle", 20, 4, "stop"))
+    result = future.result(30)
+    assert (result.text, result.prompt_tokens, result.completion_tokens, result.finish_reason) == ("a red circle", 20, 4, "stop")
+    assert pieces == ["a", " red", " circle"]
+    assert held(loop, orch) == {"enc-a": [], "enc-b": []}
+
+
+def test_a_dead_encoder_before_any_piece_retries_elsewhere_after_one_fails(head):
+    orch, loop, ctx = head
+    first, second = Encoder(ctx, orch, "enc-a", chat=True), Encoder(ctx, orch, "enc-b", chat=True)
+    future = start_chat(loop, orch, "c1", [])
+    workers = {w.id: w for w in (first, second)}
+    got = {}
+    for w in workers.values():
+        if not w.silent(1.0):
+            got[w.id] = w.recv()
+    (victim, task), = got.items()
+    other = next(w for w in workers.values() if w.id != victim)
+    loop.call_soon_threadsafe(orch._on_instance_dead, victim, "test: killed")
+    retry = other.next(P.ChatTask)  # after a PeerDown about the victim
+    assert retry.generation == task.generation + 1
+    other.send(P.ChatDone("c1", task.generation, other.id, "stale", 1, 1, "stop"))  # an older generation: dropped
+    other.send(P.ChatDone("c1", retry.generation, other.id, "fine", 20, 2, "stop"))
+    assert future.result(30).text == "fine"
+
+    pieces: list[str] = []
+    future = start_chat(loop, orch, "c2", pieces)
+    task = other.next(P.ChatTask)
+    other.send(P.ChatDelta("c2", task.generation, other.id, "half"))
+    wait_for(lambda: pieces == ["half"], "the piece reached the caller")
+    loop.call_soon_threadsafe(orch._on_instance_dead, other.id, "test: killed")
+    with pytest.raises(StageFailed, match="part of the answer was sent"):
+        future.result(30)
+    assert pieces == ["half"]
+
+
+def test_worker_side_rule_break_is_the_users_error_and_cancel_frees_the_slot(head):
+    orch, loop, ctx = head
+    vlm = Encoder(ctx, orch, "enc-a", chat=True)
+    future = start_chat(loop, orch, "c1", [], stream=False)
+    task = vlm.recv()
+    assert not task.stream
+    vlm.send(P.StageError("c1", task.generation, "enc-a", "chat", "InvalidParam", "x", False,
+                          ("max_tokens", "4096", "must fit the model's context of 4096 tokens")))  # fmt: skip
+    with pytest.raises(InvalidParam) as e:
+        future.result(30)
+    assert e.value.field == "max_tokens" and "context" in e.value.rule
+
+    future = start_chat(loop, orch, "c2", [])
+    task = vlm.next(P.ChatTask)
+    asyncio.run_coroutine_threadsafe(orch.cancel("c2"), loop).result(10)
+    with pytest.raises(Cancelled):
+        future.result(30)
+    cancel = vlm.next(P.Cancel)
+    assert isinstance(cancel, P.Cancel) and cancel.request_id == "c2" and cancel.generation == task.generation
+    assert held(loop, orch) == {"enc-a": []}
+
+
+def test_a_model_without_a_vlm_refuses_chat(tiny_model_dir):
+    orch = Orchestrator(tiny_model_dir("flux"), OrchestratorConfig())
+
+    async def go():
+        await orch.start()
+        try:
+            await orch.chat(ChatJob("c1", PARAMS))
+        finally:
+            await orch.close()
+
+    with pytest.raises(InvalidParam) as e:
+        asyncio.run(go())
+    assert e.value.field == "model"

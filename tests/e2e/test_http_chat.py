@@ -1,0 +1,192 @@
+"""``POST /v1/chat/completions`` through the official ``openai`` client, on the packaged default edit
+model: in process (the route's checks, streaming shape, errors), and on the embedded disaggregated
+server (an encoder worker answers; an edit and a chat about the same image share its mm-hash cache;
+a client that disconnects stops the worker's generation)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.http_support import serve, wait_for
+from triptych.models import PACKAGED_DEFAULT
+from triptych.pipelines.registry import load_family
+from triptych.server.admission import AdmissionLimits
+from triptych.server.backend import InProcessBackend
+from triptych.server.http import HeadConfig, create_app
+from triptych.world import render, sample_scenes, score_caption
+
+EDIT_MODEL = PACKAGED_DEFAULT.parent / "default_edit"
+QUESTION = "What is in this image?"
+
+
+def data_url(image) -> str:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def user(image, text: str = QUESTION) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(image)}},
+                                         {"type": "text", "text": text}]}]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def family():
+    return load_family(EDIT_MODEL)
+
+
+@pytest.fixture(scope="module")
+def scene():
+    return sample_scenes(1, "http-chat", "heldout")[0]
+
+
+def test_in_process_answer_stream_and_usage(family, scene, tmp_path):
+    backend = InProcessBackend(family)
+    image = render(scene, 64)
+    with serve(create_app(backend, HeadConfig(data_dir=tmp_path))) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        out = client.chat.completions.create(model="default_edit", messages=user(image), seed=3)
+        answer = out.choices[0].message.content
+        assert score_caption(answer, scene)["color"], answer
+        assert out.choices[0].finish_reason == "stop" and out.object == "chat.completion"
+        assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+        assert out.usage.prompt_tokens > 16  # the image's 16 vision tokens are part of the prompt
+        chunks = list(client.chat.completions.create(messages=user(image), model="default_edit", stream=True,
+                                                     stream_options={"include_usage": True}))  # fmt: skip
+        assert chunks[0].choices[0].delta.role == "assistant"
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == answer  # greedy: the streamed answer is the same answer
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+        assert chunks[-1].usage.completion_tokens == out.usage.completion_tokens and not chunks[-1].choices
+        short = client.chat.completions.create(model="default_edit", messages=user(image), max_completion_tokens=2)
+        assert short.choices[0].finish_reason == "length" and short.usage.completion_tokens == 2
+        health = httpx.get(f"{base}/health").json()
+        assert health["in_flight"] == 0
+        metrics = httpx.get(f"{base}/metrics").text
+        assert 'triptych_chat_tokens_total{kind="completion"}' in metrics
+
+
+@pytest.mark.parametrize(
+    "change, param",
+    [
+        ({"n": 2}, "n"),
+        ({"stop": ["x"]}, "stop"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"max_tokens": 5000}, "max_tokens"),
+        ({"max_tokens": 3, "max_completion_tokens": 4}, "max_tokens"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"temperature": 2.5}, "temperature"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}, "messages[1].role"),
+        ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://10.0.0.1/a.png"}}]}]},
+         "messages[0].content[0].image_url.url"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAA"}}]}]},
+         "messages[0].content[0].image_url.url"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
+            "url": "data:image/png;base64," + base64.b64encode(b"not a png").decode()}}]}]},
+         "messages[0].content[0].image_url.url"),
+        ({"messages": [{"role": "assistant", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]},
+                       {"role": "user", "content": "hi"}]}, "messages[0].content[0]"),
+        ({"frobnicate": 1}, "frobnicate"),
+    ],
+)
+def test_bad_requests_are_400s_naming_the_field(family, tmp_path, change, param):
+    backend = InProcessBackend(family)
+    with serve(create_app(backend, HeadConfig(data_dir=tmp_path))) as base:
+        body = {"messages": [{"role": "user", "content": "hi"}], **change}
+        resp = httpx.post(f"{base}/v1/chat/completions", json=body)
+        assert resp.status_code == 400, resp.text
+        error = resp.json()["error"]
+        assert error["param"] == param and error["type"] == "invalid_request_error", error
+        assert httpx.get(f"{base}/health").json()["in_flight"] == 0
+
+
+def test_unknown_model_is_a_404(family, tmp_path):
+    with serve(create_app(InProcessBackend(family), HeadConfig(data_dir=tmp_path))) as base:
+        resp = httpx.post(f"{base}/v1/chat/completions", json={"model": "other", "messages": [{"role": "user", "content": "hi"}]})
+        assert resp.status_code == 404 and "default_edit" in resp.json()["error"]["message"]
+
+
+def test_limits_and_models_without_a_vlm(family, scene, tmp_path, tiny_model_dir):
+    image = render(scene, 64)
+    limits = AdmissionLimits(max_chat_images=1, max_chat_tokens=8000)
+    with serve(create_app(InProcessBackend(family), HeadConfig(data_dir=tmp_path / "a", limits=limits))) as base:
+        two = [{"role": "user", "content": user(image)[0]["content"] + user(image)[0]["content"]}]
+        resp = httpx.post(f"{base}/v1/chat/completions", json={"messages": two})
+        assert resp.status_code == 400 and "max_chat_images" in resp.json()["error"]["message"]
+        for stream in (False, True):  # only the model knows its context: still a 400, streamed or not
+            resp = httpx.post(f"{base}/v1/chat/completions", json={"messages": user(image), "max_tokens": 4096,
+                                                                    "stream": stream})  # fmt: skip
+            assert resp.status_code == 400 and resp.json()["error"]["param"] == "max_tokens", resp.text
+            assert "context of 4096 tokens" in resp.json()["error"]["message"]
+    flux = load_family(tiny_model_dir("flux"))
+    with serve(create_app(InProcessBackend(flux), HeadConfig(data_dir=tmp_path / "b"))) as base:
+        resp = httpx.post(f"{base}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "model"
+
+
+def embedded(model_dir, tmp_path):
+    from triptych.server.launch import EmbeddedBackend, TopologyConfig
+    from triptych.server.orchestrator import OrchestratorConfig
+
+    backend = EmbeddedBackend(model_dir, OrchestratorConfig(host="127.0.0.1", control_port=0, heartbeat_interval_s=0.2,
+                                                            heartbeat_timeout_s=5.0),
+                              TopologyConfig(transfer="zmq", torch_threads=1))  # fmt: skip
+    return backend, serve(create_app(backend, HeadConfig(data_dir=tmp_path / "data")))
+
+
+def _mm_hits(base: str) -> float:
+    for line in httpx.get(f"{base}/metrics").text.splitlines():
+        if line.startswith('triptych_mm_cache_lookups_total{result="hits"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_embedded_chat_on_the_encoder_shares_the_edit_cache_and_stops_when_the_client_leaves(family, scene, tmp_path):
+    image = render(scene, 64)
+    from triptych.pipelines.vlm import ChatParams, ChatTurn
+
+    reference = family.chat_model().run(ChatParams((ChatTurn("user", (0, QUESTION)),), (image,), 256)).text
+    backend, server = embedded(EDIT_MODEL, tmp_path)
+    with server as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        encoders = [i for i in httpx.get(f"{base}/health").json()["backend"]["instances"] if i["role"] == "encoder"]
+        assert len(encoders) == 1
+        # an edit of the image first: its encode puts the vision tower's output in the encoder's cache
+        before = _mm_hits(base)  # the metrics registry is the process's: other tests may have counted
+        buf = io.BytesIO()
+        image.save(buf, format="PNG")
+        client.images.edit(image=("a.png", buf.getvalue(), "image/png"), prompt="make the shape red",
+                           extra_body={"seed": 1})  # fmt: skip
+        hits = wait_for(lambda: (h := _mm_hits(base)) > before and h, "stats report after the edit")  # CFG's 2nd branch
+        out = client.chat.completions.create(messages=user(image), model="default_edit")
+        assert out.choices[0].message.content == reference  # the worker answers what the model answers in process
+        wait_for(lambda: _mm_hits(base) > hits, "the chat's hit on the edit's entry")
+        streamed = "".join(c.choices[0].delta.content or "" for c in
+                           client.chat.completions.create(model="default_edit", messages=user(image), stream=True)
+                           if c.choices)  # fmt: skip
+        assert streamed == reference
+        # a long answer (2000 tokens, no early stop); the client reads one piece and leaves
+        body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=60) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
+                    break
+        wait_for(lambda: httpx.get(f"{base}/health").json()["backend"]["stats"].get("chat_cancelled"), "chat cancel")
+        # the encoder serves one task at a time: this answer comes after the cancelled chat stopped
+        again = client.chat.completions.create(model="default_edit", messages=user(image))
+        assert again.choices[0].message.content == reference
+        health = httpx.get(f"{base}/health").json()
+        stats = health["backend"]["stats"]
+        assert stats.get("ChatDone_after_end", 0) == 0, stats  # it never finished the 2000 tokens
+        assert stats["chat_done"] == 3 and health["in_flight"] == 0
+        assert all(not i["held"] for i in health["backend"]["instances"])
