@@ -75,3 +75,28 @@ def test_video_create_on_a_video_model_never_5xx(video_base_url):
             check(case, video_base_url)
 
         fuzz()
+
+
+@pytest.fixture(scope="module")
+def chat_base_url(tmp_path_factory):
+    """The real chat path on the packaged default edit model (answers capped at 8 tokens)."""
+    from triptych.models import PACKAGED_DEFAULT
+    from triptych.server.backend import InProcessBackend
+
+    family = load_family(PACKAGED_DEFAULT.parent / "default_edit")
+    limits = AdmissionLimits(max_chat_tokens=8, max_chat_images=2, max_upload_pixels=256 * 256)
+    app = create_app(InProcessBackend(family), HeadConfig(data_dir=tmp_path_factory.mktemp("fuzz-chat"), limits=limits))
+    with serve(app) as base:
+        yield base
+
+
+def test_chat_on_a_vlm_model_never_5xx(chat_base_url):
+    schema = schemathesis.openapi.from_url(f"{chat_base_url}/openapi.json").include(path="/v1/chat/completions")
+    (operation,) = [op.ok() for op in schema.get_all_operations()]
+
+    @given(case=operation.as_strategy())
+    @settings(max_examples=60, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    def fuzz(case):
+        check(case, chat_base_url)
+
+    fuzz()
