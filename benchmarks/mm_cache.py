@@ -5,7 +5,11 @@ negative prompt (each runs the Qwen2.5-VL vision tower on the condition image) p
 of that image. Two encoder families are built on one seeded model: one with the mm-hash cache off
 (exactly the pipeline's calls) and one with it on. They alternate on the same requests:
 - ``new image``: an image neither has seen (the cache saves the second branch's vision pass);
-- ``same image again``: an image seen before (both branches hit).
+- ``same image again``: an image seen before (both branches hit);
+- ``chat about the edited image``: a one-token chat (``ChatModel``, the understanding path on the same
+  encoder) about the image the edit just encoded: the prefill's vision pass hits the edit's entry.
+  The images are square at the condition area, so the edit's resize leaves them as they are and
+  chat and edit hand the processor the same pixels.
 Reported: best process CPU time (one thread) of each and the ratio cached / plain (lower is
 better), plus a bit-identity check of the conditioning. Prints a markdown table.
 
@@ -45,7 +49,11 @@ from triptych.pipelines.qwenimage import tiny  # noqa: E402
 def image(seed: int):
     from PIL import Image
 
-    return Image.fromarray((np.random.RandomState(seed).rand(384, 512, 3) * 255).astype("uint8"))
+    side = int(AREA**0.5)
+    return Image.fromarray((np.random.RandomState(seed).rand(side, side, 3) * 255).astype("uint8"))
+
+
+AREA = 512 * 512
 
 
 def family(model_dir, cache_mb: str):
@@ -72,9 +80,13 @@ def main(argv=None) -> int:
     ap.add_argument("--vision-layers", type=int, help="vision tower depth (default: the size's)")
     ap.add_argument("--vision-dim", type=int, help="vision tower width (default: the size's)")
     args = ap.parse_args(argv)
+    global AREA
+    AREA = args.area
     original = pipeline_qwenimage_edit.calculate_dimensions
     pipeline_qwenimage_edit.calculate_dimensions = lambda area, ratio: original(args.area, ratio)
-    rows = {"new image": ([], []), "same image again": ([], [])}
+    from triptych.pipelines.vlm import ChatParams, ChatTurn
+
+    rows = {"new image": ([], []), "same image again": ([], []), "chat about the edited image": ([], [])}
     identical = True
     with tempfile.TemporaryDirectory() as tmp:
         dims = tiny.SIZES[args.size]
@@ -87,19 +99,26 @@ def main(argv=None) -> int:
         base = GenerationParams(prompt="make the circle green", negative_prompt="blurry", guidance=4.0, seed=0)
         for r in range(args.repeats + 1):  # round 0 is a warm-up
             p = cached.resolve(base.replace(image=image(r)))
-            for case in rows:  # a new image first, then the same one again
+            for case in list(rows)[:2]:  # a new image first, then the same one again
                 t_plain, want = timed(lambda: plain.encode(p).flat())
                 t_cached, got = timed(lambda: cached.encode(p).flat())
                 identical &= got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
                 if r:
                     rows[case][0].append(t_plain)
                     rows[case][1].append(t_cached)
+            ask = ChatParams((ChatTurn("user", (0, "What is in this image?")),), (p.image,), max_tokens=1)
+            t_plain, want = timed(lambda: plain.chat_model().run(ask))
+            t_cached, got = timed(lambda: cached.chat_model().run(ask))
+            identical &= got.text == want.text
+            if r:
+                rows["chat about the edited image"][0].append(t_plain)
+                rows["chat about the edited image"][1].append(t_cached)
     stats = cached.mm_cache.stats
     print(f"qwen-image-edit {args.size} (vision tower {dims.vision_layers} layers x {dims.vision_dim}), "
           f"condition area {args.area} px, CFG (prompt + negative), "
-          f"best of {args.repeats}; conditioning bit-identical: {identical}; cache hits {stats.hits}, "
+          f"best of {args.repeats}; conditioning bit-identical and chat answers equal: {identical}; cache hits {stats.hits}, "
           f"misses {stats.misses}\n")  # fmt: skip
-    print("| request | plain encode CPU ms | cached encode CPU ms | ratio |")
+    print("| request | plain CPU ms | cached CPU ms | ratio |")
     print("|---|---|---|---|")
     for case, (t_plain, t_cached) in rows.items():
         a, b = min(t_plain), min(t_cached)

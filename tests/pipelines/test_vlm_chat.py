@@ -117,3 +117,20 @@ def test_chat_and_edit_share_the_encoders_mm_cache_entry(family, monkeypatch):
     fresh = plain.encode(params)
     for name, tensor in cond.flat().items():
         torch.testing.assert_close(fresh.flat()[name], tensor, rtol=0, atol=0)
+
+
+def test_tiny_models_chat_and_a_processor_without_a_template_does_not(tiny_model_dir, tmp_path):
+    import shutil
+
+    tiny = tiny_model_dir("qwen-image-edit")
+    fam = family_class(tiny)(tiny, roles={Role.ENCODER})
+    assert fam.supports_chat
+    result = fam.chat_model().run(ask(render(sample_scenes(1, "chat-test", "heldout")[0], 64), max_tokens=3))
+    assert result.completion_tokens == 3 and result.prompt_tokens > 16  # random weights: words, not sense
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny, bare)
+    (bare / "processor" / "chat_template.jinja").unlink()
+    config = bare / "processor" / "tokenizer_config.json"
+    config.write_text(config.read_text().replace('"chat_template"', '"unused_template"'))
+    assert not family_class(bare)(bare, roles=()).supports_chat
+    assert family_class(bare)(bare, roles={Role.ENCODER}).chat_model() is None  # registers without chat

@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from triptych.pipelines.qwenimage.processor import CHAT_TEMPLATE  # noqa: F401  (the captioner's template)
+
 logger = logging.getLogger("triptych.training")
 
 IMAGE_SIZE = 64
@@ -28,23 +30,6 @@ VLM_EDIT_AREA = 1024 * 1024
 VLM_PIXELS = 112 * 112
 CAPTION_QUESTION = "What is in this image?"
 DEFAULT_SYSTEM = "You are a helpful assistant."
-
-# Qwen2-VL / Qwen2.5-VL chat template (as in the released checkpoints).
-CHAT_TEMPLATE = (
-    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
-    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
-    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
-    "{% else %}{% for content in message['content'] %}"
-    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
-    "{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
-    "<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif content['type'] == 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}"
-    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>"
-    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
-    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
 
 def dims():
     """Sizes of the default model (see MODEL_CARD.md): 8x VAE, a 64 px image is an 8x8x16 latent = 16 tokens."""

@@ -80,13 +80,15 @@ class QwenImageFamily(Family):
     @property
     def supports_chat(self) -> bool:
         """The model can answer ``/v1/chat/completions``: its text encoder is a Qwen2.5-VL and it ships
-        the processor (true of the model files alone, so a weightless adapter can tell)."""
-        return (self.model_dir / "processor").is_dir()
+        the processor with a chat template (read from the files alone, so a weightless adapter can tell)."""
+        from triptych.pipelines.qwenimage.processor import chat_template_of
+
+        return (self.model_dir / "processor").is_dir() and chat_template_of(self.model_dir / "processor") is not None
 
     def chat_model(self):
         """The encoder's Qwen2.5-VL as a ``ChatModel`` (same weights, same mm-hash cache), or None
         when this instance has no text encoder or the model no processor."""
-        if self._chat is None and self.pipe.text_encoder is not None and self.processor is not None:
+        if self._chat is None and self.pipe.text_encoder is not None and self.processor is not None and self.supports_chat:
             from triptych.pipelines.vlm import ChatModel
 
             self._chat = ChatModel(self.pipe.text_encoder, self.processor)

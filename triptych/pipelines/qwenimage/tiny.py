@@ -153,10 +153,11 @@ def build_components(
     if edit:
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-        from triptych.pipelines.qwenimage.processor import QwenImageEditProcessor
+        from triptych.pipelines.qwenimage.processor import CHAT_TEMPLATE, QwenImageEditProcessor
 
         image_processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=dims.image_max_pixels)
-        components["processor"] = QwenImageEditProcessor(image_processor=image_processor, tokenizer=tokenizer)
+        components["processor"] = QwenImageEditProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                                                         chat_template=CHAT_TEMPLATE)  # fmt: skip
     return components
 
 
