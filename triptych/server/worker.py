@@ -333,6 +333,11 @@ class Worker:
     def stop(self) -> None:
         self._stop.set()
 
+    @property
+    def stopping(self) -> bool:
+        """A ``Shutdown`` (or ``stop()``) arrived: long work (a chat answer) ends early."""
+        return self._stop.is_set()
+
     def close(self) -> None:
         self._stop.set()
         if self._hb_thread is not None:

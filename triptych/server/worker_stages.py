@@ -145,13 +145,15 @@ class EncoderRunner(StageRunner):
 
         def cancelled() -> bool:
             worker.receive(0)
-            return worker.jobs.get(job.request_id) is not job
+            return worker.jobs.get(job.request_id) is not job or worker.stopping
 
         def piece(text: str) -> None:
             worker.send(P.ChatDelta(job.request_id, job.generation, worker.instance_id, text))
 
         result = model.run(P.chat_from_wire(task), piece if task.stream else None, cancelled)
         if result.finish_reason == "cancelled":
+            if worker.jobs.get(job.request_id) is job:  # stopped by a shutdown, not by the head
+                worker.fail(job, TriptychError(f"{worker.instance_id} is shutting down"), retryable=True)
             return
         worker.jobs.pop(job.request_id, None)
         worker.send(P.ChatDone(job.request_id, job.generation, worker.instance_id, result.text, result.prompt_tokens,

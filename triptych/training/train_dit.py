@@ -261,6 +261,7 @@ def train_dit(out: Path, seed: int, steps: int, batch: int = 48, edit_batch: int
         logger.info("dit: done already (%s)", out / "transformer")
         return
     lr, high, fg = PHASES[phase]["lr"], PHASES[phase]["high"], PHASES[phase].get("fg")
+    edit_batch = PHASES[phase].get("edit_batch", edit_batch)
     seed_all(seed + 100 * (phase - 1))
     d = precompute(out, seed, edit_sources)
     model = new_transformer(seed)
