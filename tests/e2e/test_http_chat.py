@@ -1,7 +1,8 @@
 """``POST /v1/chat/completions`` through the official ``openai`` client, on the packaged default edit
 model: in process (the route's checks, streaming shape, errors), and on the embedded disaggregated
 server (an encoder worker answers; an edit and a chat about the same image share its mm-hash cache;
-a client that disconnects stops the worker's generation)."""
+an edit is not held up by a long answer on the same encoder; a client that disconnects stops the
+worker's generation)."""
 
 from __future__ import annotations
 
@@ -140,7 +141,8 @@ def embedded(model_dir, tmp_path):
     backend = EmbeddedBackend(model_dir, OrchestratorConfig(host="127.0.0.1", control_port=0, heartbeat_interval_s=0.2,
                                                             heartbeat_timeout_s=5.0),
                               TopologyConfig(transfer="zmq", torch_threads=1))  # fmt: skip
-    return backend, serve(create_app(backend, HeadConfig(data_dir=tmp_path / "data")))
+    limits = AdmissionLimits(max_chat_tokens=4000)
+    return backend, serve(create_app(backend, HeadConfig(data_dir=tmp_path / "data", limits=limits)))
 
 
 def _mm_hits(base: str) -> float:
@@ -174,19 +176,24 @@ def test_embedded_chat_on_the_encoder_shares_the_edit_cache_and_stops_when_the_c
                            client.chat.completions.create(model="default_edit", messages=user(image), stream=True)
                            if c.choices)  # fmt: skip
         assert streamed == reference
-        # a long answer (2000 tokens, no early stop); the client reads one piece and leaves
-        body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        # A long answer (4000 tokens, no early stop) on the only encoder. While it is generating, an
+        # edit goes through that encoder (encodes run between tokens) and finishes before it; then
+        # the client, having read one piece, leaves.
+        body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4000, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=60) as resp:
             assert resp.status_code == 200
-            for line in resp.iter_lines():
-                if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
-                    break
+            lines = resp.iter_lines()  # kept: a dropped line iterator closes the response
+            while not ((line := next(lines)).startswith("data: ") and json.loads(line[6:])["choices"][0]["delta"].get("content")):
+                pass
+            client.images.edit(image=("a.png", buf.getvalue(), "image/png"), prompt="make the background blue")
+            stats = httpx.get(f"{base}/health").json()["backend"]["stats"]
+            assert stats["chat_done"] == 2 and stats.get("chat_cancelled", 0) == 0, stats  # still generating
         wait_for(lambda: httpx.get(f"{base}/health").json()["backend"]["stats"].get("chat_cancelled"), "chat cancel")
         # the encoder serves one task at a time: this answer comes after the cancelled chat stopped
         again = client.chat.completions.create(model="default_edit", messages=user(image))
         assert again.choices[0].message.content == reference
         health = httpx.get(f"{base}/health").json()
         stats = health["backend"]["stats"]
-        assert stats.get("ChatDone_after_end", 0) == 0, stats  # it never finished the 2000 tokens
+        assert stats.get("ChatDone_after_end", 0) == 0, stats  # it never finished the 4000 tokens
         assert stats["chat_done"] == 3 and health["in_flight"] == 0
         assert all(not i["held"] for i in health["backend"]["instances"])

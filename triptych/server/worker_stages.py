@@ -64,7 +64,9 @@ class StageRunner:
         return bool(self.ready)
 
     def execute(self) -> None:
-        job = self.ready.popleft()
+        self.run(self.ready.popleft())
+
+    def run(self, job: Job) -> None:
         try:
             self.compute(job)
         except (TriptychError, RuntimeError, ValueError) as e:
@@ -135,9 +137,11 @@ class EncoderRunner(StageRunner):
         self.ready.append(job)
 
     def _chat(self, job: Job) -> None:
-        """Generate the answer on the loop thread. Between tokens the control socket is read, so a
-        ``Cancel`` (client gone, timeout) stops generation at the next token; each decoded piece goes
-        to the head as a ``ChatDelta`` when the client streams."""
+        """Generate the answer on the loop thread. Between tokens the worker does what its loop would:
+        reads the control socket (a ``Cancel`` stops generation at the next token), runs the encodes
+        that arrived (an image request never waits for a long answer; encodes draw no random numbers,
+        so a seeded answer is the same), and hands finished transfers on. Each decoded piece goes to
+        the head as a ``ChatDelta`` when the client streams."""
         worker, task = self.worker, job.task
         model = self.family.chat_model()
         if model is None:
@@ -145,6 +149,10 @@ class EncoderRunner(StageRunner):
 
         def cancelled() -> bool:
             worker.receive(0)
+            for other in [j for j in self.ready if not isinstance(j.task, P.ChatTask)]:
+                self.ready.remove(other)
+                self.run(other)
+            worker.collect()
             return worker.jobs.get(job.request_id) is not job or worker.stopping
 
         def piece(text: str) -> None:
