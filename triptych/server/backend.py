@@ -13,6 +13,7 @@ Errors a backend raises: ``InvalidParam`` (400), ``Overloaded`` (429 + Retry-Aft
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -108,33 +109,39 @@ class InProcessBackend(GenerationBackend):
         self._active: set[str] = set()  # queued or running request ids
         self._cancelled: set[str] = set()  # subset of _active
 
+    @contextlib.asynccontextmanager
+    async def _turn(self, request_id: str):
+        """Queue for the one execution slot (admission, cancel before start, bookkeeping after)."""
+        if self._waiting >= self.max_queued:
+            raise Overloaded(f"queue is full ({self.max_queued} requests)", retry_after=1.0)
+        self._waiting += 1
+        self._active.add(request_id)
+        try:
+            async with self._lock:
+                if request_id in self._cancelled:
+                    raise Cancelled(request_id)
+                yield
+        finally:
+            self._waiting -= 1
+            self._active.discard(request_id)
+            self._cancelled.discard(request_id)
+
     async def run(self, job: GenerationJob, on_progress: ProgressFn | None = None) -> bytes:
         from triptych.pipelines.runner import run_request
         from triptych.server.media import encode_frames
 
-        if self._waiting >= self.max_queued:
-            raise Overloaded(f"queue is full ({self.max_queued} requests)", retry_after=1.0)
-        self._waiting += 1
-        self._active.add(job.request_id)
-        try:
-            async with self._lock:
+        async with self._turn(job.request_id):
+
+            def on_step(state):
                 if job.request_id in self._cancelled:
                     raise Cancelled(job.request_id)
+                if on_progress is not None:
+                    on_progress(state.step, state.total_steps)
 
-                def on_step(state):
-                    if job.request_id in self._cancelled:
-                        raise Cancelled(job.request_id)
-                    if on_progress is not None:
-                        on_progress(state.step, state.total_steps)
-
-                frames, _ = await asyncio.to_thread(
-                    run_request, self.family, job.params, job.request_id, on_step, True, self._accel
-                )
-                return await asyncio.to_thread(encode_frames, frames.to_uint8(), job.output_format, job.fps, job.quality)
-        finally:
-            self._waiting -= 1
-            self._active.discard(job.request_id)
-            self._cancelled.discard(job.request_id)
+            frames, _ = await asyncio.to_thread(
+                run_request, self.family, job.params, job.request_id, on_step, True, self._accel
+            )
+            return await asyncio.to_thread(encode_frames, frames.to_uint8(), job.output_format, job.fps, job.quality)
 
     async def cancel(self, request_id: str) -> bool:
         if request_id not in self._active:
@@ -148,29 +155,18 @@ class InProcessBackend(GenerationBackend):
         model = self.family.chat_model()
         if model is None:
             raise InvalidParam("model", self.family.name, "this model has no VLM to chat with")
-        if self._waiting >= self.max_queued:
-            raise Overloaded(f"queue is full ({self.max_queued} requests)", retry_after=1.0)
         loop = asyncio.get_running_loop()
-        self._waiting += 1
-        self._active.add(job.request_id)
-        try:
-            async with self._lock:
-                if job.request_id in self._cancelled:
-                    raise Cancelled(job.request_id)
-                emit = None if on_text is None else (lambda text: loop.call_soon_threadsafe(on_text, text))
-                running = asyncio.ensure_future(
-                    asyncio.to_thread(model.run, job.params, emit, lambda: job.request_id in self._cancelled)
-                )
-                try:
-                    result = await asyncio.shield(running)
-                except asyncio.CancelledError:
-                    self._cancelled.add(job.request_id)  # the thread stops at its next token
-                    await asyncio.gather(running, return_exceptions=True)  # the model is free before the lock is
-                    raise
-                if result.finish_reason == "cancelled":
-                    raise Cancelled(job.request_id)
-                return result
-        finally:
-            self._waiting -= 1
-            self._active.discard(job.request_id)
-            self._cancelled.discard(job.request_id)
+        async with self._turn(job.request_id):
+            emit = None if on_text is None else (lambda text: loop.call_soon_threadsafe(on_text, text))
+            running = asyncio.ensure_future(
+                asyncio.to_thread(model.run, job.params, emit, lambda: job.request_id in self._cancelled)
+            )
+            try:
+                result = await asyncio.shield(running)
+            except asyncio.CancelledError:
+                self._cancelled.add(job.request_id)  # the thread stops at its next token
+                await asyncio.gather(running, return_exceptions=True)  # the model is free before the lock is
+                raise
+            if result.finish_reason == "cancelled":
+                raise Cancelled(job.request_id)
+            return result
