@@ -36,9 +36,9 @@ def main(argv: list[str] | None = None) -> int:
                    metavar=("P1", "P2", "P3"))
     p.add_argument("--vlm-steps", type=int, nargs=5, default=[1200, 1000, 800, 700, 400],
                    metavar=("P1", "P2", "P3", "P4", "P5"))
-    p.add_argument("--dit-steps", type=_schedule, nargs=5,
-                   default=[(18000, 6800), (9000, 3000), (10000, 2800), (11000, None), (20000, None)],
-                   metavar=("P1", "P2", "P3", "P4", "P5"),
+    p.add_argument("--dit-steps", type=_schedule, nargs=6,
+                   default=[(18000, 6800), (9000, 3000), (10000, 2800), (11000, None), (20000, None), (20000, None)],
+                   metavar=("P1", "P2", "P3", "P4", "P5", "P6"),
                    help="per transformer phase: its cosine schedule's length, and ':N' to stop at step N of it")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (1: deterministic, fastest on a shared box)")
     p.add_argument("--sequential", action="store_true", help="one stage at a time instead of two processes")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 from pathlib import Path
@@ -28,8 +29,9 @@ def write_model(parts: dict, out: Path, edit: bool, defaults: dict | None = None
         QwenImageEditPipeline(scheduler=scheduler(), processor=parts["processor"], **common).save_pretrained(out)
     else:
         QwenImagePipeline(scheduler=scheduler(), **common).save_pretrained(out)
-        # Not a QwenImagePipeline component: the family loads it for chat (the VLM path).
-        parts["processor"].save_pretrained(out / "processor")
+        if "processor" in parts:  # not a QwenImagePipeline component: the family loads it for chat
+            # a copy: saving a processor marks its tokenizer, which the edit directory saves next
+            copy.deepcopy(parts["processor"]).save_pretrained(out / "processor")
     settings = dict(defaults or DEFAULTS, **(EDIT_DEFAULTS if edit else {}))
     (out / "triptych.json").write_text(json.dumps(settings, indent=2) + "\n")
     return out
