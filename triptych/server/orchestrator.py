@@ -35,12 +35,9 @@ import zmq.asyncio
 from triptych.pipelines.base import Role
 from triptych.server import metrics
 from triptych.server import protocol as P
-from triptych.errors import InvalidParam
-from triptych.pipelines.vlm import ChatResult
-from triptych.server.backend import (
-    Cancelled, ChatJob, GenerationBackend, GenerationJob, Overloaded, ProgressFn, StageFailed, TextFn,
-)  # fmt: skip
-from triptych.server.dispatch import Instance, make_policy
+from triptych.server.backend import Cancelled, GenerationBackend, GenerationJob, Overloaded, ProgressFn, StageFailed
+from triptych.server.chat_routing import ChatRouting
+from triptych.server.dispatch import Instance, bound_ids, make_policy
 from triptych.server.request_state import RequestMachine, RequestState, StateTimeouts
 from triptych.server.worker_stats import stats_window
 
@@ -102,22 +99,7 @@ class Tracked:
     encoded_at: float = 0.0  # monotonic time of EncodeDone: the wait for a decoder slot starts
 
 
-@dataclass
-class ChatTracked:
-    """One live chat on the head: queued, then on one chat-capable encoder instance."""
-
-    job: ChatJob
-    future: asyncio.Future
-    on_text: TextFn | None
-    deadline: float  # monotonic
-    generation: int = 0
-    instance: str | None = None  # the encoder charged a slot for it
-    retries: int = 0
-    streamed: bool = False  # a piece reached the client: it cannot be retried elsewhere
-    avoid: set[str] = field(default_factory=set)
-
-
-class Orchestrator(GenerationBackend):
+class Orchestrator(ChatRouting, GenerationBackend):
     """``GenerationBackend`` over registered worker pools (see the module docstring)."""
 
     def __init__(self, model_dir: str | Path, config: OrchestratorConfig | None = None):
@@ -136,8 +118,7 @@ class Orchestrator(GenerationBackend):
         self._policies = {role: make_policy(self.config.dispatch) for role in ROLES}
         self._requests: dict[str, Tracked] = {}
         self._wait_encode: deque[str] = deque()
-        self._chats: dict[str, ChatTracked] = {}
-        self._wait_chat: deque[str] = deque()
+        self._init_chats()
         self._wait_decoder: deque[str] = deque()
         self._tasks: list[asyncio.Task] = []
         self._ctx: zmq.asyncio.Context | None = None
@@ -163,8 +144,7 @@ class Orchestrator(GenerationBackend):
     async def close(self) -> None:
         for tr in list(self._requests.values()):
             self._finish(tr, S.CANCELLED, error=Cancelled(f"{tr.job.request_id}: server shutting down"))
-        for ct in list(self._chats.values()):
-            self._chat_end(ct, error=Cancelled(f"{ct.job.request_id}: server shutting down"))
+        self._end_chats(lambda ct: True, lambda ct: Cancelled(f"{ct.job.request_id}: server shutting down"))
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -212,9 +192,7 @@ class Orchestrator(GenerationBackend):
             raise
 
     async def cancel(self, request_id: str) -> bool:
-        ct = self._chats.get(request_id)
-        if ct is not None:
-            self._chat_end(ct, error=Cancelled(request_id))
+        if self._end_chats(lambda ct: ct.job.request_id == request_id, lambda ct: Cancelled(request_id)):
             return True
         tr = self._requests.get(request_id)
         if tr is None:
@@ -268,8 +246,8 @@ class Orchestrator(GenerationBackend):
                 state = tr.machine.state
                 limit = tr.machine.timeouts.for_state(state)
                 self._finish(tr, S.TIMED_OUT, error=StageFailed(f"request timed out in {state.value} after {limit}s"))
-            for ct in [c for c in self._chats.values() if now > c.deadline]:
-                self._chat_end(ct, error=StageFailed(f"chat timed out after {self.config.chat_timeout_s}s"))
+            self._end_chats(lambda ct: now > ct.deadline, lambda ct: StageFailed(f"chat timed out after "
+                                                                                 f"{self.config.chat_timeout_s}s"))
             self._pump()
 
     def _on_message(self, identity: bytes, msg: P.WorkerMessage) -> None:
@@ -309,7 +287,7 @@ class Orchestrator(GenerationBackend):
         if now - self._rejoin_sent.get(instance_id, -1e9) < self.config.heartbeat_interval_s:
             return
         self._rejoin_sent[instance_id] = now
-        _bound(self._rejoin_sent)
+        bound_ids(self._rejoin_sent)
         self.stats["rejoins_requested"] += 1
         logger.warning("%s is alive but not registered (declared dead earlier?); asking it to rejoin", instance_id)
         if self._sock is not None:
@@ -513,103 +491,9 @@ class Orchestrator(GenerationBackend):
         self._identity.pop(instance_id, None)
         if inst.stats is not None:
             self._last_stats[instance_id] = (inst.pid, inst.stats)
-            _bound(self._last_stats)
+            bound_ids(self._last_stats)
         for tr in [t for t in self._requests.values() if instance_id in t.assigned.values()]:
             self._retry(tr, f"{inst.role} {instance_id} died ({why})", exclude=instance_id)
-        for ct in [c for c in self._chats.values() if c.instance == instance_id]:
-            self._chat_retry(ct, f"{inst.role} {instance_id} died ({why})")
+        self._retry_chats_on(instance_id, f"{inst.role} {instance_id} died ({why})")
         self._pump()
 
-    # ---- chat (the VLM path: one chat-capable encoder per chat, no tensors leave it) ----------
-    async def chat(self, job: ChatJob, on_text: TextFn | None = None) -> ChatResult:
-        rid = job.request_id
-        assert self._sock is not None, "Orchestrator.start() was not called"
-        if not self.family.supports_chat:
-            raise InvalidParam("model", self.model_dir.name, "this model has no VLM to chat with")
-        if len(self._wait_chat) >= self.config.max_queued:
-            raise Overloaded(f"chat queue is full ({self.config.max_queued} requests)", retry_after=1.0)
-        if rid in self._chats or rid in self._requests:
-            raise ValueError(f"request id {rid!r} is already running")
-        future = asyncio.get_running_loop().create_future()
-        self._chats[rid] = ChatTracked(job, future, on_text, time.monotonic() + self.config.chat_timeout_s)
-        self._wait_chat.append(rid)
-        self._pump()
-        try:
-            return await asyncio.shield(future)
-        except asyncio.CancelledError:  # the client went away: stop the worker at its next token
-            await self.cancel(rid)
-            if not future.cancelled():
-                future.exception()
-            raise
-
-    def _pump_chats(self) -> None:
-        while self._wait_chat:
-            ct = self._chats[self._wait_chat[0]]
-            pool = [i for i in self.pool("encoder") if i.chat]
-            avoid = frozenset(ct.avoid) if not all(i.instance_id in ct.avoid for i in pool) else frozenset()
-            inst = self._policies["encoder"].pick(pool, exclude=avoid)
-            if inst is None:
-                return
-            self._wait_chat.popleft()
-            inst.hold(ct.job.request_id)
-            ct.instance = inst.instance_id
-            self._send(inst.instance_id, P.chat_to_wire(ct.job.request_id, ct.generation, ct.job.params, ct.job.stream))
-
-    def _on_chat_message(self, msg) -> None:
-        ct = self._chats.get(msg.request_id)
-        if ct is None or msg.generation != ct.generation or msg.instance_id != ct.instance:
-            # e.g. pieces already on the wire when a cancelled chat ended; a ChatDone here would mean
-            # the worker finished a chat it had been told to stop
-            self.stats[f"{type(msg).__name__}_{'after_end' if ct is None else 'stale'}"] += 1
-            return
-        if isinstance(msg, P.ChatDelta):
-            ct.streamed = True
-            if ct.on_text is not None:
-                ct.on_text(msg.text)
-        elif isinstance(msg, P.ChatDone):
-            self._chat_end(ct, result=ChatResult(msg.text, msg.prompt_tokens, msg.completion_tokens, msg.finish_reason))
-        elif isinstance(msg, P.StageError):
-            if msg.invalid is not None:
-                self._chat_end(ct, error=InvalidParam(*msg.invalid))
-            elif msg.retryable:
-                self._chat_retry(ct, f"chat failed on {msg.instance_id}: {msg.message}")
-            else:
-                self._chat_end(ct, error=StageFailed(f"chat failed on {msg.instance_id}: {msg.message}"))
-
-    def _chat_retry(self, ct: ChatTracked, why: str) -> None:
-        """Once elsewhere, while nothing was streamed yet (a client never sees two beginnings)."""
-        if ct.streamed or ct.retries >= self.config.max_retries:
-            reason = "part of the answer was sent" if ct.streamed else f"retries exhausted ({ct.retries})"
-            return self._chat_end(ct, error=StageFailed(f"{why}; no retry: {reason}"))
-        self._chat_release(ct, cancel_worker=True, reason=f"retry: {why}")
-        ct.avoid.add(ct.instance)
-        ct.instance = None
-        ct.retries += 1
-        ct.generation += 1
-        self._wait_chat.appendleft(ct.job.request_id)
-        self.stats["chat_retries"] += 1
-        logger.warning("retrying chat %s as generation %d: %s", ct.job.request_id, ct.generation, why)
-
-    def _chat_release(self, ct: ChatTracked, cancel_worker: bool, reason: str) -> None:
-        rid = ct.job.request_id
-        if rid in self._wait_chat:
-            self._wait_chat.remove(rid)
-        if ct.instance is not None:
-            if cancel_worker:
-                self._send(ct.instance, P.Cancel(rid, ct.generation, reason))
-            if ct.instance in self.instances:
-                self.instances[ct.instance].unhold(rid)
-
-    def _chat_end(self, ct: ChatTracked, result: ChatResult | None = None, error: Exception | None = None) -> None:
-        rid = ct.job.request_id
-        self._chat_release(ct, cancel_worker=error is not None, reason=type(error).__name__ if error else "done")
-        del self._chats[rid]
-        self.stats["chat_done" if error is None else "chat_" + type(error).__name__.lower()] += 1
-        if not ct.future.done():
-            ct.future.set_exception(error) if error is not None else ct.future.set_result(result)
-
-
-def _bound(d: dict, most: int = 1024) -> None:
-    """Forget the oldest entries of an insertion-ordered dict past ``most`` (ids of gone instances)."""
-    while len(d) > most:
-        del d[next(iter(d))]
