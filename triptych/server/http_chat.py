@@ -28,6 +28,7 @@ from triptych.pipelines.vlm import ChatParams, ChatResult, ChatTurn
 from triptych.server import metrics
 from triptych.server.api_models import ChatChoice, ChatCompletion, ChatCompletionRequest, ChatMessageOut, ChatUsage
 from triptych.server.backend import ChatJob
+from triptych.server.http_images import wait_disconnect
 from triptych.server.media import decode_data_url
 
 ENDPOINT = "/v1/chat/completions"
@@ -96,17 +97,12 @@ def _error_event(exc: BaseException) -> dict:
     return {"error": {"message": f"chat failed: {exc}", "type": "server_error", "param": None, "code": "stage_failed"}}
 
 
-async def _until_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
 async def _answer(head, request: Request, job: ChatJob) -> ChatResult:
     """The whole answer; a client disconnect cancels the chat (``ClientGone``)."""
     from triptych.server.http import ClientGone
 
     task = asyncio.create_task(head.backend.chat(job))
-    watcher = asyncio.create_task(_until_disconnect(request))
+    watcher = asyncio.create_task(wait_disconnect(request))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if not task.done():

@@ -111,7 +111,8 @@ def text_fields(form, skip: tuple[str, ...]) -> dict[str, Any]:
     return out
 
 
-async def _wait_disconnect(request: Request) -> None:
+async def wait_disconnect(request: Request) -> None:
+    """Returns when the client has disconnected (the body was read already)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
 
@@ -119,7 +120,7 @@ async def _wait_disconnect(request: Request) -> None:
 async def run_jobs(head, request: Request, jobs: list[GenerationJob]) -> list[bytes]:
     """Run ``jobs`` concurrently; the first failure cancels the rest; a client disconnect cancels all."""
     tasks = [asyncio.create_task(head.backend.run(j)) for j in jobs]
-    watcher = asyncio.create_task(_wait_disconnect(request))
+    watcher = asyncio.create_task(wait_disconnect(request))
     error: BaseException | None = None
     try:
         pending: set[asyncio.Task] = {*tasks, watcher}

@@ -378,42 +378,40 @@ def decode_any(data: bytes | memoryview) -> Message:
     return _decode(_ANY_DECODER, data)
 
 
-# ---- GenerationParams <-> WireParams ---------------------------------------------------------
-def params_to_wire(p: GenerationParams) -> WireParams:
-    """``p`` must be resolved (height, width, steps set); the image travels as lossless PNG."""
-    image_png = None
-    if p.image is not None:
-        buf = io.BytesIO()
-        p.image.save(buf, format="PNG")
-        image_png = buf.getvalue()
-    return WireParams(
-        prompt=p.prompt, negative_prompt=p.negative_prompt, height=int(p.height), width=int(p.width),
-        frames=p.frames, steps=int(p.steps), guidance=p.guidance, seed=int(p.seed), image_png=image_png,
-        true_cfg=float(p.true_cfg), teacache_threshold=float(p.teacache_threshold),
-    )  # fmt: skip
-
-
-def params_from_wire(w: WireParams) -> GenerationParams:
-    image = None
-    if w.image_png is not None:
-        from PIL import Image
-
-        with Image.open(io.BytesIO(w.image_png)) as im:
-            image = im.convert("RGB")
-    return GenerationParams(
-        prompt=w.prompt, negative_prompt=w.negative_prompt, height=w.height, width=w.width, frames=w.frames,
-        steps=w.steps, guidance=w.guidance, seed=w.seed, image=image, true_cfg=w.true_cfg,
-        teacache_threshold=w.teacache_threshold,
-    )  # fmt: skip
-
-
-# ---- ChatParams <-> ChatTask -----------------------------------------------------------------
+# ---- images travel as lossless PNG ----------------------------------------------------------
 def _png(image) -> bytes:
     buf = io.BytesIO()
     image.save(buf, format="PNG")
     return buf.getvalue()
 
 
+def _rgb(data: bytes):
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as im:
+        return im.convert("RGB")
+
+
+# ---- GenerationParams <-> WireParams ---------------------------------------------------------
+def params_to_wire(p: GenerationParams) -> WireParams:
+    """``p`` must be resolved (height, width, steps set); the image travels as lossless PNG."""
+    return WireParams(
+        prompt=p.prompt, negative_prompt=p.negative_prompt, height=int(p.height), width=int(p.width),
+        frames=p.frames, steps=int(p.steps), guidance=p.guidance, seed=int(p.seed),
+        image_png=None if p.image is None else _png(p.image), true_cfg=float(p.true_cfg),
+        teacache_threshold=float(p.teacache_threshold),
+    )  # fmt: skip
+
+
+def params_from_wire(w: WireParams) -> GenerationParams:
+    return GenerationParams(
+        prompt=w.prompt, negative_prompt=w.negative_prompt, height=w.height, width=w.width, frames=w.frames,
+        steps=w.steps, guidance=w.guidance, seed=w.seed, image=None if w.image_png is None else _rgb(w.image_png),
+        true_cfg=w.true_cfg, teacache_threshold=w.teacache_threshold,
+    )  # fmt: skip
+
+
+# ---- ChatParams <-> ChatTask -----------------------------------------------------------------
 def chat_to_wire(request_id: str, generation: int, p, stream: bool) -> ChatTask:
     """``p``: a checked ``triptych.pipelines.vlm.ChatParams``; images travel as lossless PNG."""
     messages = [ChatMessage(t.role, [ChatPart(image=x) if isinstance(x, int) else ChatPart(text=x) for x in t.parts])
@@ -423,14 +421,9 @@ def chat_to_wire(request_id: str, generation: int, p, stream: bool) -> ChatTask:
 
 
 def chat_from_wire(task: ChatTask):
-    from PIL import Image
-
     from triptych.pipelines.vlm import ChatParams, ChatTurn
 
-    images = []
-    for data in task.images_png:
-        with Image.open(io.BytesIO(data)) as im:
-            images.append(im.convert("RGB"))
+    images = [_rgb(data) for data in task.images_png]
     turns = tuple(ChatTurn(m.role, tuple(x.image if x.image is not None else x.text or "" for x in m.parts))
                   for m in task.messages)  # fmt: skip
     return ChatParams(turns, tuple(images), task.max_tokens, task.temperature, task.top_p, task.seed, task.ignore_eos)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -76,22 +76,18 @@ class ChatResult:
     prompt_tokens: int
     completion_tokens: int
     finish_reason: str  # stop | length | cancelled
-    pieces: list[str] = field(default_factory=list)  # the streamed text pieces, in order
 
 
 class _Pieces(TextStreamer):
     """transformers' TextStreamer, handing each finalised piece of text to a callback instead of print."""
 
-    def __init__(self, tokenizer, on_text: Callable[[str], None] | None, sink: list[str]):
+    def __init__(self, tokenizer, on_text: Callable[[str], None]):
         super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
         self._on_text = on_text
-        self._sink = sink
 
     def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
         if text:
-            self._sink.append(text)
-            if self._on_text is not None:
-                self._on_text(text)
+            self._on_text(text)
 
 
 class _Until(StoppingCriteria):
@@ -154,11 +150,11 @@ class ChatModel:
         ``should_stop`` is polled after every token (a cancelled request stops at the next one)."""
         inputs = self.inputs(params).to(self.model.device)
         config = self.generation_config(params)
-        pieces: list[str] = []
         until = _Until(should_stop or (lambda: False))
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(params.seed)
-            out = self.model.generate(**inputs, generation_config=config, streamer=_Pieces(self.tokenizer, on_text, pieces),
+            streamer = None if on_text is None else _Pieces(self.tokenizer, on_text)
+            out = self.model.generate(**inputs, generation_config=config, streamer=streamer,
                                       stopping_criteria=StoppingCriteriaList([until]))  # fmt: skip
         prompt_tokens = int(inputs["input_ids"].shape[1])
         new = out[0, prompt_tokens:]
@@ -170,4 +166,4 @@ class ChatModel:
         else:
             reason = "length"
         text = self.tokenizer.decode(new, skip_special_tokens=True)
-        return ChatResult(text, prompt_tokens, int(len(new)), reason, pieces)
+        return ChatResult(text, prompt_tokens, int(len(new)), reason)
