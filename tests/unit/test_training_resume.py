@@ -38,3 +38,18 @@ def test_resume_restores_everything_and_is_off_without_resume(tmp_path):
     assert fresh_opt.state_dict()["state"][0]["step"] == opt.state_dict()["state"][0]["step"]
     assert torch.equal(torch.rand(3), expected_torch) and other.random() == expected_py
     assert resume_from(tmp_path / "missing.ckpt", True, fresh, fresh_opt) == (0, None)
+
+
+def test_cli_wants_one_schedule_per_transformer_phase(tmp_path, capsys):
+    import pytest
+
+    from triptych.training.__main__ import DIT_STEPS, main
+    from triptych.training.train_dit import PHASES
+
+    assert len(DIT_STEPS) == len(PHASES)  # the defaults train every phase
+    with pytest.raises(SystemExit) as exc:
+        main(["--out", str(tmp_path / "run"), "--dit-steps", "100", "200:50"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--dit-steps: 2 values given" in err and f"{len(PHASES)} phases" in err
+    assert not (tmp_path / "run").exists()  # refused before anything was written

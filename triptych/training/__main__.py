@@ -27,6 +27,10 @@ def _schedule(text: str) -> tuple[int, int | None]:
     return int(length), int(stop) if stop else None
 
 
+#: The transformer's phases (``train_dit.PHASES``): (cosine schedule length, step to stop at or None).
+DIT_STEPS = [(18000, 6800), (9000, 3000), (10000, 2800), (11000, None), (20000, None), (20000, None)]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m triptych.training", description=__doc__)
     p.add_argument("--out", required=True, type=Path)
@@ -36,14 +40,17 @@ def main(argv: list[str] | None = None) -> int:
                    metavar=("P1", "P2", "P3"))
     p.add_argument("--vlm-steps", type=int, nargs=5, default=[1200, 1000, 800, 700, 400],
                    metavar=("P1", "P2", "P3", "P4", "P5"))
-    p.add_argument("--dit-steps", type=_schedule, nargs=6,
-                   default=[(18000, 6800), (9000, 3000), (10000, 2800), (11000, None), (20000, None), (20000, None)],
-                   metavar=("P1", "P2", "P3", "P4", "P5", "P6"),
-                   help="per transformer phase: its cosine schedule's length, and ':N' to stop at step N of it")
+    p.add_argument("--dit-steps", type=_schedule, nargs="+", default=DIT_STEPS, metavar="LEN[:STOP]",
+                   help="per transformer phase (train_dit.PHASES, one value each): its cosine schedule's length, "
+                        "and ':N' to stop at step N of it")  # fmt: skip
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (1: deterministic, fastest on a shared box)")
     p.add_argument("--sequential", action="store_true", help="one stage at a time instead of two processes")
     p.add_argument("--evaluate", action="store_true", help="run triptych.training.evaluate on the result")
     args = p.parse_args(argv)
+    from triptych.training.train_dit import PHASES as DIT_PHASES
+
+    if len(args.dit_steps) != len(DIT_PHASES):
+        p.error(f"--dit-steps: {len(args.dit_steps)} values given, the transformer has {len(DIT_PHASES)} phases")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     args.out.mkdir(parents=True, exist_ok=True)
     times: dict[str, float] = {}
