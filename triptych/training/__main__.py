@@ -28,7 +28,8 @@ def _schedule(text: str) -> tuple[int, int | None]:
 
 
 #: The transformer's phases (``train_dit.PHASES``): (cosine schedule length, step to stop at or None).
-DIT_STEPS = [(18000, 6800), (9000, 3000), (10000, 2800), (11000, None), (20000, None), (20000, None)]
+DIT_STEPS = [(18000, 6800), (9000, 3000), (10000, 2800), (11000, None), (20000, None), (20000, None),
+             (16000, None)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -226,6 +226,10 @@ def _sigmas(gen: torch.Generator, n: int, high: float = 0.0) -> torch.Tensor:
 #: Phase 6 is one more such restart (lr 1e-3 to 0 over 20,000 steps). On 200 selection pairs, edits
 #: fully right went 75% -> 78.5% (text-to-image 87% -> 88.5%); a run beside it at lr 5e-4 with 24
 #: edit rows a step ended at 87.5% / 78.5%.
+#: Phase 7 is one more such restart, 16,000 steps: on 400 selection prompts (seeds "select" to
+#: "select4") text-to-image fully right went 88.25% -> 89.5%, on 200 selection pairs edits 78.5% ->
+#: 83%. A run beside it with the shape tokens weighted 8x (14,000 steps) ended at 88.5% / 84%, and
+#: the average of the two runs' weights at 87.75% / 84%.
 PHASES = {
     1: {"lr": 1e-3, "high": 0.0},
     2: {"lr": 5e-4, "high": 1 / 3},
@@ -233,6 +237,7 @@ PHASES = {
     4: {"lr": 1e-3, "high": 1 / 3, "fg": 4.0},
     5: {"lr": 1e-3, "high": 1 / 3, "fg": 4.0},
     6: {"lr": 1e-3, "high": 1 / 3, "fg": 4.0},
+    7: {"lr": 1e-3, "high": 1 / 3, "fg": 4.0},
 }
 
 
