@@ -137,90 +137,72 @@ class StatsReport(msgspec.Struct, frozen=True, tag="stats_report"):
     mm_cache: CacheReport | None = None  # the encoder's mm-hash cache; None where there is none
 
 
-class EncodeDone(msgspec.Struct, frozen=True, tag="encode_done"):
-    """Conditioning is ready on the encoder and held there until ``PushTask`` arrives."""
+class WorkerReply(msgspec.Struct, frozen=True):
+    """The envelope of every message a worker sends the head about one request: which request,
+    which attempt (``generation``; a reply from an older attempt is dropped) and which instance."""
 
     request_id: str
     generation: int
     instance_id: str
+
+
+class EncodeDone(WorkerReply, frozen=True, tag="encode_done"):
+    """Conditioning is ready on the encoder and held there until ``PushTask`` arrives."""
+
     specs: dict[str, TensorSpec]  # ``Conditioning.flat()`` names → spec
 
 
-class DenoiseDone(msgspec.Struct, frozen=True, tag="denoise_done"):
+class DenoiseDone(WorkerReply, frozen=True, tag="denoise_done"):
     """Final latents are ready on the denoiser and held there until ``PushTask`` arrives."""
 
-    request_id: str
-    generation: int
-    instance_id: str
     specs: dict[str, TensorSpec]  # {"latents": spec}
 
 
-class SlotsReserved(msgspec.Struct, frozen=True, tag="slots_reserved"):
+class SlotsReserved(WorkerReply, frozen=True, tag="slots_reserved"):
     """The downstream worker reserved receiver slots for a handoff; the head forwards the refs."""
 
-    request_id: str
-    generation: int
-    instance_id: str
     handoff: HandoffName
     refs: dict[str, TensorRef]  # one reserved slot per tensor name
 
 
-class PushDone(msgspec.Struct, frozen=True, tag="push_done"):
+class PushDone(WorkerReply, frozen=True, tag="push_done"):
     """The upstream worker pushed every tensor of a handoff and freed its own copy."""
 
-    request_id: str
-    generation: int
-    instance_id: str
     handoff: HandoffName
 
 
-class Progress(msgspec.Struct, frozen=True, tag="progress"):
+class Progress(WorkerReply, frozen=True, tag="progress"):
     """One denoising step finished."""
 
-    request_id: str
-    generation: int
-    instance_id: str
     step: int  # steps done
     total: int  # total steps
 
 
-class MediaResult(msgspec.Struct, frozen=True, tag="media_result"):
+class MediaResult(WorkerReply, frozen=True, tag="media_result"):
     """The decoder's encoded output (media bytes may pass through the head; tensors never do)."""
 
-    request_id: str
-    generation: int
-    instance_id: str
     data: bytes  # PNG/JPEG/WebP/MP4 bytes
     output_format: str
 
 
-class ChatDelta(msgspec.Struct, frozen=True, tag="chat_delta"):
+class ChatDelta(WorkerReply, frozen=True, tag="chat_delta"):
     """The next piece of a chat answer, sent as it is decoded (streaming)."""
 
-    request_id: str
-    generation: int
-    instance_id: str
     text: str
 
 
-class ChatDone(msgspec.Struct, frozen=True, tag="chat_done"):
+class ChatDone(WorkerReply, frozen=True, tag="chat_done"):
     """A chat answer is complete; ``text`` is the whole answer (the deltas concatenated)."""
 
-    request_id: str
-    generation: int
-    instance_id: str
     text: str
     prompt_tokens: int
     completion_tokens: int
     finish_reason: str  # stop | length
 
 
-class StageError(msgspec.Struct, frozen=True, tag="stage_error"):
+class StageError(WorkerReply, frozen=True, tag="stage_error"):
     """A stage failed on a worker; ``retryable`` says whether another instance may succeed."""
 
-    request_id: str
-    generation: int
-    instance_id: str
     stage: StageName
     kind: str  # exception class name, for logs and metrics
     message: str  # user-safe description
