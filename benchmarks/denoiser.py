@@ -36,8 +36,10 @@ def _requests(family, n: int, cfg: bool) -> list[GenerationParams]:
     for i in range(n):
         p = GenerationParams(prompt=f"a red circle number {i} on a blue background", seed=i)
         if cfg:
-            p = p.replace(negative_prompt="blurry", true_cfg=3.0) if family.name == "flux" else p.replace(
-                negative_prompt="blurry", guidance=4.0
+            p = (
+                p.replace(negative_prompt="blurry", true_cfg=3.0)
+                if family.name == "flux"
+                else p.replace(negative_prompt="blurry", guidance=4.0)
             )
         out.append(family.resolve(p))
     return out
@@ -70,7 +72,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         family = load_family(make_tiny(args.family, tmp, size=args.size))
-        print(f"{args.family} {args.size}, cfg={args.cfg}, torch {torch.__version__}, {torch.get_num_threads()} threads")
+        print(
+            f"{args.family} {args.size}, cfg={args.cfg}, torch {torch.__version__}, {torch.get_num_threads()} threads"
+        )
         print("| concurrency | diffusers img/s | triptych img/s | ratio |")
         print("|---|---|---|---|")
         for n in args.concurrency:

@@ -112,10 +112,15 @@ def run_pipeline(family, plist, cond, counter, repeats=1) -> tuple[int, float, t
             c = cond[p.prompt].branches["cond"]
             t = clock()
             latents = family.pipe(
-                prompt_embeds=c["prompt_embeds"], pooled_prompt_embeds=c["pooled_prompt_embeds"],
-                height=p.height, width=p.width, num_inference_steps=p.steps, guidance_scale=p.guidance,
-                generator=family.generator(p.seed), output_type="latent",
-            ).images  # fmt: skip
+                prompt_embeds=c["prompt_embeds"],
+                pooled_prompt_embeds=c["pooled_prompt_embeds"],
+                height=p.height,
+                width=p.width,
+                num_inference_steps=p.steps,
+                guidance_scale=p.guidance,
+                generator=family.generator(p.seed),
+                output_type="latent",
+            ).images
             total += clock() - t
             imgs.append(images(family, latents, p))
         passes, best = counter.n, min(best, total)
@@ -142,11 +147,17 @@ def diffusers_methods(steps: int, ratios: list[float]):
     for thr in FBC_THRESHOLDS:
         yield f"diffusers FirstBlockCache t={thr}", FirstBlockCacheConfig(threshold=thr)
     for thr in MAG_THRESHOLDS:
-        yield f"diffusers MagCache t={thr}", MagCacheConfig(
-            threshold=thr, num_inference_steps=steps, mag_ratios=ratios, retention_ratio=0.2, max_skip_steps=3
+        yield (
+            f"diffusers MagCache t={thr}",
+            MagCacheConfig(
+                threshold=thr, num_inference_steps=steps, mag_ratios=ratios, retention_ratio=0.2, max_skip_steps=3
+            ),
         )
-    yield "diffusers TaylorSeerCache interval=2", TaylorSeerCacheConfig(
-        cache_interval=2, disable_cache_before_step=1, max_order=1, taylor_factors_dtype=torch.float32
+    yield (
+        "diffusers TaylorSeerCache interval=2",
+        TaylorSeerCacheConfig(
+            cache_interval=2, disable_cache_before_step=1, max_order=1, taylor_factors_dtype=torch.float32
+        ),
     )
 
 
@@ -154,8 +165,9 @@ def cache_dit_methods():
     import cache_dit
 
     for thr in DBCACHE_THRESHOLDS:
-        cfg = cache_dit.DBCacheConfig(Fn_compute_blocks=1, Bn_compute_blocks=0, max_warmup_steps=2,
-                                      residual_diff_threshold=thr)  # fmt: skip
+        cfg = cache_dit.DBCacheConfig(
+            Fn_compute_blocks=1, Bn_compute_blocks=0, max_warmup_steps=2, residual_diff_threshold=thr
+        )
         yield f"cache-dit DBCache F1B0 t={thr} +TaylorSeer1", cfg
 
 
@@ -192,7 +204,7 @@ def write_results(path: Path, heading: str, body: str) -> None:
     section = text[start:end]
     block = f"### {heading}\n\n{body}\n"
     m = re.search(rf"^### {re.escape(heading)}\n.*?(?=^### |\Z)", section, flags=re.S | re.M)
-    section = section[: m.start()] + block + "\n" + section[m.end():] if m else section.rstrip("\n") + "\n\n" + block
+    section = section[: m.start()] + block + "\n" + section[m.end() :] if m else section.rstrip("\n") + "\n\n" + block
     path.write_text(text[:start] + section.rstrip("\n") + "\n" + text[end:])
 
 
@@ -211,8 +223,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    model = Path(args.model_dir) if args.model_dir else make_tiny(
-        "flux", Path(tempfile.mkdtemp()) / f"{args.size}-flux", seed=0, size=args.size)  # fmt: skip
+    model = (
+        Path(args.model_dir)
+        if args.model_dir
+        else make_tiny("flux", Path(tempfile.mkdtemp()) / f"{args.size}-flux", seed=0, size=args.size)
+    )
     family = load_family(model)
     t0 = time.perf_counter()
     profile, _ = calibrate(model, args.steps, prompts=DEFAULT_PROMPTS[: args.calib_prompts], family=family)
@@ -248,8 +263,11 @@ def main(argv=None) -> int:
         import cache_dit
 
         for name, cfg in cache_dit_methods():
-            cache_dit.enable_cache(family.pipe, cache_config=cfg,
-                                   calibrator_config=cache_dit.TaylorSeerCalibratorConfig(taylorseer_order=1))  # fmt: skip
+            cache_dit.enable_cache(
+                family.pipe,
+                cache_config=cfg,
+                calibrator_config=cache_dit.TaylorSeerCalibratorConfig(taylorseer_order=1),
+            )
             n, s, imgs = run_pipeline(family, plist, cond, counter, args.repeats)
             cache_dit.disable_cache(family.pipe)
             results.append(Result(name, "pipeline", n, s, imgs))

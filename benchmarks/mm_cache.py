@@ -91,10 +91,17 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         dims = tiny.SIZES[args.size]
         if args.vision_layers or args.vision_dim:
-            dims = dataclasses.replace(dims, vision_layers=args.vision_layers or dims.vision_layers,
-                                       vision_dim=args.vision_dim or dims.vision_dim, image_max_pixels=args.area)  # fmt: skip
-        model = tiny.save_model(tiny.build_components(dims, seed=0, edit=True), tmp,
-                                {"height": 64, "width": 64, "steps": 4, "guidance": 4.0})  # fmt: skip
+            dims = dataclasses.replace(
+                dims,
+                vision_layers=args.vision_layers or dims.vision_layers,
+                vision_dim=args.vision_dim or dims.vision_dim,
+                image_max_pixels=args.area,
+            )
+        model = tiny.save_model(
+            tiny.build_components(dims, seed=0, edit=True),
+            tmp,
+            {"height": 64, "width": 64, "steps": 4, "guidance": 4.0},
+        )
         plain, cached = family(model, "0"), family(model, "1024")
         base = GenerationParams(prompt="make the circle green", negative_prompt="blurry", guidance=4.0, seed=0)
         for r in range(args.repeats + 1):  # round 0 is a warm-up
@@ -114,10 +121,12 @@ def main(argv=None) -> int:
                 rows["chat about the edited image"][0].append(t_plain)
                 rows["chat about the edited image"][1].append(t_cached)
     stats = cached.mm_cache.stats
-    print(f"qwen-image-edit {args.size} (vision tower {dims.vision_layers} layers x {dims.vision_dim}), "
-          f"condition area {args.area} px, CFG (prompt + negative), "
-          f"best of {args.repeats}; conditioning bit-identical and chat answers equal: {identical}; cache hits {stats.hits}, "
-          f"misses {stats.misses}\n")  # fmt: skip
+    print(
+        f"qwen-image-edit {args.size} (vision tower {dims.vision_layers} layers x {dims.vision_dim}), "
+        f"condition area {args.area} px, CFG (prompt + negative), "
+        f"best of {args.repeats}; conditioning bit-identical and chat answers equal: {identical}; cache hits {stats.hits}, "
+        f"misses {stats.misses}\n"
+    )
     print("| request | plain CPU ms | cached CPU ms | ratio |")
     print("|---|---|---|---|")
     for case, (t_plain, t_cached) in rows.items():

@@ -38,8 +38,9 @@ def _params(family) -> GenerationParams:
         from PIL import Image
 
         image = Image.new("RGB", (64, 64), (200, 30, 30))
-    return GenerationParams(prompt="a red circle on a blue background", negative_prompt="blurry", seed=0,
-                            image=image, guidance=None)  # fmt: skip
+    return GenerationParams(
+        prompt="a red circle on a blue background", negative_prompt="blurry", seed=0, image=image, guidance=None
+    )
 
 
 def measure(name: str, size: str, repeats: int) -> dict:
@@ -63,7 +64,10 @@ def measure(name: str, size: str, repeats: int) -> dict:
         transformer.forward = timed_forward
         ours, theirs = [], []
         for i in range(repeats + 1):  # first round is warm-up
-            for fn, out in ((lambda: family.reference_call(p), theirs), (lambda: run_request(family, p, fuse_cfg=False), ours)):
+            for fn, out in (
+                (lambda: family.reference_call(p), theirs),
+                (lambda: run_request(family, p, fuse_cfg=False), ours),
+            ):
                 inside[0] = 0.0
                 t = clock()
                 fn()
@@ -72,8 +76,17 @@ def measure(name: str, size: str, repeats: int) -> dict:
         params = sum(x.numel() for x in transformer.parameters())
     d, o = min(theirs), min(ours)
     d_rest, o_rest = min(r for _, r in theirs), min(r for _, r in ours)
-    return dict(family=name, size=size, params=params, steps=p.steps, diffusers_ms=d[0] * 1e3, triptych_ms=o[0] * 1e3,
-                ratio=o[0] / d[0], diffusers_rest_ms=d_rest * 1e3, triptych_rest_ms=o_rest * 1e3)  # fmt: skip
+    return dict(
+        family=name,
+        size=size,
+        params=params,
+        steps=p.steps,
+        diffusers_ms=d[0] * 1e3,
+        triptych_ms=o[0] * 1e3,
+        ratio=o[0] / d[0],
+        diffusers_rest_ms=d_rest * 1e3,
+        triptych_rest_ms=o_rest * 1e3,
+    )
 
 
 def main(argv=None) -> int:
@@ -83,15 +96,19 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args(argv)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread, process CPU time")
-    print("| family | size | transformer params | steps | diffusers CPU ms | triptych CPU ms | ratio "
-          "| outside transformer: diffusers ms | triptych ms |")
+    print(
+        "| family | size | transformer params | steps | diffusers CPU ms | triptych CPU ms | ratio "
+        "| outside transformer: diffusers ms | triptych ms |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for size in args.sizes:
         for name in args.families:
             r = measure(name, size, args.repeats)
-            print(f"| {r['family']} | {r['size']} | {r['params'] / 1e6:.2f}M | {r['steps']} | {r['diffusers_ms']:.1f} "
-                  f"| {r['triptych_ms']:.1f} | {r['ratio']:.3f} | {r['diffusers_rest_ms']:.1f} | {r['triptych_rest_ms']:.1f} |",
-                  flush=True)  # fmt: skip
+            print(
+                f"| {r['family']} | {r['size']} | {r['params'] / 1e6:.2f}M | {r['steps']} | {r['diffusers_ms']:.1f} "
+                f"| {r['triptych_ms']:.1f} | {r['ratio']:.3f} | {r['diffusers_rest_ms']:.1f} | {r['triptych_rest_ms']:.1f} |",
+                flush=True,
+            )
     return 0
 
 

@@ -28,12 +28,19 @@ def _add_generate(sub) -> None:
     p.add_argument("--guidance", type=float, help="true-CFG scale (Qwen-Image, Wan) or distilled guidance (FLUX)")
     p.add_argument("--true-cfg", type=float, default=1.0, help="FLUX only: true CFG scale with --negative-prompt")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--teacache-threshold", type=float, default=0.0,
-                   help="TeaCache threshold (0 = off); needs a calibration profile (triptych calibrate)")
+    p.add_argument(
+        "--teacache-threshold",
+        type=float,
+        default=0.0,
+        help="TeaCache threshold (0 = off); needs a calibration profile (triptych calibrate)",
+    )
     p.add_argument("--fps", type=int, default=16, help="MP4 frame rate")
-    p.add_argument("--separate-cfg", action="store_true",
-                   help="run CFG branches as separate forwards, as diffusers does (bit-identical to it); "
-                   "default: one fused forward, as the serving engine runs them")
+    p.add_argument(
+        "--separate-cfg",
+        action="store_true",
+        help="run CFG branches as separate forwards, as diffusers does (bit-identical to it); "
+        "default: one fused forward, as the serving engine runs them",
+    )
     p.add_argument("--out", required=True, help="output file: .png .jpg .webp (images) or .mp4 (video)")
     p.set_defaults(func=cmd_generate)
 
@@ -69,10 +76,18 @@ def cmd_generate(args) -> int:
         except FileNotFoundError:
             raise InvalidParam("image", args.image, "file does not exist") from None
     params = GenerationParams(
-        prompt=args.prompt, negative_prompt=args.negative_prompt, height=args.height, width=args.width,
-        frames=args.frames, steps=args.steps, guidance=args.guidance, true_cfg=args.true_cfg,
-        seed=args.seed, image=image, teacache_threshold=args.teacache_threshold,
-    )  # fmt: skip
+        prompt=args.prompt,
+        negative_prompt=args.negative_prompt,
+        height=args.height,
+        width=args.width,
+        frames=args.frames,
+        steps=args.steps,
+        guidance=args.guidance,
+        true_cfg=args.true_cfg,
+        seed=args.seed,
+        image=image,
+        teacache_threshold=args.teacache_threshold,
+    )
     t0 = time.perf_counter()
     family = load_family(resolve_model(args.model))
     load_s = time.perf_counter() - t0
@@ -104,7 +119,9 @@ def cmd_generate(args) -> int:
 def _add_chat(sub) -> None:
     p = sub.add_parser("chat", help="ask the model's VLM about images, in this process (streams the answer)")
     p.add_argument("--prompt", required=True, help='the question, e.g. "What is in this image?"')
-    p.add_argument("--image", action="append", default=[], help="an image file (repeat for several; shown before the question)")
+    p.add_argument(
+        "--image", action="append", default=[], help="an image file (repeat for several; shown before the question)"
+    )
     p.add_argument("--model", help="model directory (default: the built-in model)")
     p.add_argument("--system", help="system message")
     p.add_argument("--max-tokens", type=int, default=256)
@@ -140,8 +157,10 @@ def cmd_chat(args) -> int:
         raise InvalidParam("model", str(model_dir), f"({family.name}) has no VLM to chat with (no processor/)")
     result = chat.run(params, on_text=lambda piece: print(piece, end="", flush=True))
     print()
-    print(f"({result.prompt_tokens} prompt + {result.completion_tokens} completion tokens, {result.finish_reason})",
-          file=sys.stderr)  # fmt: skip
+    print(
+        f"({result.prompt_tokens} prompt + {result.completion_tokens} completion tokens, {result.finish_reason})",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -149,8 +168,11 @@ def _add_calibrate(sub) -> None:
     p = sub.add_parser("calibrate", help="fit a TeaCache profile for a model and step count")
     p.add_argument("--model", help="diffusers model directory (default: the built-in model)")
     p.add_argument("--steps", type=int, required=True, help="the step schedule the profile is for")
-    p.add_argument("--prompt", action="append",
-                   help="calibration prompt (repeatable; default: train-split captions for a shape-world model, else a built-in set)")
+    p.add_argument(
+        "--prompt",
+        action="append",
+        help="calibration prompt (repeatable; default: train-split captions for a shape-world model, else a built-in set)",
+    )
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--out", help="profile path (default MODEL_DIR/teacache/<family>-<steps>steps.json)")
     p.add_argument("--image", help="condition image (edit / image-to-video families)")
@@ -160,16 +182,29 @@ def _add_calibrate(sub) -> None:
 def _add_quality(sub) -> None:
     p = sub.add_parser("quality", help="what an acceleration changes against the plain path (PSNR, SSIM, adherence)")
     p.add_argument("--model", help="diffusers model directory (default: the built-in model)")
-    p.add_argument("--teacache-threshold", type=float, nargs="+", required=True, metavar="T",
-                   help="TeaCache thresholds to compare with the plain path (each needs a profile: triptych calibrate)")
+    p.add_argument(
+        "--teacache-threshold",
+        type=float,
+        nargs="+",
+        required=True,
+        metavar="T",
+        help="TeaCache thresholds to compare with the plain path (each needs a profile: triptych calibrate)",
+    )
     p.add_argument("--images", type=int, default=32, help="requests per setting (default 32)")
     p.add_argument("--steps", type=int, help="denoising steps (default: the model's)")
-    p.add_argument("--world", choices=["auto", "on", "off"], default="auto",
-                   help="score prompt adherence on held-out shape-world prompts (auto: when the model says it draws that world)")
+    p.add_argument(
+        "--world",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="score prompt adherence on held-out shape-world prompts (auto: when the model says it draws that world)",
+    )
     p.add_argument("--prompt", action="append", help="generic prompts (repeatable) when not scoring the world")
     p.add_argument("--min-psnr", type=float, help="fail (exit 1) when any image's PSNR vs plain is below this (dB)")
-    p.add_argument("--max-adherence-drop", type=float,
-                   help="fail (exit 1) when adherence falls more than this fraction below plain (e.g. 0.05)")
+    p.add_argument(
+        "--max-adherence-drop",
+        type=float,
+        help="fail (exit 1) when adherence falls more than this fraction below plain (e.g. 0.05)",
+    )
     p.add_argument("--out", help="also write the report: .json (everything) or .md (the table)")
     p.set_defaults(func=cmd_quality)
 
@@ -179,9 +214,16 @@ def cmd_quality(args) -> int:
     from triptych.quality import markdown, quality_report, write
 
     world = {"auto": None, "on": True, "off": False}[args.world]
-    report = quality_report(resolve_model(args.model), args.teacache_threshold, images=args.images, steps=args.steps,
-                            world=world, prompts=args.prompt, min_psnr=args.min_psnr,
-                            max_adherence_drop=args.max_adherence_drop)  # fmt: skip
+    report = quality_report(
+        resolve_model(args.model),
+        args.teacache_threshold,
+        images=args.images,
+        steps=args.steps,
+        world=world,
+        prompts=args.prompt,
+        min_psnr=args.min_psnr,
+        max_adherence_drop=args.max_adherence_drop,
+    )
     print(markdown(report))
     if args.out:
         print(f"wrote {write(report, args.out)}")
@@ -253,7 +295,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
     args = build_parser().parse_args(argv)
     _quiet_libraries()
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
     try:
         return args.func(args)
     except (InvalidParam, UnknownModel) as e:

@@ -131,7 +131,10 @@ def quality_report(
             return None
         from triptych.world import score
 
-        ok = [all(score((a[0] * 255).round().astype("uint8"), s)[k] for k in WORLD_KEYS) for a, (_, s) in zip(arrays, requests)]
+        ok = [
+            all(score((a[0] * 255).round().astype("uint8"), s)[k] for k in WORLD_KEYS)
+            for a, (_, s) in zip(arrays, requests)
+        ]
         return sum(ok) / len(ok)
 
     t0 = time.perf_counter()
@@ -150,42 +153,69 @@ def quality_report(
         psnrs, ssims = [p for p, _ in pairs], [s for _, s in pairs]
         finite = [p for p in psnrs if math.isfinite(p)]
         row = SettingReport(
-            teacache_threshold=t, images=len(got), identical=len(psnrs) - len(finite),
-            psnr_mean=float(np.mean(finite)) if finite else math.inf, psnr_min=min(psnrs),
-            ssim_mean=float(np.mean(ssims)), ssim_min=min(ssims),
-            skipped_fraction=skipped / max(1, skipped + computed), adherence=adherence(got),
-            plain_adherence=plain_adherence, seconds=seconds,
-        )  # fmt: skip
+            teacache_threshold=t,
+            images=len(got),
+            identical=len(psnrs) - len(finite),
+            psnr_mean=float(np.mean(finite)) if finite else math.inf,
+            psnr_min=min(psnrs),
+            ssim_mean=float(np.mean(ssims)),
+            ssim_min=min(ssims),
+            skipped_fraction=skipped / max(1, skipped + computed),
+            adherence=adherence(got),
+            plain_adherence=plain_adherence,
+            seconds=seconds,
+        )
         if min_psnr is not None and row.psnr_min < min_psnr:
             row.failures.append(f"worst PSNR {row.psnr_min:.2f} dB < {min_psnr} dB")
         drop = None if row.adherence is None else plain_adherence - row.adherence
         if max_adherence_drop is not None and drop is not None and drop > max_adherence_drop:
-            row.failures.append(f"adherence {row.adherence:.0%} is {drop:.0%} below plain {plain_adherence:.0%} "
-                                f"(allowed: {max_adherence_drop:.0%})")  # fmt: skip
+            row.failures.append(
+                f"adherence {row.adherence:.0%} is {drop:.0%} below plain {plain_adherence:.0%} "
+                f"(allowed: {max_adherence_drop:.0%})"
+            )
         settings.append(row)
     p0 = requests[0][0]
     return {
-        "model": str(model_dir), "family": family.name, "world": world, "images": len(requests),
-        "steps": p0.steps, "size": f"{p0.width}x{p0.height}", "guidance": p0.guidance,
-        "plain_seconds": plain_seconds, "plain_adherence": plain_adherence,
-        "settings": [asdict(s) for s in settings], "passed": not any(s.failures for s in settings),
-    }  # fmt: skip
+        "model": str(model_dir),
+        "family": family.name,
+        "world": world,
+        "images": len(requests),
+        "steps": p0.steps,
+        "size": f"{p0.width}x{p0.height}",
+        "guidance": p0.guidance,
+        "plain_seconds": plain_seconds,
+        "plain_adherence": plain_adherence,
+        "settings": [asdict(s) for s in settings],
+        "passed": not any(s.failures for s in settings),
+    }
 
 
 def markdown(report: dict[str, Any]) -> str:
     """The report as a markdown table (what the CLI prints)."""
-    head = (f"{report['family']} at {report['size']}, {report['steps']} steps, guidance {report['guidance']}, "
-            f"{report['images']} requests ({'held-out shape-world prompts' if report['world'] else 'generic prompts'}); "
-            f"plain path {report['plain_seconds']:.1f} s")  # fmt: skip
-    columns = ("TeaCache threshold", "skipped", "identical", "PSNR mean / worst dB", "SSIM mean / worst",
-               "adherence plain → cached", "s", "gates")  # fmt: skip
+    head = (
+        f"{report['family']} at {report['size']}, {report['steps']} steps, guidance {report['guidance']}, "
+        f"{report['images']} requests ({'held-out shape-world prompts' if report['world'] else 'generic prompts'}); "
+        f"plain path {report['plain_seconds']:.1f} s"
+    )
+    columns = (
+        "TeaCache threshold",
+        "skipped",
+        "identical",
+        "PSNR mean / worst dB",
+        "SSIM mean / worst",
+        "adherence plain → cached",
+        "s",
+        "gates",
+    )
     lines = [head, "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for s in report["settings"]:
         adh = "n/a" if s["adherence"] is None else f"{s['plain_adherence']:.0%} → {s['adherence']:.0%}"
         gates = "; ".join(s["failures"]) or "pass"
-        lines.append(f"| {s['teacache_threshold']:g} | {s['skipped_fraction']:.0%} | {s['identical']}/{s['images']} "
-                     f"| {s['psnr_mean']:.1f} / {s['psnr_min']:.1f} "
-                     f"| {s['ssim_mean']:.3f} / {s['ssim_min']:.3f} | {adh} | {s['seconds']:.1f} | {gates} |")  # fmt: skip
+        lines.append(
+            f"| {s['teacache_threshold']:g} | {s['skipped_fraction']:.0%} | {s['identical']}/{s['images']} "
+            f"| {s['psnr_mean']:.1f} / {s['psnr_min']:.1f} "
+            f"| {s['ssim_mean']:.3f} / {s['ssim_min']:.3f} | {adh} | {s['seconds']:.1f} | {gates} |"
+        )
     return "\n".join(lines)
 
 

@@ -45,7 +45,9 @@ class Encoder:
         self.sock.setsockopt(zmq.IDENTITY, instance_id.encode())
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(head.control_address)
-        self.send(P.Register(instance_id, "encoder", 2, instance_id, "tcp://127.0.0.1:1", "zmq", head.revision, 1, chat))
+        self.send(
+            P.Register(instance_id, "encoder", 2, instance_id, "tcp://127.0.0.1:1", "zmq", head.revision, 1, chat)
+        )
         assert self.recv().accepted
 
     def send(self, msg) -> None:
@@ -94,7 +96,12 @@ def test_chat_goes_to_a_chat_capable_encoder_and_streams_in_order(head):
         vlm.send(P.ChatDelta("c1", task.generation, "enc-b", text))
     vlm.send(P.ChatDone("c1", task.generation, "enc-b", "a red circle", 20, 4, "stop"))
     result = future.result(30)
-    assert (result.text, result.prompt_tokens, result.completion_tokens, result.finish_reason) == ("a red circle", 20, 4, "stop")
+    assert (result.text, result.prompt_tokens, result.completion_tokens, result.finish_reason) == (
+        "a red circle",
+        20,
+        4,
+        "stop",
+    )
     assert pieces == ["a", " red", " circle"]
     assert held(loop, orch) == {"enc-a": [], "enc-b": []}
 
@@ -108,7 +115,7 @@ def test_a_dead_encoder_before_any_piece_retries_elsewhere_after_one_fails(head)
     for w in workers.values():
         if not w.silent(1.0):
             got[w.id] = w.recv()
-    (victim, task), = got.items()
+    ((victim, task),) = got.items()
     other = next(w for w in workers.values() if w.id != victim)
     loop.call_soon_threadsafe(orch._on_instance_dead, victim, "test: killed")
     retry = other.next(P.ChatTask)  # after a PeerDown about the victim
@@ -134,8 +141,18 @@ def test_worker_side_rule_break_is_the_users_error_and_cancel_frees_the_slot(hea
     future = start_chat(loop, orch, "c1", [], stream=False)
     task = vlm.recv()
     assert not task.stream
-    vlm.send(P.StageError("c1", task.generation, "enc-a", "chat", "InvalidParam", "x", False,
-                          ("max_tokens", "4096", "must fit the model's context of 4096 tokens")))  # fmt: skip
+    vlm.send(
+        P.StageError(
+            "c1",
+            task.generation,
+            "enc-a",
+            "chat",
+            "InvalidParam",
+            "x",
+            False,
+            ("max_tokens", "4096", "must fit the model's context of 4096 tokens"),
+        )
+    )
     with pytest.raises(InvalidParam) as e:
         future.result(30)
     assert e.value.field == "max_tokens" and "context" in e.value.rule

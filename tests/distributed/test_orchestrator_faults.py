@@ -147,7 +147,9 @@ def test_a_worker_declared_dead_while_only_stalled_rejoins_and_serves(model):
             pending.result(120)
         assert victim not in {i["id"] for i in cluster.describe()["instances"]}
         cluster.on_loop(cluster.backend.kill, victim, signal.SIGCONT)
-        desc = cluster.wait_until(lambda d: victim in {i["id"] for i in d["instances"]}, "the stalled denoiser rejoined")
+        desc = cluster.wait_until(
+            lambda d: victim in {i["id"] for i in d["instances"]}, "the stalled denoiser rejoined"
+        )
         assert desc["stats"]["rejoins_requested"] >= 1 and desc["stats"]["instances_lost"] == 1
         j = job(family, "after-rejoin", seed=9)
         data = cluster.submit(j).result(300)

@@ -43,8 +43,9 @@ class FakeWorker:
         self.sock.setsockopt(zmq.IDENTITY, instance_id.encode())
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(head.control_address)
-        self.send(P.Register(instance_id, role, 2, instance_id, "tcp://127.0.0.1:1", "zmq",
-                             revision or head.revision, 1))  # fmt: skip
+        self.send(
+            P.Register(instance_id, role, 2, instance_id, "tcp://127.0.0.1:1", "zmq", revision or head.revision, 1)
+        )
         self.ack = self.recv()
 
     def send(self, msg) -> None:

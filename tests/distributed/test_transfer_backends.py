@@ -289,8 +289,7 @@ def test_sender_in_spawned_process():
         child.start()
         try:
             received = {
-                kind: [rx.wait_ready(r.transfer_id, timeout_s=60) for r in refs[kind]]
-                for kind, rx in receivers.items()
+                kind: [rx.wait_ready(r.transfer_id, timeout_s=60) for r in refs[kind]] for kind, rx in receivers.items()
             }
             assert done.get(timeout=60) == "ok"
         finally:

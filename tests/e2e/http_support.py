@@ -118,8 +118,12 @@ class FakeFamily:
         self.is_video, self.accepts_image, self.requires_image = is_video, accepts_image, requires_image
 
     def resolve(self, p: GenerationParams) -> GenerationParams:
-        p = p.replace(height=p.height or 32, width=p.width or 32, steps=p.steps or 2,
-                      frames=p.frames or (5 if self.is_video else 1))  # fmt: skip
+        p = p.replace(
+            height=p.height or 32,
+            width=p.width or 32,
+            steps=p.steps or 2,
+            frames=p.frames or (5 if self.is_video else 1),
+        )
         for name in ("height", "width"):
             if getattr(p, name) % 16:
                 raise InvalidParam(name, getattr(p, name), "must be a positive multiple of 16 for fake")

@@ -33,8 +33,12 @@ def data_url(image) -> str:
 
 
 def user(image, text: str = QUESTION) -> list[dict]:
-    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(image)}},
-                                         {"type": "text", "text": text}]}]  # fmt: skip
+    return [
+        {
+            "role": "user",
+            "content": [{"type": "image_url", "image_url": {"url": data_url(image)}}, {"type": "text", "text": text}],
+        }
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +62,11 @@ def test_in_process_answer_stream_and_usage(family, scene, tmp_path):
         assert out.choices[0].finish_reason == "stop" and out.object == "chat.completion"
         assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
         assert out.usage.prompt_tokens > 16  # the image's 16 vision tokens are part of the prompt
-        chunks = list(client.chat.completions.create(messages=user(image), model="default_edit", stream=True,
-                                                     stream_options={"include_usage": True}))  # fmt: skip
+        chunks = list(
+            client.chat.completions.create(
+                messages=user(image), model="default_edit", stream=True, stream_options={"include_usage": True}
+            )
+        )
         assert chunks[0].choices[0].delta.role == "assistant"
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert text == answer  # greedy: the streamed answer is the same answer
@@ -87,15 +94,52 @@ def test_in_process_answer_stream_and_usage(family, scene, tmp_path):
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}, "messages[1].role"),
         ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://10.0.0.1/a.png"}}]}]},
-         "messages[0].content[0].image_url.url"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAA"}}]}]},
-         "messages[0].content[0].image_url.url"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
-            "url": "data:image/png;base64," + base64.b64encode(b"not a png").decode()}}]}]},
-         "messages[0].content[0].image_url.url"),
-        ({"messages": [{"role": "assistant", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]},
-                       {"role": "user", "content": "hi"}]}, "messages[0].content[0]"),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://10.0.0.1/a.png"}}]}
+                ]
+            },
+            "messages[0].content[0].image_url.url",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAA"}}],
+                    }
+                ]
+            },
+            "messages[0].content[0].image_url.url",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "image_url",
+                                "image_url": {
+                                    "url": "data:image/png;base64," + base64.b64encode(b"not a png").decode()
+                                },
+                            }
+                        ],
+                    }
+                ]
+            },
+            "messages[0].content[0].image_url.url",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "assistant", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]},
+                    {"role": "user", "content": "hi"},
+                ]
+            },
+            "messages[0].content[0]",
+        ),
         ({"frobnicate": 1}, "frobnicate"),
     ],
 )
@@ -112,7 +156,9 @@ def test_bad_requests_are_400s_naming_the_field(family, tmp_path, change, param)
 
 def test_unknown_model_is_a_404(family, tmp_path):
     with serve(create_app(InProcessBackend(family), HeadConfig(data_dir=tmp_path))) as base:
-        resp = httpx.post(f"{base}/v1/chat/completions", json={"model": "other", "messages": [{"role": "user", "content": "hi"}]})
+        resp = httpx.post(
+            f"{base}/v1/chat/completions", json={"model": "other", "messages": [{"role": "user", "content": "hi"}]}
+        )
         assert resp.status_code == 404 and "default_edit" in resp.json()["error"]["message"]
 
 
@@ -124,8 +170,9 @@ def test_limits_and_models_without_a_vlm(family, scene, tmp_path, tiny_model_dir
         resp = httpx.post(f"{base}/v1/chat/completions", json={"messages": two})
         assert resp.status_code == 400 and "max_chat_images" in resp.json()["error"]["message"]
         for stream in (False, True):  # only the model knows its context: still a 400, streamed or not
-            resp = httpx.post(f"{base}/v1/chat/completions", json={"messages": user(image), "max_tokens": 4096,
-                                                                    "stream": stream})  # fmt: skip
+            resp = httpx.post(
+                f"{base}/v1/chat/completions", json={"messages": user(image), "max_tokens": 4096, "stream": stream}
+            )
             assert resp.status_code == 400 and resp.json()["error"]["param"] == "max_tokens", resp.text
             assert "context of 4096 tokens" in resp.json()["error"]["message"]
     flux = load_family(tiny_model_dir("flux"))
@@ -138,9 +185,11 @@ def embedded(model_dir, tmp_path):
     from triptych.server.launch import EmbeddedBackend, TopologyConfig
     from triptych.server.orchestrator import OrchestratorConfig
 
-    backend = EmbeddedBackend(model_dir, OrchestratorConfig(host="127.0.0.1", control_port=0, heartbeat_interval_s=0.2,
-                                                            heartbeat_timeout_s=5.0),
-                              TopologyConfig(transfer="zmq", torch_threads=1))  # fmt: skip
+    backend = EmbeddedBackend(
+        model_dir,
+        OrchestratorConfig(host="127.0.0.1", control_port=0, heartbeat_interval_s=0.2, heartbeat_timeout_s=5.0),
+        TopologyConfig(transfer="zmq", torch_threads=1),
+    )
     limits = AdmissionLimits(max_chat_tokens=4000)
     return backend, serve(create_app(backend, HeadConfig(data_dir=tmp_path / "data", limits=limits)))
 
@@ -166,24 +215,35 @@ def test_embedded_chat_on_the_encoder_shares_the_edit_cache_and_stops_when_the_c
         before = _mm_hits(base)  # the metrics registry is the process's: other tests may have counted
         buf = io.BytesIO()
         image.save(buf, format="PNG")
-        client.images.edit(image=("a.png", buf.getvalue(), "image/png"), prompt="make the shape red",
-                           extra_body={"seed": 1})  # fmt: skip
+        client.images.edit(
+            image=("a.png", buf.getvalue(), "image/png"), prompt="make the shape red", extra_body={"seed": 1}
+        )
         hits = wait_for(lambda: (h := _mm_hits(base)) > before and h, "stats report after the edit")  # CFG's 2nd branch
         out = client.chat.completions.create(messages=user(image), model="default_edit")
         assert out.choices[0].message.content == reference  # the worker answers what the model answers in process
         wait_for(lambda: _mm_hits(base) > hits, "the chat's hit on the edit's entry")
-        streamed = "".join(c.choices[0].delta.content or "" for c in
-                           client.chat.completions.create(model="default_edit", messages=user(image), stream=True)
-                           if c.choices)  # fmt: skip
+        streamed = "".join(
+            c.choices[0].delta.content or ""
+            for c in client.chat.completions.create(model="default_edit", messages=user(image), stream=True)
+            if c.choices
+        )
         assert streamed == reference
         # A long answer (4000 tokens, no early stop) on the only encoder. While it is generating, an
         # edit goes through that encoder (encodes run between tokens) and finishes before it; then
         # the client, having read one piece, leaves.
-        body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4000, "ignore_eos": True, "stream": True}
+        body = {
+            "messages": [{"role": "user", "content": "hello"}],
+            "max_tokens": 4000,
+            "ignore_eos": True,
+            "stream": True,
+        }
         with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=60) as resp:
             assert resp.status_code == 200
             lines = resp.iter_lines()  # kept: a dropped line iterator closes the response
-            while not ((line := next(lines)).startswith("data: ") and json.loads(line[6:])["choices"][0]["delta"].get("content")):
+            while not (
+                (line := next(lines)).startswith("data: ")
+                and json.loads(line[6:])["choices"][0]["delta"].get("content")
+            ):
                 pass
             client.images.edit(image=("a.png", buf.getvalue(), "image/png"), prompt="make the background blue")
             stats = httpx.get(f"{base}/health").json()["backend"]["stats"]

@@ -50,14 +50,17 @@ def reference(flux_dir):
 
 
 def test_b64_json_is_bit_identical_to_run_request(client, reference):
-    out = client.images.generate(prompt="a red cube", response_format="b64_json",
-                                 extra_body={"seed": 7, "num_inference_steps": 3})  # fmt: skip
+    out = client.images.generate(
+        prompt="a red cube", response_format="b64_json", extra_body={"seed": 7, "num_inference_steps": 3}
+    )
     pixels = decode_pixels(base64.b64decode(out.data[0].b64_json))
     np.testing.assert_array_equal(pixels, reference(7, steps=3))
 
 
 def test_url_link_serves_the_same_image(client, reference):
-    out = client.images.generate(prompt="a red cube", response_format="url", extra_body={"seed": 7, "num_inference_steps": 3})
+    out = client.images.generate(
+        prompt="a red cube", response_format="url", extra_body={"seed": 7, "num_inference_steps": 3}
+    )
     assert out.data[0].url.startswith("http://127.0.0.1:")
     resp = httpx.get(out.data[0].url)
     assert resp.status_code == 200 and resp.headers["content-type"] == "image/png"
@@ -70,8 +73,9 @@ def test_url_unknown_file_is_404_in_openai_shape(server):
 
 
 def test_n2_gives_consecutive_seeds_and_different_images(client, reference):
-    out = client.images.generate(prompt="a red cube", n=2, size="64x64", output_format="png",
-                                 extra_body={"seed": 11, "num_inference_steps": 2})  # fmt: skip
+    out = client.images.generate(
+        prompt="a red cube", n=2, size="64x64", output_format="png", extra_body={"seed": 11, "num_inference_steps": 2}
+    )
     a, b = (decode_pixels(base64.b64decode(d.b64_json)) for d in out.data)
     assert out.model_extra["seeds"] == [11, 12]
     assert not np.array_equal(a, b)
@@ -91,8 +95,12 @@ def test_output_compression_sets_the_jpeg_and_webp_quality(client, reference):
     for fmt in ("jpeg", "webp"):
         sizes, errors = [], []
         for q in (100, 5):
-            out = client.images.generate(prompt="a red cube", output_format=fmt, output_compression=q,
-                                         extra_body={"seed": 3, "num_inference_steps": 2})  # fmt: skip
+            out = client.images.generate(
+                prompt="a red cube",
+                output_format=fmt,
+                output_compression=q,
+                extra_body={"seed": 3, "num_inference_steps": 2},
+            )
             data = base64.b64decode(out.data[0].b64_json)
             sizes.append(len(data))
             errors.append(np.abs(decode_pixels(data).astype(float) - want).mean())
@@ -163,8 +171,14 @@ def test_models_health_and_metrics(client, server):
     assert [m.id for m in models.data] == [client.models.retrieve(models.data[0].id).id]
     assert httpx.get(f"{server}/health").json()["status"] == "ok"
     text = httpx.get(f"{server}/metrics").text
-    for name in ("triptych_queue_depth", "triptych_queue_wait_seconds", "triptych_stage_run_seconds",
-                 "triptych_transfer_bytes_total", "triptych_transfer_latency_seconds", "triptych_requests_total",
-                 "triptych_instances"):  # fmt: skip
+    for name in (
+        "triptych_queue_depth",
+        "triptych_queue_wait_seconds",
+        "triptych_stage_run_seconds",
+        "triptych_transfer_bytes_total",
+        "triptych_transfer_latency_seconds",
+        "triptych_requests_total",
+        "triptych_instances",
+    ):
         assert f"# TYPE {name} " in text, name
     assert 'triptych_requests_total{endpoint="/v1/images/generations",outcome="success"}' in text

@@ -65,8 +65,10 @@ def test_client_disconnect_cancels_the_job(tmp_path):
         port = int(base.rsplit(":", 1)[1])
         body = b'{"prompt": "a cat", "seed": 3}'
         with socket.create_connection(("127.0.0.1", port)) as s:
-            s.sendall(b"POST /v1/images/generations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+            s.sendall(
+                b"POST /v1/images/generations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+            )
             job_id = wait_for(lambda: next(iter(backend.running), None), "job running")
         wait_for(lambda: job_id in backend.cancelled, "cancel after disconnect")
         wait_for(lambda: httpx.get(f"{base}/health").json()["in_flight"] == 0, "admission slot released")
@@ -76,12 +78,19 @@ def test_edit_with_fake_image_family_passes_params(tmp_path):
     backend, server = make_server(tmp_path)
     with server as base:
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
-        out = client.images.edit(image=("a.png", png_bytes()), prompt="blue", n=2, size="48x32",
-                                 extra_body={"seed": 5, "true_cfg_scale": 2.0, "num_inference_steps": 3})  # fmt: skip
+        out = client.images.edit(
+            image=("a.png", png_bytes()),
+            prompt="blue",
+            n=2,
+            size="48x32",
+            extra_body={"seed": 5, "true_cfg_scale": 2.0, "num_inference_steps": 3},
+        )
         assert len(out.data) == 2 and out.size == "48x32"
         params = [j.params for j in backend.jobs]
         assert [p.seed for p in params] == [5, 6]
-        assert {(p.teacache_threshold, p.true_cfg, p.steps, p.width, p.height) for p in params} == {(0.0, 2.0, 3, 48, 32)}
+        assert {(p.teacache_threshold, p.true_cfg, p.steps, p.width, p.height) for p in params} == {
+            (0.0, 2.0, 3, 48, 32)
+        }
         assert params[0].image.size == (32, 32)
         # A family without a TeaCache plan refuses a threshold at the door (pass-through on a real
         # family: tests/pipelines/test_engine_teacache.py).
@@ -116,8 +125,12 @@ def test_huge_body_is_refused_before_reading(tmp_path):
 def test_form_fields_are_validated(tmp_path):
     backend, server = make_server(tmp_path)
     with server as base:
-        for data, param in [({"prompt": "x", "n": "two"}, "n"), ({"prompt": "x", "size": "65x64"}, "size"),
-                            ({"prompt": "x", "bogus": "1"}, "bogus"), ({"n": "1"}, "prompt")]:  # fmt: skip
+        for data, param in [
+            ({"prompt": "x", "n": "two"}, "n"),
+            ({"prompt": "x", "size": "65x64"}, "size"),
+            ({"prompt": "x", "bogus": "1"}, "bogus"),
+            ({"n": "1"}, "prompt"),
+        ]:
             resp = httpx.post(f"{base}/v1/images/edits", data=data, files={"image": ("a.png", png_bytes())})
             assert resp.status_code == 400 and resp.json()["error"]["param"] == param, (data, resp.text)
         resp = httpx.post(f"{base}/v1/images/edits", data={"prompt": "x"})

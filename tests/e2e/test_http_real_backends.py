@@ -35,8 +35,12 @@ def test_edit_on_qwen_image_edit_matches_run_request(tiny_model_dir, tmp_path):
     app = create_app(InProcessBackend(load_family(model)), HeadConfig(data_dir=tmp_path / "data"))
     with serve(app) as base:
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
-        out = client.images.edit(image=("in.png", upload), prompt="make it blue", size="64x64",
-                                 extra_body={"seed": 2, "num_inference_steps": 2})  # fmt: skip
+        out = client.images.edit(
+            image=("in.png", upload),
+            prompt="make it blue",
+            size="64x64",
+            extra_body={"seed": 2, "num_inference_steps": 2},
+        )
     got = decode_pixels(base64.b64decode(out.data[0].b64_json))
     want = reference(model, prompt="make it blue", image=decode_image(upload), height=64, width=64, seed=2, steps=2)
     np.testing.assert_array_equal(got, want)

@@ -104,8 +104,19 @@ def test_restart_keeps_completed_and_fails_interrupted(video_family, tmp_path):
         wait_status(client, video.id, "completed")
         mp4 = client.videos.download_content(video.id).read()
     store = JobStore(data / "jobs.sqlite")  # a job the dead head left running
-    store.insert(VideoRecord(id="video_dead", created_at=0, status="in_progress", progress=40, model="m",
-                             prompt="lost", size="32x32", seconds="1", frames=17))  # fmt: skip
+    store.insert(
+        VideoRecord(
+            id="video_dead",
+            created_at=0,
+            status="in_progress",
+            progress=40,
+            model="m",
+            prompt="lost",
+            size="32x32",
+            seconds="1",
+            frames=17,
+        )
+    )
     store.close()
     backend2, server2 = start(video_family, data)
     with server2 as base:

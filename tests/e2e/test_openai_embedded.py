@@ -19,16 +19,23 @@ from triptych.server.http import HeadConfig, create_app
 from triptych.server.media import encode_frames
 from triptych.server.transfer import mooncake_available
 
-BACKENDS = ["zmq", pytest.param("mooncake", marks=pytest.mark.skipif(not mooncake_available(),
-                                                                      reason="mooncake.engine not importable"))]  # fmt: skip
+BACKENDS = [
+    "zmq",
+    pytest.param(
+        "mooncake", marks=pytest.mark.skipif(not mooncake_available(), reason="mooncake.engine not importable")
+    ),
+]
 
 
 def embedded(model_dir, transfer: str, tmp_path):
     from triptych.server.launch import EmbeddedBackend, TopologyConfig
     from triptych.server.orchestrator import OrchestratorConfig
 
-    backend = EmbeddedBackend(model_dir, OrchestratorConfig(host="127.0.0.1", control_port=0),
-                              TopologyConfig(transfer=transfer, torch_threads=1))  # fmt: skip
+    backend = EmbeddedBackend(
+        model_dir,
+        OrchestratorConfig(host="127.0.0.1", control_port=0),
+        TopologyConfig(transfer=transfer, torch_threads=1),
+    )
     return serve(create_app(backend, HeadConfig(data_dir=tmp_path / "data", video_fps=8)))
 
 
@@ -37,10 +44,12 @@ def test_image_matches_generate(tiny_model_dir, tmp_path, transfer):
     model = tiny_model_dir("flux")
     with embedded(model, transfer, tmp_path) as base:
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
-        out = client.images.generate(prompt="a red cube", size="64x48",
-                                     extra_body={"seed": 5, "num_inference_steps": 3})  # fmt: skip
-    frames, _ = run_request(load_family(model), GenerationParams(prompt="a red cube", seed=5, steps=3,
-                                                                 height=48, width=64))  # fmt: skip
+        out = client.images.generate(
+            prompt="a red cube", size="64x48", extra_body={"seed": 5, "num_inference_steps": 3}
+        )
+    frames, _ = run_request(
+        load_family(model), GenerationParams(prompt="a red cube", seed=5, steps=3, height=48, width=64)
+    )
     np.testing.assert_array_equal(decode_pixels(base64.b64decode(out.data[0].b64_json)), frames.to_uint8()[0])
 
 
@@ -49,12 +58,17 @@ def test_video_matches_generate(tiny_model_dir, tmp_path, transfer):
     model = tiny_model_dir("wan-t2v")
     with embedded(model, transfer, tmp_path) as base:
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
-        video = client.videos.create(prompt="a boat", size="32x32",
-                                     extra_body={"frames": 5, "num_inference_steps": 2, "seed": 7})  # fmt: skip
-        done = wait_for(lambda: (v := client.videos.retrieve(video.id)).status in ("completed", "failed") and v,
-                        "video done", deadline_s=300)  # fmt: skip
+        video = client.videos.create(
+            prompt="a boat", size="32x32", extra_body={"frames": 5, "num_inference_steps": 2, "seed": 7}
+        )
+        done = wait_for(
+            lambda: (v := client.videos.retrieve(video.id)).status in ("completed", "failed") and v,
+            "video done",
+            deadline_s=300,
+        )
         assert done.status == "completed", done
         mp4 = client.videos.download_content(video.id).read()
-    frames, _ = run_request(load_family(model), GenerationParams(prompt="a boat", seed=7, steps=2, frames=5,
-                                                                 height=32, width=32))  # fmt: skip
+    frames, _ = run_request(
+        load_family(model), GenerationParams(prompt="a boat", seed=7, steps=2, frames=5, height=32, width=32)
+    )
     assert mp4 == encode_frames(frames.to_uint8(), "mp4", fps=8)

@@ -51,8 +51,12 @@ def server(tiny_model_dir, tmp_path_factory):
 
 
 def generate(client, prompt: str, seed: int) -> np.ndarray:
-    out = client.images.generate(prompt=prompt, size=f"{SIZE}x{SIZE}", response_format="b64_json",
-                                 extra_body={"seed": seed, "num_inference_steps": STEPS})  # fmt: skip
+    out = client.images.generate(
+        prompt=prompt,
+        size=f"{SIZE}x{SIZE}",
+        response_format="b64_json",
+        extra_body={"seed": seed, "num_inference_steps": STEPS},
+    )
     return decode_pixels(base64.b64decode(out.data[0].b64_json))
 
 
@@ -79,7 +83,7 @@ def psnr(a: np.ndarray, b: np.ndarray) -> float:
     return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
 
 
-BATCHED = 'triptych_denoiser_batch_size_count'
+BATCHED = "triptych_denoiser_batch_size_count"
 SINGLE = 'triptych_denoiser_batch_size_bucket{le="1.0"}'
 STEPS_TOTAL = "triptych_denoiser_steps_total"
 
@@ -87,8 +91,10 @@ STEPS_TOTAL = "triptych_denoiser_steps_total"
 def test_concurrent_requests_are_batched_and_match_single_runs(server):
     model, base, client = server
     before = scrape(base)
-    prompts = [(f"a {color} cube on a table", 100 + i) for i, color in
-               enumerate(["red", "green", "blue", "white", "black", "pink", "gray", "gold"])]  # fmt: skip
+    prompts = [
+        (f"a {color} cube on a table", 100 + i)
+        for i, color in enumerate(["red", "green", "blue", "white", "black", "pink", "gray", "gold"])
+    ]
     with ThreadPoolExecutor(N) as pool:
         outputs = list(pool.map(lambda ps: generate(client, *ps), prompts))
 

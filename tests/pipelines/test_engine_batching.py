@@ -131,17 +131,25 @@ def test_the_denoiser_worker_fails_an_evicted_request_as_retryable_and_keeps_ser
     from triptych.server.worker_stages import DenoiserRunner, Job
 
     sent, failures = [], []
-    worker = SimpleNamespace(family=family, config=SimpleNamespace(engine=EngineConfig(max_batch_requests=1)),
-                             jobs={}, instance_id="d0", send=sent.append,
-                             fail=lambda job, error, retryable: failures.append((job.request_id, retryable)))  # fmt: skip
+    worker = SimpleNamespace(
+        family=family,
+        config=SimpleNamespace(engine=EngineConfig(max_batch_requests=1)),
+        jobs={},
+        instance_id="d0",
+        send=sent.append,
+        fail=lambda job, error, retryable: failures.append((job.request_id, retryable)),
+    )
     runner = DenoiserRunner(worker)
     for rid in ("bad", "good"):
         p = _params(family, 0)
         worker.jobs[rid] = Job(rid, 1, p, task=None)
         runner.engine.add(family.prepare(rid, p, family.encode(p)))
     real = family.forward
-    monkeypatch.setattr(family, "forward", lambda rows: (_ for _ in ()).throw(RuntimeError("boom"))
-                        if rows[0].state.request_id == "bad" else real(rows))  # fmt: skip
+    monkeypatch.setattr(
+        family,
+        "forward",
+        lambda rows: (_ for _ in ()).throw(RuntimeError("boom")) if rows[0].state.request_id == "bad" else real(rows),
+    )
     while runner.has_work():
         runner.execute()
     assert failures == [("bad", True)]

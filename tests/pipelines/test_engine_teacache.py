@@ -64,12 +64,44 @@ def test_generate_cli_with_teacache(calibrated, tmp_path):
 
     model = str(calibrated.model_dir)
     out = tmp_path / "a.png"
-    assert main(["generate", "--model", model, "--prompt", "a red circle", "--steps", str(STEPS),
-                 "--teacache-threshold", "0.3", "--out", str(out)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                model,
+                "--prompt",
+                "a red circle",
+                "--steps",
+                str(STEPS),
+                "--teacache-threshold",
+                "0.3",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert out.stat().st_size > 0
     # Same request at a step count without a profile: one clear line, exit code 2.
-    assert main(["generate", "--model", model, "--prompt", "x", "--steps", "5",
-                 "--teacache-threshold", "0.3", "--out", str(out)]) == 2  # fmt: skip
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                model,
+                "--prompt",
+                "x",
+                "--steps",
+                "5",
+                "--teacache-threshold",
+                "0.3",
+                "--out",
+                str(out),
+            ]
+        )
+        == 2
+    )
 
 
 def test_run_request_accel_matches_engine(calibrated):
@@ -94,8 +126,13 @@ def test_rest_teacache_request_and_refusals(calibrated, tmp_path):
     app = create_app(InProcessBackend(calibrated), HeadConfig(data_dir=tmp_path / "data"))
     with serve(app) as base:
         url = f"{base}/v1/images/generations"
-        body = {"prompt": "a red circle", "size": "64x64", "seed": 1, "num_inference_steps": STEPS,
-                "response_format": "b64_json"}  # fmt: skip
+        body = {
+            "prompt": "a red circle",
+            "size": "64x64",
+            "seed": 1,
+            "num_inference_steps": STEPS,
+            "response_format": "b64_json",
+        }
         ok = httpx.post(url, json={**body, "teacache_threshold": 0.3}, timeout=120)
         assert ok.status_code == 200, ok.text
         for bad in ({"teacache_threshold": 0.3, "num_inference_steps": 5}, {"teacache_threshold": 5.0}):

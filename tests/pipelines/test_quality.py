@@ -21,8 +21,13 @@ STEPS = 8
 @pytest.fixture(scope="module")
 def flux(tmp_path_factory):
     model = make_tiny("flux", tmp_path_factory.mktemp("quality") / "flux", seed=0)
-    calibrate(model, STEPS, prompts=("a red fox in the snow", "a lighthouse at night"), seeds=(0, 1),
-              family=load_family(model))  # fmt: skip
+    calibrate(
+        model,
+        STEPS,
+        prompts=("a red fox in the snow", "a lighthouse at night"),
+        seeds=(0, 1),
+        family=load_family(model),
+    )
     return model
 
 
@@ -39,12 +44,43 @@ def test_gates_fail_the_report_and_the_cli_exits_1(flux, tmp_path, capsys):
     report = quality_report(flux, [0.5], images=2, steps=STEPS, world=False, min_psnr=1000.0)
     assert not report["passed"] and "worst PSNR" in report["settings"][0]["failures"][0]
     out = tmp_path / "q.json"
-    code = cli.main(["quality", "--model", str(flux), "--teacache-threshold", "0.5", "--images", "2", "--steps",
-                     str(STEPS), "--min-psnr", "1000", "--out", str(out)])  # fmt: skip
+    code = cli.main(
+        [
+            "quality",
+            "--model",
+            str(flux),
+            "--teacache-threshold",
+            "0.5",
+            "--images",
+            "2",
+            "--steps",
+            str(STEPS),
+            "--min-psnr",
+            "1000",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 1 and json.loads(out.read_text())["passed"] is False
     assert "| 0.5 |" in capsys.readouterr().out
-    assert cli.main(["quality", "--model", str(flux), "--teacache-threshold", "0.5", "--images", "2", "--steps",
-                     str(STEPS), "--min-psnr", "1"]) == 0  # fmt: skip
+    assert (
+        cli.main(
+            [
+                "quality",
+                "--model",
+                str(flux),
+                "--teacache-threshold",
+                "0.5",
+                "--images",
+                "2",
+                "--steps",
+                str(STEPS),
+                "--min-psnr",
+                "1",
+            ]
+        )
+        == 0
+    )
 
 
 def test_bad_input_names_the_field(flux):

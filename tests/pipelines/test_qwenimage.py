@@ -130,8 +130,9 @@ EDIT_CASES = {
 
 @pytest.mark.parametrize("case", EDIT_CASES)
 def test_edit_single_request_is_bit_identical_to_diffusers(edit, case):
-    p = edit.resolve(GenerationParams(prompt="make the circle green", image=condition_image(), seed=5, steps=3,
-                                      **EDIT_CASES[case]))  # fmt: skip
+    p = edit.resolve(
+        GenerationParams(prompt="make the circle green", image=condition_image(), seed=5, steps=3, **EDIT_CASES[case])
+    )
     reference = edit.reference_call(p, output_type="np")
     state, frames = staged(edit, p)
     assert len(state.branches()) == (1 if p.guidance <= 1 else 2)
@@ -178,10 +179,16 @@ def test_edit_condition_area_from_the_models_triptych_json(model_dirs, tmp_path,
 def batch_requests(image):
     return [  # different prompts (token lengths), seeds, guidance, negative prompts, step counts
         GenerationParams(prompt="a red circle", image=image, seed=1, steps=4, guidance=4.0),
-        GenerationParams(prompt="a large green square at the left on a black background", image=image, seed=2,
-                         steps=3, guidance=2.5, negative_prompt="low quality, blurry, distorted"),
+        GenerationParams(
+            prompt="a large green square at the left on a black background",
+            image=image,
+            seed=2,
+            steps=3,
+            guidance=2.5,
+            negative_prompt="low quality, blurry, distorted",
+        ),
         GenerationParams(prompt="a yellow triangle at the top", image=image, seed=3, steps=2, guidance=1.0),
-    ]  # fmt: skip
+    ]
 
 
 @pytest.mark.parametrize("fuse_cfg", [False, True], ids=["per-branch", "fused"])
@@ -314,8 +321,16 @@ def test_mm_cache_runs_the_vision_tower_once_per_image_and_changes_nothing(model
     cached = QwenImageEditFamily(model_dirs["edit"], roles=(Role.ENCODER,))
     cache = cached.mm_cache
     tower = cached.pipe.text_encoder.model.visual.patch_embed  # the first layer: it runs only on a miss
-    p = cached.resolve(GenerationParams(prompt="make the circle green", image=condition_image(), guidance=4.0,
-                                        negative_prompt="blurry", height=64, width=64))  # fmt: skip
+    p = cached.resolve(
+        GenerationParams(
+            prompt="make the circle green",
+            image=condition_image(),
+            guidance=4.0,
+            negative_prompt="blurry",
+            height=64,
+            width=64,
+        )
+    )
     other = p.replace(image=condition_image(40, 48), prompt="make it red")
     for params, runs in ((p, 1), (p.replace(prompt="make the square blue"), 0), (other, 1)):
         with count_calls(tower) as calls:

@@ -24,7 +24,6 @@ the computing rows.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
@@ -71,8 +70,16 @@ def families(tiny_model_dir, small_condition_area):
     out = {}
     for name in FAMILIES:
         fam = load_family(tiny_model_dir(name))
-        calibrate(fam.model_dir, STEPS, prompts=("a red fox in the snow", "a lighthouse at night"), seeds=(0, 1),
-                  family=fam, guidance=4.0, **SIZE, **extra(name))  # fmt: skip
+        calibrate(
+            fam.model_dir,
+            STEPS,
+            prompts=("a red fox in the snow", "a lighthouse at night"),
+            seeds=(0, 1),
+            family=fam,
+            guidance=4.0,
+            **SIZE,
+            **extra(name),
+        )
         out[name] = fam
     return out
 
@@ -90,8 +97,9 @@ def params(family, prompt="a small house by a lake", seed=3, threshold=0.0, **kw
 def mixed_rows(family):
     """Two requests, different prompts (token lengths) and seeds, both with CFG: 4 rows, padded text."""
     p1 = params(family, prompt="a red circle", guidance=4.0, negative_prompt="blurry")
-    p2 = params(family, prompt="an old lighthouse on a cliff during a storm at night, oil painting", seed=5,
-                guidance=3.0)  # fmt: skip
+    p2 = params(
+        family, prompt="an old lighthouse on a cliff during a storm at night, oil painting", seed=5, guidance=3.0
+    )
     states = [family.prepare(f"r{i}", p, encode(family, p)) for i, p in enumerate((p1, p2))]
     return [Row(states[0], "cond")], [Row(s, b) for b in ("cond", "uncond") for s in states]
 

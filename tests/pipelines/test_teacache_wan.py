@@ -24,7 +24,6 @@ one block-stack call over the computing rows.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -60,8 +59,16 @@ def families(tiny_model_dir):
     out = {}
     for name in FAMILIES:
         fam = load_family(tiny_model_dir(name))
-        calibrate(fam.model_dir, STEPS, prompts=("a red fox in the snow", "a lighthouse at night"), seeds=(0, 1),
-                  family=fam, guidance=5.0, **SIZE, **extra(name))  # fmt: skip
+        calibrate(
+            fam.model_dir,
+            STEPS,
+            prompts=("a red fox in the snow", "a lighthouse at night"),
+            seeds=(0, 1),
+            family=fam,
+            guidance=5.0,
+            **SIZE,
+            **extra(name),
+        )
         out[name] = fam
     return out
 
@@ -79,8 +86,13 @@ def params(family, prompt="a small house by a lake", seed=3, threshold=0.0, **kw
 def mixed_rows(family):
     """Two requests, different prompts and seeds, both with CFG: 4 rows (Wan pads text to a fixed length)."""
     p1 = params(family, prompt="a red circle", guidance=4.0, negative_prompt="blurry")
-    p2 = params(family, prompt="an old lighthouse on a cliff during a storm at night, oil painting", seed=5,
-                guidance=3.0, **({"image": condition_image(8)} if extra(family.name) else {}))  # fmt: skip
+    p2 = params(
+        family,
+        prompt="an old lighthouse on a cliff during a storm at night, oil painting",
+        seed=5,
+        guidance=3.0,
+        **({"image": condition_image(8)} if extra(family.name) else {}),
+    )
     states = [family.prepare(f"r{i}", p, encode(family, p)) for i, p in enumerate((p1, p2))]
     return [Row(states[0], "cond")], [Row(s, b) for b in ("cond", "uncond") for s in states]
 

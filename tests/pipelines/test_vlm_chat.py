@@ -60,8 +60,11 @@ def test_streamed_pieces_add_up_to_the_answer_and_max_tokens_stops_it(family):
 def test_cancel_stops_generation_at_the_next_token(family):
     chat = family.chat_model()
     seen: list[str] = []
-    result = chat.run(ask(render(sample_scenes(1, "chat-test", "heldout")[0], 64)), on_text=seen.append,
-                      should_stop=lambda: len(seen) >= 2)  # fmt: skip
+    result = chat.run(
+        ask(render(sample_scenes(1, "chat-test", "heldout")[0], 64)),
+        on_text=seen.append,
+        should_stop=lambda: len(seen) >= 2,
+    )
     assert result.finish_reason == "cancelled" and result.completion_tokens <= 4
 
 

@@ -34,13 +34,23 @@ def test_every_field_is_documented():
         assert after.strip().startswith('"""'), f"{name} has no docstring"
 
 
-@pytest.mark.parametrize("size, expected", [("64x32", (64, 32)), (" 16 X 48 ", (16, 48)), ("auto", (None, None)), (None, (None, None))])
+@pytest.mark.parametrize(
+    "size, expected", [("64x32", (64, 32)), (" 16 X 48 ", (16, 48)), ("auto", (None, None)), (None, (None, None))]
+)
 def test_parse_size_accepts(size, expected):
     assert AdmissionLimits().parse_size(size) == expected
 
 
-@pytest.mark.parametrize("size, needle", [("64x", "WIDTHxHEIGHT"), ("0x64", ">= 1"), ("x", "WIDTHxHEIGHT"),
-                                          ("64x64x3", "WIDTHxHEIGHT"), ("128x128", "exceeds the limit of 4096")])  # fmt: skip
+@pytest.mark.parametrize(
+    "size, needle",
+    [
+        ("64x", "WIDTHxHEIGHT"),
+        ("0x64", ">= 1"),
+        ("x", "WIDTHxHEIGHT"),
+        ("64x64x3", "WIDTHxHEIGHT"),
+        ("128x128", "exceeds the limit of 4096"),
+    ],
+)
 def test_parse_size_refuses_naming_size_value_and_limit(size, needle):
     with pytest.raises(InvalidParam) as e:
         AdmissionLimits(max_pixels=64 * 64).parse_size(size)
@@ -49,8 +59,12 @@ def test_parse_size_refuses_naming_size_value_and_limit(size, needle):
 
 def test_checks_name_field_and_limit():
     lim = AdmissionLimits(max_n=2, max_steps=4, max_frames=9, max_prompt_chars=5)
-    for call, field, limit in [(lambda: lim.check_n(3), "n", "2"), (lambda: lim.check_steps(5), "num_inference_steps", "4"),
-                               (lambda: lim.check_frames(10), "frames", "9"), (lambda: lim.check_prompt("abcdef"), "prompt", "5")]:  # fmt: skip
+    for call, field, limit in [
+        (lambda: lim.check_n(3), "n", "2"),
+        (lambda: lim.check_steps(5), "num_inference_steps", "4"),
+        (lambda: lim.check_frames(10), "frames", "9"),
+        (lambda: lim.check_prompt("abcdef"), "prompt", "5"),
+    ]:
         with pytest.raises(InvalidParam) as e:
             call()
         assert e.value.field == field and limit in e.value.rule

@@ -36,8 +36,22 @@ def test_unknown_model_directory_lists_supported_families(tmp_path, capsys):
 
 def test_image_for_text_only_family_and_missing_file(tiny_model_dir, tmp_path, capsys):
     out = str(tmp_path / "a.png")
-    assert main(["generate", "--model", tiny_model_dir("flux"), "--prompt", "x", "--image", "/nonexistent.png",
-                 "--out", out]) == 2  # fmt: skip
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                tiny_model_dir("flux"),
+                "--prompt",
+                "x",
+                "--image",
+                "/nonexistent.png",
+                "--out",
+                out,
+            ]
+        )
+        == 2
+    )
     assert "image" in capsys.readouterr().err
 
 
@@ -50,10 +64,26 @@ def test_generate_writes_an_image_in_a_subprocess(tiny_model_dir, tmp_path):
     """As a user runs it: the console entry point, a PNG written, timings printed."""
     out = tmp_path / "a.png"
     proc = subprocess.run(
-        [sys.executable, "-m", "triptych.cli", "generate", "--model", tiny_model_dir("flux"), "--prompt", "a red circle",
-         "--height", "48", "--width", "80", "--out", str(out)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "triptych.cli",
+            "generate",
+            "--model",
+            tiny_model_dir("flux"),
+            "--prompt",
+            "a red circle",
+            "--height",
+            "48",
+            "--width",
+            "80",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "timings:" in proc.stdout and "denoise" in proc.stdout
     from PIL import Image

@@ -11,8 +11,18 @@ from triptych.server.jobs import JobStore, VideoRecord
 
 
 def rec(job_id, created_at=0, status="queued", **kw):
-    return VideoRecord(id=job_id, created_at=created_at, status=status, progress=0, model="m", prompt="p",
-                       size="32x32", seconds="1", frames=17, **kw)  # fmt: skip
+    return VideoRecord(
+        id=job_id,
+        created_at=created_at,
+        status=status,
+        progress=0,
+        model="m",
+        prompt="p",
+        size="32x32",
+        seconds="1",
+        frames=17,
+        **kw,
+    )
 
 
 @pytest.fixture
@@ -38,7 +48,10 @@ def test_reopen_fails_active_jobs_and_keeps_finished(tmp_path, store):
     again = JobStore(tmp_path / "jobs.sqlite")
     assert again.fail_interrupted() == 2
     assert {r.id: (r.status, r.error_code) for r in again.list(10)} == {
-        "q": ("failed", "interrupted"), "r": ("failed", "interrupted"), "c": ("completed", None)}  # fmt: skip
+        "q": ("failed", "interrupted"),
+        "r": ("failed", "interrupted"),
+        "c": ("completed", None),
+    }
     again.close()
 
 
@@ -72,14 +85,17 @@ def test_file_store_serves_until_expiry_then_sweeps(tmp_path):
 def test_metrics_update_from_stats_objects():
     metrics.record_stage(metrics.StageStats("denoise", queue_wait_s=0.5, run_s=2.0))
     metrics.record_transfer(metrics.TransferStats("zmq", nbytes=1024, seconds=0.01))
-    metrics.update_from_describe({"instances": [{"role": "encoder", "state": "ready"}] * 2, "queues": {"encode": 3}},
-                                 head_in_flight=1)  # fmt: skip
+    metrics.update_from_describe(
+        {"instances": [{"role": "encoder", "state": "ready"}] * 2, "queues": {"encode": 3}}, head_in_flight=1
+    )
     text = metrics.render().decode()
     assert 'triptych_instances{role="encoder",state="ready"} 2.0' in text
     assert 'triptych_queue_depth{stage="encode"} 3.0' in text and 'triptych_queue_depth{stage="head"} 1.0' in text
     assert 'triptych_stage_run_seconds_count{stage="denoise"}' in text
     assert 'triptych_transfer_bytes_total{backend="zmq"}' in text
-    metrics.update_from_describe({"instances": [{"role": "decoder", "assigned": 2}, {"role": "decoder", "assigned": 0}]})
+    metrics.update_from_describe(
+        {"instances": [{"role": "decoder", "assigned": 2}, {"role": "decoder", "assigned": 0}]}
+    )
     text = metrics.render().decode()
     assert 'triptych_instances{role="decoder",state="busy"} 1.0' in text and 'state="idle"} 1.0' in text
     metrics.update_from_describe({})  # a fresh snapshot drops stale label sets

@@ -12,8 +12,16 @@ from triptych.pipelines.base import GenerationParams
 from triptych.server import protocol as P
 from triptych.server.transfer.refs import MooncakeLocation, TensorRef
 
-REF = TensorRef("r1/g1/cond/cond.prompt_embeds", "float32", (1, 4, 8), 128, "den-0", 3, "tcp://127.0.0.1:5000",
-                MooncakeLocation("127.0.0.1:1234", 4096))  # fmt: skip
+REF = TensorRef(
+    "r1/g1/cond/cond.prompt_embeds",
+    "float32",
+    (1, 4, 8),
+    128,
+    "den-0",
+    3,
+    "tcp://127.0.0.1:5000",
+    MooncakeLocation("127.0.0.1:1234", 4096),
+)
 WIRE = P.params_to_wire(GenerationParams("a cat", height=32, width=32, frames=1, steps=2, guidance=3.5, seed=7))
 SPEC = {"latents": P.TensorSpec("float32", (1, 16, 64))}
 ENGINE = P.EngineReport(10, 12, 24, 30, 2, 0.5, {1: 4, 3: 6}, 5, 1)
@@ -31,12 +39,23 @@ MESSAGES = [
     P.Progress("r1", 1, "den-0", 2, 4),
     P.MediaResult("r1", 1, "dec-0", b"\x89PNG...", "png"),
     P.StageError("r1", 1, "dec-0", "decode", "RuntimeError", "boom", False),
-    P.StageError("c1", 0, "enc-0", "chat", "InvalidParam", "too long", False, ("max_tokens", "4096", "fit the context")),
+    P.StageError(
+        "c1", 0, "enc-0", "chat", "InvalidParam", "too long", False, ("max_tokens", "4096", "fit the context")
+    ),
     P.Register("enc-1", "encoder", 4, "enc-1", "tcp://127.0.0.1:2", "zmq", "abc", 124, True),
     P.ChatDelta("c1", 0, "enc-0", " circle"),
     P.ChatDone("c1", 0, "enc-0", "a red circle", 43, 12, "stop"),
-    P.ChatTask("c1", 0, [P.ChatMessage("user", [P.ChatPart(image=0), P.ChatPart(text="hi")])], [b"\x89PNG"], 16, 0.0,
-               1.0, 5, True),
+    P.ChatTask(
+        "c1",
+        0,
+        [P.ChatMessage("user", [P.ChatPart(image=0), P.ChatPart(text="hi")])],
+        [b"\x89PNG"],
+        16,
+        0.0,
+        1.0,
+        5,
+        True,
+    ),
     P.RegisterAck("enc-0", False, "revision differs", 0.5),
     P.EncodeTask("r1", 1, WIRE, "den-0"),
     P.DenoiseTask("r1", 1, WIRE, SPEC, "enc-0", "dec-0", 30.0),
@@ -80,7 +99,9 @@ def test_malformed_or_unknown_frames_are_rejected(frame):
 def test_params_round_trip_including_image():
     image = Image.new("RGB", (8, 8), (10, 20, 30))
     params = GenerationParams("x", "neg", 32, 48, 1, 3, 2.5, 9, image, 1.5, 0.1)
-    back = P.params_from_wire(msgspec.msgpack.decode(msgspec.msgpack.encode(P.params_to_wire(params)), type=P.WireParams))
+    back = P.params_from_wire(
+        msgspec.msgpack.decode(msgspec.msgpack.encode(P.params_to_wire(params)), type=P.WireParams)
+    )
     assert back.replace(image=None) == params.replace(image=None)
     assert back.image.tobytes() == image.tobytes()
 
@@ -89,11 +110,18 @@ def test_chat_params_round_trip_including_images_in_order():
     from triptych.pipelines.vlm import ChatParams, ChatTurn
 
     images = (Image.new("RGB", (8, 8), (10, 20, 30)), Image.new("RGB", (4, 6), (1, 2, 3)))
-    params = ChatParams((ChatTurn("system", ("be brief",)), ChatTurn("user", (1, "and", 0, "?"))), images, 7, 0.7,
-                        0.9, 11, True)  # fmt: skip
+    params = ChatParams(
+        (ChatTurn("system", ("be brief",)), ChatTurn("user", (1, "and", 0, "?"))), images, 7, 0.7, 0.9, 11, True
+    )
     task = P.decode_from_head(P.encode(P.chat_to_wire("c1", 2, params, stream=True)))
     assert task.stream and task.generation == 2
     back = P.chat_from_wire(task)
     assert (back.turns, back.max_tokens, back.temperature, back.top_p, back.seed, back.ignore_eos) == (
-        params.turns, 7, 0.7, 0.9, 11, True)
+        params.turns,
+        7,
+        0.7,
+        0.9,
+        11,
+        True,
+    )
     assert [im.tobytes() for im in back.images] == [im.tobytes() for im in images]

@@ -126,8 +126,10 @@ def test_branches_keep_separate_state():
 
 def test_release_drops_every_branch_and_unknown_is_noop():
     fake, tc = make()
-    tc.forward([FakeRow("a", 0, ones(1), branch="cond"), FakeRow("a", 0, ones(1), branch="uncond"),
-                FakeRow("b", 0, ones(1))], base_forward)  # fmt: skip
+    tc.forward(
+        [FakeRow("a", 0, ones(1), branch="cond"), FakeRow("a", 0, ones(1), branch="uncond"), FakeRow("b", 0, ones(1))],
+        base_forward,
+    )
     tc.release("a")
     assert tc.num_states() == 1 and tc.active_requests() == ["b"]
     tc.release("b")

@@ -8,9 +8,15 @@ import numpy as np
 import pytest
 
 from triptych.cache.teacache import (
-    PROFILE_FORMAT, ProfileError, ProfileIndex, TeaCacheProfile, find_profile, load_profile, model_identity,
+    PROFILE_FORMAT,
+    ProfileError,
+    ProfileIndex,
+    TeaCacheProfile,
+    find_profile,
+    load_profile,
+    model_identity,
     save_profile,
-)  # fmt: skip
+)
 from triptych.calibration.fit import fit_coefficients
 
 COEFFS = (1.0, -2.0, 3.0, 0.5, 0.01)
@@ -29,9 +35,14 @@ def test_round_trip(tmp_path):
 
 @pytest.mark.parametrize(
     "patch, field",
-    [({"format": "other"}, "format"), ({"coefficients": [1, 2]}, "coefficients"), ({"steps": "8"}, "steps"),
-     ({"coefficients": [1, 2, 3, 4, "x"]}, "coefficients"), ({"warmup": -1}, "warmup")],
-)  # fmt: skip
+    [
+        ({"format": "other"}, "format"),
+        ({"coefficients": [1, 2]}, "coefficients"),
+        ({"steps": "8"}, "steps"),
+        ({"coefficients": [1, 2, 3, 4, "x"]}, "coefficients"),
+        ({"warmup": -1}, "warmup"),
+    ],
+)
 def test_invalid_files_name_the_problem(tmp_path, patch, field):
     data = {**prof().to_json(), **patch}
     path = tmp_path / "bad.json"

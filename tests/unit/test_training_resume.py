@@ -23,8 +23,9 @@ def test_resume_restores_everything_and_is_off_without_resume(tmp_path):
     pyrng = random.Random(7)
     pyrng.random()
     path = tmp_path / "x.ckpt"
-    save_checkpoint(path, model=model.state_dict(), opt=opt.state_dict(), step=42, rng=rng_state(),
-                    pyrng=pyrng.getstate())  # fmt: skip
+    save_checkpoint(
+        path, model=model.state_dict(), opt=opt.state_dict(), step=42, rng=rng_state(), pyrng=pyrng.getstate()
+    )
     expected_torch, expected_py = torch.rand(3), pyrng.random()
 
     fresh, fresh_opt = _model_and_opt(1)

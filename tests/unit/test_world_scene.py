@@ -36,7 +36,9 @@ def test_vocabulary_and_validation() -> None:
         Scene("circle", "red", "red")
     with pytest.raises(ValueError):
         Scene("hexagon", "red", "blue")
-    assert PartialScene("circle", "red", "blue", "left", "small").to_scene() == Scene("circle", "red", "blue", "left", "small")
+    assert PartialScene("circle", "red", "blue", "left", "small").to_scene() == Scene(
+        "circle", "red", "blue", "left", "small"
+    )
     assert PartialScene("circle", "red", "red", "left", "small").to_scene() is None
 
 
@@ -58,7 +60,10 @@ def test_sampling_and_rendering_are_deterministic() -> None:
     a, b = sample_scenes(50, seed=7), sample_scenes(50, seed=7)
     assert a == b and sample_scenes(20, seed=7) == a[:20]
     assert sample_scenes(50, seed=8) != a
-    digest = lambda scenes: hashlib.sha256(b"".join(render(s).tobytes() for s in scenes)).hexdigest()
+
+    def digest(scenes):
+        return hashlib.sha256(b"".join(render(s).tobytes() for s in scenes)).hexdigest()
+
     assert digest(a[:20]) == digest(b[:20])
     assert sample_edit_pairs(30, seed=1) == sample_edit_pairs(30, seed=1)
     for size in (32, 64, 128):

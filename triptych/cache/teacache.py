@@ -141,9 +141,15 @@ def load_profile(path: str | Path) -> TeaCacheProfile:
     if data["steps"] < 1 or not isinstance(warmup, int) or not isinstance(cooldown, int) or min(warmup, cooldown) < 0:
         raise ProfileError(f"TeaCache profile {path}: steps must be >= 1, warmup/cooldown integers >= 0")
     return TeaCacheProfile(
-        family=data["family"], model=data["model"], steps=data["steps"], coefficients=coeffs,
-        warmup=warmup, cooldown=cooldown, quality=dict(data.get("quality", {})), path=str(path),
-    )  # fmt: skip
+        family=data["family"],
+        model=data["model"],
+        steps=data["steps"],
+        coefficients=coeffs,
+        warmup=warmup,
+        cooldown=cooldown,
+        quality=dict(data.get("quality", {})),
+        path=str(path),
+    )
 
 
 def save_profile(profile: TeaCacheProfile, path: str | Path) -> Path:
@@ -188,11 +194,14 @@ def find_profile(
         if not directory.is_dir():
             continue
         found = [
-            p for p in (load_profile(f) for f in sorted(directory.glob("*.json")))
+            p
+            for p in (load_profile(f) for f in sorted(directory.glob("*.json")))
             if p.steps == steps and (family is None or p.family == family) and (not must_name_model or p.model == model)
-        ]  # fmt: skip
+        ]
         if len(found) > 1:
-            logger.warning("several TeaCache profiles match %s/%s steps in %s; using %s", family, steps, directory, found[0].path)
+            logger.warning(
+                "several TeaCache profiles match %s/%s steps in %s; using %s", family, steps, directory, found[0].path
+            )
         if found:
             return found[0]
     return None
@@ -201,7 +210,9 @@ def find_profile(
 class ProfileIndex:
     """``steps -> profile`` for one loaded model (memoised :func:`find_profile`); the TeaCache's source."""
 
-    def __init__(self, model_dir: str | Path, family: str, profiles_dir: str | Path | None = None, model: str | None = None):
+    def __init__(
+        self, model_dir: str | Path, family: str, profiles_dir: str | Path | None = None, model: str | None = None
+    ):
         self.model_dir, self.family, self.profiles_dir, self.model = model_dir, family, profiles_dir, model
         self._cache: dict[int, TeaCacheProfile | None] = {}
 
@@ -337,10 +348,11 @@ def resolve_settings(
         profile = profiles(steps)
         if profile is None:
             raise InvalidParam(
-                "teacache_threshold", threshold,
+                "teacache_threshold",
+                threshold,
                 f"TeaCache is not calibrated for family {family!r} at {steps} steps: no profile "
                 "found; calibrate one (triptych calibrate), set threshold 0, or pass coefficients",
-            )  # fmt: skip
+            )
         coeffs = profile.coefficients
     warmup = config.warmup_steps if config.warmup_steps is not None else (profile.warmup if profile else 1)
     cooldown = config.cooldown_steps
@@ -361,8 +373,12 @@ class TeaCache:
         tc.release(rid)                                                    # finished / failed / aborted
     """
 
-    def __init__(self, plan: TeaCachePlan, profiles: Callable[[int], TeaCacheProfile | None] | None = None,
-                 config: TeaCacheConfig | None = None):  # fmt: skip
+    def __init__(
+        self,
+        plan: TeaCachePlan,
+        profiles: Callable[[int], TeaCacheProfile | None] | None = None,
+        config: TeaCacheConfig | None = None,
+    ):
         self.plan = plan
         self.profiles = profiles or (lambda steps: None)
         self.config = config or TeaCacheConfig()

@@ -35,7 +35,9 @@ class _GenerationFields(BaseModel):
     guidance_scale: FiniteFloat | None = Field(None, ge=0)
     negative_prompt: str | None = Field(None, max_length=MAX_TEXT)
     true_cfg_scale: FiniteFloat | None = Field(None, ge=0)
-    teacache_threshold: FiniteFloat | None = Field(None, ge=0, le=2, description="0 = TeaCache off; needs a calibration profile")
+    teacache_threshold: FiniteFloat | None = Field(
+        None, ge=0, le=2, description="0 = TeaCache off; needs a calibration profile"
+    )
     output_compression: int | None = Field(
         None, ge=0, le=100, description="jpeg/webp quality, 0-100 (100: least compression); default 95"
     )

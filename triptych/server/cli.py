@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import logging
+import os
 from pathlib import Path
 
 from triptych.server.dispatch import POLICIES
@@ -26,9 +26,14 @@ def add_server_commands(sub) -> None:
     p.add_argument("--control-host", default="127.0.0.1", help="address remote workers reach the head at")
     p.add_argument("--control-port", type=int, default=0, help="worker control port (0: a free port, logged)")
     p.add_argument("--data-dir", help="head state: job records, videos, url files")
-    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' (repeat for several keys; also $TRIPTYCH_API_KEYS, "
-                   "comma-separated); default: no authentication")
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' (repeat for several keys; also $TRIPTYCH_API_KEYS, "
+        "comma-separated); default: no authentication",
+    )
     p.set_defaults(func=cmd_serve)
 
     w = sub.add_parser("worker", help="run one encoder/denoiser/decoder instance that registers with a head")
@@ -43,8 +48,13 @@ def add_server_commands(sub) -> None:
     w.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     w.add_argument("--max-batch-requests", type=int, default=8, help="denoiser: requests per forward")
     w.add_argument("--no-fuse-cfg", action="store_true", help="denoiser: one forward per CFG branch")
-    w.add_argument("--exit-with-parent", type=int, default=0, metavar="PID",
-                   help="exit when process PID (the spawning head) is gone, even after its kill -9")
+    w.add_argument(
+        "--exit-with-parent",
+        type=int,
+        default=0,
+        metavar="PID",
+        help="exit when process PID (the spawning head) is gone, even after its kill -9",
+    )
     w.set_defaults(func=cmd_worker)
 
 
@@ -55,11 +65,18 @@ def cmd_worker(args) -> int:
     from triptych.server.worker import WorkerConfig, run_worker
 
     config = WorkerConfig(
-        role=Role(args.role), head=args.head, model_dir=Path(resolve_model(args.model)),
-        instance_id=args.instance_id, capacity=args.capacity, transfer=args.transfer, host=args.host,
-        device=args.device, torch_threads=args.threads, parent_pid=args.exit_with_parent,
+        role=Role(args.role),
+        head=args.head,
+        model_dir=Path(resolve_model(args.model)),
+        instance_id=args.instance_id,
+        capacity=args.capacity,
+        transfer=args.transfer,
+        host=args.host,
+        device=args.device,
+        torch_threads=args.threads,
+        parent_pid=args.exit_with_parent,
         engine=EngineConfig(max_batch_requests=args.max_batch_requests, fuse_cfg=not args.no_fuse_cfg),
-    )  # fmt: skip
+    )
     return run_worker(config)
 
 
@@ -71,9 +88,14 @@ def cmd_serve(args) -> int:
     backend = EmbeddedBackend(
         resolve_model(args.model),
         OrchestratorConfig(host=args.control_host, control_port=args.control_port, dispatch=args.dispatch),
-        TopologyConfig(encoders=args.encoders, denoisers=args.denoisers, decoders=args.decoders,
-                       transfer=args.transfer, capacity=args.capacity),
-    )  # fmt: skip
+        TopologyConfig(
+            encoders=args.encoders,
+            denoisers=args.denoisers,
+            decoders=args.decoders,
+            transfer=args.transfer,
+            capacity=args.capacity,
+        ),
+    )
     try:
         from triptych.server.http import HeadConfig, create_app
     except ImportError:

@@ -139,8 +139,14 @@ class Head:
 
 
 # ---- errors in OpenAI's shape ---------------------------------------------------------------------
-def error_response(status: int, message: str, type_: str, param: str | None = None, code: str | None = None,
-                   headers: dict | None = None) -> JSONResponse:  # fmt: skip
+def error_response(
+    status: int,
+    message: str,
+    type_: str,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict | None = None,
+) -> JSONResponse:
     body = ErrorResponse.model_validate({"error": {"message": message, "type": type_, "param": param, "code": code}})
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
@@ -221,7 +227,9 @@ def install_error_handlers(app: FastAPI) -> None:
     async def on_http(request: Request, exc: HTTPException):
         outcome(request, "invalid" if exc.status_code < 500 else "error")
         type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        code = {401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed", 413: "too_large"}.get(exc.status_code)
+        code = {401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed", 413: "too_large"}.get(
+            exc.status_code
+        )
         return error_response(exc.status_code, str(exc.detail), type_, None, code, getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
@@ -247,7 +255,9 @@ def api_key_check(keys: tuple[str, ...]):
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         given = token.strip().encode()
         if scheme.lower() != "bearer" or not given:
-            raise HTTPException(401, "missing API key: send 'Authorization: Bearer <key>'", {"WWW-Authenticate": "Bearer"})
+            raise HTTPException(
+                401, "missing API key: send 'Authorization: Bearer <key>'", {"WWW-Authenticate": "Bearer"}
+            )
         if not any(hmac.compare_digest(given, k) for k in encoded):
             raise HTTPException(401, "invalid API key", {"WWW-Authenticate": "Bearer"})
 
@@ -272,8 +282,13 @@ def create_app(backend: GenerationBackend, config: HeadConfig) -> FastAPI:
             sweeper.cancel()
             await head.close()
 
-    app = FastAPI(title="Triptych", version="0.1.0", lifespan=lifespan, responses=ERROR_RESPONSES,
-                  dependencies=[Depends(api_key_check(config.api_keys))])  # fmt: skip
+    app = FastAPI(
+        title="Triptych",
+        version="0.1.0",
+        lifespan=lifespan,
+        responses=ERROR_RESPONSES,
+        dependencies=[Depends(api_key_check(config.api_keys))],
+    )
     app.state.head = head
     install_error_handlers(app)
     add_image_routes(app, head)
@@ -291,8 +306,12 @@ def create_app(backend: GenerationBackend, config: HeadConfig) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": head.model_id, "in_flight": head.admission.in_flight,
-                "backend": backend.describe()}  # fmt: skip
+        return {
+            "status": "ok",
+            "model": head.model_id,
+            "in_flight": head.admission.in_flight,
+            "backend": backend.describe(),
+        }
 
     @app.get("/metrics", response_class=Response)
     async def prometheus():

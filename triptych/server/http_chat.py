@@ -34,9 +34,18 @@ from triptych.server.media import decode_data_url
 ENDPOINT = "/v1/chat/completions"
 DEFAULT_MAX_TOKENS = 256
 #: OpenAI fields the server does not implement, with the value that means "not used".
-UNSUPPORTED = {"n": 1, "stop": None, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None,
-               "logprobs": False, "top_logprobs": None, "tools": None, "tool_choice": None,
-               "parallel_tool_calls": None}  # fmt: skip
+UNSUPPORTED = {
+    "n": 1,
+    "stop": None,
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "logit_bias": None,
+    "logprobs": False,
+    "top_logprobs": None,
+    "tools": None,
+    "tool_choice": None,
+    "parallel_tool_calls": None,
+}
 
 
 def build_chat(head, req: ChatCompletionRequest) -> ChatParams:
@@ -49,8 +58,14 @@ def build_chat(head, req: ChatCompletionRequest) -> ChatParams:
             raise InvalidParam(name, value, f"is not supported by this server (leave it unset or {unused!r})")
     if req.response_format is not None and req.response_format.get("type", "text") != "text":
         raise InvalidParam("response_format", req.response_format, "only {'type': 'text'} is supported")
-    if req.max_tokens is not None and req.max_completion_tokens is not None and req.max_tokens != req.max_completion_tokens:
-        raise InvalidParam("max_tokens", req.max_tokens, f"differs from max_completion_tokens={req.max_completion_tokens}")
+    if (
+        req.max_tokens is not None
+        and req.max_completion_tokens is not None
+        and req.max_tokens != req.max_completion_tokens
+    ):
+        raise InvalidParam(
+            "max_tokens", req.max_tokens, f"differs from max_completion_tokens={req.max_completion_tokens}"
+        )
     max_tokens = req.max_completion_tokens or req.max_tokens or min(DEFAULT_MAX_TOKENS, lim.max_chat_tokens)
     field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     if max_tokens > lim.max_chat_tokens:
@@ -67,10 +82,15 @@ def build_chat(head, req: ChatCompletionRequest) -> ChatParams:
                 parts.append(part.text)
             else:
                 if role != "user":
-                    raise InvalidParam(f"messages[{i}].content[{j}]", "image_url", "images are accepted in user messages only")
+                    raise InvalidParam(
+                        f"messages[{i}].content[{j}]", "image_url", "images are accepted in user messages only"
+                    )
                 if len(images) >= lim.max_chat_images:
-                    raise InvalidParam(f"messages[{i}].content[{j}]", "image_url",
-                                       f"at most {lim.max_chat_images} images per request (max_chat_images)")  # fmt: skip
+                    raise InvalidParam(
+                        f"messages[{i}].content[{j}]",
+                        "image_url",
+                        f"at most {lim.max_chat_images} images per request (max_chat_images)",
+                    )
                 field_name = f"messages[{i}].content[{j}].image_url.url"
                 images.append(decode_data_url(part.image_url.url, lim.image_limits, field_name))
                 parts.append(len(images) - 1)
@@ -92,8 +112,14 @@ def _sse(payload: dict | str) -> bytes:
 
 def _error_event(exc: BaseException) -> dict:
     if isinstance(exc, InvalidParam):
-        return {"error": {"message": f"invalid {exc.field}: {exc.rule}", "type": "invalid_request_error",
-                          "param": exc.field, "code": "invalid_value"}}  # fmt: skip
+        return {
+            "error": {
+                "message": f"invalid {exc.field}: {exc.rule}",
+                "type": "invalid_request_error",
+                "param": exc.field,
+                "code": "invalid_value",
+            }
+        }
     return {"error": {"message": f"chat failed: {exc}", "type": "server_error", "param": None, "code": "stage_failed"}}
 
 
@@ -139,8 +165,15 @@ async def _stream(head, job: ChatJob, model: str, include_usage: bool, t0: float
     created = int(time.time())
 
     def chunk(delta: dict, finish: str | None = None) -> bytes:
-        return _sse({"id": job.request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                     "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})  # fmt: skip
+        return _sse(
+            {
+                "id": job.request_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+            }
+        )
 
     async def events():
         nonlocal getter
@@ -166,10 +199,21 @@ async def _stream(head, job: ChatJob, model: str, include_usage: bool, t0: float
             _record(result, t0)
             yield chunk({}, result.finish_reason)
             if include_usage:
-                usage = {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
-                         "total_tokens": result.prompt_tokens + result.completion_tokens}  # fmt: skip
-                yield _sse({"id": job.request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                            "choices": [], "usage": usage})  # fmt: skip
+                usage = {
+                    "prompt_tokens": result.prompt_tokens,
+                    "completion_tokens": result.completion_tokens,
+                    "total_tokens": result.prompt_tokens + result.completion_tokens,
+                }
+                yield _sse(
+                    {
+                        "id": job.request_id,
+                        "object": "chat.completion.chunk",
+                        "created": created,
+                        "model": model,
+                        "choices": [],
+                        "usage": usage,
+                    }
+                )
             yield _sse("[DONE]")
         finally:
             # Also on a client disconnect, where the response's cancel scope is cancelled and any
@@ -198,9 +242,18 @@ def add_chat_routes(app: FastAPI, head) -> None:
         with head.admission.admit(1):
             result = await _answer(head, request, job)
         _record(result, t0)
-        usage = ChatUsage(prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens,
-                          total_tokens=result.prompt_tokens + result.completion_tokens)  # fmt: skip
-        return ChatCompletion(id=job.request_id, created=int(time.time()), model=head.model_id, usage=usage,
-                              choices=[ChatChoice(index=0, message=ChatMessageOut(content=result.text),
-                                                  finish_reason=result.finish_reason)],
-                              seed=params.seed)  # fmt: skip
+        usage = ChatUsage(
+            prompt_tokens=result.prompt_tokens,
+            completion_tokens=result.completion_tokens,
+            total_tokens=result.prompt_tokens + result.completion_tokens,
+        )
+        return ChatCompletion(
+            id=job.request_id,
+            created=int(time.time()),
+            model=head.model_id,
+            usage=usage,
+            choices=[
+                ChatChoice(index=0, message=ChatMessageOut(content=result.text), finish_reason=result.finish_reason)
+            ],
+            seed=params.seed,
+        )

@@ -16,16 +16,22 @@ from fastapi import FastAPI, Request
 from starlette.datastructures import UploadFile
 
 from triptych.errors import InvalidParam
-from triptych.server.engine.accel import check_teacache
 from triptych.pipelines.base import GenerationParams
 from triptych.server import metrics
 from triptych.server.api_models import ImageData, ImageEditForm, ImageGenerationRequest, ImagesResponse, inline_schema
 from triptych.server.backend import GenerationJob
+from triptych.server.engine.accel import check_teacache
 from triptych.server.media import decode_image
 
 #: GenerationParams field → the API field a user set.
-API_FIELD = {"height": "size", "width": "size", "steps": "num_inference_steps", "guidance": "guidance_scale",
-             "true_cfg": "true_cfg_scale", "teacache_threshold": "teacache_threshold"}  # fmt: skip
+API_FIELD = {
+    "height": "size",
+    "width": "size",
+    "steps": "num_inference_steps",
+    "guidance": "guidance_scale",
+    "true_cfg": "true_cfg_scale",
+    "teacache_threshold": "teacache_threshold",
+}
 FORM_TEXT_LIMIT = 4 * 1024 * 1024  # largest non-file multipart field (prompts are capped lower later)
 
 
@@ -39,11 +45,18 @@ def build_params(head, req, image=None, frames: int | None = None) -> tuple[Gene
     width, height = lim.parse_size(req.size)
     seed = req.seed if req.seed is not None else secrets.randbelow(2**31)
     params = GenerationParams(
-        prompt=req.prompt, negative_prompt=req.negative_prompt, height=height, width=width, frames=frames,
-        steps=req.num_inference_steps, guidance=req.guidance_scale, seed=seed, image=image,
+        prompt=req.prompt,
+        negative_prompt=req.negative_prompt,
+        height=height,
+        width=width,
+        frames=frames,
+        steps=req.num_inference_steps,
+        guidance=req.guidance_scale,
+        seed=seed,
+        image=image,
         true_cfg=1.0 if req.true_cfg_scale is None else req.true_cfg_scale,
         teacache_threshold=req.teacache_threshold or 0.0,
-    )  # fmt: skip
+    )
     return params, req.size
 
 
@@ -156,10 +169,14 @@ async def generate_images(head, request: Request, req, image, endpoint: str) -> 
     params = resolve(head, params, size)
     fmt = req.output_format or "png"
     if req.output_compression is not None and fmt == "png":
-        raise InvalidParam("output_compression", req.output_compression, "applies to jpeg and webp only (png is lossless)")
+        raise InvalidParam(
+            "output_compression", req.output_compression, "applies to jpeg and webp only (png is lossless)"
+        )
     rid = f"img-{secrets.token_hex(8)}"
-    jobs = [GenerationJob(f"{rid}-{i}", params.replace(seed=params.seed + i), fmt, quality=req.output_compression)
-            for i in range(req.n or 1)]  # fmt: skip
+    jobs = [
+        GenerationJob(f"{rid}-{i}", params.replace(seed=params.seed + i), fmt, quality=req.output_compression)
+        for i in range(req.n or 1)
+    ]
     with head.admission.admit(len(jobs)):
         outputs = await run_jobs(head, request, jobs)
     expires = None
@@ -173,8 +190,9 @@ async def generate_images(head, request: Request, req, image, endpoint: str) -> 
     metrics.record_request(endpoint, "success", time.perf_counter() - t0)
     size = f"{params.width}x{params.height}"
     seeds = [j.params.seed for j in jobs]
-    return ImagesResponse(created=int(time.time()), data=data, output_format=fmt, size=size, seeds=seeds,
-                          expires_at=expires)  # fmt: skip
+    return ImagesResponse(
+        created=int(time.time()), data=data, output_format=fmt, size=size, seeds=seeds, expires_at=expires
+    )
 
 
 def _edit_schema() -> dict:
@@ -193,9 +211,10 @@ def add_image_routes(app: FastAPI, head) -> None:
     async def edits(request: Request):
         if not head.family.accepts_image:
             raise InvalidParam(
-                "image", "<image>",
+                "image",
+                "<image>",
                 f"model {head.model_id!r} ({head.family.name}) is text-only; edits need an image-conditioned model",
-            )  # fmt: skip
+            )
         form = await read_form(head, request)
         images = form.getlist("image") or form.getlist("image[]")
         if len(images) != 1:

@@ -22,7 +22,12 @@ from starlette.exceptions import HTTPException
 from triptych.errors import InvalidParam
 from triptych.server import metrics
 from triptych.server.api_models import (
-    VideoCreateRequest, VideoDeleted, VideoError, VideoList, VideoObject, inline_schema,
+    VideoCreateRequest,
+    VideoDeleted,
+    VideoError,
+    VideoList,
+    VideoObject,
+    inline_schema,
 )
 from triptych.server.backend import GenerationJob
 from triptych.server.http_images import build_params, read_form, read_upload, resolve, text_fields
@@ -35,10 +40,19 @@ FRAME_SEARCH = 8  # seconds → frames: try this many counts above seconds*fps f
 def to_api(rec: VideoRecord) -> VideoObject:
     error = VideoError(code=rec.error_code, message=rec.error_message or "") if rec.error_code else None
     return VideoObject(
-        id=rec.id, created_at=rec.created_at, status=rec.status, progress=rec.progress, model=rec.model,
-        prompt=rec.prompt, seconds=rec.seconds, size=rec.size, frames=rec.frames, completed_at=rec.completed_at,
-        expires_at=rec.expires_at, error=error,
-    )  # fmt: skip
+        id=rec.id,
+        created_at=rec.created_at,
+        status=rec.status,
+        progress=rec.progress,
+        model=rec.model,
+        prompt=rec.prompt,
+        seconds=rec.seconds,
+        size=rec.size,
+        frames=rec.frames,
+        completed_at=rec.completed_at,
+        expires_at=rec.expires_at,
+        error=error,
+    )
 
 
 async def parse_create(head, request: Request):
@@ -123,23 +137,34 @@ def add_video_routes(app: FastAPI, head) -> None:
         req, image = await parse_create(head, request)
         params = resolve_video(head, req, image)
         rec = VideoRecord(
-            id=f"video_{secrets.token_hex(12)}", created_at=int(time.time()), status="queued", progress=0,
-            model=head.model_id, prompt=params.prompt, size=f"{params.width}x{params.height}",
-            seconds=f"{(params.frames or 1) / head.config.video_fps:g}", frames=params.frames or 1,
-        )  # fmt: skip
+            id=f"video_{secrets.token_hex(12)}",
+            created_at=int(time.time()),
+            status="queued",
+            progress=0,
+            model=head.model_id,
+            prompt=params.prompt,
+            size=f"{params.width}x{params.height}",
+            seconds=f"{(params.frames or 1) / head.config.video_fps:g}",
+            frames=params.frames or 1,
+        )
         head.videos.submit(rec, GenerationJob(rec.id, params, "mp4", fps=head.config.video_fps))
         metrics.record_request("/v1/videos", "success")
         return to_api(rec)
 
     @app.get("/v1/videos", response_model=VideoList)
     async def list_videos(
-        limit: int = Query(20, ge=1, le=100), after: str | None = Query(None, max_length=64),
+        limit: int = Query(20, ge=1, le=100),
+        after: str | None = Query(None, max_length=64),
         order: Literal["asc", "desc"] = "desc",
-    ):  # fmt: skip
+    ):
         recs = head.videos.store.list(limit + 1, after, order)
         data = [to_api(r) for r in recs[:limit]]
-        return VideoList(data=data, has_more=len(recs) > limit, first_id=data[0].id if data else None,
-                         last_id=data[-1].id if data else None)  # fmt: skip
+        return VideoList(
+            data=data,
+            has_more=len(recs) > limit,
+            first_id=data[0].id if data else None,
+            last_id=data[-1].id if data else None,
+        )
 
     @app.get("/v1/videos/{video_id}", response_model=VideoObject)
     async def get_video(video_id: str):

@@ -56,8 +56,9 @@ class TopologyConfig:
 class EmbeddedBackend(Orchestrator):
     """The orchestrator with its local worker processes (see the module docstring)."""
 
-    def __init__(self, model_dir: str | Path, config: OrchestratorConfig | None = None,
-                 topology: TopologyConfig | None = None):  # fmt: skip
+    def __init__(
+        self, model_dir: str | Path, config: OrchestratorConfig | None = None, topology: TopologyConfig | None = None
+    ):
         super().__init__(model_dir, config)
         self.topology = topology or TopologyConfig()
         self.procs: dict[str, subprocess.Popen] = {}
@@ -81,11 +82,28 @@ class EmbeddedBackend(Orchestrator):
         instance_id = instance_id or f"{role}-{n}"
         t = self.topology
         cmd = [
-            sys.executable, "-m", "triptych.cli", "worker", "--role", role, "--head", self.control_address,
-            "--model", str(self.model_dir), "--instance-id", instance_id, "--transfer", t.transfer,
-            "--capacity", str(t.capacity), "--threads", str(t.torch_threads),
-            "--exit-with-parent", str(os.getpid()), *t.extra_args,
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "triptych.cli",
+            "worker",
+            "--role",
+            role,
+            "--head",
+            self.control_address,
+            "--model",
+            str(self.model_dir),
+            "--instance-id",
+            instance_id,
+            "--transfer",
+            t.transfer,
+            "--capacity",
+            str(t.capacity),
+            "--threads",
+            str(t.torch_threads),
+            "--exit-with-parent",
+            str(os.getpid()),
+            *t.extra_args,
+        ]
         if logger.isEnabledFor(logging.DEBUG):
             cmd.insert(3, "-v")
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}

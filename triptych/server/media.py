@@ -59,8 +59,15 @@ def encode_video(frames_uint8: np.ndarray, fps: int = 16) -> bytes:
         # macro_block_size=1 keeps tiny sizes (e.g. 32×48) without resizing.
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            with imageio.get_writer(path, fps=fps, codec="libx264", macro_block_size=1, quality=8,
-                                    ffmpeg_log_level="error", output_params=["-pix_fmt", "yuv420p"]) as w:  # fmt: skip
+            with imageio.get_writer(
+                path,
+                fps=fps,
+                codec="libx264",
+                macro_block_size=1,
+                quality=8,
+                ffmpeg_log_level="error",
+                output_params=["-pix_fmt", "yuv420p"],
+            ) as w:
                 for f in frames_uint8:
                     w.append_data(f)
         with open(path, "rb") as f:
@@ -104,8 +111,14 @@ def decode_image(data: bytes, limits: ImageLimits = ImageLimits(), field: str = 
             return probe.convert("RGB")
     except InvalidParam:
         raise
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError,
-            Image.DecompressionBombWarning) as e:  # fmt: skip
+    except (
+        UnidentifiedImageError,
+        OSError,
+        SyntaxError,
+        ValueError,
+        Image.DecompressionBombError,
+        Image.DecompressionBombWarning,
+    ) as e:
         raise InvalidParam(field, f"<{len(data)} bytes>", f"not a decodable PNG/JPEG/WebP image ({e})") from e
 
 

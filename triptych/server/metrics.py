@@ -33,78 +33,105 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 _SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 QUEUE_DEPTH = Gauge(
-    "triptych_queue_depth", "Requests waiting per stage (head = admitted, unfinished jobs)", ["stage"],
+    "triptych_queue_depth",
+    "Requests waiting per stage (head = admitted, unfinished jobs)",
+    ["stage"],
     registry=REGISTRY,
 )
 QUEUE_WAIT = Histogram(
-    "triptych_queue_wait_seconds", "Time a job waited before a stage started it", ["stage"],
-    buckets=_SECONDS_BUCKETS, registry=REGISTRY,
-)  # fmt: skip
+    "triptych_queue_wait_seconds",
+    "Time a job waited before a stage started it",
+    ["stage"],
+    buckets=_SECONDS_BUCKETS,
+    registry=REGISTRY,
+)
 RUN_TIME = Histogram(
-    "triptych_stage_run_seconds", "Time a stage spent running one job", ["stage"],
-    buckets=_SECONDS_BUCKETS, registry=REGISTRY,
-)  # fmt: skip
+    "triptych_stage_run_seconds",
+    "Time a stage spent running one job",
+    ["stage"],
+    buckets=_SECONDS_BUCKETS,
+    registry=REGISTRY,
+)
 TRANSFER_BYTES = Counter(
     "triptych_transfer_bytes", "Tensor bytes moved between instances", ["backend"], registry=REGISTRY
 )
 TRANSFER_LATENCY = Histogram(
-    "triptych_transfer_latency_seconds", "Latency of one tensor transfer", ["backend"],
-    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5), registry=REGISTRY,
-)  # fmt: skip
+    "triptych_transfer_latency_seconds",
+    "Latency of one tensor transfer",
+    ["backend"],
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+    registry=REGISTRY,
+)
 REQUESTS = Counter(
     "triptych_requests", "Finished API requests by endpoint and outcome", ["endpoint", "outcome"], registry=REGISTRY
 )
 REQUEST_LATENCY = Histogram(
-    "triptych_request_latency_seconds", "End-to-end time of a generation job at the head", ["endpoint"],
-    buckets=_SECONDS_BUCKETS, registry=REGISTRY,
-)  # fmt: skip
+    "triptych_request_latency_seconds",
+    "End-to-end time of a generation job at the head",
+    ["endpoint"],
+    buckets=_SECONDS_BUCKETS,
+    registry=REGISTRY,
+)
 MM_CACHE_LOOKUPS = Counter(
-    "triptych_mm_cache_lookups", "Vision-encoder calls seen by the encoders' mm-hash caches, by result",
-    ["result"], registry=REGISTRY,
-)  # fmt: skip
+    "triptych_mm_cache_lookups",
+    "Vision-encoder calls seen by the encoders' mm-hash caches, by result",
+    ["result"],
+    registry=REGISTRY,
+)
 MM_CACHE_BYTES = Gauge(
-    "triptych_mm_cache_bytes", "Bytes of stored vision-encoder outputs in an encoder's mm-hash cache", ["instance"],
+    "triptych_mm_cache_bytes",
+    "Bytes of stored vision-encoder outputs in an encoder's mm-hash cache",
+    ["instance"],
     registry=REGISTRY,
-)  # fmt: skip
+)
 CHAT_TOKENS = Counter(
-    "triptych_chat_tokens", "Tokens of answered chats: prompt (images included) and completion", ["kind"],
+    "triptych_chat_tokens",
+    "Tokens of answered chats: prompt (images included) and completion",
+    ["kind"],
     registry=REGISTRY,
-)  # fmt: skip
+)
 VIDEO_JOBS = Counter(
-    "triptych_video_jobs", "Finished video jobs by outcome (POST /v1/videos counts the accepted request)",
-    ["outcome"], registry=REGISTRY,
-)  # fmt: skip
-VIDEO_JOB_LATENCY = Histogram(
-    "triptych_video_job_seconds", "Submit-to-completed time of a successful video job", buckets=_SECONDS_BUCKETS,
+    "triptych_video_jobs",
+    "Finished video jobs by outcome (POST /v1/videos counts the accepted request)",
+    ["outcome"],
     registry=REGISTRY,
-)  # fmt: skip
+)
+VIDEO_JOB_LATENCY = Histogram(
+    "triptych_video_job_seconds",
+    "Submit-to-completed time of a successful video job",
+    buckets=_SECONDS_BUCKETS,
+    registry=REGISTRY,
+)
 INSTANCES = Gauge("triptych_instances", "Worker instances by role and state", ["role", "state"], registry=REGISTRY)
 DENOISER_BATCH_SIZE = Histogram(
-    "triptych_denoiser_batch_size", "Requests advanced by one denoiser engine step (one batched forward)",
-    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64), registry=REGISTRY,
-)  # fmt: skip
-DENOISER_STEP_TIME = Summary(
-    "triptych_denoiser_step_seconds", "Wall time of one denoiser engine step (all requests of its batch)",
+    "triptych_denoiser_batch_size",
+    "Requests advanced by one denoiser engine step (one batched forward)",
+    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64),
     registry=REGISTRY,
-)  # fmt: skip
-DENOISER_STEPS = Counter(
-    "triptych_denoiser_steps", "Denoising steps advanced, summed over requests", registry=REGISTRY
 )
+DENOISER_STEP_TIME = Summary(
+    "triptych_denoiser_step_seconds",
+    "Wall time of one denoiser engine step (all requests of its batch)",
+    registry=REGISTRY,
+)
+DENOISER_STEPS = Counter("triptych_denoiser_steps", "Denoising steps advanced, summed over requests", registry=REGISTRY)
 DENOISER_SKIPPED = Counter(
     "triptych_denoiser_skipped_steps",
     "Denoising rows (request x CFG branch, one step) served from a cache (TeaCache) instead of the transformer",
     registry=REGISTRY,
-)  # fmt: skip
+)
 DENOISER_FORWARDS = Counter("triptych_denoiser_forwards", "Transformer forward calls", registry=REGISTRY)
 DENOISER_EVICTED = Counter(
     "triptych_denoiser_evicted_requests",
     "Requests evicted from a denoiser engine because the step that ran them raised (retried elsewhere)",
     registry=REGISTRY,
-)  # fmt: skip
+)
 DENOISER_STEP_RATE = Gauge(
-    "triptych_denoiser_steps_per_second", "Request steps per wall second over a denoiser's last report window",
-    ["instance"], registry=REGISTRY,
-)  # fmt: skip
+    "triptych_denoiser_steps_per_second",
+    "Request steps per wall second over a denoiser's last report window",
+    ["instance"],
+    registry=REGISTRY,
+)
 
 #: Outcomes ``record_request`` accepts (a closed set keeps label cardinality bounded).
 OUTCOMES = ("success", "invalid", "overloaded", "cancelled", "failed", "error")

@@ -125,10 +125,14 @@ class Orchestrator(ChatRouting, GenerationBackend):
         self._sock: zmq.asyncio.Socket | None = None
         self.control_address = ""
         self._handlers = {
-            P.EncodeDone: self._on_encode_done, P.SlotsReserved: self._on_slots_reserved,
-            P.PushDone: self._on_push_done, P.Progress: self._on_progress, P.DenoiseDone: self._on_denoise_done,
-            P.MediaResult: self._on_media, P.StageError: self._on_stage_error,
-        }  # fmt: skip
+            P.EncodeDone: self._on_encode_done,
+            P.SlotsReserved: self._on_slots_reserved,
+            P.PushDone: self._on_push_done,
+            P.Progress: self._on_progress,
+            P.DenoiseDone: self._on_denoise_done,
+            P.MediaResult: self._on_media,
+            P.StageError: self._on_stage_error,
+        }
 
     # ---- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -205,14 +209,27 @@ class Orchestrator(ChatRouting, GenerationBackend):
             "control": self.control_address,
             "revision": self.revision,
             "instances": [
-                {"id": i.instance_id, "role": i.role, "state": "busy" if i.held else "idle", "capacity": i.capacity,
-                 "free": i.free, "held": sorted(i.held), "assigned": i.assigned, "transfer": i.transfer, "pid": i.pid,
-                 "report": dict(i.report)}
+                {
+                    "id": i.instance_id,
+                    "role": i.role,
+                    "state": "busy" if i.held else "idle",
+                    "capacity": i.capacity,
+                    "free": i.free,
+                    "held": sorted(i.held),
+                    "assigned": i.assigned,
+                    "transfer": i.transfer,
+                    "pid": i.pid,
+                    "report": dict(i.report),
+                }
                 for i in sorted(self.instances.values(), key=lambda i: i.instance_id)
-            ],  # fmt: skip
+            ],
             "requests": dict(Counter(t.machine.state.value for t in self._requests.values())),
             "chats": len(self._chats),
-            "queues": {"encode": len(self._wait_encode), "decoder": len(self._wait_decoder), "chat": len(self._wait_chat)},
+            "queues": {
+                "encode": len(self._wait_encode),
+                "decoder": len(self._wait_decoder),
+                "chat": len(self._wait_chat),
+            },
             "stats": dict(self.stats),
         }
 
@@ -246,8 +263,10 @@ class Orchestrator(ChatRouting, GenerationBackend):
                 state = tr.machine.state
                 limit = tr.machine.timeouts.for_state(state)
                 self._finish(tr, S.TIMED_OUT, error=StageFailed(f"request timed out in {state.value} after {limit}s"))
-            self._end_chats(lambda ct: now > ct.deadline, lambda ct: StageFailed(f"chat timed out after "
-                                                                                 f"{self.config.chat_timeout_s}s"))
+            self._end_chats(
+                lambda ct: now > ct.deadline,
+                lambda ct: StageFailed(f"chat timed out after {self.config.chat_timeout_s}s"),
+            )
             self._pump()
 
     def _on_message(self, identity: bytes, msg: P.WorkerMessage) -> None:
@@ -302,26 +321,36 @@ class Orchestrator(ChatRouting, GenerationBackend):
         if reason is None:
             self._identity[m.instance_id] = identity
             self._rejoin_sent.pop(m.instance_id, None)
-            inst = Instance(m.instance_id, m.role, m.capacity, m.control, m.data, m.transfer, m.pid, time.monotonic(),
-                            chat=m.chat)  # fmt: skip
+            inst = Instance(
+                m.instance_id, m.role, m.capacity, m.control, m.data, m.transfer, m.pid, time.monotonic(), chat=m.chat
+            )
             last = self._last_stats.pop(m.instance_id, None)
             if last is not None and last[0] == m.pid:  # the same process rejoining: its counters continue
                 inst.stats = last[1]
             self.instances[m.instance_id] = inst
-            logger.info("registered %s %s (capacity %d, %s at %s)", m.role, m.instance_id, m.capacity, m.transfer, m.data)
+            logger.info(
+                "registered %s %s (capacity %d, %s at %s)", m.role, m.instance_id, m.capacity, m.transfer, m.data
+            )
             self._pump()
         else:
             logger.warning("refused %s: %s", m.instance_id, reason)
-        self._sock.send_multipart([identity, P.encode(P.RegisterAck(m.instance_id, reason is None, reason,
-                                                                    self.config.heartbeat_interval_s))])  # fmt: skip
+        self._sock.send_multipart(
+            [identity, P.encode(P.RegisterAck(m.instance_id, reason is None, reason, self.config.heartbeat_interval_s))]
+        )
 
     # ---- request flow -------------------------------------------------------------------------
     def _from(self, tr: Tracked, role: str, m) -> bool:
         if tr.assigned.get(role) == m.instance_id:
             return True
         self.stats["dropped_misrouted"] += 1
-        logger.debug("%s for %s from %s, expected %s %s", type(m).__name__, tr.job.request_id, m.instance_id,
-                     role, tr.assigned.get(role))  # fmt: skip
+        logger.debug(
+            "%s for %s from %s, expected %s %s",
+            type(m).__name__,
+            tr.job.request_id,
+            m.instance_id,
+            role,
+            tr.assigned.get(role),
+        )
         return False
 
     def _pump(self) -> None:
@@ -341,7 +370,9 @@ class Orchestrator(ChatRouting, GenerationBackend):
             now = time.monotonic()
             tr.waited_s = now - tr.machine.entered_at
             tr.machine.to(S.ENCODING, now)
-            self._send(enc.instance_id, P.EncodeTask(tr.job.request_id, tr.machine.generation, tr.wire, den.instance_id))
+            self._send(
+                enc.instance_id, P.EncodeTask(tr.job.request_id, tr.machine.generation, tr.wire, den.instance_id)
+            )
         while self._wait_decoder:
             tr = self._requests[self._wait_decoder[0]]
             dec = self._pick("decoder", tr)
@@ -352,10 +383,18 @@ class Orchestrator(ChatRouting, GenerationBackend):
             now = time.monotonic()
             tr.waited_s = now - tr.encoded_at
             tr.machine.to(S.DENOISING, now)
-            self._send(tr.assigned["denoiser"], P.DenoiseTask(
-                tr.job.request_id, tr.machine.generation, tr.wire, tr.cond_specs, tr.assigned["encoder"],
-                dec.instance_id, self.config.reserve_timeout_s,
-            ))  # fmt: skip
+            self._send(
+                tr.assigned["denoiser"],
+                P.DenoiseTask(
+                    tr.job.request_id,
+                    tr.machine.generation,
+                    tr.wire,
+                    tr.cond_specs,
+                    tr.assigned["encoder"],
+                    dec.instance_id,
+                    self.config.reserve_timeout_s,
+                ),
+            )
 
     def _place_encode(self) -> tuple[Tracked, Instance, Instance] | None:
         """The first waiting request (in order) that an encoder and a denoiser slot can take now.
@@ -417,10 +456,20 @@ class Orchestrator(ChatRouting, GenerationBackend):
             tr.waited_s = 0.0  # the decoder slot was charged before denoising started
             tr.machine.to(S.DECODING, self._stage_done(tr, "denoise"))
             job = tr.job
-            self._send(tr.assigned["decoder"], P.DecodeTask(
-                job.request_id, m.generation, tr.wire, m.specs, m.instance_id, job.output_format, job.fps,
-                self.config.reserve_timeout_s, job.quality,
-            ))  # fmt: skip
+            self._send(
+                tr.assigned["decoder"],
+                P.DecodeTask(
+                    job.request_id,
+                    m.generation,
+                    tr.wire,
+                    m.specs,
+                    m.instance_id,
+                    job.output_format,
+                    job.fps,
+                    self.config.reserve_timeout_s,
+                    job.quality,
+                ),
+            )
 
     def _on_media(self, tr: Tracked, m: P.MediaResult) -> None:
         if self._from(tr, "decoder", m) and tr.machine.state is S.DECODING:
@@ -443,7 +492,9 @@ class Orchestrator(ChatRouting, GenerationBackend):
             self._finish(tr, S.FAILED, error=StageFailed(what))
 
     # ---- endings, retries, deaths -------------------------------------------------------------
-    def _finish(self, tr: Tracked, state: RequestState, result: bytes | None = None, error: Exception | None = None) -> None:
+    def _finish(
+        self, tr: Tracked, state: RequestState, result: bytes | None = None, error: Exception | None = None
+    ) -> None:
         rid = tr.job.request_id
         tr.machine.to(state)
         self._release(tr, cancel_workers=state is not S.DONE, reason=state.value)
@@ -496,4 +547,3 @@ class Orchestrator(ChatRouting, GenerationBackend):
             self._retry(tr, f"{inst.role} {instance_id} died ({why})", exclude=instance_id)
         self._retry_chats_on(instance_id, f"{inst.role} {instance_id} died ({why})")
         self._pump()
-

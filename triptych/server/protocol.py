@@ -321,8 +321,18 @@ class Rejoin(msgspec.Struct, frozen=True, tag="rejoin"):
 
 
 WorkerMessage = (
-    Register | Heartbeat | StatsReport | EncodeDone | DenoiseDone | SlotsReserved | PushDone | Progress | MediaResult
-    | ChatDelta | ChatDone | StageError
+    Register
+    | Heartbeat
+    | StatsReport
+    | EncodeDone
+    | DenoiseDone
+    | SlotsReserved
+    | PushDone
+    | Progress
+    | MediaResult
+    | ChatDelta
+    | ChatDone
+    | StageError
 )
 HeadMessage = (
     RegisterAck | EncodeTask | DenoiseTask | DecodeTask | ChatTask | PushTask | Cancel | PeerDown | Shutdown | Rejoin
@@ -378,34 +388,63 @@ def _rgb(data: bytes):
 def params_to_wire(p: GenerationParams) -> WireParams:
     """``p`` must be resolved (height, width, steps set); the image travels as lossless PNG."""
     return WireParams(
-        prompt=p.prompt, negative_prompt=p.negative_prompt, height=int(p.height), width=int(p.width),
-        frames=p.frames, steps=int(p.steps), guidance=p.guidance, seed=int(p.seed),
-        image_png=None if p.image is None else _png(p.image), true_cfg=float(p.true_cfg),
+        prompt=p.prompt,
+        negative_prompt=p.negative_prompt,
+        height=int(p.height),
+        width=int(p.width),
+        frames=p.frames,
+        steps=int(p.steps),
+        guidance=p.guidance,
+        seed=int(p.seed),
+        image_png=None if p.image is None else _png(p.image),
+        true_cfg=float(p.true_cfg),
         teacache_threshold=float(p.teacache_threshold),
-    )  # fmt: skip
+    )
 
 
 def params_from_wire(w: WireParams) -> GenerationParams:
     return GenerationParams(
-        prompt=w.prompt, negative_prompt=w.negative_prompt, height=w.height, width=w.width, frames=w.frames,
-        steps=w.steps, guidance=w.guidance, seed=w.seed, image=None if w.image_png is None else _rgb(w.image_png),
-        true_cfg=w.true_cfg, teacache_threshold=w.teacache_threshold,
-    )  # fmt: skip
+        prompt=w.prompt,
+        negative_prompt=w.negative_prompt,
+        height=w.height,
+        width=w.width,
+        frames=w.frames,
+        steps=w.steps,
+        guidance=w.guidance,
+        seed=w.seed,
+        image=None if w.image_png is None else _rgb(w.image_png),
+        true_cfg=w.true_cfg,
+        teacache_threshold=w.teacache_threshold,
+    )
 
 
 # ---- ChatParams <-> ChatTask -----------------------------------------------------------------
 def chat_to_wire(request_id: str, generation: int, p, stream: bool) -> ChatTask:
     """``p``: a checked ``triptych.pipelines.vlm.ChatParams``; images travel as lossless PNG."""
-    messages = [ChatMessage(t.role, [ChatPart(image=x) if isinstance(x, int) else ChatPart(text=x) for x in t.parts])
-                for t in p.turns]  # fmt: skip
-    return ChatTask(request_id, generation, messages, [_png(im) for im in p.images], int(p.max_tokens),
-                    float(p.temperature), float(p.top_p), int(p.seed), stream, bool(p.ignore_eos))  # fmt: skip
+    messages = [
+        ChatMessage(t.role, [ChatPart(image=x) if isinstance(x, int) else ChatPart(text=x) for x in t.parts])
+        for t in p.turns
+    ]
+    return ChatTask(
+        request_id,
+        generation,
+        messages,
+        [_png(im) for im in p.images],
+        int(p.max_tokens),
+        float(p.temperature),
+        float(p.top_p),
+        int(p.seed),
+        stream,
+        bool(p.ignore_eos),
+    )
 
 
 def chat_from_wire(task: ChatTask):
     from triptych.pipelines.vlm import ChatParams, ChatTurn
 
     images = [_rgb(data) for data in task.images_png]
-    turns = tuple(ChatTurn(m.role, tuple(x.image if x.image is not None else x.text or "" for x in m.parts))
-                  for m in task.messages)  # fmt: skip
+    turns = tuple(
+        ChatTurn(m.role, tuple(x.image if x.image is not None else x.text or "" for x in m.parts))
+        for m in task.messages
+    )
     return ChatParams(turns, tuple(images), task.max_tokens, task.temperature, task.top_p, task.seed, task.ignore_eos)

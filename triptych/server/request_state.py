@@ -78,9 +78,11 @@ class StateTimeouts:
 
     def for_state(self, state: RequestState) -> float | None:
         return {
-            S.QUEUED: self.queued_s, S.ENCODING: self.encoding_s,
-            S.DENOISING: self.denoising_s, S.DECODING: self.decoding_s,
-        }.get(state)  # fmt: skip
+            S.QUEUED: self.queued_s,
+            S.ENCODING: self.encoding_s,
+            S.DENOISING: self.denoising_s,
+            S.DECODING: self.decoding_s,
+        }.get(state)
 
 
 @dataclass

@@ -109,7 +109,9 @@ class Worker:
         self.endpoint = make_endpoint(
             config.transfer,
             self.instance_id,
-            TransferConfig(host=config.host, max_slots=max(4, 8 * config.capacity), max_bytes=config.transfer_max_bytes),
+            TransferConfig(
+                host=config.host, max_slots=max(4, 8 * config.capacity), max_bytes=config.transfer_max_bytes
+            ),
         )
         self.jobs: dict[str, Job] = {}
         self.runner: StageRunner = make_runner(self)
@@ -135,16 +137,26 @@ class Worker:
         self._sock.send(P.encode(msg))
 
     def register(self) -> None:
-        self.send(P.Register(
-            self.instance_id, self.role.value, self.config.capacity, self.instance_id, self.endpoint.address,
-            self.endpoint.kind, model_revision(self.config.model_dir), os.getpid(),
-            self.role is Role.ENCODER and self.family.chat_model() is not None,
-        ))  # fmt: skip
+        self.send(
+            P.Register(
+                self.instance_id,
+                self.role.value,
+                self.config.capacity,
+                self.instance_id,
+                self.endpoint.address,
+                self.endpoint.kind,
+                model_revision(self.config.model_dir),
+                os.getpid(),
+                self.role is Role.ENCODER and self.family.chat_model() is not None,
+            )
+        )
         deadline = time.monotonic() + self.config.register_timeout_s
         ack = None
         while not isinstance(ack, P.RegisterAck):  # skips what the head sent before it (a stale Rejoin)
             if not self._sock.poll(max(0.0, deadline - time.monotonic()) * 1000):
-                raise RegistrationRefused(f"no RegisterAck from {self.config.head} in {self.config.register_timeout_s}s")
+                raise RegistrationRefused(
+                    f"no RegisterAck from {self.config.head} in {self.config.register_timeout_s}s"
+                )
             try:
                 ack = P.decode_from_head(self._sock.recv())
             except P.ProtocolError as e:
@@ -152,8 +164,13 @@ class Worker:
         if not ack.accepted:
             raise RegistrationRefused(f"head refused {self.instance_id}: {getattr(ack, 'reason', ack)}")
         self._hb_interval = ack.heartbeat_interval_s
-        logger.info("%s registered with %s (transfer %s at %s)", self.instance_id, self.config.head,
-                    self.endpoint.kind, self.endpoint.address)  # fmt: skip
+        logger.info(
+            "%s registered with %s (transfer %s at %s)",
+            self.instance_id,
+            self.config.head,
+            self.endpoint.kind,
+            self.endpoint.address,
+        )
 
     def _parent_gone(self) -> bool:
         return self.config.parent_pid > 0 and os.getppid() != self.config.parent_pid
@@ -173,9 +190,17 @@ class Worker:
                 if self._parent_gone():
                     return self._orphaned()
                 pool = self.endpoint.pool
-                sock.send(P.encode(P.Heartbeat(
-                    self.instance_id, len(self.jobs), pool.free_slots, pool.max_slots, self.runner.engine_running(),
-                )))  # fmt: skip
+                sock.send(
+                    P.encode(
+                        P.Heartbeat(
+                            self.instance_id,
+                            len(self.jobs),
+                            pool.free_slots,
+                            pool.max_slots,
+                            self.runner.engine_running(),
+                        )
+                    )
+                )
         finally:
             sock.close(linger=0)
 
@@ -270,7 +295,9 @@ class Worker:
             logger.debug("%s: stale PushTask %s g%d", self.instance_id, msg.request_id, msg.generation)
             return
         tensors, job.outgoing = job.outgoing, None
-        self.submit(msg.request_id, msg.generation, f"pushed:{msg.handoff}", self.endpoint.push_bundle, msg.refs, tensors)
+        self.submit(
+            msg.request_id, msg.generation, f"pushed:{msg.handoff}", self.endpoint.push_bundle, msg.refs, tensors
+        )
 
     def collect(self) -> None:
         """Hand finished transfer futures to their jobs; results of dropped jobs are discarded."""
@@ -302,13 +329,25 @@ class Worker:
         if isinstance(error, InvalidParam):  # the request broke a rule only this worker could check
             invalid = (error.field, repr(error.value)[:80], error.rule)
         stage = "chat" if isinstance(job.task, P.ChatTask) else self.runner.stage
-        self.send(P.StageError(job.request_id, job.generation, self.instance_id, stage, type(error).__name__,
-                               str(error), retryable, invalid))  # fmt: skip
+        self.send(
+            P.StageError(
+                job.request_id,
+                job.generation,
+                self.instance_id,
+                stage,
+                type(error).__name__,
+                str(error),
+                retryable,
+                invalid,
+            )
+        )
 
     def rejoin(self, reason: str) -> None:
         """The head no longer counts us (it declared us dead and retried our requests elsewhere):
         drop every job, let transfers already running end, and register again under the same id."""
-        logger.warning("%s: the head asks us to rejoin (%s); dropping %d job(s)", self.instance_id, reason, len(self.jobs))
+        logger.warning(
+            "%s: the head asks us to rejoin (%s); dropping %d job(s)", self.instance_id, reason, len(self.jobs)
+        )
         for rid, job in list(self.jobs.items()):
             self.drop(rid, job.generation, "rejoining the head")
         futures_wait([f for f, *_ in self._pending], timeout=self.config.register_timeout_s)

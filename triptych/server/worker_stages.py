@@ -123,9 +123,7 @@ class EncoderRunner(StageRunner):
         with torch.no_grad():
             cond = self.family.encode(job.params)
         job.outgoing = _owned(cond.flat())
-        self.worker.send(P.EncodeDone(job.request_id, job.generation, self.worker.instance_id,
-                                      specs_of(job.outgoing)))  # fmt: skip
-
+        self.worker.send(P.EncodeDone(job.request_id, job.generation, self.worker.instance_id, specs_of(job.outgoing)))
 
     # ---- chat (the VLM understanding path, on the encoder's own Qwen2.5-VL) -------------------
     def _accept_chat(self, task: P.ChatTask) -> None:
@@ -164,8 +162,17 @@ class EncoderRunner(StageRunner):
                 worker.fail(job, TriptychError(f"{worker.instance_id} is shutting down"), retryable=True)
             return
         worker.jobs.pop(job.request_id, None)
-        worker.send(P.ChatDone(job.request_id, job.generation, worker.instance_id, result.text, result.prompt_tokens,
-                               result.completion_tokens, result.finish_reason))  # fmt: skip
+        worker.send(
+            P.ChatDone(
+                job.request_id,
+                job.generation,
+                worker.instance_id,
+                result.text,
+                result.prompt_tokens,
+                result.completion_tokens,
+                result.finish_reason,
+            )
+        )
 
 
 class DenoiserRunner(StageRunner):
@@ -213,8 +220,7 @@ class DenoiserRunner(StageRunner):
             if job is None:
                 continue
             job.outgoing = {"latents": state.latents.detach().contiguous()}
-            worker.send(P.DenoiseDone(job.request_id, job.generation, worker.instance_id,
-                                      specs_of(job.outgoing)))  # fmt: skip
+            worker.send(P.DenoiseDone(job.request_id, job.generation, worker.instance_id, specs_of(job.outgoing)))
 
     def compute(self, job: Job) -> None:
         cond = Conditioning.from_flat(job.outgoing)
@@ -247,8 +253,9 @@ class DecoderRunner(StageRunner):
             frames = self.family.decode(latents, job.params)
         data = encode_frames(frames.to_uint8(), task.output_format, task.fps, task.quality)
         self.worker.jobs.pop(job.request_id, None)
-        self.worker.send(P.MediaResult(job.request_id, job.generation, self.worker.instance_id, data,
-                                       task.output_format))  # fmt: skip
+        self.worker.send(
+            P.MediaResult(job.request_id, job.generation, self.worker.instance_id, data, task.output_format)
+        )
 
 
 RUNNERS = {Role.ENCODER: EncoderRunner, Role.DENOISER: DenoiserRunner, Role.DECODER: DecoderRunner}

@@ -28,8 +28,7 @@ def _schedule(text: str) -> tuple[int, int | None]:
 
 
 #: The transformer's phases (``train_dit.PHASES``): (cosine schedule length, step to stop at or None).
-DIT_STEPS = [(18000, 6800), (9000, 3000), (10000, 2800), (11000, None), (20000, None), (20000, None),
-             (16000, None)]
+DIT_STEPS = [(18000, 6800), (9000, 3000), (10000, 2800), (11000, None), (20000, None), (20000, None), (16000, None)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,14 +36,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true")
-    p.add_argument("--vae-steps", type=int, nargs=3, default=[1200, 1200, 5000],
-                   metavar=("P1", "P2", "P3"))
-    p.add_argument("--vlm-steps", type=int, nargs=5, default=[1200, 1000, 800, 700, 400],
-                   metavar=("P1", "P2", "P3", "P4", "P5"))
-    p.add_argument("--dit-steps", type=_schedule, nargs="+", default=DIT_STEPS, metavar="LEN[:STOP]",
-                   help="per transformer phase (train_dit.PHASES, one value each): its cosine schedule's length, "
-                        "and ':N' to stop at step N of it")  # fmt: skip
-    p.add_argument("--threads", type=int, default=1, help="torch threads per process (1: deterministic, fastest on a shared box)")
+    p.add_argument("--vae-steps", type=int, nargs=3, default=[1200, 1200, 5000], metavar=("P1", "P2", "P3"))
+    p.add_argument(
+        "--vlm-steps", type=int, nargs=5, default=[1200, 1000, 800, 700, 400], metavar=("P1", "P2", "P3", "P4", "P5")
+    )
+    p.add_argument(
+        "--dit-steps",
+        type=_schedule,
+        nargs="+",
+        default=DIT_STEPS,
+        metavar="LEN[:STOP]",
+        help="per transformer phase (train_dit.PHASES, one value each): its cosine schedule's length, "
+        "and ':N' to stop at step N of it",
+    )
+    p.add_argument(
+        "--threads", type=int, default=1, help="torch threads per process (1: deterministic, fastest on a shared box)"
+    )
     p.add_argument("--sequential", action="store_true", help="one stage at a time instead of two processes")
     p.add_argument("--evaluate", action="store_true", help="run triptych.training.evaluate on the result")
     args = p.parse_args(argv)
@@ -59,8 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     from triptych.training.train_vae import JOINT_PHASES
 
     joint = len(JOINT_PHASES)
-    waves = [[("vae-joint", args.vae_steps[:joint]), ("vlm", args.vlm_steps)],
-             [("dit", args.dit_steps), ("vae-decoder", args.vae_steps[joint:])]]  # fmt: skip
+    waves = [
+        [("vae-joint", args.vae_steps[:joint]), ("vlm", args.vlm_steps)],
+        [("dit", args.dit_steps), ("vae-decoder", args.vae_steps[joint:])],
+    ]
     for wave in waves:
         if args.sequential:
             for name, steps in wave:
@@ -68,15 +77,22 @@ def main(argv: list[str] | None = None) -> int:
             continue
         ctx = mp.get_context("spawn")
         with ctx.Pool(2) as pool:
-            jobs = {n: pool.apply_async(_stage, (n, str(args.out), args.seed, s, args.resume, args.threads)) for n, s in wave}
+            jobs = {
+                n: pool.apply_async(_stage, (n, str(args.out), args.seed, s, args.resume, args.threads))
+                for n, s in wave
+            }
             times.update({n: j.get() for n, j in jobs.items()})
     from triptych.training.assemble import assemble
     from triptych.training.common import tree_sha256
 
     model, edit = assemble(args.out)
     times["total"] = time.time() - t0
-    summary = {"seed": args.seed, "steps": {"vae": args.vae_steps, "vlm": args.vlm_steps, "dit": args.dit_steps},
-               "wall_seconds_this_invocation": times, "sha256": tree_sha256(model)}  # fmt: skip
+    summary = {
+        "seed": args.seed,
+        "steps": {"vae": args.vae_steps, "vlm": args.vlm_steps, "dit": args.dit_steps},
+        "wall_seconds_this_invocation": times,
+        "sha256": tree_sha256(model),
+    }
     (args.out / "training.json").write_text(json.dumps(summary, indent=2))
     logger.info("trained: %s and %s; %s", model, edit, json.dumps(times))
     if args.evaluate:

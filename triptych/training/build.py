@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 from triptych.training import data
 from triptych.training.common import CHAT_TEMPLATE, VLM_PIXELS, dims
 
 
-@lru_cache(maxsize=None)
+@cache
 def tokenizer():
     from triptych.pipelines.qwenimage.tokenizer import train_qwen_tokenizer
 
@@ -23,7 +23,9 @@ def processor(tok=None):
     from triptych.pipelines.qwenimage.processor import QwenImageEditProcessor
 
     image_processor = Qwen2VLImageProcessorPil(min_pixels=VLM_PIXELS, max_pixels=VLM_PIXELS)
-    return QwenImageEditProcessor(image_processor=image_processor, tokenizer=tok or tokenizer(), chat_template=CHAT_TEMPLATE)
+    return QwenImageEditProcessor(
+        image_processor=image_processor, tokenizer=tok or tokenizer(), chat_template=CHAT_TEMPLATE
+    )
 
 
 def components(seed: int, edit: bool = False) -> dict:

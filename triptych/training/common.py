@@ -31,16 +31,29 @@ VLM_PIXELS = 112 * 112
 CAPTION_QUESTION = "What is in this image?"
 DEFAULT_SYSTEM = "You are a helpful assistant."
 
+
 def dims():
     """Sizes of the default model (see MODEL_CARD.md): 8x VAE, a 64 px image is an 8x8x16 latent = 16 tokens."""
     from triptych.pipelines.qwenimage.tiny import QwenImageDims
 
     return QwenImageDims(
-        layers=6, heads=3, head_dim=32, rope_axes=(8, 12, 12), z_dim=16,
-        vae_base_dim=16, vae_dim_mult=(1, 2, 2, 4),
-        text_dim=64, text_layers=2, text_heads=2, text_mlp=128,
-        vision_dim=32, vision_layers=2, vision_heads=2, image_max_pixels=VLM_PIXELS, vocab_size=1000,
-    )  # fmt: skip
+        layers=6,
+        heads=3,
+        head_dim=32,
+        rope_axes=(8, 12, 12),
+        z_dim=16,
+        vae_base_dim=16,
+        vae_dim_mult=(1, 2, 2, 4),
+        text_dim=64,
+        text_layers=2,
+        text_heads=2,
+        text_mlp=128,
+        vision_dim=32,
+        vision_layers=2,
+        vision_heads=2,
+        image_max_pixels=VLM_PIXELS,
+        vocab_size=1000,
+    )
 
 
 def setup(seed: int, threads: int = 1) -> None:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import dataclasses
 import random
 from collections.abc import Iterable
-from functools import lru_cache
+from functools import cache, lru_cache
 
 import numpy as np
 import torch
 from PIL import Image
 
+from triptych.training.common import CAPTION_QUESTION, IMAGE_SIZE
 from triptych.world import (
     ATTRIBUTES,
     COLOR_NAMES,
@@ -24,12 +25,11 @@ from triptych.world import (
     make_edit,
 )
 from triptych.world.edits import TEMPLATES
-from triptych.training.common import CAPTION_QUESTION, IMAGE_SIZE
 
 _VALUES = {"shape": SHAPES, "color": COLOR_NAMES, "background": COLOR_NAMES, "position": POSITIONS, "size": SIZES}
 
 
-@lru_cache(maxsize=None)
+@cache
 def train_scenes() -> tuple[Scene, ...]:
     return tuple(iter_all_scenes("train"))
 

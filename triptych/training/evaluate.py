@@ -64,7 +64,9 @@ def edit(model_dir: Path, n: int = 50, steps: int | None = None, guidance: float
     pairs = sample_edit_pairs(n, "eval", "heldout")
     rows, images = [], []
     for i, p in enumerate(pairs):
-        params = GenerationParams(prompt=p.instruction, image=render(p.source, 64), seed=i, steps=steps, guidance=guidance)
+        params = GenerationParams(
+            prompt=p.instruction, image=render(p.source, 64), seed=i, steps=steps, guidance=guidance
+        )
         frames, _ = run_request(family, params)
         img = frames.to_uint8()[0]
         images.append(img)
@@ -74,13 +76,10 @@ def edit(model_dir: Path, n: int = 50, steps: int | None = None, guidance: float
 
 
 def captions(model_dir: Path, n: int = 50):
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
-    from triptych.training.train_vlm import caption_images
-
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
     from triptych.training import build
+    from triptych.training.train_vlm import caption_images
 
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir / "text_encoder").eval()
     proc = build.processor(AutoTokenizer.from_pretrained(model_dir / "tokenizer"))
@@ -160,7 +159,9 @@ def table(r: dict) -> str:
     rnd = r.get("t2i_random", {})
     n = r["n"]
     for k in (*T2I_KEYS, "all"):
-        lines.append(f"| text→image ({n} held-out prompts) | {k} | {r['t2i'][k]:.0%} | {rnd.get(k, float('nan')):.0%} |")
+        lines.append(
+            f"| text→image ({n} held-out prompts) | {k} | {r['t2i'][k]:.0%} | {rnd.get(k, float('nan')):.0%} |"
+        )
     if "edit" in r:
         for k in ("edited", "kept", "all"):
             lines.append(f"| edit ({n} held-out pairs) | {k} | {r['edit'][k]:.0%} | |")

@@ -38,7 +38,9 @@ def ship(run: Path, eval_dir: Path, notes: str = "") -> None:
     for entry in sorted((run / "model_edit").iterdir()):
         shared = PACKAGED_DEFAULT / entry.name
         if entry.is_dir() and shared.is_dir() and _same_tree(entry, shared):
-            (PACKAGED_EDIT / entry.name).symlink_to(Path("..") / PACKAGED_DEFAULT.name / entry.name, target_is_directory=True)
+            (PACKAGED_EDIT / entry.name).symlink_to(
+                Path("..") / PACKAGED_DEFAULT.name / entry.name, target_is_directory=True
+            )
         elif entry.is_dir():
             shutil.copytree(entry, PACKAGED_EDIT / entry.name)
         else:

@@ -30,13 +30,13 @@ import torch
 from triptych.training import data
 from triptych.training.common import (
     CONDITION_AREA,
+    Timer,
     cosine_lr,
     resume_from,
     rng_state,
     save_checkpoint,
     seed_all,
     single_frame_convs,
-    Timer,
 )
 
 logger = logging.getLogger("triptych.training.dit")
@@ -67,16 +67,27 @@ def scheduler():
 
     # Qwen-Image's scheduler settings (as the family's tiny builder writes them).
     return FlowMatchEulerDiscreteScheduler(
-        shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9, base_image_seq_len=256,
-        max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential",
-    )  # fmt: skip
+        shift=1.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=0.9,
+        base_image_seq_len=256,
+        max_image_seq_len=8192,
+        shift_terminal=0.02,
+        time_shift_type="exponential",
+    )
 
 
 def pipelines(parts: dict, transformer):
     from diffusers import QwenImageEditPipeline, QwenImagePipeline
 
-    common = dict(scheduler=scheduler(), vae=parts["vae"], text_encoder=parts["text_encoder"],
-                  tokenizer=parts["tokenizer"], transformer=transformer)  # fmt: skip
+    common = dict(
+        scheduler=scheduler(),
+        vae=parts["vae"],
+        text_encoder=parts["text_encoder"],
+        tokenizer=parts["tokenizer"],
+        transformer=transformer,
+    )
     return QwenImagePipeline(**common), QwenImageEditPipeline(**common, processor=parts["processor"])
 
 
@@ -88,10 +99,16 @@ def new_transformer(seed: int):
     d = dims()
     torch.manual_seed(seed)
     return QwenImageTransformer2DModel(
-        patch_size=2, in_channels=4 * d.z_dim, out_channels=d.z_dim, num_layers=d.layers,
-        attention_head_dim=d.head_dim, num_attention_heads=d.heads, joint_attention_dim=d.text_dim,
-        guidance_embeds=False, axes_dims_rope=d.rope_axes,
-    )  # fmt: skip
+        patch_size=2,
+        in_channels=4 * d.z_dim,
+        out_channels=d.z_dim,
+        num_layers=d.layers,
+        attention_head_dim=d.head_dim,
+        num_attention_heads=d.heads,
+        joint_attention_dim=d.text_dim,
+        guidance_embeds=False,
+        axes_dims_rope=d.rope_axes,
+    )
 
 
 def _split(embeds: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
@@ -125,8 +142,12 @@ def precompute(out: Path, seed: int, edit_sources: int) -> dict:
         e, m = t2i._get_qwen_prompt_embeds(prompt=prompts[i : i + 64], device=torch.device("cpu"))
         embeds += _split(e, m)
     ref, _ = t2i.encode_prompt(prompt=prompts[7], device=torch.device("cpu"))
-    logger.info("dit: %d prompt embeddings (batched vs single max diff %.2e) (%.0fs)",
-                len(prompts), (ref[0] - embeds[7]).abs().max().item(), timer())  # fmt: skip
+    logger.info(
+        "dit: %d prompt embeddings (batched vs single max diff %.2e) (%.0fs)",
+        len(prompts),
+        (ref[0] - embeds[7]).abs().max().item(),
+        timer(),
+    )
     prompt_index = {p: i for i, p in enumerate(prompts)}
     t2i_table = np.array([[prompt_index[data.prompt_for(s, st)] for st in STYLES] for s in scenes])
 
@@ -144,8 +165,9 @@ def precompute(out: Path, seed: int, edit_sources: int) -> dict:
         texts = [p.instruction for p in src_pairs] + [NEGATIVE]
         for i in range(0, len(texts), 32):
             chunk = texts[i : i + 32]
-            b = inputs.batch([EDIT_TEMPLATE.format(t) for t in chunk], None, [src] * len(chunk), edit_path=True,
-                             token_types=False)  # fmt: skip
+            b = inputs.batch(
+                [EDIT_TEMPLATE.format(t) for t in chunk], None, [src] * len(chunk), edit_path=True, token_types=False
+            )
             hs = parts["text_encoder"](**b, output_hidden_states=True).hidden_states[-1]
             edit_embeds += [e[64:] for e in _split(hs, b["attention_mask"])]
         base = len(edit_embeds) - len(texts)
@@ -153,13 +175,24 @@ def precompute(out: Path, seed: int, edit_sources: int) -> dict:
         pairs += [(k, base + j, index[p.target]) for j, p in enumerate(src_pairs)]
         if k == 0:
             ref, _ = edit.encode_prompt(image=big, prompt=src_pairs[0].instruction, device=torch.device("cpu"))
-            logger.info("dit: edit embedding vs pipeline max diff %.2e", (ref[0] - edit_embeds[base]).abs().max().item())
+            logger.info(
+                "dit: edit embedding vs pipeline max diff %.2e", (ref[0] - edit_embeds[base]).abs().max().item()
+            )
         if k % 64 == 0:
             logger.info("dit: edit source %d/%d (%.0fs)", k, len(sources), timer())
     shape = (1, latents.shape[3] // 2, latents.shape[4] // 2)
-    result = dict(x0=x0, embeds=embeds, t2i_table=torch.from_numpy(t2i_table), neg=prompt_index[NEGATIVE],
-                  cond=torch.cat(cond), cond_shape=shape, pairs=torch.tensor(pairs), edit_embeds=edit_embeds,
-                  edit_neg=torch.tensor(neg_index), noise_shape=(1, h // 2, w // 2))  # fmt: skip
+    result = dict(
+        x0=x0,
+        embeds=embeds,
+        t2i_table=torch.from_numpy(t2i_table),
+        neg=prompt_index[NEGATIVE],
+        cond=torch.cat(cond),
+        cond_shape=shape,
+        pairs=torch.tensor(pairs),
+        edit_embeds=edit_embeds,
+        edit_neg=torch.tensor(neg_index),
+        noise_shape=(1, h // 2, w // 2),
+    )
     torch.save(result, path)
     logger.info("dit: %d edit pairs from %d sources, condition %s (%.0fs)", len(pairs), len(sources), shape, timer())
     return result
@@ -184,7 +217,9 @@ def _ema(ema, model, step: int) -> None:
 
 def _log(step, steps, loss_t, loss_e, timer, every) -> None:
     if step % every == 0 or step == steps - 1:
-        logger.info("dit step %d/%d loss t2i %.4f edit %.4f (%.0fs)", step, steps, loss_t.item(), loss_e.item(), timer())
+        logger.info(
+            "dit step %d/%d loss t2i %.4f edit %.4f (%.0fs)", step, steps, loss_t.item(), loss_e.item(), timer()
+        )
 
 
 def _pad(embeds: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -253,16 +288,33 @@ def flow_loss(model, x0, embeds, mask, shapes, gen, extra=None, high: float = 0.
     noise = torch.randn(x0.shape, generator=gen)
     xt = (1 - s.view(-1, 1, 1)) * x0 + s.view(-1, 1, 1) * noise
     hidden = xt if extra is None else torch.cat([xt, extra], dim=1)
-    pred = model(hidden_states=hidden, timestep=s, encoder_hidden_states=embeds, encoder_hidden_states_mask=mask,
-                 img_shapes=[shapes] * x0.shape[0], return_dict=False)[0][:, : x0.shape[1]]  # fmt: skip
+    pred = model(
+        hidden_states=hidden,
+        timestep=s,
+        encoder_hidden_states=embeds,
+        encoder_hidden_states_mask=mask,
+        img_shapes=[shapes] * x0.shape[0],
+        return_dict=False,
+    )[0][:, : x0.shape[1]]
     if weight is None:
         return (pred - (noise - x0)).pow(2).mean()
     return ((pred - (noise - x0)).pow(2).mean(-1) * weight).sum() / weight.sum()
 
 
-def train_dit(out: Path, seed: int, steps: int, batch: int = 48, edit_batch: int = 16, edit_every: int = 1,
-              edit_sources: int = 512, resume: bool = False, log_every: int = 50,
-              ckpt_every: int = 200, phase: int = 1, stop: int | None = None):  # fmt: skip
+def train_dit(
+    out: Path,
+    seed: int,
+    steps: int,
+    batch: int = 48,
+    edit_batch: int = 16,
+    edit_every: int = 1,
+    edit_sources: int = 512,
+    resume: bool = False,
+    log_every: int = 50,
+    ckpt_every: int = 200,
+    phase: int = 1,
+    stop: int | None = None,
+):
     """``edit_every``: an edit batch every that many steps (an edit row is 32 image tokens, a t2i row 16).
     Phase k > 1 starts from ``out/dit{k-1}.ckpt``'s weights; ``stop``: end at that step of a
     ``steps``-long schedule. The last phase writes ``out/transformer`` (EMA weights)."""
@@ -306,27 +358,62 @@ def train_dit(out: Path, seed: int, steps: int, batch: int = 48, edit_batch: int
             j = d["neg"] if rng.random() < CFG_DROP else int(d["t2i_table"][i, style])
             emb.append(d["embeds"][j])
         e, m = _pad(emb)
-        loss_t = flow_loss(model, d["x0"][idx], e, m, [d["noise_shape"]], gen, high=high,
-                           weight=None if weights is None else weights[idx])  # fmt: skip
+        loss_t = flow_loss(
+            model,
+            d["x0"][idx],
+            e,
+            m,
+            [d["noise_shape"]],
+            gen,
+            high=high,
+            weight=None if weights is None else weights[idx],
+        )
         loss_t.backward()
         # edit
         if step % edit_every == 0:
             rows = d["pairs"][[rng.randrange(n_pairs) for _ in range(edit_batch)]]
-            emb = [d["edit_embeds"][int(d["edit_neg"][k]) if rng.random() < CFG_DROP else int(j)] for k, j, _ in rows.tolist()]
+            emb = [
+                d["edit_embeds"][int(d["edit_neg"][k]) if rng.random() < CFG_DROP else int(j)]
+                for k, j, _ in rows.tolist()
+            ]
             e, m = _pad(emb)
-            loss_e = flow_loss(model, d["x0"][rows[:, 2]], e, m, [d["noise_shape"], d["cond_shape"]], gen,
-                               extra=d["cond"][rows[:, 0]], high=high,
-                               weight=None if weights is None else weights[rows[:, 2]])  # fmt: skip
+            loss_e = flow_loss(
+                model,
+                d["x0"][rows[:, 2]],
+                e,
+                m,
+                [d["noise_shape"], d["cond_shape"]],
+                gen,
+                extra=d["cond"][rows[:, 0]],
+                high=high,
+                weight=None if weights is None else weights[rows[:, 2]],
+            )
             loss_e.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         _ema(ema, model, step)
         _log(step, steps, loss_t, loss_e, timer, log_every)
         if (step + 1) % ckpt_every == 0:
-            save_checkpoint(ckpt, model=model.state_dict(), ema=ema.state_dict(), opt=opt.state_dict(), step=step + 1,
-                            rng=rng_state(), gen=gen.get_state(), pyrng=rng.getstate())  # fmt: skip
-    save_checkpoint(ckpt, model=model.state_dict(), ema=ema.state_dict(), opt=opt.state_dict(), step=stop or steps,
-                    rng=rng_state(), gen=gen.get_state(), pyrng=rng.getstate())  # fmt: skip
+            save_checkpoint(
+                ckpt,
+                model=model.state_dict(),
+                ema=ema.state_dict(),
+                opt=opt.state_dict(),
+                step=step + 1,
+                rng=rng_state(),
+                gen=gen.get_state(),
+                pyrng=rng.getstate(),
+            )
+    save_checkpoint(
+        ckpt,
+        model=model.state_dict(),
+        ema=ema.state_dict(),
+        opt=opt.state_dict(),
+        step=stop or steps,
+        rng=rng_state(),
+        gen=gen.get_state(),
+        pyrng=rng.getstate(),
+    )
     if phase == len(PHASES):
         ema.save_pretrained(out / "transformer")
     logger.info("dit phase %d: done (%.0fs)", phase, timer())

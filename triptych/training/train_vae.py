@@ -16,13 +16,13 @@ import torch
 
 from triptych.training import data
 from triptych.training.common import (
+    Timer,
     cosine_lr,
     resume_from,
     rng_state,
     save_checkpoint,
     seed_all,
     single_frame_convs,
-    Timer,
 )
 
 logger = logging.getLogger("triptych.training.vae")
@@ -36,10 +36,14 @@ def build_vae(seed: int):
     d = dims()
     torch.manual_seed(seed + 2)
     vae = AutoencoderKLQwenImage(
-        base_dim=d.vae_base_dim, z_dim=d.z_dim, dim_mult=list(d.vae_dim_mult), num_res_blocks=1,
+        base_dim=d.vae_base_dim,
+        z_dim=d.z_dim,
+        dim_mult=list(d.vae_dim_mult),
+        num_res_blocks=1,
         temperal_downsample=[False] * (len(d.vae_dim_mult) - 1),
-        latents_mean=[0.0] * d.z_dim, latents_std=[1.0] * d.z_dim,
-    )  # fmt: skip
+        latents_mean=[0.0] * d.z_dim,
+        latents_std=[1.0] * d.z_dim,
+    )
     # Start with a narrow posterior (std ~0.05): at unit variance the sampling noise drowns the
     # still-small means and the decoder settles on the mean image (loss plateau seen at ~2.0).
     with torch.no_grad():
@@ -72,8 +76,18 @@ def encoder_dir(out: Path) -> Path:
     return final if (final / "config.json").is_file() else out / f"vae_phase{JOINT_PHASES[-1]}"
 
 
-def train_vae(out: Path, seed: int, steps: int, phase: int = 1, batch: int = 16, lr: float = 5e-4, kl: float = 0.0,
-              resume: bool = False, log_every: int = 25, ckpt_every: int = 100):  # fmt: skip
+def train_vae(
+    out: Path,
+    seed: int,
+    steps: int,
+    phase: int = 1,
+    batch: int = 16,
+    lr: float = 5e-4,
+    kl: float = 0.0,
+    resume: bool = False,
+    log_every: int = 25,
+    ckpt_every: int = 100,
+):
     """Phase k starts from ``out/vae_phase{k-1}`` and writes ``out/vae_phase{k}`` (the last phase: ``out/vae``)."""
     from diffusers import AutoencoderKLQwenImage
 
@@ -86,8 +100,22 @@ def train_vae(out: Path, seed: int, steps: int, phase: int = 1, batch: int = 16,
     seed_all(seed + 100 * (phase - 1))
     vae = build_vae(seed) if phase == 1 else AutoencoderKLQwenImage.from_pretrained(out / f"vae_phase{phase - 1}")
     if PHASES[phase].get("decoder_only"):
-        return _train_decoder(vae, out, dest, seed, steps, phase, batch, lr, fg_weight, resume, log_every, ckpt_every,
-                              PHASES[phase].get("noise", 0.1), PHASES[phase].get("sharp", False))  # fmt: skip
+        return _train_decoder(
+            vae,
+            out,
+            dest,
+            seed,
+            steps,
+            phase,
+            batch,
+            lr,
+            fg_weight,
+            resume,
+            log_every,
+            ckpt_every,
+            PHASES[phase].get("noise", 0.1),
+            PHASES[phase].get("sharp", False),
+        )
     opt = torch.optim.AdamW(vae.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.99))
     ckpt = out / f"vae{phase}.ckpt"
     start, state = resume_from(ckpt, resume, vae, opt)
@@ -135,17 +163,30 @@ def train_vae(out: Path, seed: int, steps: int, phase: int = 1, batch: int = 16,
             if step % log_every == 0 or step == steps - 1:
                 logger.info("vae step %d/%d rec %.4f kl %.2f (%.0fs)", step, steps, rec.item(), kl_term.item(), timer())
             if (step + 1) % ckpt_every == 0:
-                save_checkpoint(ckpt, model=vae.state_dict(), opt=opt.state_dict(), step=step + 1, rng=rng_state(),
-                                pyrng=rng.getstate(), scale=scale)  # fmt: skip
+                save_checkpoint(
+                    ckpt,
+                    model=vae.state_dict(),
+                    opt=opt.state_dict(),
+                    step=step + 1,
+                    rng=rng_state(),
+                    pyrng=rng.getstate(),
+                    scale=scale,
+                )
         vae.eval()
         mean, std = latent_stats(vae, scenes)
     vae.register_to_config(latents_mean=mean, latents_std=std)
     vae.save_pretrained(dest)
-    logger.info(f"vae phase {phase}: saved (%.0fs); latents mean %s std %s", timer(), [round(v, 2) for v in mean], [round(v, 2) for v in std])
+    logger.info(
+        f"vae phase {phase}: saved (%.0fs); latents mean %s std %s",
+        timer(),
+        [round(v, 2) for v in mean],
+        [round(v, 2) for v in std],
+    )
 
 
-def _train_decoder(vae, out, dest, seed, steps, phase, batch, lr, fg_weight, resume, log_every, ckpt_every, noise_std=0.1,
-                   sharp=False):  # fmt: skip
+def _train_decoder(
+    vae, out, dest, seed, steps, phase, batch, lr, fg_weight, resume, log_every, ckpt_every, noise_std=0.1, sharp=False
+):
     params = list(vae.decoder.parameters()) + list(vae.post_quant_conv.parameters())
     vae.requires_grad_(False)
     for p in params:
@@ -176,8 +217,14 @@ def _train_decoder(vae, out, dest, seed, steps, phase, batch, lr, fg_weight, res
             if step % log_every == 0 or step == steps - 1:
                 logger.info("vae decoder step %d/%d rec %.4f (%.0fs)", step, steps, rec.item(), timer())
             if (step + 1) % ckpt_every == 0:
-                save_checkpoint(ckpt, model=vae.state_dict(), opt=opt.state_dict(), step=step + 1, rng=rng_state(),
-                                pyrng=rng.getstate())  # fmt: skip
+                save_checkpoint(
+                    ckpt,
+                    model=vae.state_dict(),
+                    opt=opt.state_dict(),
+                    step=step + 1,
+                    rng=rng_state(),
+                    pyrng=rng.getstate(),
+                )
     vae.eval().requires_grad_(True)
     vae.save_pretrained(dest)  # latents_mean/std unchanged: the encoder did not move
     logger.info("vae phase %d (decoder only): saved (%.0fs)", phase, timer())

@@ -24,12 +24,12 @@ from triptych.training import data
 from triptych.training.common import (
     CAPTION_QUESTION,
     VLM_EDIT_AREA,
+    Timer,
     cosine_lr,
     resume_from,
     rng_state,
     save_checkpoint,
     seed_all,
-    Timer,
 )
 
 logger = logging.getLogger("triptych.training.vlm")
@@ -146,8 +146,9 @@ def identity_loss(hidden: torch.Tensor, batch: dict, table: torch.Tensor, tau: f
     return torch.nn.functional.cross_entropy(logits[keep], ids[keep])
 
 
-def train_vlm(out: Path, seed: int, steps: int, phase: int = 1, resume: bool = False, log_every: int = 25,
-              ckpt_every: int = 100):  # fmt: skip
+def train_vlm(
+    out: Path, seed: int, steps: int, phase: int = 1, resume: bool = False, log_every: int = 25, ckpt_every: int = 100
+):
     """Phase k continues from ``out/vlm_phase{k-1}`` and writes ``out/vlm_phase{k}``; the last phase writes ``out``."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
@@ -195,10 +196,18 @@ def train_vlm(out: Path, seed: int, steps: int, phase: int = 1, resume: bool = F
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if step % log_every == 0 or step == steps - 1:
-            logger.info(f"vlm{phase} step %d/%d loss caption %.3f edit %.3f prompt %.3f (%.0fs)", step, steps, *losses, timer())
+            logger.info(
+                f"vlm{phase} step %d/%d loss caption %.3f edit %.3f prompt %.3f (%.0fs)", step, steps, *losses, timer()
+            )
         if (step + 1) % ckpt_every == 0:
-            save_checkpoint(ckpt, model=model.state_dict(), opt=opt.state_dict(), step=step + 1, rng=rng_state(),
-                            pyrng=rng.getstate())  # fmt: skip
+            save_checkpoint(
+                ckpt,
+                model=model.state_dict(),
+                opt=opt.state_dict(),
+                step=step + 1,
+                rng=rng_state(),
+                pyrng=rng.getstate(),
+            )
     model.eval()
     model.save_pretrained(dest / "text_encoder")
     tok.save_pretrained(dest / "tokenizer")

@@ -38,8 +38,11 @@ TEMPLATES: dict[str, tuple[str, ...]] = {
 }
 _SIZE_VERBS = {"large": "bigger", "small": "smaller"}
 _VALUES: dict[str, tuple[str, ...]] = {
-    "shape": SHAPES, "color": COLOR_NAMES, "background": COLOR_NAMES,
-    "position": POSITIONS, "size": SIZES,
+    "shape": SHAPES,
+    "color": COLOR_NAMES,
+    "background": COLOR_NAMES,
+    "position": POSITIONS,
+    "size": SIZES,
 }
 
 

@@ -35,10 +35,7 @@ def shape_polygon(shape: str, cx: float, cy: float, r: float) -> list[Point]:
     Circles are returned as a 64-gon (the renderer draws a true ellipse).
     """
     if shape == "circle":
-        return [
-            (cx + r * math.cos(2 * math.pi * k / 64), cy + r * math.sin(2 * math.pi * k / 64))
-            for k in range(64)
-        ]
+        return [(cx + r * math.cos(2 * math.pi * k / 64), cy + r * math.sin(2 * math.pi * k / 64)) for k in range(64)]
     if shape == "square":
         h = SQUARE_HALF_SIDE * r
         return [(cx - h, cy - h), (cx + h, cy - h), (cx + h, cy + h), (cx - h, cy + h)]
@@ -51,8 +48,18 @@ def shape_polygon(shape: str, cx: float, cy: float, r: float) -> list[Point]:
     if shape == "cross":
         h, w = r, CROSS_ARM_HALF_WIDTH * r
         rel = [
-            (-w, -h), (w, -h), (w, -w), (h, -w), (h, w), (w, w),
-            (w, h), (-w, h), (-w, w), (-h, w), (-h, -w), (-w, -w),
+            (-w, -h),
+            (w, -h),
+            (w, -w),
+            (h, -w),
+            (h, w),
+            (w, w),
+            (w, h),
+            (-w, h),
+            (-w, w),
+            (-h, w),
+            (-h, -w),
+            (-w, -w),
         ]
         return [(cx + x, cy + y) for x, y in rel]
     raise ValueError(f"unknown shape {shape!r}")

@@ -138,13 +138,7 @@ def combination_split(shape: str, color: str, background: str) -> str:
 
 def all_combinations() -> list[tuple[str, str, str]]:
     """Every valid (shape, color, background) triple, in vocabulary order."""
-    return [
-        (s, c, b)
-        for s in SHAPES
-        for c in COLOR_NAMES
-        for b in COLOR_NAMES
-        if c != b
-    ]
+    return [(s, c, b) for s in SHAPES for c in COLOR_NAMES for b in COLOR_NAMES if c != b]
 
 
 def combinations(split: Split = "train") -> list[tuple[str, str, str]]:
@@ -152,7 +146,7 @@ def combinations(split: Split = "train") -> list[tuple[str, str, str]]:
     return list(_combinations(split))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _combinations(split: str) -> tuple[tuple[str, str, str], ...]:
     if split == "all":
         return tuple(all_combinations())
@@ -197,9 +191,4 @@ def sample_scenes(n: int, seed: int | str = 0, split: Split = "train") -> list[S
 
 def iter_all_scenes(split: Split = "all") -> list[Scene]:
     """Every scene of ``split``: combinations x positions x sizes."""
-    return [
-        Scene(s, c, b, p, z)
-        for (s, c, b) in combinations(split)
-        for p in POSITIONS
-        for z in SIZES
-    ]
+    return [Scene(s, c, b, p, z) for (s, c, b) in combinations(split) for p in POSITIONS for z in SIZES]

@@ -20,9 +20,15 @@ class FluxFamily(Family):
     name = "flux"
     pipeline_class = FluxPipeline
     all_components = (
-        "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2",
-        "transformer", "image_encoder", "feature_extractor",
-    )  # fmt: skip
+        "vae",
+        "text_encoder",
+        "tokenizer",
+        "text_encoder_2",
+        "tokenizer_2",
+        "transformer",
+        "image_encoder",
+        "feature_extractor",
+    )
     role_components = {
         Role.ENCODER: ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2"),
         Role.DENOISER: ("transformer",),

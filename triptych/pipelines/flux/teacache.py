@@ -38,8 +38,14 @@ def describe(row: Row) -> RowStep:
     """Generic over families (uses only ``Row``/``DenoiseState``); other families can reuse it."""
     s = row.state
     coeffs = getattr(s.params, "teacache_coefficients", None)  # if GenerationParams grows the field
-    return RowStep(s.request_id, row.branch, s.step, s.total_steps, s.params.teacache_threshold,
-                   tuple(coeffs) if coeffs is not None else None)  # fmt: skip
+    return RowStep(
+        s.request_id,
+        row.branch,
+        s.step,
+        s.total_steps,
+        s.params.teacache_threshold,
+        tuple(coeffs) if coeffs is not None else None,
+    )
 
 
 def make_plan(transformer) -> TeaCachePlan:
@@ -68,9 +74,12 @@ def make_plan(transformer) -> TeaCachePlan:
             hidden, encoder_hidden, temb = hidden[idx], encoder_hidden[idx], temb[idx]
         for block in (*t.transformer_blocks, *t.single_transformer_blocks):
             encoder_hidden, hidden = block(
-                hidden_states=hidden, encoder_hidden_states=encoder_hidden, temb=temb,
-                image_rotary_emb=e.rotary, joint_attention_kwargs={},
-            )  # fmt: skip
+                hidden_states=hidden,
+                encoder_hidden_states=encoder_hidden,
+                temb=temb,
+                image_rotary_emb=e.rotary,
+                joint_attention_kwargs={},
+            )
         return hidden
 
     def head(e: FluxEmbedded, hidden: torch.Tensor) -> torch.Tensor:

@@ -58,10 +58,17 @@ def make_tiny_flux(out: str | Path, seed: int = 0, size: str = "tiny", schnell: 
     torch.manual_seed(seed + 2)
     t5 = T5EncoderModel(
         T5Config(
-            d_model=cfg["text_dim"], d_kv=8, num_heads=4, num_layers=2, d_ff=37, vocab_size=len(t5_tok),
-            pad_token_id=t5_tok.pad_token_id, eos_token_id=t5_tok.eos_token_id, decoder_start_token_id=0,
+            d_model=cfg["text_dim"],
+            d_kv=8,
+            num_heads=4,
+            num_layers=2,
+            d_ff=37,
+            vocab_size=len(t5_tok),
+            pad_token_id=t5_tok.pad_token_id,
+            eos_token_id=t5_tok.eos_token_id,
+            decoder_start_token_id=0,
         )
-    )  # fmt: skip
+    )
     torch.manual_seed(seed + 3)
     vae = AutoencoderKL(
         in_channels=3,
@@ -82,13 +89,22 @@ def make_tiny_flux(out: str | Path, seed: int = 0, size: str = "tiny", schnell: 
         scheduler = FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=False)
     else:
         scheduler = FlowMatchEulerDiscreteScheduler(
-            shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
-            base_image_seq_len=256, max_image_seq_len=4096,
-        )  # fmt: skip
+            shift=3.0,
+            use_dynamic_shifting=True,
+            base_shift=0.5,
+            max_shift=1.15,
+            base_image_seq_len=256,
+            max_image_seq_len=4096,
+        )
     pipe = FluxPipeline(
-        scheduler=scheduler, vae=vae, text_encoder=clip, tokenizer=clip_tok,
-        text_encoder_2=t5, tokenizer_2=t5_tok, transformer=transformer,
-    )  # fmt: skip
+        scheduler=scheduler,
+        vae=vae,
+        text_encoder=clip,
+        tokenizer=clip_tok,
+        text_encoder_2=t5,
+        tokenizer_2=t5_tok,
+        transformer=transformer,
+    )
     pipe.save_pretrained(out)
     defaults = {"height": 64, "width": 64, "steps": 4, "guidance": 3.5, "seed": seed, "size": size}
     (out / "triptych.json").write_text(json.dumps(defaults, indent=2))

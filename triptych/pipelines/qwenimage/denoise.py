@@ -69,9 +69,12 @@ def transformer_inputs(rows: Sequence[Row], vae_scale_factor: int) -> tuple[dict
     # Equal for every row of a batch (compat key: same size and condition-image shape).
     shapes = [image_shapes(states[0], vae_scale_factor)] * len(rows)
     kwargs = dict(
-        hidden_states=hidden, timestep=timestep / 1000, encoder_hidden_states_mask=mask,
-        encoder_hidden_states=embeds, img_shapes=shapes,
-    )  # fmt: skip
+        hidden_states=hidden,
+        timestep=timestep / 1000,
+        encoder_hidden_states_mask=mask,
+        encoder_hidden_states=embeds,
+        img_shapes=shapes,
+    )
     return kwargs, noise_tokens
 
 

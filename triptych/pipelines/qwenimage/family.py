@@ -88,7 +88,12 @@ class QwenImageFamily(Family):
     def chat_model(self):
         """The encoder's Qwen2.5-VL as a ``ChatModel`` (same weights, same mm-hash cache), or None
         when this instance has no text encoder or the model no processor."""
-        if self._chat is None and self.pipe.text_encoder is not None and self.processor is not None and self.supports_chat:
+        if (
+            self._chat is None
+            and self.pipe.text_encoder is not None
+            and self.processor is not None
+            and self.supports_chat
+        ):
             from triptych.pipelines.vlm import ChatModel
 
             self._chat = ChatModel(self.pipe.text_encoder, self.processor)

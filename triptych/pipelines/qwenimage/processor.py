@@ -14,7 +14,6 @@ from pathlib import Path
 from transformers import AutoTokenizer, Qwen2VLProcessor
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-
 #: Qwen2-VL / Qwen2.5-VL chat template (as in the released checkpoints): what the tiny builders
 #: write, so tiny models chat like real ones.
 CHAT_TEMPLATE = (

@@ -62,8 +62,9 @@ def make_plan(transformer, vae_scale_factor: int, family_name: str = "qwen-image
             timestep = torch.cat([timestep, timestep * 0], dim=0)
             modulate_index = torch.tensor(
                 [[0] * prod(sample[0]) + [1] * sum([prod(s) for s in sample[1:]]) for sample in x["img_shapes"]],
-                device=timestep.device, dtype=torch.int,
-            )  # fmt: skip
+                device=timestep.device,
+                dtype=torch.int,
+            )
         encoder_hidden = t.txt_in(t.txt_norm(x["encoder_hidden_states"]))
         text_seq_len, _, mask = compute_text_seq_len_from_mask(encoder_hidden, x["encoder_hidden_states_mask"])
         temb = t.time_text_embed(timestep, hidden, None)
@@ -87,9 +88,14 @@ def make_plan(transformer, vae_scale_factor: int, family_name: str = "qwen-image
                 temb = temb[idx]
         for block in t.transformer_blocks:
             encoder_hidden, hidden = block(
-                hidden_states=hidden, encoder_hidden_states=encoder_hidden, encoder_hidden_states_mask=mask,
-                temb=temb, image_rotary_emb=e.rotary, joint_attention_kwargs={}, modulate_index=index,
-            )  # fmt: skip
+                hidden_states=hidden,
+                encoder_hidden_states=encoder_hidden,
+                encoder_hidden_states_mask=mask,
+                temb=temb,
+                image_rotary_emb=e.rotary,
+                joint_attention_kwargs={},
+                modulate_index=index,
+            )
         return hidden
 
     def head(e: QwenEmbedded, hidden: torch.Tensor) -> torch.Tensor:

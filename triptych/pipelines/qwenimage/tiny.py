@@ -62,9 +62,18 @@ SIZES = {
     # ~0.1M-parameter transformer: unit tests.
     "tiny": QwenImageDims(),
     # ~50M-parameter transformer: benchmarks.
-    "small": QwenImageDims(layers=9, heads=6, head_dim=64, rope_axes=(16, 24, 24), text_dim=256, text_heads=4,
-                           text_mlp=512, vision_dim=64, vision_heads=4),
-}  # fmt: skip
+    "small": QwenImageDims(
+        layers=9,
+        heads=6,
+        head_dim=64,
+        rope_axes=(16, 24, 24),
+        text_dim=256,
+        text_heads=4,
+        text_mlp=512,
+        vision_dim=64,
+        vision_heads=4,
+    ),
+}
 
 
 def _text_encoder(dims: QwenImageDims, tokenizer):
@@ -144,9 +153,15 @@ def build_components(
     )
     # Qwen-Image's scheduler settings (dynamic exponential shift, terminal 0.02).
     scheduler = FlowMatchEulerDiscreteScheduler(
-        shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9, base_image_seq_len=256,
-        max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential",
-    )  # fmt: skip
+        shift=1.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=0.9,
+        base_image_seq_len=256,
+        max_image_seq_len=8192,
+        shift_terminal=0.02,
+        time_shift_type="exponential",
+    )
     components = dict(
         scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer
     )
@@ -156,8 +171,9 @@ def build_components(
         from triptych.pipelines.qwenimage.processor import CHAT_TEMPLATE, QwenImageEditProcessor
 
         image_processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=dims.image_max_pixels)
-        components["processor"] = QwenImageEditProcessor(image_processor=image_processor, tokenizer=tokenizer,
-                                                         chat_template=CHAT_TEMPLATE)  # fmt: skip
+        components["processor"] = QwenImageEditProcessor(
+            image_processor=image_processor, tokenizer=tokenizer, chat_template=CHAT_TEMPLATE
+        )
     return components
 
 
@@ -173,8 +189,15 @@ def save_model(components: dict[str, Any], out: str | Path, defaults: dict[str, 
 
 
 def _defaults(seed: int, size: str, dims: QwenImageDims) -> dict[str, Any]:
-    return {"height": 64, "width": 64, "steps": 4, "guidance": 4.0, "seed": seed, "size": size,
-            "dims": dataclasses.asdict(dims)}  # fmt: skip
+    return {
+        "height": 64,
+        "width": 64,
+        "steps": 4,
+        "guidance": 4.0,
+        "seed": seed,
+        "size": size,
+        "dims": dataclasses.asdict(dims),
+    }
 
 
 def make_tiny_qwen_image(out: str | Path, seed: int = 0, size: str = "tiny") -> Path:

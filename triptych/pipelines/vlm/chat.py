@@ -56,10 +56,15 @@ class ChatParams:
                 if isinstance(part, int) and not 0 <= part < len(self.images):
                     raise InvalidParam(f"messages[{i}].content", part, f"image index must be < {len(self.images)}")
                 if isinstance(part, int) and turn.role != "user":
-                    raise InvalidParam(f"messages[{i}].content", "image_url", "images are accepted in user messages only")
+                    raise InvalidParam(
+                        f"messages[{i}].content", "image_url", "images are accepted in user messages only"
+                    )
         if self.turns[-1].role != "user":
-            raise InvalidParam(f"messages[{len(self.turns) - 1}].role", self.turns[-1].role,
-                               "the last message must be the user's (the model answers it)")  # fmt: skip
+            raise InvalidParam(
+                f"messages[{len(self.turns) - 1}].role",
+                self.turns[-1].role,
+                "the last message must be the user's (the model answers it)",
+            )
         if len(self.images) > max_images:
             raise InvalidParam("messages", f"<{len(self.images)} images>", f"at most {max_images} images per request")
         if self.max_tokens < 1:
@@ -114,10 +119,16 @@ class ChatModel:
         self.context = int(text_config.max_position_embeddings)
 
     def prompt(self, params: ChatParams) -> str:
-        messages = [{"role": t.role, "content": [{"type": "image"} if isinstance(p, int) else {"type": "text", "text": p}
-                                                 for p in t.parts]} for t in params.turns]  # fmt: skip
-        return self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template, tokenize=False,
-                                                  add_generation_prompt=True)  # fmt: skip
+        messages = [
+            {
+                "role": t.role,
+                "content": [{"type": "image"} if isinstance(p, int) else {"type": "text", "text": p} for p in t.parts],
+            }
+            for t in params.turns
+        ]
+        return self.tokenizer.apply_chat_template(
+            messages, chat_template=self.chat_template, tokenize=False, add_generation_prompt=True
+        )
 
     def inputs(self, params: ChatParams) -> dict[str, torch.Tensor]:
         # The template's image placeholders come in message order; the processor expands them in order.
@@ -126,17 +137,27 @@ class ChatModel:
         inputs = self.processor(text=[self.prompt(params)], images=images, return_tensors="pt")
         n = int(inputs["input_ids"].shape[1])
         if n + params.max_tokens > self.context:
-            raise InvalidParam("max_tokens", params.max_tokens, f"the prompt is {n} tokens and prompt + max_tokens must fit "
-                               f"the model's context of {self.context} tokens")  # fmt: skip
+            raise InvalidParam(
+                "max_tokens",
+                params.max_tokens,
+                f"the prompt is {n} tokens and prompt + max_tokens must fit "
+                f"the model's context of {self.context} tokens",
+            )
         return inputs
 
     def generation_config(self, params: ChatParams):
         config = copy.deepcopy(self.model.generation_config)
         sample = params.temperature > 0
-        config.update(max_new_tokens=params.max_tokens, min_new_tokens=params.max_tokens if params.ignore_eos else None,
-                      do_sample=sample, num_beams=1,
-                      temperature=params.temperature if sample else None, top_p=params.top_p if sample else None,
-                      top_k=None, repetition_penalty=None)  # fmt: skip
+        config.update(
+            max_new_tokens=params.max_tokens,
+            min_new_tokens=params.max_tokens if params.ignore_eos else None,
+            do_sample=sample,
+            num_beams=1,
+            temperature=params.temperature if sample else None,
+            top_p=params.top_p if sample else None,
+            top_k=None,
+            repetition_penalty=None,
+        )
         if config.eos_token_id is None:
             config.eos_token_id = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
         if config.pad_token_id is None:
@@ -144,8 +165,12 @@ class ChatModel:
         return config
 
     @torch.no_grad()
-    def run(self, params: ChatParams, on_text: Callable[[str], None] | None = None,
-            should_stop: Callable[[], bool] | None = None) -> ChatResult:  # fmt: skip
+    def run(
+        self,
+        params: ChatParams,
+        on_text: Callable[[str], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> ChatResult:
         """Answer the last user message. ``on_text`` gets each piece of the answer as it is decoded;
         ``should_stop`` is polled after every token (a cancelled request stops at the next one)."""
         inputs = self.inputs(params).to(self.model.device)
@@ -154,8 +179,9 @@ class ChatModel:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(params.seed)
             streamer = None if on_text is None else _Pieces(self.tokenizer, on_text)
-            out = self.model.generate(**inputs, generation_config=config, streamer=streamer,
-                                      stopping_criteria=StoppingCriteriaList([until]))  # fmt: skip
+            out = self.model.generate(
+                **inputs, generation_config=config, streamer=streamer, stopping_criteria=StoppingCriteriaList([until])
+            )
         prompt_tokens = int(inputs["input_ids"].shape[1])
         new = out[0, prompt_tokens:]
         eos = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]

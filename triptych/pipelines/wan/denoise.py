@@ -20,9 +20,16 @@ def prepare(family, request_id: str, params: GenerationParams, cond: Conditionin
     # NOTE: WanPipeline.prepare_latents draws exactly the noise both pipelines draw (the i2v variant
     # also VAE-encodes the condition, which the encoder role already did); it reads only geometry.
     latents = WanPipeline.prepare_latents(
-        pipe, 1, family.latent_channels, params.height, params.width, params.frames,
-        torch.float32, family.device, family.generator(params.seed),
-    )  # fmt: skip
+        pipe,
+        1,
+        family.latent_channels,
+        params.height,
+        params.width,
+        params.frames,
+        torch.float32,
+        family.device,
+        family.generator(params.seed),
+    )
     return DenoiseState(request_id, params, latents, scheduler, scheduler.timesteps, cond)
 
 

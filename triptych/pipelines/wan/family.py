@@ -146,8 +146,14 @@ class WanImageToVideoFamily(WanFamily):
     name = "wan-i2v"
     pipeline_class = WanImageToVideoPipeline
     all_components = (
-        "vae", "text_encoder", "tokenizer", "image_encoder", "image_processor", "transformer", "transformer_2",
-    )  # fmt: skip
+        "vae",
+        "text_encoder",
+        "tokenizer",
+        "image_encoder",
+        "image_processor",
+        "transformer",
+        "transformer_2",
+    )
     role_components = {
         Role.ENCODER: ("text_encoder", "tokenizer", "image_encoder", "image_processor", "vae"),
         Role.DENOISER: ("transformer",),

@@ -18,15 +18,31 @@ from triptych.pipelines.tiny.tokenizers import train_t5_tokenizer
 SIZES = {
     # ~50K-parameter transformer: unit tests.
     "tiny": dict(
-        num_layers=2, num_attention_heads=2, attention_head_dim=12, ffn_dim=32, text_dim=32, image_dim=16,
-        height=32, width=32, frames=5, max_sequence_length=64,
+        num_layers=2,
+        num_attention_heads=2,
+        attention_head_dim=12,
+        ffn_dim=32,
+        text_dim=32,
+        image_dim=16,
+        height=32,
+        width=32,
+        frames=5,
+        max_sequence_length=64,
     ),
     # ~50M-parameter transformer: benchmarks.
     "small": dict(
-        num_layers=11, num_attention_heads=8, attention_head_dim=64, ffn_dim=2048, text_dim=256, image_dim=64,
-        height=64, width=64, frames=9, max_sequence_length=512,
+        num_layers=11,
+        num_attention_heads=8,
+        attention_head_dim=64,
+        ffn_dim=2048,
+        text_dim=256,
+        image_dim=64,
+        height=64,
+        width=64,
+        frames=9,
+        max_sequence_length=512,
     ),
-}  # fmt: skip
+}
 
 
 def make_tiny_wan_t2v(out: str | Path, seed: int = 0, size: str = "tiny") -> Path:
@@ -48,10 +64,15 @@ def make_tiny_wan_i2v(out: str | Path, seed: int = 0, size: str = "tiny") -> Pat
     torch.manual_seed(seed + 4)
     image_encoder = CLIPVisionModel(
         CLIPVisionConfig(
-            hidden_size=cfg["image_dim"], intermediate_size=37, num_hidden_layers=2, num_attention_heads=2,
-            image_size=32, patch_size=4, projection_dim=cfg["image_dim"],
+            hidden_size=cfg["image_dim"],
+            intermediate_size=37,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=32,
+            patch_size=4,
+            projection_dim=cfg["image_dim"],
         )
-    )  # fmt: skip
+    )
     pipe = WanImageToVideoPipeline(**parts, image_encoder=image_encoder, image_processor=_clip_image_processor())
     return _save(pipe, out, cfg, seed, size)
 
@@ -80,10 +101,17 @@ def _shared_components(cfg: dict, seed: int, in_channels: int, image_dim: int | 
     torch.manual_seed(seed + 1)
     text_encoder = UMT5EncoderModel(
         UMT5Config(
-            d_model=cfg["text_dim"], d_kv=8, num_heads=4, num_layers=2, d_ff=37, vocab_size=len(tokenizer),
-            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=0,
+            d_model=cfg["text_dim"],
+            d_kv=8,
+            num_heads=4,
+            num_layers=2,
+            d_ff=37,
+            vocab_size=len(tokenizer),
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            decoder_start_token_id=0,
         )
-    )  # fmt: skip
+    )
     torch.manual_seed(seed + 2)
     vae = AutoencoderKLWan(
         base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
@@ -108,8 +136,14 @@ def _save(pipe, out: str | Path, cfg: dict, seed: int, size: str) -> Path:
     out = Path(out)
     pipe.save_pretrained(out)
     defaults = {
-        "height": cfg["height"], "width": cfg["width"], "frames": cfg["frames"], "steps": 4, "guidance": 5.0,
-        "max_sequence_length": cfg["max_sequence_length"], "seed": seed, "size": size,
-    }  # fmt: skip
+        "height": cfg["height"],
+        "width": cfg["width"],
+        "frames": cfg["frames"],
+        "steps": 4,
+        "guidance": 5.0,
+        "max_sequence_length": cfg["max_sequence_length"],
+        "seed": seed,
+        "size": size,
+    }
     (out / "triptych.json").write_text(json.dumps(defaults, indent=2))
     return out

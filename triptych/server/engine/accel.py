@@ -23,17 +23,20 @@ def make_teacache(family: Family, profiles_dir: str | Path | None = None, config
 
 
 def check_teacache(
-    family: Family, params: GenerationParams, profiles_dir: str | Path | None = None,
+    family: Family,
+    params: GenerationParams,
+    profiles_dir: str | Path | None = None,
     config: TeaCacheConfig | None = None,
-) -> None:  # fmt: skip
+) -> None:
     """Raise ``InvalidParam`` if ``params`` asks for TeaCache this model cannot run."""
     threshold = params.teacache_threshold
     if threshold == 0:
         return
     if not has_plan(family):
         raise InvalidParam(
-            "teacache_threshold", threshold,
+            "teacache_threshold",
+            threshold,
             f"TeaCache is not available for family {family.name!r} (available for: {', '.join(sorted(PLANS))}); use 0",
-        )  # fmt: skip
+        )
     profiles = ProfileIndex(family.model_dir, family.name, profiles_dir)
     resolve_settings(family.name, profiles, config or TeaCacheConfig(), threshold, params.steps)

@@ -15,7 +15,6 @@ from itertools import count
 
 from triptych.errors import InvalidParam
 from triptych.pipelines.base import DenoiseState, Family
-
 from triptych.server.engine.config import EngineConfig
 from triptych.server.engine.scheduler import Running, pick_batch
 from triptych.server.engine.stats import EngineStats
@@ -57,8 +56,10 @@ class DenoiserEngine:
                 raise InvalidParam("teacache_threshold", threshold, f"TeaCache is not available for {self.family.name}")
             self.accel.admit(state.request_id, threshold, state.total_steps)
         key = self.family.compat_key(state)
-        tokens = int(state.latents[0].numel() // state.latents.shape[-1]) if state.latents.dim() == 3 else int(
-            state.latents[0, 0].numel()
+        tokens = (
+            int(state.latents[0].numel() // state.latents.shape[-1])
+            if state.latents.dim() == 3
+            else int(state.latents[0, 0].numel())
         )
         self._running[state.request_id] = Running(state, key, tokens, self._tick, next(self._arrivals))
 

@@ -15,7 +15,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from triptych.pipelines.base import DenoiseState
-
 from triptych.server.engine.config import EngineConfig
 
 

@@ -124,9 +124,7 @@ class TransferEndpoint(abc.ABC):
             raise
         return refs
 
-    def wait_bundle(
-        self, refs: Mapping[str, TensorRef], timeout_s: float | None = None
-    ) -> dict[str, torch.Tensor]:
+    def wait_bundle(self, refs: Mapping[str, TensorRef], timeout_s: float | None = None) -> dict[str, torch.Tensor]:
         """Wait for every tensor of a bundle; on any failure the remaining slots are released."""
         out: dict[str, torch.Tensor] = {}
         try:

@@ -14,9 +14,7 @@ logger = logging.getLogger(__name__)
 BackendKind = Literal["auto", "mooncake", "zmq"]
 
 
-def make_endpoint(
-    kind: BackendKind, instance_id: str, config: TransferConfig | None = None
-) -> TransferEndpoint:
+def make_endpoint(kind: BackendKind, instance_id: str, config: TransferConfig | None = None) -> TransferEndpoint:
     """Build the endpoint: "mooncake" (raises BackendUnavailable if it cannot run), "zmq", or
     "auto" = Mooncake when `mooncake.engine` imports and initializes, else ZMQ."""
     if kind == "zmq":

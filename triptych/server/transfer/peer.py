@@ -256,9 +256,7 @@ class PeerEndpoint(TransferEndpoint):
             return self._on_claim(entry)
         ref = entry.ref
         if (msg.dtype, tuple(msg.shape)) != (ref.dtype, ref.shape):
-            return (
-                f"{msg.transfer_id!r}: {msg.dtype}{list(msg.shape)} != reserved {ref.dtype}{list(ref.shape)}"
-            )
+            return f"{msg.transfer_id!r}: {msg.dtype}{list(msg.shape)} != reserved {ref.dtype}{list(ref.shape)}"
         if len(payload) != 1 or len(payload[0].buffer) != entry.ref.nbytes:
             return f"{msg.transfer_id!r}: payload is not one frame of {entry.ref.nbytes} bytes"
         entry.tensor = _frame_tensor(payload[0], entry.ref)

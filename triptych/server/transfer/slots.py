@@ -95,9 +95,7 @@ class SlotPool:
         if nbytes < 0:
             raise ValueError(f"nbytes={nbytes} must be >= 0")
         if nbytes > self.max_bytes:
-            raise SlotUnavailable(
-                f"transfer {transfer_id!r} needs {nbytes} bytes > pool capacity {self.max_bytes}"
-            )
+            raise SlotUnavailable(f"transfer {transfer_id!r} needs {nbytes} bytes > pool capacity {self.max_bytes}")
         if not self._free:
             raise SlotUnavailable(f"no free slot for {transfer_id!r} ({self.max_slots} in use)")
         if nbytes > self.free_bytes:
