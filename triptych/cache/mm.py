@@ -22,22 +22,16 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import torch
 from diffusers.hooks import HookRegistry, ModelHook
 
+from triptych.cache.mm_stats import MMCacheStats
+
 HOOK_NAME = "triptych_mm_cache"
 SIMPLE = (type(None), bool, int, float, str)
-
-
-@dataclass
-class MMCacheStats:
-    hits: int = 0
-    misses: int = 0
-    bypassed: int = 0  # calls the cache could not key (and ran as they are)
-    evictions: int = 0
 
 
 def content_hash(*tensors: torch.Tensor, extra: str = "") -> str:
@@ -89,6 +83,11 @@ class MMEmbeddingCache:
     @property
     def nbytes(self) -> int:
         return self._bytes
+
+    def snapshot(self) -> MMCacheStats:
+        """The counters so far and the size now (a copy: lookups keep counting into ``stats``)."""
+        with self._lock:
+            return msgspec.structs.replace(self.stats, entries=len(self._entries), nbytes=self._bytes)
 
     def get(self, key: str) -> Any | None:
         with self._lock:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from triptych.errors import InvalidParam, TriptychError
 from triptych.pipelines.base import Family, GenerationParams
 from triptych.pipelines.vlm import ChatParams, ChatResult
+from triptych.server.metrics import Metrics
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ class GenerationBackend(ABC):
     """Runs jobs. ``family`` is a weightless adapter (configs and scheduler only) for validation."""
 
     family: Family
+    metrics: Metrics  # the head's Prometheus collectors (one set per backend, shared with the HTTP head)
 
     async def start(self) -> None:
         """Start workers/connections; called once before the first ``run``."""
@@ -102,6 +104,7 @@ class InProcessBackend(GenerationBackend):
         from triptych.server.engine.accel import make_teacache
 
         self.family = family
+        self.metrics = Metrics()
         self._accel = make_teacache(family)
         self.max_queued = max_queued
         self._lock = asyncio.Lock()

@@ -1,9 +1,9 @@
 """Embedded topology: the orchestrator plus N encoder, M denoiser and K decoder local worker processes.
 
-``EmbeddedBackend`` is an ``Orchestrator`` whose ``start`` also spawns the workers (real processes,
-connected over loopback to the control port the orchestrator picked) and waits until they all
-registered; ``close`` shuts them down. It owns those processes: nothing else starts or kills them,
-except ``spawn``/``kill`` for tests and operators.
+``LocalWorkers`` is the supervision component: it spawns worker processes (connected over loopback
+to the orchestrator's control port), signals and reaps them. It owns those processes: nothing else
+starts or kills them. ``EmbeddedBackend`` composes an ``Orchestrator`` and a ``LocalWorkers``:
+``start`` spawns the topology and waits until every worker registered; ``close`` shuts them down.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from triptych.pipelines.vlm import ChatResult
+from triptych.server.backend import ChatJob, GenerationBackend, GenerationJob, ProgressFn, TextFn
 from triptych.server.orchestrator import Orchestrator, OrchestratorConfig
 
 logger = logging.getLogger(__name__)
@@ -53,31 +55,16 @@ class TopologyConfig:
             raise ValueError(f"capacity={self.capacity} must be >= 1")
 
 
-class EmbeddedBackend(Orchestrator):
-    """The orchestrator with its local worker processes (see the module docstring)."""
+class LocalWorkers:
+    """Worker processes of this head (see the module docstring)."""
 
-    def __init__(
-        self, model_dir: str | Path, config: OrchestratorConfig | None = None, topology: TopologyConfig | None = None
-    ):
-        super().__init__(model_dir, config)
-        self.topology = topology or TopologyConfig()
+    def __init__(self, model_dir: Path, topology: TopologyConfig):
+        self.model_dir = model_dir
+        self.topology = topology
         self.procs: dict[str, subprocess.Popen] = {}
 
-    async def start(self) -> None:
-        await super().start()
-        t = self.topology
-        counts = {"encoder": t.encoders, "denoiser": t.denoisers, "decoder": t.decoders}
-        try:
-            for role, n in counts.items():
-                for _ in range(n):
-                    self.spawn(role)
-            await self.wait_for_instances(counts, t.start_timeout_s)
-        except BaseException:
-            await self.close()
-            raise
-
-    def spawn(self, role: str, instance_id: str | None = None) -> str:
-        """Start one local worker process of ``role``; returns its instance id."""
+    def spawn(self, role: str, head: str, instance_id: str | None = None) -> str:
+        """Start one local worker process of ``role`` that registers with ``head``; returns its id."""
         n = sum(1 for i in self.procs if i.startswith(f"{role}-"))
         instance_id = instance_id or f"{role}-{n}"
         t = self.topology
@@ -89,7 +76,7 @@ class EmbeddedBackend(Orchestrator):
             "--role",
             role,
             "--head",
-            self.control_address,
+            head,
             "--model",
             str(self.model_dir),
             "--instance-id",
@@ -115,15 +102,63 @@ class EmbeddedBackend(Orchestrator):
         """Send ``sig`` to a local worker (tests: kill -9 mid-request)."""
         self.procs[instance_id].send_signal(sig)
 
-    async def close(self) -> None:
-        if self._sock is not None:
-            self.shutdown_workers()
-        await super().close()
+    async def reap(self, timeout_s: float = 15.0) -> None:
+        """Wait for every process to exit (after a shutdown was sent); kill what does not."""
         for instance_id, proc in self.procs.items():
             try:
-                await asyncio.to_thread(proc.wait, 15)
+                await asyncio.to_thread(proc.wait, timeout_s)
             except subprocess.TimeoutExpired:
                 logger.warning("worker %s did not stop; killing pid %d", instance_id, proc.pid)
                 proc.kill()
                 await asyncio.to_thread(proc.wait)
         self.procs.clear()
+
+
+class EmbeddedBackend(GenerationBackend):
+    """An ``Orchestrator`` and its ``LocalWorkers`` (see the module docstring)."""
+
+    def __init__(
+        self, model_dir: str | Path, config: OrchestratorConfig | None = None, topology: TopologyConfig | None = None
+    ):
+        self.orchestrator = Orchestrator(model_dir, config)
+        self.topology = topology or TopologyConfig()
+        self.workers = LocalWorkers(self.orchestrator.model_dir, self.topology)
+        self.family = self.orchestrator.family
+        self.metrics = self.orchestrator.metrics
+
+    async def start(self) -> None:
+        await self.orchestrator.start()
+        t = self.topology
+        counts = {"encoder": t.encoders, "denoiser": t.denoisers, "decoder": t.decoders}
+        try:
+            for role, n in counts.items():
+                for _ in range(n):
+                    self.spawn(role)
+            await self.orchestrator.wait_for_instances(counts, t.start_timeout_s)
+        except BaseException:
+            await self.close()
+            raise
+
+    def spawn(self, role: str, instance_id: str | None = None) -> str:
+        return self.workers.spawn(role, self.orchestrator.control_address, instance_id)
+
+    def kill(self, instance_id: str, sig: int = signal.SIGKILL) -> None:
+        self.workers.kill(instance_id, sig)
+
+    async def close(self) -> None:
+        if self.orchestrator.control.open:
+            self.orchestrator.shutdown_workers()
+        await self.orchestrator.close()
+        await self.workers.reap()
+
+    async def run(self, job: GenerationJob, on_progress: ProgressFn | None = None) -> bytes:
+        return await self.orchestrator.run(job, on_progress)
+
+    async def chat(self, job: ChatJob, on_text: TextFn | None = None) -> ChatResult:
+        return await self.orchestrator.chat(job, on_text)
+
+    async def cancel(self, request_id: str) -> bool:
+        return await self.orchestrator.cancel(request_id)
+
+    def describe(self) -> dict:
+        return self.orchestrator.describe()

@@ -22,14 +22,15 @@ A chat is one encoder's work and moves no tensors: ``ChatTask`` (messages, image
 
 from __future__ import annotations
 
-import io
 from typing import Literal
 
 import msgspec
 
+from triptych.cache.mm_stats import MMCacheStats
 from triptych.errors import TriptychError
-from triptych.pipelines.base import GenerationParams
-from triptych.server.transfer.refs import TensorRef
+from triptych.server.engine.stats import EngineStats
+from triptych.server.transfer.refs import TensorRef, TensorSpec
+from triptych.server.transfer.stats import TransferStats
 
 RoleName = Literal["encoder", "denoiser", "decoder"]
 StageName = Literal["encode", "denoise", "decode", "chat"]
@@ -38,13 +39,6 @@ HandoffName = Literal["cond", "latents"]  # which tensors a handoff moves
 
 class ProtocolError(TriptychError):
     """A frame that is not a well-formed control message (malformed, unknown tag, wrong fields)."""
-
-
-class TensorSpec(msgspec.Struct, frozen=True):
-    """Dtype and shape of one tensor a receiver must reserve (the tensor itself stays put)."""
-
-    dtype: str  # wire dtype name (``triptych.server.transfer.refs.dtype_name``)
-    shape: tuple[int, ...]  # contiguous shape
 
 
 class WireParams(msgspec.Struct, frozen=True):
@@ -88,53 +82,14 @@ class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat"):
     engine_running: int  # denoiser: requests in the step-batching engine; 0 for other roles
 
 
-class EngineReport(msgspec.Struct, frozen=True):
-    """A denoiser engine's ``EngineStats``: cumulative since the worker started (or a window's deltas)."""
-
-    steps: int  # engine ticks that ran a forward
-    forwards: int  # transformer calls
-    rows: int  # rows computed (request × CFG branch)
-    request_steps: int  # denoising steps advanced, summed over requests
-    skipped_rows: int  # rows served from a cache (TeaCache) instead of the transformer
-    step_seconds: float  # wall time spent in the engine's execute()
-    batch_sizes: dict[int, int]  # requests in one tick → number of such ticks
-    finished: int  # requests that finished denoising
-    aborted: int  # requests dropped from the engine before finishing
-    failed: int = 0  # requests evicted because the engine tick that ran them raised
-
-
-class TransferReport(msgspec.Struct, frozen=True):
-    """A transfer endpoint's ``TransferStats``: cumulative since the worker started (or a window's deltas)."""
-
-    backend: str  # transfer backend kind ("zmq" | "mooncake")
-    pushes_sent: int  # pushes this (sender) side completed
-    bytes_sent: int
-    push_seconds: float  # summed wall time of those pushes
-    pushes_received: int  # pushes accepted into a reserved slot
-    bytes_received: int
-    rejected_pushes: int  # pushes refused (unreserved, duplicate, wrong size/sender, expired)
-    timeouts: int  # reservations released by a deadline
-
-
-class CacheReport(msgspec.Struct, frozen=True):
-    """An encoder's mm-hash cache (``cache.mm``): cumulative counters, and its size now."""
-
-    hits: int
-    misses: int
-    bypassed: int  # calls it could not key (ran uncached)
-    evictions: int
-    entries: int  # a level, not a counter: the window keeps the latest
-    nbytes: int  # a level, like entries
-
-
 class StatsReport(msgspec.Struct, frozen=True, tag="stats_report"):
     """Periodic cumulative counters of a worker; the head turns consecutive reports into metric deltas."""
 
     instance_id: str
     uptime_s: float  # seconds since the worker started (its monotonic clock): rate windows, restarts
-    engine: EngineReport | None  # the denoiser's engine; None for roles without one
-    transfer: TransferReport  # its transfer endpoint
-    mm_cache: CacheReport | None = None  # the encoder's mm-hash cache; None where there is none
+    engine: EngineStats | None  # the denoiser's engine; None for roles without one
+    transfer: TransferStats  # its transfer endpoint
+    mm_cache: MMCacheStats | None = None  # the encoder's mm-hash cache; None where there is none
 
 
 class WorkerReply(msgspec.Struct, frozen=True):
@@ -368,83 +323,3 @@ def decode_from_head(data: bytes | memoryview) -> HeadMessage:
 
 def decode_any(data: bytes | memoryview) -> Message:
     return _decode(_ANY_DECODER, data)
-
-
-# ---- images travel as lossless PNG ----------------------------------------------------------
-def _png(image) -> bytes:
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def _rgb(data: bytes):
-    from PIL import Image
-
-    with Image.open(io.BytesIO(data)) as im:
-        return im.convert("RGB")
-
-
-# ---- GenerationParams <-> WireParams ---------------------------------------------------------
-def params_to_wire(p: GenerationParams) -> WireParams:
-    """``p`` must be resolved (height, width, steps set); the image travels as lossless PNG."""
-    return WireParams(
-        prompt=p.prompt,
-        negative_prompt=p.negative_prompt,
-        height=int(p.height),
-        width=int(p.width),
-        frames=p.frames,
-        steps=int(p.steps),
-        guidance=p.guidance,
-        seed=int(p.seed),
-        image_png=None if p.image is None else _png(p.image),
-        true_cfg=float(p.true_cfg),
-        teacache_threshold=float(p.teacache_threshold),
-    )
-
-
-def params_from_wire(w: WireParams) -> GenerationParams:
-    return GenerationParams(
-        prompt=w.prompt,
-        negative_prompt=w.negative_prompt,
-        height=w.height,
-        width=w.width,
-        frames=w.frames,
-        steps=w.steps,
-        guidance=w.guidance,
-        seed=w.seed,
-        image=None if w.image_png is None else _rgb(w.image_png),
-        true_cfg=w.true_cfg,
-        teacache_threshold=w.teacache_threshold,
-    )
-
-
-# ---- ChatParams <-> ChatTask -----------------------------------------------------------------
-def chat_to_wire(request_id: str, generation: int, p, stream: bool) -> ChatTask:
-    """``p``: a checked ``triptych.pipelines.vlm.ChatParams``; images travel as lossless PNG."""
-    messages = [
-        ChatMessage(t.role, [ChatPart(image=x) if isinstance(x, int) else ChatPart(text=x) for x in t.parts])
-        for t in p.turns
-    ]
-    return ChatTask(
-        request_id,
-        generation,
-        messages,
-        [_png(im) for im in p.images],
-        int(p.max_tokens),
-        float(p.temperature),
-        float(p.top_p),
-        int(p.seed),
-        stream,
-        bool(p.ignore_eos),
-    )
-
-
-def chat_from_wire(task: ChatTask):
-    from triptych.pipelines.vlm import ChatParams, ChatTurn
-
-    images = [_rgb(data) for data in task.images_png]
-    turns = tuple(
-        ChatTurn(m.role, tuple(x.image if x.image is not None else x.text or "" for x in m.parts))
-        for m in task.messages
-    )
-    return ChatParams(turns, tuple(images), task.max_tokens, task.temperature, task.top_p, task.seed, task.ignore_eos)

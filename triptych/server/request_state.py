@@ -1,8 +1,9 @@
 """Request lifecycle on the head: an explicit state machine with a transition table and timeouts.
 
-    QUEUED ──▶ ENCODING ──▶ DENOISING ──▶ DECODING ──▶ DONE
-       │          │             │             │
-       └──────────┴─────────────┴─────────────┴──▶ FAILED | CANCELLED | TIMED_OUT
+    generation:  QUEUED ──▶ ENCODING ──▶ DENOISING ──▶ DECODING ──▶ DONE
+    chat:        QUEUED ──▶ CHATTING ──────────────────────────────▶ DONE
+                    │          │             │             │
+                    └──────────┴─────────────┴─────────────┴──▶ FAILED | CANCELLED | TIMED_OUT
 
 An active stage may also go back to QUEUED: a retry after the instance serving it died. A retry
 bumps the generation, so messages of the old generation are recognised and dropped. Terminal
@@ -23,6 +24,7 @@ class RequestState(str, enum.Enum):
     ENCODING = "encoding"
     DENOISING = "denoising"
     DECODING = "decoding"
+    CHATTING = "chatting"
     DONE = "done"
     FAILED = "failed"
     CANCELLED = "cancelled"
@@ -38,16 +40,23 @@ ACTIVE = frozenset(RequestState) - TERMINAL
 _ENDS = {RequestState.FAILED, RequestState.CANCELLED, RequestState.TIMED_OUT}
 
 S = RequestState
+_TERMINAL_MOVES = {S.DONE: frozenset(), S.FAILED: frozenset(), S.CANCELLED: frozenset(), S.TIMED_OUT: frozenset()}
 TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
     S.QUEUED: frozenset({S.ENCODING} | _ENDS),
     S.ENCODING: frozenset({S.DENOISING, S.QUEUED} | _ENDS),
     S.DENOISING: frozenset({S.DECODING, S.QUEUED} | _ENDS),
     S.DECODING: frozenset({S.DONE, S.QUEUED} | _ENDS),
-    S.DONE: frozenset(),
-    S.FAILED: frozenset(),
-    S.CANCELLED: frozenset(),
-    S.TIMED_OUT: frozenset(),
+    S.CHATTING: frozenset(),
+    **_TERMINAL_MOVES,
 }
+"""A generation's table (the default)."""
+CHAT_TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
+    **{state: frozenset() for state in RequestState},
+    S.QUEUED: frozenset({S.CHATTING} | _ENDS),
+    S.CHATTING: frozenset({S.DONE, S.QUEUED} | _ENDS),
+    **_TERMINAL_MOVES,
+}
+"""A chat's table: one stage, on a chat-capable encoder."""
 
 
 class InvalidTransition(TriptychError):
@@ -70,9 +79,11 @@ class StateTimeouts:
     """All denoising steps plus the latent handoff to the decoder."""
     decoding_s: float = 300.0
     """VAE decode plus media encoding."""
+    chatting_s: float = 600.0
+    """A chat answer, from its first token to its last."""
 
     def __post_init__(self) -> None:
-        for name in ("queued_s", "encoding_s", "denoising_s", "decoding_s"):
+        for name in ("queued_s", "encoding_s", "denoising_s", "decoding_s", "chatting_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"StateTimeouts.{name}={getattr(self, name)} must be > 0 seconds")
 
@@ -82,6 +93,7 @@ class StateTimeouts:
             S.ENCODING: self.encoding_s,
             S.DENOISING: self.denoising_s,
             S.DECODING: self.decoding_s,
+            S.CHATTING: self.chatting_s,
         }.get(state)
 
 
@@ -94,13 +106,15 @@ class RequestMachine:
 
     request_id: str
     timeouts: StateTimeouts = field(default_factory=StateTimeouts)
+    table: dict[RequestState, frozenset[RequestState]] = field(default_factory=lambda: TRANSITIONS, repr=False)
+    """``TRANSITIONS`` (a generation) or ``CHAT_TRANSITIONS``."""
     state: RequestState = RequestState.QUEUED
     generation: int = 1
     entered_at: float = field(default_factory=time.monotonic)
     history: list[RequestState] = field(default_factory=lambda: [RequestState.QUEUED])
 
     def can(self, dst: RequestState) -> bool:
-        return dst in TRANSITIONS[self.state]
+        return dst in self.table[self.state]
 
     def to(self, dst: RequestState, now: float | None = None) -> None:
         """Move to ``dst``; raises ``InvalidTransition`` if the table forbids it."""

@@ -115,7 +115,7 @@ class DenoiserEngine:
         s.rows += step_stats.rows
         s.request_steps += len(states)
         s.step_seconds += elapsed
-        s.batch_sizes[len(states)] += 1
+        s.count_batch(len(states))
         if self.accel is not None:
             s.skipped_rows = self.accel.stats.rows_skipped
 

@@ -1,24 +1,51 @@
-"""Engine statistics: plain counters the metrics exporters read (no Prometheus here)."""
+"""Engine statistics: one msgspec struct, counted in process and sent to the head as it is.
+
+The engine increments the fields; the worker sends the struct inside ``StatsReport`` (cumulative
+since it started); the head turns two consecutive reports into a window with ``since``. Metrics
+exporters and log lines read it; nothing here knows Prometheus.
+"""
 
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass, field
+import msgspec
 
 
-@dataclass
-class EngineStats:
+class EngineStats(msgspec.Struct):
+    """A denoiser engine's counters: cumulative since the worker started (or a window's deltas)."""
+
     steps: int = 0  # engine ticks that ran a forward
     forwards: int = 0  # transformer calls
     rows: int = 0  # rows computed (request × CFG branch)
     request_steps: int = 0  # denoising steps advanced, summed over requests
-    skipped_rows: int = 0  # rows served from a cache instead of the transformer
-    step_seconds: float = 0.0  # wall time spent in execute()
-    batch_sizes: Counter = field(default_factory=Counter)  # requests per tick → count
-    finished: int = 0
-    aborted: int = 0
-    failed: int = 0  # requests evicted because the tick that ran them raised
+    skipped_rows: int = 0  # rows served from a cache (TeaCache) instead of the transformer
+    step_seconds: float = 0.0  # wall time spent in the engine's execute()
+    batch_sizes: dict[int, int] = msgspec.field(default_factory=dict)  # requests in one tick → such ticks
+    finished: int = 0  # requests that finished denoising
+    aborted: int = 0  # requests dropped from the engine before finishing
+    failed: int = 0  # requests evicted because the engine tick that ran them raised
 
     @property
     def steps_per_second(self) -> float:
         return self.request_steps / self.step_seconds if self.step_seconds else 0.0
+
+    def count_batch(self, size: int) -> None:
+        self.batch_sizes[size] = self.batch_sizes.get(size, 0) + 1
+
+    def copy(self) -> EngineStats:
+        return msgspec.structs.replace(self, batch_sizes=dict(self.batch_sizes))
+
+    def since(self, prev: EngineStats) -> EngineStats:
+        """The window from ``prev`` (an earlier report of the same engine) to this one."""
+        sizes = {k: n - prev.batch_sizes.get(k, 0) for k, n in self.batch_sizes.items()}
+        return EngineStats(
+            steps=self.steps - prev.steps,
+            forwards=self.forwards - prev.forwards,
+            rows=self.rows - prev.rows,
+            request_steps=self.request_steps - prev.request_steps,
+            skipped_rows=self.skipped_rows - prev.skipped_rows,
+            step_seconds=self.step_seconds - prev.step_seconds,
+            batch_sizes={k: n for k, n in sizes.items() if n},
+            finished=self.finished - prev.finished,
+            aborted=self.aborted - prev.aborted,
+            failed=self.failed - prev.failed,
+        )

@@ -15,12 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from triptych.server.transfer.errors import TransferError
-from triptych.server.transfer.refs import TensorRef
+from triptych.server.transfer.refs import TensorRef, TensorSpec, dtype_from_name
 from triptych.server.transfer.slots import SlotPool
 from triptych.server.transfer.stats import TransferStats
-
-TensorSpec = tuple[torch.dtype, Sequence[int]]
-"""(dtype, shape) of a tensor to reserve."""
 
 
 @dataclass(frozen=True)
@@ -116,8 +113,8 @@ class TransferEndpoint(abc.ABC):
         """Reserve one slot per named tensor (ids `prefix/name`); all or nothing."""
         refs: dict[str, TensorRef] = {}
         try:
-            for name, (dtype, shape) in specs.items():
-                refs[name] = self.reserve(f"{prefix}/{name}", dtype, shape, peer, timeout_s)
+            for name, spec in specs.items():
+                refs[name] = self.reserve(f"{prefix}/{name}", dtype_from_name(spec.dtype), spec.shape, peer, timeout_s)
         except TransferError:
             for ref in refs.values():
                 self.release(ref.transfer_id)
@@ -151,5 +148,5 @@ class TransferEndpoint(abc.ABC):
 
 
 def bundle_specs(tensors: Mapping[str, torch.Tensor]) -> dict[str, TensorSpec]:
-    """The (dtype, shape) specs to reserve for a dict of tensors."""
-    return {name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()}
+    """The specs to reserve for a dict of tensors."""
+    return {name: TensorSpec.of(t) for name, t in tensors.items()}

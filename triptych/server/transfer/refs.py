@@ -56,6 +56,17 @@ def tensor_nbytes(dtype: torch.dtype | str, shape: Sequence[int]) -> int:
     return math.prod(int(d) for d in shape) * dtype.itemsize
 
 
+class TensorSpec(msgspec.Struct, frozen=True):
+    """Dtype and shape of one tensor a receiver must reserve (the tensor itself stays put)."""
+
+    dtype: str  # wire dtype name (``dtype_name``)
+    shape: tuple[int, ...]  # contiguous shape
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> TensorSpec:
+        return cls(dtype_name(tensor.dtype), tuple(tensor.shape))
+
+
 class MooncakeLocation(msgspec.Struct, frozen=True):
     """Where a Mooncake sender writes the bytes of one slot."""
 

@@ -1,18 +1,23 @@
-"""Counters of one transfer endpoint. Plain data: a Prometheus exporter or a log line reads them."""
+"""Counters of one transfer endpoint: one msgspec struct, counted in process and sent to the head.
+
+Plain data: the worker sends a ``snapshot()`` inside ``StatsReport``; the head turns two
+consecutive reports into a window with ``since``; a Prometheus exporter or a log line reads it.
+"""
 
 from __future__ import annotations
 
-import dataclasses
 import threading
-from dataclasses import dataclass, field
+
+import msgspec
+
+# NOTE: one lock for every endpoint's counters: increments are a few per transfer, never contended.
+_LOCK = threading.Lock()
 
 
-@dataclass
-class TransferStats:
-    """Monotonic counters; `snapshot()` gives a consistent copy to export."""
+class TransferStats(msgspec.Struct):
+    """Monotonic counters of one endpoint (cumulative since it started, or a window's deltas)."""
 
-    backend: str  # "zmq" or "mooncake"
-    reservations: int = 0  # slots reserved on this (receiver) side
+    backend: str  # transfer backend kind ("zmq" | "mooncake")
     pushes_sent: int = 0  # pushes this (sender) side completed and had acknowledged
     bytes_sent: int = 0
     push_seconds: float = 0.0  # summed wall time of completed pushes (latency = /pushes_sent)
@@ -20,15 +25,53 @@ class TransferStats:
     bytes_received: int = 0
     rejected_pushes: int = 0  # pushes refused: unreserved, duplicate, wrong size/sender, expired
     timeouts: int = 0  # reservations released by a deadline or a wait timeout
+    reservations: int = 0  # slots reserved on this (receiver) side
     cancels: int = 0  # reservations released by `cancel`
     reclaimed: int = 0  # reservations released because their peer died
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def add(self, **deltas: float) -> None:
-        with self._lock:
-            for name, delta in deltas.items():
-                setattr(self, name, getattr(self, name) + delta)
+    def add(
+        self,
+        *,
+        pushes_sent: int = 0,
+        bytes_sent: int = 0,
+        push_seconds: float = 0.0,
+        pushes_received: int = 0,
+        bytes_received: int = 0,
+        rejected_pushes: int = 0,
+        timeouts: int = 0,
+        reservations: int = 0,
+        cancels: int = 0,
+        reclaimed: int = 0,
+    ) -> None:
+        with _LOCK:
+            self.pushes_sent += pushes_sent
+            self.bytes_sent += bytes_sent
+            self.push_seconds += push_seconds
+            self.pushes_received += pushes_received
+            self.bytes_received += bytes_received
+            self.rejected_pushes += rejected_pushes
+            self.timeouts += timeouts
+            self.reservations += reservations
+            self.cancels += cancels
+            self.reclaimed += reclaimed
 
-    def snapshot(self) -> dict[str, float | str]:
-        with self._lock:
-            return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "_lock"}
+    def snapshot(self) -> TransferStats:
+        """A consistent copy (the endpoint's threads keep counting into this one)."""
+        with _LOCK:
+            return msgspec.structs.replace(self)
+
+    def since(self, prev: TransferStats) -> TransferStats:
+        """The window from ``prev`` (an earlier snapshot of the same endpoint) to this one."""
+        return TransferStats(
+            backend=self.backend,
+            pushes_sent=self.pushes_sent - prev.pushes_sent,
+            bytes_sent=self.bytes_sent - prev.bytes_sent,
+            push_seconds=self.push_seconds - prev.push_seconds,
+            pushes_received=self.pushes_received - prev.pushes_received,
+            bytes_received=self.bytes_received - prev.bytes_received,
+            rejected_pushes=self.rejected_pushes - prev.rejected_pushes,
+            timeouts=self.timeouts - prev.timeouts,
+            reservations=self.reservations - prev.reservations,
+            cancels=self.cancels - prev.cancels,
+            reclaimed=self.reclaimed - prev.reclaimed,
+        )

@@ -1,0 +1,93 @@
+"""Request parameters on the wire: ``GenerationParams`` ⇄ ``WireParams`` and ``ChatParams`` ⇄ ``ChatTask``.
+
+The control messages themselves live in ``protocol``; this module converts the in-process parameter
+objects (PIL images included) to and from their wire structs. Images travel as lossless PNG, so a
+condition image arrives pixel for pixel.
+"""
+
+from __future__ import annotations
+
+import io
+
+from triptych.pipelines.base import GenerationParams
+from triptych.server.protocol import ChatMessage, ChatPart, ChatTask, WireParams
+
+
+# ---- images travel as lossless PNG ----------------------------------------------------------
+def png_bytes(image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def rgb_image(data: bytes):
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as im:
+        return im.convert("RGB")
+
+
+# ---- GenerationParams <-> WireParams ---------------------------------------------------------
+def params_to_wire(p: GenerationParams) -> WireParams:
+    """``p`` must be resolved (height, width, steps set); the image travels as lossless PNG."""
+    return WireParams(
+        prompt=p.prompt,
+        negative_prompt=p.negative_prompt,
+        height=int(p.height),
+        width=int(p.width),
+        frames=p.frames,
+        steps=int(p.steps),
+        guidance=p.guidance,
+        seed=int(p.seed),
+        image_png=None if p.image is None else png_bytes(p.image),
+        true_cfg=float(p.true_cfg),
+        teacache_threshold=float(p.teacache_threshold),
+    )
+
+
+def params_from_wire(w: WireParams) -> GenerationParams:
+    return GenerationParams(
+        prompt=w.prompt,
+        negative_prompt=w.negative_prompt,
+        height=w.height,
+        width=w.width,
+        frames=w.frames,
+        steps=w.steps,
+        guidance=w.guidance,
+        seed=w.seed,
+        image=None if w.image_png is None else rgb_image(w.image_png),
+        true_cfg=w.true_cfg,
+        teacache_threshold=w.teacache_threshold,
+    )
+
+
+# ---- ChatParams <-> ChatTask -----------------------------------------------------------------
+def chat_to_wire(request_id: str, generation: int, p, stream: bool) -> ChatTask:
+    """``p``: a checked ``triptych.pipelines.vlm.ChatParams``; images travel as lossless PNG."""
+    messages = [
+        ChatMessage(t.role, [ChatPart(image=x) if isinstance(x, int) else ChatPart(text=x) for x in t.parts])
+        for t in p.turns
+    ]
+    return ChatTask(
+        request_id,
+        generation,
+        messages,
+        [png_bytes(im) for im in p.images],
+        int(p.max_tokens),
+        float(p.temperature),
+        float(p.top_p),
+        int(p.seed),
+        stream,
+        bool(p.ignore_eos),
+    )
+
+
+def chat_from_wire(task: ChatTask):
+    from triptych.pipelines.vlm import ChatParams, ChatTurn
+
+    images = [rgb_image(data) for data in task.images_png]
+    turns = tuple(
+        ChatTurn(m.role, tuple(x.image if x.image is not None else x.text or "" for x in m.parts))
+        for m in task.messages
+    )
+    return ChatParams(turns, tuple(images), task.max_tokens, task.temperature, task.top_p, task.seed, task.ignore_eos)
