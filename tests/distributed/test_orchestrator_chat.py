@@ -117,7 +117,7 @@ def test_a_dead_encoder_before_any_piece_retries_elsewhere_after_one_fails(head)
             got[w.id] = w.recv()
     ((victim, task),) = got.items()
     other = next(w for w in workers.values() if w.id != victim)
-    loop.call_soon_threadsafe(orch._on_instance_dead, victim, "test: killed")
+    loop.call_soon_threadsafe(orch.instance_dead, victim, "test: killed")
     retry = other.next(P.ChatTask)  # after a PeerDown about the victim
     assert retry.generation == task.generation + 1
     other.send(P.ChatDone("c1", task.generation, other.id, "stale", 1, 1, "stop"))  # an older generation: dropped
@@ -129,7 +129,7 @@ def test_a_dead_encoder_before_any_piece_retries_elsewhere_after_one_fails(head)
     task = other.next(P.ChatTask)
     other.send(P.ChatDelta("c2", task.generation, other.id, "half"))
     wait_for(lambda: pieces == ["half"], "the piece reached the caller")
-    loop.call_soon_threadsafe(orch._on_instance_dead, other.id, "test: killed")
+    loop.call_soon_threadsafe(orch.instance_dead, other.id, "test: killed")
     with pytest.raises(StageFailed, match="part of the answer was sent"):
         future.result(30)
     assert pieces == ["half"]

@@ -83,7 +83,7 @@ async def main():
     backend = EmbeddedBackend(sys.argv[1], OrchestratorConfig(heartbeat_interval_s=0.2, heartbeat_timeout_s=2.0),
                               TopologyConfig(transfer="zmq", torch_threads=1))
     await backend.start()
-    print(json.dumps({i: p.pid for i, p in backend.procs.items()}), flush=True)
+    print(json.dumps({i: p.pid for i, p in backend.workers.procs.items()}), flush=True)
     await asyncio.sleep(3600)
 
 asyncio.run(main())

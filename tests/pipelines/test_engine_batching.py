@@ -125,25 +125,26 @@ def test_a_tick_that_raises_evicts_its_batch_and_the_rest_run_on_bit_identically
 def test_the_denoiser_worker_fails_an_evicted_request_as_retryable_and_keeps_serving(family, monkeypatch):
     """The worker half of eviction: the evicted request's job gets a retryable ``StageError`` (the head
     retries it on another denoiser), the other request's progress is still sent."""
-    from types import SimpleNamespace
-
     from triptych.server import protocol as P
-    from triptych.server.worker_stages import DenoiserRunner, Job
+    from triptych.server.runners.base import Job
+    from triptych.server.runners.denoiser import DenoiserRunner
 
     sent, failures = [], []
-    worker = SimpleNamespace(
-        family=family,
-        config=SimpleNamespace(engine=EngineConfig(max_batch_requests=1)),
-        jobs={},
-        instance_id="d0",
-        send=sent.append,
-        fail=lambda job, error, retryable: failures.append((job.request_id, retryable)),
-    )
-    runner = DenoiserRunner(worker)
+
+    class Port:
+        instance_id = "d0"
+        send = sent.append
+
+        def owns(self, job):
+            return True
+
+        def fail(self, job, error, retryable):
+            failures.append((job.request_id, retryable))
+
+    runner = DenoiserRunner(family, Port(), EngineConfig(max_batch_requests=1))
     for rid in ("bad", "good"):
         p = _params(family, 0)
-        worker.jobs[rid] = Job(rid, 1, p, task=None)
-        runner.engine.add(family.prepare(rid, p, family.encode(p)))
+        runner.admit(Job(rid, 1, p, task=None), family.prepare(rid, p, family.encode(p)))
     real = family.forward
     monkeypatch.setattr(
         family,

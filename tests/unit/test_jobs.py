@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 
 from triptych.errors import InvalidParam
-from triptych.server import metrics
 from triptych.server.files import FileStore
 from triptych.server.jobs import JobStore, VideoRecord
+from triptych.server.metrics import Metrics, StageStats
+from triptych.server.transfer.stats import TransferStats
+from triptych.server.worker_stats import StatsWindow
 
 
 def rec(job_id, created_at=0, status="queued", **kw):
@@ -83,8 +85,10 @@ def test_file_store_serves_until_expiry_then_sweeps(tmp_path):
 
 
 def test_metrics_update_from_stats_objects():
-    metrics.record_stage(metrics.StageStats("denoise", queue_wait_s=0.5, run_s=2.0))
-    metrics.record_transfer(metrics.TransferStats("zmq", nbytes=1024, seconds=0.01))
+    metrics = Metrics()
+    metrics.record_stage(StageStats("denoise", queue_wait_s=0.5, run_s=2.0))
+    transfer = TransferStats("zmq", pushes_sent=1, bytes_sent=1024, push_seconds=0.01)
+    metrics.record_worker_window(StatsWindow("den-0", "denoiser", 1.0, None, transfer))
     metrics.update_from_describe(
         {"instances": [{"role": "encoder", "state": "ready"}] * 2, "queues": {"encode": 3}}, head_in_flight=1
     )

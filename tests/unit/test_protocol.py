@@ -10,7 +10,10 @@ from PIL import Image
 
 from triptych.pipelines.base import GenerationParams
 from triptych.server import protocol as P
+from triptych.server import wire
+from triptych.server.engine.stats import EngineStats
 from triptych.server.transfer.refs import MooncakeLocation, TensorRef
+from triptych.server.transfer.stats import TransferStats
 
 REF = TensorRef(
     "r1/g1/cond/cond.prompt_embeds",
@@ -22,10 +25,10 @@ REF = TensorRef(
     "tcp://127.0.0.1:5000",
     MooncakeLocation("127.0.0.1:1234", 4096),
 )
-WIRE = P.params_to_wire(GenerationParams("a cat", height=32, width=32, frames=1, steps=2, guidance=3.5, seed=7))
+WIRE = wire.params_to_wire(GenerationParams("a cat", height=32, width=32, frames=1, steps=2, guidance=3.5, seed=7))
 SPEC = {"latents": P.TensorSpec("float32", (1, 16, 64))}
-ENGINE = P.EngineReport(10, 12, 24, 30, 2, 0.5, {1: 4, 3: 6}, 5, 1)
-TRANSFER = P.TransferReport("zmq", 5, 4096, 0.02, 3, 2048, 0, 0)
+ENGINE = EngineStats(10, 12, 24, 30, 2, 0.5, {1: 4, 3: 6}, 5, 1)
+TRANSFER = TransferStats("zmq", 5, 4096, 0.02, 3, 2048, 0, 0)
 
 MESSAGES = [
     P.Register("enc-0", "encoder", 4, "enc-0", "tcp://127.0.0.1:1", "zmq", "abc", 123),
@@ -99,8 +102,8 @@ def test_malformed_or_unknown_frames_are_rejected(frame):
 def test_params_round_trip_including_image():
     image = Image.new("RGB", (8, 8), (10, 20, 30))
     params = GenerationParams("x", "neg", 32, 48, 1, 3, 2.5, 9, image, 1.5, 0.1)
-    back = P.params_from_wire(
-        msgspec.msgpack.decode(msgspec.msgpack.encode(P.params_to_wire(params)), type=P.WireParams)
+    back = wire.params_from_wire(
+        msgspec.msgpack.decode(msgspec.msgpack.encode(wire.params_to_wire(params)), type=P.WireParams)
     )
     assert back.replace(image=None) == params.replace(image=None)
     assert back.image.tobytes() == image.tobytes()
@@ -113,9 +116,9 @@ def test_chat_params_round_trip_including_images_in_order():
     params = ChatParams(
         (ChatTurn("system", ("be brief",)), ChatTurn("user", (1, "and", 0, "?"))), images, 7, 0.7, 0.9, 11, True
     )
-    task = P.decode_from_head(P.encode(P.chat_to_wire("c1", 2, params, stream=True)))
+    task = P.decode_from_head(P.encode(wire.chat_to_wire("c1", 2, params, stream=True)))
     assert task.stream and task.generation == 2
-    back = P.chat_from_wire(task)
+    back = wire.chat_from_wire(task)
     assert (back.turns, back.max_tokens, back.temperature, back.top_p, back.seed, back.ignore_eos) == (
         params.turns,
         7,

@@ -8,6 +8,7 @@ import pytest
 
 from triptych.server.request_state import (
     ACTIVE,
+    CHAT_TRANSITIONS,
     TERMINAL,
     TRANSITIONS,
     InvalidTransition,
@@ -17,6 +18,7 @@ from triptych.server.request_state import (
 )
 
 S = RequestState
+GENERATION_STATES = [s for s in S if s is not S.CHATTING]
 PATHS_TO = {
     S.QUEUED: [],
     S.ENCODING: [S.ENCODING],
@@ -43,7 +45,9 @@ def test_happy_path_reaches_done():
     assert m.generation == 1
 
 
-@pytest.mark.parametrize("src,dst", [(a, b) for a, b in itertools.product(S, S) if b not in TRANSITIONS[a]])
+@pytest.mark.parametrize(
+    "src,dst", [(a, b) for a, b in itertools.product(GENERATION_STATES, S) if b not in TRANSITIONS[a]]
+)
 def test_every_invalid_transition_raises(src, dst):
     m = machine_in(src)
     with pytest.raises(InvalidTransition):
@@ -51,7 +55,7 @@ def test_every_invalid_transition_raises(src, dst):
     assert m.state is src
 
 
-@pytest.mark.parametrize("src", sorted(ACTIVE))
+@pytest.mark.parametrize("src", sorted(ACTIVE - {S.CHATTING}))
 @pytest.mark.parametrize("end", [S.FAILED, S.CANCELLED, S.TIMED_OUT])
 def test_any_active_state_can_end(src, end):
     m = machine_in(src)
@@ -83,3 +87,21 @@ def test_per_state_timeouts():
 def test_timeouts_must_be_positive():
     with pytest.raises(ValueError, match="encoding_s"):
         StateTimeouts(encoding_s=0)
+
+
+def test_a_chat_runs_queued_chatting_done_and_nothing_of_a_generation():
+    m = RequestMachine("c1", table=CHAT_TRANSITIONS)
+    for bad in (S.ENCODING, S.DENOISING, S.DECODING, S.DONE):
+        with pytest.raises(InvalidTransition):
+            m.to(bad)
+    m.to(S.CHATTING)
+    m.to(S.QUEUED)  # a retry on another encoder
+    m.to(S.CHATTING)
+    m.to(S.DONE)
+    assert m.history == [S.QUEUED, S.CHATTING, S.QUEUED, S.CHATTING, S.DONE] and m.generation == 2
+
+
+def test_a_generation_never_chats():
+    m = RequestMachine("r1")
+    with pytest.raises(InvalidTransition):
+        m.to(S.CHATTING)

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
-from triptych.server import metrics
+from triptych.cache.mm_stats import MMCacheStats
 from triptych.server import protocol as P
+from triptych.server.engine.stats import EngineStats
+from triptych.server.metrics import Metrics
+from triptych.server.transfer.stats import TransferStats
 from triptych.server.worker_stats import stats_window
 
-
-def engine(steps: int, request_steps: int, seconds: float, sizes: dict[int, int], skipped: int = 0) -> P.EngineReport:
-    return P.EngineReport(steps, steps, steps, request_steps, skipped, seconds, sizes, 0, 0)
+metrics = Metrics()  # this module's own registry
 
 
-def transfer(pushes: int, nbytes: int, seconds: float) -> P.TransferReport:
-    return P.TransferReport("zmq", pushes, nbytes, seconds, 0, 0, 0, 0)
+def engine(steps: int, request_steps: int, seconds: float, sizes: dict[int, int], skipped: int = 0) -> EngineStats:
+    return EngineStats(steps, steps, steps, request_steps, skipped, seconds, sizes, 0, 0)
+
+
+def transfer(pushes: int, nbytes: int, seconds: float) -> TransferStats:
+    return TransferStats("zmq", pushes, nbytes, seconds, 0, 0, 0, 0)
 
 
 def sample(name: str, labels: str = "") -> float:
@@ -72,8 +77,8 @@ def test_windows_feed_the_denoiser_and_transfer_series():
 
 def test_mm_cache_counters_become_deltas_and_its_size_a_gauge():
     before = {r: sample("triptych_mm_cache_lookups_total", f'{{result="{r}"}}') for r in ("hits", "misses")}
-    prev = P.StatsReport("enc-m", 10.0, None, transfer(0, 0, 0.0), P.CacheReport(4, 2, 0, 0, 2, 1000))
-    cur = P.StatsReport("enc-m", 12.0, None, transfer(0, 0, 0.0), P.CacheReport(9, 3, 0, 1, 2, 900))
+    prev = P.StatsReport("enc-m", 10.0, None, transfer(0, 0, 0.0), MMCacheStats(4, 2, 0, 0, 2, 1000))
+    cur = P.StatsReport("enc-m", 12.0, None, transfer(0, 0, 0.0), MMCacheStats(9, 3, 0, 1, 2, 900))
     w = stats_window("encoder", prev, cur)
     assert (w.mm_cache.hits, w.mm_cache.misses, w.mm_cache.evictions) == (5, 1, 1)
     assert (w.mm_cache.entries, w.mm_cache.nbytes) == (2, 900)  # levels: the latest, not a difference
