@@ -156,3 +156,32 @@ def test_the_denoiser_worker_fails_an_evicted_request_as_retryable_and_keeps_ser
     assert failures == [("bad", True)]
     assert [m.request_id for m in sent if isinstance(m, P.DenoiseDone)] == ["good"]
     assert not any(m.request_id == "bad" for m in sent if isinstance(m, P.Progress))
+
+
+def test_a_failed_tick_frees_its_memory_at_once(family, monkeypatch):
+    """The failure reported for an evicted request carries no traceback: the tick's frames (and the
+    batch's tensors they reference) are freed when the tick returns, not at some later cyclic GC
+    (on a GPU an out-of-memory must give its memory back before the next tick)."""
+    import gc
+    import weakref
+
+    import torch
+
+    engine = DenoiserEngine(family, EngineConfig(max_batch_requests=1))
+    p = _params(family, 0)
+    engine.add(family.prepare("big", p, family.encode(p)))
+    held = []
+
+    def forward(rows):
+        activations = torch.zeros(1 << 20)  # stands for the batch's activations, referenced by this frame
+        held.append(weakref.ref(activations))
+        raise RuntimeError("out of memory (simulated)")
+
+    monkeypatch.setattr(family, "forward", forward)
+    gc.disable()
+    try:
+        out = engine.step()
+        assert [rid for rid, _ in out.failed] == ["big"]
+        assert held and held[0]() is None, "the failed tick's tensors are still referenced"
+    finally:
+        gc.enable()

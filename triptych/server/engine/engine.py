@@ -89,6 +89,10 @@ class DenoiserEngine:
         try:
             self.execute(batch)
         except Exception as e:  # noqa: BLE001 - one bad tick must not take the other requests down
+            # NOTE: the traceback references the tick's frames and so the batch's tensors (activations
+            # of a failed forward); kept in ``out.failed`` it would form a cycle only the cyclic GC
+            # frees, much later. The failure is reported by type and message only.
+            e.__traceback__ = e.__context__ = e.__cause__ = None
             self.evict(batch, e, out)
             return out
         self.update(batch, out)
