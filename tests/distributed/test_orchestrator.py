@@ -70,3 +70,30 @@ def test_worker_started_after_the_head_registers_and_gets_work(model):
         assert den["id"] == late and den["assigned"] == 1
     finally:
         cluster.close()
+
+
+def test_a_second_worker_process_with_a_taken_instance_id_exits_at_once(model):
+    """A real ``triptych worker`` reusing a registered instance id is refused and exits with code 3
+    well within its 120 s registration timeout (it used to wait it out silently: both processes had
+    the same ZMQ identity, so the refusal went to the first one)."""
+    import os
+    import subprocess
+    import sys
+
+    path, _ = model
+    cluster = Cluster(path, TopologyConfig(encoders=0, denoisers=0, decoders=1, transfer="zmq"))
+    try:
+        head = cluster.backend.orchestrator
+        cmd = [sys.executable, "-m", "triptych.cli", "worker", "--role", "decoder", "--head", head.control_address]
+        cmd += ["--model", str(path), "--instance-id", "decoder-0", "--transfer", "zmq"]
+        env = {**os.environ, "TRIPTYCH_TOKEN": head.token, "HF_HUB_OFFLINE": "1"}
+        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
+        try:
+            assert proc.wait(timeout=90) == 3
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert [i["id"] for i in cluster.describe()["instances"]] == ["decoder-0"]
+    finally:
+        cluster.close()

@@ -16,6 +16,7 @@ from triptych.errors import InvalidParam
 from triptych.models import PACKAGED_DEFAULT
 from triptych.pipelines.vlm import ChatParams, ChatTurn
 from triptych.server import protocol as P
+from triptych.server.auth import ControlKey
 from triptych.server.backend import Cancelled, ChatJob, StageFailed
 from triptych.server.orchestrator import Orchestrator, OrchestratorConfig
 
@@ -41,6 +42,7 @@ def head():
 class Encoder:
     def __init__(self, ctx, head: Orchestrator, instance_id: str, chat: bool):
         self.id = instance_id
+        self.key = ControlKey(head.token)
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, instance_id.encode())
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -51,11 +53,11 @@ class Encoder:
         assert self.recv().accepted
 
     def send(self, msg) -> None:
-        self.sock.send(P.encode(msg))
+        self.sock.send_multipart(self.key.seal(P.encode(msg)))
 
     def recv(self, timeout_s: float = 30.0):
         assert self.sock.poll(timeout_s * 1000), f"{self.id}: no message from the head"
-        return P.decode_from_head(self.sock.recv())
+        return P.decode_from_head(self.key.open(self.sock.recv_multipart()))
 
     def next(self, kind: type):
         """The next message of ``kind`` (skipping others: PeerDown, the Cancel that follows a failure)."""

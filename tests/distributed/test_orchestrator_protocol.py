@@ -11,6 +11,7 @@ from orchestrator_support import job
 
 from triptych.pipelines.registry import load_family, make_tiny
 from triptych.server import protocol as P
+from triptych.server.auth import ControlKey
 from triptych.server.backend import Cancelled
 from triptych.server.orchestrator import Orchestrator, OrchestratorConfig
 
@@ -39,6 +40,7 @@ def head(model):
 class FakeWorker:
     def __init__(self, ctx, head: Orchestrator, instance_id: str, role: str, revision: str | None = None):
         self.id = instance_id
+        self.key = ControlKey(head.token)
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, instance_id.encode())
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -49,11 +51,11 @@ class FakeWorker:
         self.ack = self.recv()
 
     def send(self, msg) -> None:
-        self.sock.send(P.encode(msg))
+        self.sock.send_multipart(self.key.seal(P.encode(msg)))
 
     def recv(self, timeout_s: float = 30.0):
         assert self.sock.poll(timeout_s * 1000), f"{self.id}: no message from the head"
-        return P.decode_from_head(self.sock.recv())
+        return P.decode_from_head(self.key.open(self.sock.recv_multipart()))
 
 
 def on_loop(loop, fn):
@@ -81,7 +83,7 @@ def test_stale_and_malformed_messages_are_dropped_and_cancel_reaches_every_holde
     task = enc.recv()
     assert isinstance(task, P.EncodeTask) and task.denoiser == "denoiser-0" and task.generation == 1
 
-    enc.sock.send(b"\xc1 not msgpack")
+    enc.sock.send_multipart(enc.key.seal(b"\xc1 not msgpack"))
     enc.send(P.EncodeDone("p-1", 7, "encoder-0", SPEC))  # a generation that does not exist
     den.send(P.EncodeDone("p-1", 1, "denoiser-0", SPEC))  # right generation, wrong sender
     enc.send(P.EncodeDone("p-1", 1, "encoder-0", SPEC))
@@ -133,4 +135,54 @@ def test_a_retry_avoids_the_instance_that_failed_the_request(head, model):
     asyncio.run_coroutine_threadsafe(orch.cancel("r-1"), loop).result(30)
     with pytest.raises(Cancelled):
         first.result(30)
+    ctx.destroy(linger=0)
+
+
+def test_a_worker_without_the_token_cannot_register_or_speak(head):
+    """Registration and every later frame need the deployment's token: an unsigned ``Register`` and
+    one signed with another token are answered with a refusal naming the token (the worker stops at
+    once instead of waiting), any other badly signed frame is dropped unanswered; all are counted
+    and none registers an instance."""
+    orch, loop = head
+    ctx = zmq.Context()
+    rogue = ctx.socket(zmq.DEALER)
+    rogue.setsockopt(zmq.LINGER, 0)
+    rogue.connect(orch.control_address)
+    register = P.Register("den-rogue", "denoiser", 2, "den-rogue", "tcp://127.0.0.1:1", "zmq", orch.revision, 1)
+    rogue.send(P.encode(register))
+    assert rogue.poll(30_000)
+    ack = P.decode_from_head(rogue.recv_multipart()[0])
+    assert ack.accepted is False and "token" in ack.reason
+    rogue.send_multipart(ControlKey("another-deployment-token").seal(P.encode(register)))
+    assert rogue.poll(30_000) and P.decode_from_head(rogue.recv_multipart()[0]).accepted is False
+    beat = P.Heartbeat("den-rogue", 0, 4, 4, 0)
+    rogue.send_multipart(ControlKey("another-deployment-token").seal(P.encode(beat)))
+    assert not rogue.poll(500)  # not a registration: nothing comes back
+    desc = on_loop(loop, orch.describe)
+    assert desc["instances"] == [] and desc["stats"]["unauthenticated"] == 3
+    ctx.destroy(linger=0)
+
+
+def test_a_second_worker_reusing_an_instance_id_is_refused_at_once(head):
+    """Two processes claiming one instance id: the second gets a refusal on its own socket (a worker
+    identity is unique per process), instead of waiting out its registration timeout."""
+    orch, loop = head
+    ctx = zmq.Context()
+    first = FakeWorker(ctx, orch, "denoiser-7", "denoiser")
+    assert first.ack.accepted
+
+    class Second(FakeWorker):
+        def __init__(self):
+            self.id = "denoiser-7"
+            self.key = ControlKey(orch.token)
+            self.sock = ctx.socket(zmq.DEALER)
+            self.sock.setsockopt(zmq.IDENTITY, b"denoiser-7#another-process")
+            self.sock.setsockopt(zmq.LINGER, 0)
+            self.sock.connect(orch.control_address)
+
+    second = Second()
+    second.send(P.Register("denoiser-7", "denoiser", 2, "denoiser-7", "tcp://127.0.0.1:2", "zmq", orch.revision, 2))
+    ack = second.recv(timeout_s=10)
+    assert ack.accepted is False and "already registered" in ack.reason
+    assert [i["pid"] for i in on_loop(loop, orch.describe)["instances"]] == [1]
     ctx.destroy(linger=0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
 from pathlib import Path
 
 from triptych.server.dispatch import POLICIES
@@ -44,6 +45,11 @@ def add_server_commands(sub) -> None:
     w.add_argument("--capacity", type=int, default=4, help="requests this instance may hold at once")
     w.add_argument("--transfer", choices=["auto", "mooncake", "zmq"], default="auto")
     w.add_argument("--host", default="127.0.0.1", help="address peers push tensors to")
+    w.add_argument(
+        "--token",
+        default=os.environ.get("TRIPTYCH_TOKEN", ""),
+        help="the deployment's control-plane token (default: $TRIPTYCH_TOKEN); serve writes it to DATA_DIR/worker.token",
+    )
     w.add_argument("--device", default="cpu")
     w.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     w.add_argument("--max-batch-requests", type=int, default=8, help="denoiser: requests per forward")
@@ -64,9 +70,13 @@ def cmd_worker(args) -> int:
     from triptych.server.engine import EngineConfig
     from triptych.server.worker import WorkerConfig, run_worker
 
+    if len(args.token) < 16:
+        print("triptych worker: --token (or $TRIPTYCH_TOKEN) must be the head's control-plane token", file=sys.stderr)
+        return 2
     config = WorkerConfig(
         role=Role(args.role),
         head=args.head,
+        token=args.token,
         model_dir=Path(resolve_model(args.model)),
         instance_id=args.instance_id,
         capacity=args.capacity,

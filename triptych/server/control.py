@@ -1,8 +1,10 @@
 """The head's control socket: one ZMQ ROUTER that every worker's DEALER connects to.
 
-``ControlPlane`` owns the socket and the map from instance id to ZMQ identity; it decodes each frame
-into a typed worker message (a malformed one is counted and dropped) and hands it to ``on_message``.
-It knows nothing of instances or requests.
+``ControlPlane`` owns the socket and the map from instance id to ZMQ identity; it checks each frame's
+MAC (``auth.ControlKey``: an unauthenticated frame is counted and dropped, except a ``Register``,
+which is answered with a refusal so a worker with a wrong token stops at once), decodes it into a
+typed worker message (a malformed one is counted and dropped) and hands it to ``on_message``. It
+knows nothing of instances or requests.
 """
 
 from __future__ import annotations
@@ -16,13 +18,22 @@ import zmq
 import zmq.asyncio
 
 from triptych.server import protocol as P
+from triptych.server.auth import ControlKey
 
 logger = logging.getLogger(__name__)
 
 
 class ControlPlane:
-    def __init__(self, host: str, port: int, stats: Counter, on_message: Callable[[bytes, P.WorkerMessage], None]):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        key: ControlKey,
+        stats: Counter,
+        on_message: Callable[[bytes, P.WorkerMessage], None],
+    ):
         self.host = host
+        self.key = key
         self.port = port
         self.stats = stats
         self.on_message = on_message
@@ -69,18 +80,36 @@ class ControlPlane:
     def send_to(self, identity: bytes, msg: P.Message) -> None:
         """To whoever holds ``identity`` (registration answers, rejoin requests)."""
         if self._sock is not None:
-            self._sock.send_multipart([identity, P.encode(msg)])
+            self._sock.send_multipart([identity, *self.key.seal(P.encode(msg))])
 
     async def _recv_loop(self) -> None:
         while True:
             frames = await self._sock.recv_multipart()
-            if len(frames) != 2:
+            if len(frames) not in (2, 3):
                 self.stats["malformed"] += 1
                 continue
+            payload = self.key.open(frames[1:])
+            if payload is None:
+                self._unauthenticated(frames[0], frames[1])
+                continue
             try:
-                msg = P.decode_from_worker(frames[1])
+                msg = P.decode_from_worker(payload)
             except P.ProtocolError as e:
                 self.stats["malformed"] += 1
                 logger.warning("dropped a control frame from %r: %s", frames[0][:64], e)
                 continue
             self.on_message(frames[0], msg)
+
+    def _unauthenticated(self, identity: bytes, payload: bytes) -> None:
+        self.stats["unauthenticated"] += 1
+        try:
+            msg = P.decode_from_worker(payload)
+        except P.ProtocolError:
+            return
+        if isinstance(msg, P.Register):  # tell it why, unsigned: a refusal grants nothing
+            logger.warning(
+                "refused %s: its control frames are not signed with this deployment's token", msg.instance_id
+            )
+            refusal = P.RegisterAck(msg.instance_id, False, "wrong or missing control-plane token (--token)", 0.0)
+            if self._sock is not None:
+                self._sock.send_multipart([identity, P.encode(refusal), b""])

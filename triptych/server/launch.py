@@ -58,8 +58,9 @@ class TopologyConfig:
 class LocalWorkers:
     """Worker processes of this head (see the module docstring)."""
 
-    def __init__(self, model_dir: Path, topology: TopologyConfig):
+    def __init__(self, model_dir: Path, topology: TopologyConfig, token: str):
         self.model_dir = model_dir
+        self.token = token  # handed to workers in their environment, never on a command line
         self.topology = topology
         self.procs: dict[str, subprocess.Popen] = {}
 
@@ -93,7 +94,7 @@ class LocalWorkers:
         ]
         if logger.isEnabledFor(logging.DEBUG):
             cmd.insert(3, "-v")
-        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRIPTYCH_TOKEN": self.token}
         self.procs[instance_id] = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
         logger.info("spawned %s (pid %d)", instance_id, self.procs[instance_id].pid)
         return instance_id
@@ -122,7 +123,7 @@ class EmbeddedBackend(GenerationBackend):
     ):
         self.orchestrator = Orchestrator(model_dir, config)
         self.topology = topology or TopologyConfig()
-        self.workers = LocalWorkers(self.orchestrator.model_dir, self.topology)
+        self.workers = LocalWorkers(self.orchestrator.model_dir, self.topology, self.orchestrator.token)
         self.family = self.orchestrator.family
         self.metrics = self.orchestrator.metrics
 

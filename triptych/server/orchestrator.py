@@ -25,6 +25,7 @@ from pathlib import Path
 from triptych.errors import InvalidParam
 from triptych.pipelines.vlm import ChatResult
 from triptych.server import protocol as P
+from triptych.server.auth import ControlKey, new_token
 from triptych.server.backend import Cancelled, ChatJob, GenerationBackend, GenerationJob, ProgressFn, TextFn
 from triptych.server.chat_router import ChatRouter
 from triptych.server.control import ControlPlane
@@ -60,7 +61,10 @@ class OrchestratorConfig:
     reserve_timeout_s: float = 60.0
     """How long a receiver keeps slots reserved waiting for the upstream push."""
     chat_timeout_s: float = 600.0
-    """Longest a chat may take from arrival to its last token (queue wait included)."""
+    """Longest a chat answer may take from its first token to its last."""
+    token: str = ""
+    """The deployment's control-plane token: only workers holding it register, every control frame
+    is signed with it. Empty = a fresh random one (``Orchestrator.token``), for local workers."""
 
     def __post_init__(self) -> None:
         if self.heartbeat_timeout_s <= 2 * self.heartbeat_interval_s:
@@ -86,7 +90,8 @@ class Orchestrator(GenerationBackend):
         self.revision = model_revision(self.model_dir)
         self.metrics = metrics or Metrics()
         self.stats: Counter[str] = Counter()
-        self.control = ControlPlane(c.host, c.control_port, self.stats, self._on_message)
+        self.token = c.token or new_token()
+        self.control = ControlPlane(c.host, c.control_port, ControlKey(self.token), self.stats, self._on_message)
         self.registry = InstanceRegistry(
             self.revision, c.dispatch, c.heartbeat_interval_s, self.control, self.metrics, self.stats
         )
@@ -186,7 +191,7 @@ class Orchestrator(GenerationBackend):
             if self.registry.register(identity, msg):
                 self._pump()
             return
-        if self.registry.seen(msg) is None or isinstance(msg, P.Heartbeat | P.StatsReport):
+        if self.registry.seen(identity, msg) is None or isinstance(msg, P.Heartbeat | P.StatsReport):
             return
         if self.chats.owns(msg):
             self.chats.handle(msg)

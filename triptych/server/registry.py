@@ -76,14 +76,14 @@ class InstanceRegistry:
         self.control.send_to(identity, ack)
         return reason is None
 
-    def seen(self, msg: P.WorkerMessage) -> Instance | None:
+    def seen(self, identity: bytes, msg: P.WorkerMessage) -> Instance | None:
         """The registered sender of ``msg`` (its liveness refreshed), or None after asking it to rejoin.
         Heartbeats and stats reports are consumed here."""
         inst = self.instances.get(msg.instance_id)
         if inst is None:
             self.stats["from_unknown_instance"] += 1
             logger.debug("message from unknown instance %s dropped", msg.instance_id)
-            self._tell_rejoin(msg.instance_id)
+            self._tell_rejoin(identity, msg.instance_id)
             return None
         inst.last_seen = time.monotonic()
         if isinstance(msg, P.Heartbeat):
@@ -109,7 +109,7 @@ class InstanceRegistry:
             bound_ids(self._last_stats)
         return inst
 
-    def _tell_rejoin(self, instance_id: str) -> None:
+    def _tell_rejoin(self, identity: bytes, instance_id: str) -> None:
         """An instance we do not know is alive (declared dead while only silent, e.g. a stalled
         process or a partition): tell it to drop its jobs and register again, once per interval."""
         now = time.monotonic()
@@ -119,7 +119,7 @@ class InstanceRegistry:
         bound_ids(self._rejoin_sent)
         self.stats["rejoins_requested"] += 1
         logger.warning("%s is alive but not registered (declared dead earlier?); asking it to rejoin", instance_id)
-        self.control.send_to(instance_id.encode(), P.Rejoin("not registered with this head"))
+        self.control.send_to(identity, P.Rejoin("not registered with this head"))
 
     def describe(self) -> list[dict]:
         return [

@@ -27,6 +27,7 @@ from triptych.errors import TriptychError
 from triptych.identity import model_revision
 from triptych.pipelines.base import Role
 from triptych.server import protocol as P
+from triptych.server.auth import ControlKey
 from triptych.server.engine import EngineConfig
 from triptych.server.runners import StageRunner, make_runner
 from triptych.server.transfer import TransferConfig, make_endpoint
@@ -47,6 +48,9 @@ class WorkerConfig:
     """Which pool this instance serves; it loads only that role's components."""
     head: str
     """Head control address, ``tcp://HOST:PORT``."""
+    token: str
+    """The deployment's control-plane token (``serve`` hands its local workers one; remote workers
+    get it with ``--token`` or ``$TRIPTYCH_TOKEN``): every control frame is signed with it."""
     model_dir: Path
     """Diffusers model directory (same configs as the head's, checked by revision)."""
     instance_id: str = ""
@@ -78,6 +82,7 @@ class WorkerConfig:
             raise ValueError(f"capacity={self.capacity} must be >= 1")
         if not self.head.startswith("tcp://"):
             raise ValueError(f"head={self.head!r} must look like tcp://HOST:PORT")
+        ControlKey(self.token)  # raises on a token too short to be one
         if self.register_timeout_s <= 0:
             raise ValueError(f"register_timeout_s={self.register_timeout_s} must be > 0")
 
@@ -102,8 +107,9 @@ class Worker:
             ),
         )
         self._stop = threading.Event()
+        self._key = ControlKey(config.token)
         self._ctx = zmq.Context()
-        self._sock = self._dealer(self.instance_id)
+        self._sock = self._dealer("control")
         self.port = JobPort(self.instance_id, self.send, self.endpoint, self._stop)
         self.runner: StageRunner = make_runner(self.role, self.family, self.port, config.engine)
         self.port.stage = self.runner.stage
@@ -115,15 +121,29 @@ class Worker:
         self._next_report = 0.0
 
     # ---- control socket -----------------------------------------------------------------------
-    def _dealer(self, identity: str) -> zmq.Socket:
+    def _dealer(self, purpose: str) -> zmq.Socket:
+        """A socket to the head. Its ZMQ identity is unique to this process (the head learns it from
+        ``Register``), so a second process reusing an instance id gets its refusal, not silence."""
         sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, identity.encode())
+        sock.setsockopt(zmq.IDENTITY, f"{self.instance_id}#{purpose}#{uuid.uuid4().hex[:8]}".encode())
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.config.head)
         return sock
 
     def send(self, msg: P.Message) -> None:
-        self._sock.send(P.encode(msg))
+        self._sock.send_multipart(self._key.seal(P.encode(msg)))
+
+    def _recv(self) -> P.HeadMessage:
+        """The next control message; raises ``ProtocolError`` for an unsigned or malformed frame,
+        except the head's unsigned refusal of a worker that does not hold the token."""
+        frames = self._sock.recv_multipart()
+        payload = self._key.open(frames)
+        if payload is None:
+            msg = P.decode_from_head(frames[0])
+            if isinstance(msg, P.RegisterAck) and not msg.accepted:
+                return msg
+            raise P.ProtocolError("a control frame with a bad signature")
+        return P.decode_from_head(payload)
 
     def register(self) -> None:
         chat = self.role is Role.ENCODER and self.family.chat_model() is not None
@@ -148,7 +168,7 @@ class Worker:
                     f"no RegisterAck from {self.config.head} in {self.config.register_timeout_s}s"
                 )
             try:
-                ack = P.decode_from_head(self._sock.recv())
+                ack = self._recv()
             except P.ProtocolError as e:
                 logger.warning("%s dropped a malformed control frame: %s", self.instance_id, e)
         if not ack.accepted:
@@ -174,7 +194,7 @@ class Worker:
         timer.start()
 
     def _heartbeats(self) -> None:
-        sock = self._dealer(f"{self.instance_id}#hb")
+        sock = self._dealer("heartbeat")
         try:
             while not self._stop.wait(self._hb_interval):
                 if self._parent_gone():
@@ -183,7 +203,7 @@ class Worker:
                 beat = P.Heartbeat(
                     self.instance_id, len(self.port.jobs), pool.free_slots, pool.max_slots, self.runner.engine_running()
                 )
-                sock.send(P.encode(beat))
+                sock.send_multipart(self._key.seal(P.encode(beat)))
         finally:
             sock.close(linger=0)
 
@@ -228,9 +248,8 @@ class Worker:
     def receive(self, timeout_ms: int) -> None:
         while self._sock.poll(timeout_ms):
             timeout_ms = 0
-            raw = self._sock.recv()
             try:
-                msg = P.decode_from_head(raw)
+                msg = self._recv()
             except P.ProtocolError as e:
                 logger.warning("%s dropped a malformed control frame: %s", self.instance_id, e)
                 continue
