@@ -36,7 +36,8 @@ from pathlib import Path
 import torch
 from torchmetrics.functional.image import peak_signal_noise_ratio, structural_similarity_index_measure
 
-from triptych.cache.teacache import ProfileIndex, TeaCache
+from triptych.cache.teacache import TeaCache
+from triptych.cache.teacache_profile import ProfileIndex
 from triptych.calibration.collect import DEFAULT_PROMPTS
 from triptych.calibration.fit import calibrate
 from triptych.pipelines.base import GenerationParams

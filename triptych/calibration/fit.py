@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from triptych.cache.teacache import DEGREE, TeaCacheProfile, model_identity, profile_filename, save_profile
+from triptych.cache.teacache_profile import DEGREE, TeaCacheProfile, model_identity, profile_filename, save_profile
 from triptych.calibration.collect import DEFAULT_PROMPTS, Trajectory, collect
 
 logger = logging.getLogger(__name__)

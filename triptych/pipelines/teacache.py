@@ -2,7 +2,8 @@
 
 The denoiser engine builds its cache with::
 
-    from triptych.cache.teacache import ProfileIndex, TeaCache
+    from triptych.cache.teacache import TeaCache
+    from triptych.cache.teacache_profile import ProfileIndex
     from triptych.pipelines.teacache import plan_for
 
     tc = TeaCache(plan_for(family), ProfileIndex(family.model_dir, family.name, profiles_dir), config)

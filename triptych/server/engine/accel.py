@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from triptych.cache.teacache import ProfileIndex, TeaCache, TeaCacheConfig, resolve_settings
+from triptych.cache.teacache import TeaCache, TeaCacheConfig, resolve_settings
+from triptych.cache.teacache_profile import ProfileIndex
 from triptych.errors import InvalidParam
 from triptych.pipelines.base import Family, GenerationParams
 from triptych.pipelines.teacache import PLANS, has_plan, plan_for
