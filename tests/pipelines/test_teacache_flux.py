@@ -15,7 +15,8 @@ import pytest
 import torch
 from torchmetrics.functional.image import peak_signal_noise_ratio
 
-from triptych.cache.teacache import ProfileIndex, TeaCache
+from triptych.cache.teacache import TeaCache
+from triptych.cache.teacache_profile import ProfileIndex
 from triptych.calibration.fit import calibrate
 from triptych.errors import InvalidParam
 from triptych.pipelines.base import GenerationParams, Row

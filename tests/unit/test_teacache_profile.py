@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from triptych.cache.teacache import (
+from triptych.cache.teacache_profile import (
     PROFILE_FORMAT,
     ProfileError,
     ProfileIndex,
