@@ -8,7 +8,7 @@ stored result instead, which is exact, not an approximation.
 
 The key is a SHA-256 over the input tensors' dtype, shape and bytes (the preprocessed pixels and the
 patch grid, so a different resize or processor setting is a different key), the call's simple
-keyword arguments and the cache's scope (the encoder's model identity).
+keyword arguments and the cache's scope (the encoder's ``triptych.identity.model_identity``).
 Calls with other arguments (tensors in kwargs, hooks asking for attentions) bypass the cache.
 Entries are evicted least-recently-used past ``max_bytes`` of stored tensors; a hit returns clones,
 so nothing downstream can alter a stored entry.
@@ -166,21 +166,6 @@ def install(module: torch.nn.Module, cache: MMEmbeddingCache) -> MMEmbeddingCach
         registry.remove_hook(HOOK_NAME, recurse=False)
     registry.register_hook(_EncoderCacheHook(cache), HOOK_NAME)
     return cache
-
-
-def encoder_identity(model_dir, component: str = "text_encoder") -> str:
-    """``<dir>/<component>@<sha256[:16]>`` of the component's config and its files' names and sizes:
-    what a cache scope names (cheap for a 15 GB encoder; a retrained one of the same shape in the
-    same place would need its directory renamed)."""
-    from pathlib import Path
-
-    root = Path(model_dir) / component
-    h = hashlib.sha256()
-    for f in sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else ():
-        h.update(f"{f.relative_to(root)}|{f.stat().st_size}|".encode())
-        if f.name == "config.json":
-            h.update(f.read_bytes())
-    return f"{Path(model_dir).name}/{component}@{h.hexdigest()[:16]}"
 
 
 def vision_encoder(text_encoder: torch.nn.Module) -> torch.nn.Module | None:

@@ -19,13 +19,12 @@ guessed. Profile file (JSON, one per family × model × steps)::
     }
 
 Where profiles are found (:func:`find_profile`): ``<profiles_dir>/*.json`` (an operator's directory;
-entries must name the model in ``"model"``, see :func:`model_identity`) first, then ``<model_dir>/teacache/*.json`` (shipped with
-the model; the model is implied). A profile matches on ``family`` and ``steps``.
+entries must name the model in ``"model"``, see ``PROFILED_COMPONENTS``) first, then
+``<model_dir>/teacache/*.json`` (shipped with the model; the model is implied). A profile matches on ``family`` and ``steps``.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -34,10 +33,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from triptych.identity import model_identity
+
 logger = logging.getLogger(__name__)
 
 PROFILE_FORMAT = "triptych.teacache.profile/1"
 DEGREE = 4
+#: What a fit depends on: a profile's ``model`` is ``model_identity(model_dir, PROFILED_COMPONENTS)``
+#: (``<dir name>@<hash of the transformer's configs>``, see :mod:`triptych.identity`).
+PROFILED_COMPONENTS = ("transformer",)
 
 
 class ProfileError(ValueError):
@@ -122,18 +126,6 @@ def profile_filename(family: str, steps: int) -> str:
     return f"{family}-{steps}steps.json"
 
 
-def model_identity(model_dir: str | Path) -> str:
-    """``<dir name>@<sha256[:12] of transformer/config.json>``: what a profile's ``model`` names.
-
-    NOTE: it names the directory and the architecture, not the weights: give each checkpoint its own
-    directory name (or pass ``model`` explicitly) when several share one profiles dir.
-    """
-    model_dir = Path(model_dir)
-    config = model_dir / "transformer" / "config.json"
-    digest = hashlib.sha256(config.read_bytes()).hexdigest()[:12] if config.is_file() else "unknown"
-    return f"{model_dir.resolve().name}@{digest}"
-
-
 def find_profile(
     model_dir: str | Path,
     steps: int,
@@ -143,10 +135,11 @@ def find_profile(
 ) -> TeaCacheProfile | None:
     """The profile for ``(family, steps)`` of the model in ``model_dir``, or None.
 
-    ``profiles_dir`` entries must also name the model (``model``, default :func:`model_identity`);
+    ``profiles_dir`` entries must also name the model (``model``, default the transformer's
+    ``model_identity``, see ``PROFILED_COMPONENTS``);
     ``<model_dir>/teacache/`` entries belong to that model by location. Broken files raise.
     """
-    model = model or model_identity(model_dir)
+    model = model or model_identity(model_dir, PROFILED_COMPONENTS)
     places = [(Path(profiles_dir), True)] if profiles_dir is not None else []
     places.append((Path(model_dir) / "teacache", False))
     for directory, must_name_model in places:

@@ -18,6 +18,7 @@ from diffusers import QwenImageEditPipeline, QwenImagePipeline
 from diffusers.image_processor import VaeImageProcessor
 
 from triptych.errors import InvalidParam
+from triptych.identity import model_identity
 from triptych.pipelines.base import Conditioning, DenoiseState, Family, Frames, GenerationParams, Role, Row
 from triptych.pipelines.geometry import model_defaults, vae_config
 from triptych.pipelines.qwenimage import decode as dec
@@ -74,7 +75,8 @@ class QwenImageFamily(Family):
         visual = mm.vision_encoder(self.pipe.text_encoder) if self.pipe.text_encoder is not None else None
         budget = int(float(os.environ.get("TRIPTYCH_MM_CACHE_MB", "256")) * (1 << 20))
         if visual is not None and budget > 0:
-            self.mm_cache = mm.install(visual, mm.MMEmbeddingCache(budget, scope=mm.encoder_identity(self.model_dir)))
+            scope = model_identity(self.model_dir, ("text_encoder",))
+            self.mm_cache = mm.install(visual, mm.MMEmbeddingCache(budget, scope=scope))
         self._chat = None
 
     @property
