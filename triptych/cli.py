@@ -94,7 +94,7 @@ def cmd_generate(args) -> int:
     params = family.resolve(params)
     accel = None
     if params.teacache_threshold:
-        from triptych.server.engine.accel import check_teacache, make_teacache
+        from triptych.pipelines.teacache import check_teacache, make_teacache
 
         check_teacache(family, params)
         accel = make_teacache(family)

@@ -108,7 +108,7 @@ def quality_report(
     """Plain vs each TeaCache threshold on the same requests; see the module docstring."""
     from triptych.pipelines.registry import load_family
     from triptych.pipelines.runner import run_request
-    from triptych.server.engine.accel import check_teacache, make_teacache
+    from triptych.pipelines.teacache import check_teacache, make_teacache
 
     model_dir = Path(model_dir)
     if images < 1:
