@@ -210,8 +210,8 @@ def _add_quality(sub) -> None:
 
 
 def cmd_quality(args) -> int:
+    from triptych.calibration.quality import markdown, quality_report, write
     from triptych.models import resolve_model
-    from triptych.quality import markdown, quality_report, write
 
     world = {"auto": None, "on": True, "off": False}[args.world]
     report = quality_report(
@@ -245,7 +245,7 @@ def cmd_calibrate(args) -> int:
                 base["image"] = decode_image(f.read())
         except FileNotFoundError:
             raise InvalidParam("image", args.image, "file does not exist") from None
-    from triptych.quality import world_prompts
+    from triptych.calibration.quality import world_prompts
 
     model = resolve_model(args.model)
     prompts = args.prompt or world_prompts(model) or DEFAULT_PROMPTS
