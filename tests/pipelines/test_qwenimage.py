@@ -22,6 +22,7 @@ import torch
 from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
 from PIL import Image
 
+from triptych.calibration.metrics import psnr
 from triptych.errors import InvalidParam
 from triptych.pipelines.base import GenerationParams, Role
 from triptych.pipelines.qwenimage.encode import condition_size
@@ -97,11 +98,6 @@ class ForwardCounter:
 
     def __exit__(self, *exc):
         self.handle.remove()
-
-
-def psnr(a: np.ndarray, b: np.ndarray) -> float:
-    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
-    return float("inf") if mse == 0 else 10 * np.log10(1.0 / mse)
 
 
 # ---- single request: bit-identical to diffusers ---------------------------------------------------
