@@ -20,6 +20,7 @@ whose forward is the vision encoder (``text_encoder.model.visual`` for Qwen2.5-V
 from __future__ import annotations
 
 import hashlib
+import math
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -30,6 +31,27 @@ from diffusers.hooks import HookRegistry, ModelHook
 
 HOOK_NAME = "triptych_mm_cache"
 SIMPLE = (type(None), bool, int, float, str)
+
+
+@dataclass(frozen=True)
+class MMCacheConfig:
+    """The encoder's mm-hash cache, one per loaded encoder (a family builds it from this)."""
+
+    max_mb: float = 256.0
+    """Budget in MiB (2**20 bytes) of stored encoder outputs; past it the least recently used entries
+    are evicted. 0 turns the cache off."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_mb, bool) or not isinstance(self.max_mb, (int, float)):
+            raise ValueError(f"MMCacheConfig.max_mb={self.max_mb!r}: must be a number of MiB (0 turns the cache off)")
+        if not (math.isfinite(self.max_mb) and self.max_mb >= 0):
+            raise ValueError(
+                f"MMCacheConfig.max_mb={self.max_mb}: must be a finite number >= 0 (0 turns the cache off)"
+            )
+
+    @property
+    def max_bytes(self) -> int:
+        return int(self.max_mb * (1 << 20))
 
 
 @dataclass
