@@ -34,11 +34,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torchmetrics.functional.image import peak_signal_noise_ratio, structural_similarity_index_measure
 
-from triptych.cache.teacache import ProfileIndex, TeaCache
+from triptych.cache.teacache import TeaCache
+from triptych.cache.teacache_profile import ProfileIndex
 from triptych.calibration.collect import DEFAULT_PROMPTS
 from triptych.calibration.fit import calibrate
+from triptych.calibration.metrics import psnr, ssim
 from triptych.pipelines.base import GenerationParams
 from triptych.pipelines.flux.teacache import plan_for
 from triptych.pipelines.registry import load_family, make_tiny
@@ -172,11 +173,7 @@ def cache_dit_methods():
 
 
 def quality(imgs: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
-    if torch.equal(imgs, ref):
-        return float("inf"), 1.0
-    psnr = peak_signal_noise_ratio(imgs, ref, data_range=1.0).item()
-    ssim = structural_similarity_index_measure(imgs, ref, data_range=1.0).item()
-    return psnr, ssim
+    return psnr(imgs, ref), ssim(imgs, ref, channels_last=False)
 
 
 def table(results: list[Result], ref: torch.Tensor, base_time: dict[str, float], base_passes: int, kind: str) -> str:
@@ -185,10 +182,10 @@ def table(results: list[Result], ref: torch.Tensor, base_time: dict[str, float],
         "|---|---|---:|---:|---:|---:|---|",
     ]
     for r in results:
-        psnr, ssim = quality(r.images, ref)
+        db, sim = quality(r.images, ref)
         lines.append(
             f"| {r.method} | {r.path} | {r.passes}/{base_passes} | {base_time[r.path] / r.seconds:.2f}x | "
-            f"{psnr:.2f} | {ssim:.4f} | {r.note} |"
+            f"{db:.2f} | {sim:.4f} | {r.note} |"
         )
     return "\n".join(lines)
 

@@ -57,13 +57,10 @@ AREA = 512 * 512
 
 
 def family(model_dir, cache_mb: str):
+    from triptych.cache.mm import MMCacheConfig
     from triptych.pipelines.qwenimage.family import QwenImageEditFamily
 
-    os.environ["TRIPTYCH_MM_CACHE_MB"] = cache_mb
-    try:
-        return QwenImageEditFamily(model_dir, roles=(Role.ENCODER,))
-    finally:
-        del os.environ["TRIPTYCH_MM_CACHE_MB"]
+    return QwenImageEditFamily(model_dir, roles=(Role.ENCODER,), mm_cache_config=MMCacheConfig(max_mb=float(cache_mb)))
 
 
 def timed(fn):

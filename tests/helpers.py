@@ -1,16 +1,8 @@
-"""Small helpers shared by tests: PSNR, transformer call counting."""
+"""Small helpers shared by tests: transformer call counting."""
 
 from __future__ import annotations
 
 import contextlib
-
-import numpy as np
-
-
-def psnr(a: np.ndarray, b: np.ndarray) -> float:
-    """PSNR in dB of two float arrays in [0, 1] (inf when identical)."""
-    mse = float(np.mean((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2))
-    return float("inf") if mse == 0 else 10 * np.log10(1.0 / mse)
 
 
 @contextlib.contextmanager

@@ -15,6 +15,25 @@ from triptych.errors import InvalidParam, UnknownModel
 EXIT_USAGE = 2
 
 
+def _add_mm_cache_mb(p) -> None:
+    # The environment is read here, as a flag default, never in the library.
+    p.add_argument(
+        "--mm-cache-mb",
+        type=float,
+        default=os.environ.get("TRIPTYCH_MM_CACHE_MB", "256"),
+        help="encoder mm-hash cache budget in MiB, 0 = off (default: $TRIPTYCH_MM_CACHE_MB or 256)",
+    )
+
+
+def _mm_cache_config(args):
+    from triptych.cache.mm import MMCacheConfig
+
+    try:
+        return MMCacheConfig(max_mb=args.mm_cache_mb)
+    except ValueError:
+        raise InvalidParam("mm_cache_mb", args.mm_cache_mb, "must be a finite number of MiB >= 0 (0 = off)") from None
+
+
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="run one generation in this process")
     p.add_argument("--prompt", required=True)
@@ -42,6 +61,7 @@ def _add_generate(sub) -> None:
         "default: one fused forward, as the serving engine runs them",
     )
     p.add_argument("--out", required=True, help="output file: .png .jpg .webp (images) or .mp4 (video)")
+    _add_mm_cache_mb(p)
     p.set_defaults(func=cmd_generate)
 
 
@@ -89,12 +109,12 @@ def cmd_generate(args) -> int:
         teacache_threshold=args.teacache_threshold,
     )
     t0 = time.perf_counter()
-    family = load_family(resolve_model(args.model))
+    family = load_family(resolve_model(args.model), mm_cache_config=_mm_cache_config(args))
     load_s = time.perf_counter() - t0
     params = family.resolve(params)
     accel = None
     if params.teacache_threshold:
-        from triptych.server.engine.accel import check_teacache, make_teacache
+        from triptych.pipelines.teacache import check_teacache, make_teacache
 
         check_teacache(family, params)
         accel = make_teacache(family)
@@ -128,6 +148,7 @@ def _add_chat(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+    _add_mm_cache_mb(p)
     p.set_defaults(func=cmd_chat)
 
 
@@ -151,7 +172,7 @@ def cmd_chat(args) -> int:
     params = ChatParams(turns, tuple(images), args.max_tokens, args.temperature, args.top_p, args.seed)
     params.check(max_images=64)
     model_dir = resolve_model(args.model)
-    family = family_class(model_dir)(model_dir, roles={Role.ENCODER})
+    family = family_class(model_dir)(model_dir, roles={Role.ENCODER}, mm_cache_config=_mm_cache_config(args))
     chat = family.chat_model()
     if chat is None:
         raise InvalidParam("model", str(model_dir), f"({family.name}) has no VLM to chat with (no processor/)")
@@ -210,8 +231,8 @@ def _add_quality(sub) -> None:
 
 
 def cmd_quality(args) -> int:
+    from triptych.calibration.quality import markdown, quality_report, write
     from triptych.models import resolve_model
-    from triptych.quality import markdown, quality_report, write
 
     world = {"auto": None, "on": True, "off": False}[args.world]
     report = quality_report(
@@ -245,7 +266,7 @@ def cmd_calibrate(args) -> int:
                 base["image"] = decode_image(f.read())
         except FileNotFoundError:
             raise InvalidParam("image", args.image, "file does not exist") from None
-    from triptych.quality import world_prompts
+    from triptych.calibration.quality import world_prompts
 
     model = resolve_model(args.model)
     prompts = args.prompt or world_prompts(model) or DEFAULT_PROMPTS

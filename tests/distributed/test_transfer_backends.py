@@ -240,11 +240,11 @@ def test_unknown_backend_kind_raises():
 def test_claimed_range_is_parked_until_the_write_ends():
     with make_endpoint("mooncake", "rx", CONFIG) as rx, make_endpoint("mooncake", "tx", CONFIG) as tx:
         ref = rx.reserve("parked", torch.float32, (4,), "tx", 10)
-        tx._request(ref, WriteClaim(1, "parked", "tx", ref.nbytes), [], 10)
+        tx.sender.request(ref, WriteClaim(1, "parked", "tx", ref.nbytes), [], 10)
         rx.cancel("parked")
         assert rx.pool.is_full_capacity() and not rx.idle()  # range held for the in-flight write
         with pytest.raises(TransferRejected, match="released before the write"):
-            tx._request(ref, WriteDone(2, "parked", "tx", ref.nbytes, False), [], 10)
+            tx.sender.request(ref, WriteDone(2, "parked", "tx", ref.nbytes, False), [], 10)
         assert rx.idle()
 
 

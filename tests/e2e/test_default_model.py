@@ -102,7 +102,7 @@ def test_captioner_names_shape_and_colour_of_heldout_images():
 def test_quality_report_on_the_default_model_scores_adherence_with_its_shipped_profile():
     """The packaged TeaCache profile (20 steps) and the shape world make ``triptych quality`` work out
     of the box: adherence is read from pixels on both sides, skipped work and fidelity are measured."""
-    from triptych.quality import quality_report
+    from triptych.calibration.quality import quality_report
 
     report = quality_report(PACKAGED_DEFAULT, [0.1], images=6)
     (row,) = report["settings"]

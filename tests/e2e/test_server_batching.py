@@ -23,6 +23,7 @@ import openai
 import pytest
 
 from tests.e2e.http_support import decode_pixels, serve, wait_for
+from triptych.calibration.metrics import psnr
 from triptych.pipelines.base import GenerationParams
 from triptych.pipelines.registry import load_family
 from triptych.pipelines.runner import run_request
@@ -78,11 +79,6 @@ def scrape(base: str) -> dict[str, float]:
     return samples
 
 
-def psnr(a: np.ndarray, b: np.ndarray) -> float:
-    mse = np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2)
-    return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
-
-
 BATCHED = "triptych_denoiser_batch_size_count"
 SINGLE = 'triptych_denoiser_batch_size_bucket{le="1.0"}'
 STEPS_TOTAL = "triptych_denoiser_steps_total"
@@ -114,7 +110,8 @@ def test_concurrent_requests_are_batched_and_match_single_runs(server):
     for (prompt, seed), got in zip(prompts, outputs):
         want = reference(model, prompt, seed)
         diff = np.abs(got.astype(np.int16) - want.astype(np.int16)).max()
-        assert diff <= MAX_DIFF and psnr(got, want) >= MIN_PSNR, (prompt, seed, diff, psnr(got, want))
+        db = psnr(got, want, data_range=255.0)
+        assert diff <= MAX_DIFF and db >= MIN_PSNR, (prompt, seed, diff, db)
 
 
 def test_a_request_alone_is_bit_identical_to_run_request(server):

@@ -7,8 +7,9 @@ from collections import defaultdict
 import numpy as np
 from PIL import Image
 
-from tests.helpers import psnr
-from triptych.cache.teacache import ProfileIndex, TeaCache
+from triptych.cache.teacache import TeaCache
+from triptych.cache.teacache_profile import ProfileIndex
+from triptych.calibration.metrics import psnr
 from triptych.pipelines.teacache import plan_for
 
 

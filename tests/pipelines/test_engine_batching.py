@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import count_calls, psnr
+from tests.helpers import count_calls
+from triptych.calibration.metrics import psnr
 from triptych.pipelines.base import GenerationParams
 from triptych.pipelines.registry import load_family
 from triptych.server.engine import DenoiserEngine, EngineConfig

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import psnr
+from triptych.calibration.metrics import psnr
 from triptych.errors import InvalidParam
 from triptych.pipelines.base import GenerationParams
 from triptych.pipelines.registry import load_family, make_tiny
 from triptych.pipelines.runner import run_request
+from triptych.pipelines.teacache import check_teacache, make_teacache
 from triptych.server.engine import DenoiserEngine, EngineConfig
-from triptych.server.engine.accel import check_teacache, make_teacache
 
 STEPS = 8
 MIN_PSNR_DB = 25.0  # TeaCache is an approximation: stated floor vs the uncached output

@@ -11,9 +11,9 @@ import pytest
 
 from triptych import cli
 from triptych.calibration.fit import calibrate
+from triptych.calibration.quality import quality_report
 from triptych.errors import InvalidParam
 from triptych.pipelines.registry import load_family, make_tiny
-from triptych.quality import quality_report
 
 STEPS = 8
 

@@ -22,6 +22,7 @@ import torch
 from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
 from PIL import Image
 
+from triptych.calibration.metrics import psnr
 from triptych.errors import InvalidParam
 from triptych.pipelines.base import GenerationParams, Role
 from triptych.pipelines.qwenimage.encode import condition_size
@@ -97,11 +98,6 @@ class ForwardCounter:
 
     def __exit__(self, *exc):
         self.handle.remove()
-
-
-def psnr(a: np.ndarray, b: np.ndarray) -> float:
-    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
-    return float("inf") if mse == 0 else 10 * np.log10(1.0 / mse)
 
 
 # ---- single request: bit-identical to diffusers ---------------------------------------------------
@@ -308,16 +304,15 @@ def test_tokenizer_template_prefixes_have_the_pipelines_drop_lengths():
         train_qwen_tokenizer(vocab_size=300)  # too few merges: template words split into pieces
 
 
-def test_mm_cache_runs_the_vision_tower_once_per_image_and_changes_nothing(model_dirs, edit, monkeypatch):
+def test_mm_cache_runs_the_vision_tower_once_per_image_and_changes_nothing(model_dirs, edit):
     """The encoder's mm-hash cache: an edit with CFG encodes its image once (not once per branch), the
     same image again not at all, another image once; the conditioning is bit-identical to a family
     without the cache, and the cache stays within its byte budget."""
     from tests.helpers import count_calls
+    from triptych.cache.mm import MMCacheConfig
 
-    monkeypatch.setenv("TRIPTYCH_MM_CACHE_MB", "0")
-    plain = QwenImageEditFamily(model_dirs["edit"], roles=(Role.ENCODER,))
+    plain = QwenImageEditFamily(model_dirs["edit"], roles=(Role.ENCODER,), mm_cache_config=MMCacheConfig(max_mb=0))
     assert plain.mm_cache is None
-    monkeypatch.delenv("TRIPTYCH_MM_CACHE_MB")
     cached = QwenImageEditFamily(model_dirs["edit"], roles=(Role.ENCODER,))
     cache = cached.mm_cache
     tower = cached.pipe.text_encoder.model.visual.patch_embed  # the first layer: it runs only on a miss

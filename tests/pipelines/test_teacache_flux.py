@@ -13,9 +13,10 @@ from collections import defaultdict
 
 import pytest
 import torch
-from torchmetrics.functional.image import peak_signal_noise_ratio
 
-from triptych.cache.teacache import ProfileIndex, TeaCache
+from tests.pipelines.teacache_support import decoded_psnr
+from triptych.cache.teacache import TeaCache
+from triptych.cache.teacache_profile import ProfileIndex
 from triptych.calibration.fit import calibrate
 from triptych.errors import InvalidParam
 from triptych.pipelines.base import GenerationParams, Row
@@ -91,12 +92,6 @@ def _record(tc, forward, rows, decisions):
     return out
 
 
-def psnr(family, state_a, state_b):
-    a = torch.from_numpy(family.decode(state_a.latents, state_a.params).array)
-    b = torch.from_numpy(family.decode(state_b.latents, state_b.params).array)
-    return peak_signal_noise_ratio(a, b, data_range=1.0).item()
-
-
 def test_split_forward_is_bit_identical(family):
     plan = plan_for(family)
     p = params(family, negative_prompt="blurry", true_cfg=2.0)
@@ -117,7 +112,7 @@ def test_three_way(family, block_calls):
     on, decisions = run(family, [params(family, threshold=THRESHOLD)], tc)
     skipped = decisions[("r0", "cond")].count(False)
     assert skipped >= 2 and len(block_calls) == n_base - skipped < n_base
-    assert psnr(family, on[0], base[0]) >= MIN_PSNR_DB
+    assert decoded_psnr(family, on[0], base[0]) >= MIN_PSNR_DB
     again, _ = run(family, [params(family, threshold=0.0)], tc)
     assert torch.equal(again[0].latents, base[0].latents)
     assert tc.num_states() == 0
@@ -140,7 +135,7 @@ def test_true_cfg_branches_keep_their_own_state(family, fuse_cfg):
     assert set(decisions) == {("r0", "cond"), ("r0", "uncond")}
     assert all(len(d) == STEPS for d in decisions.values())
     assert sum(d.count(False) for d in decisions.values()) >= 2
-    assert psnr(family, on[0], base[0]) >= MIN_PSNR_DB
+    assert decoded_psnr(family, on[0], base[0]) >= MIN_PSNR_DB
     assert tc.num_states() == 0
 
 

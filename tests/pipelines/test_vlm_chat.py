@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from triptych.cache.mm import MMCacheConfig
 from triptych.errors import InvalidParam
 from triptych.models import PACKAGED_DEFAULT
 from triptych.pipelines.base import GenerationParams, Role
@@ -102,7 +103,7 @@ def test_structural_checks_name_the_field(params, field):
     assert e.value.field == field
 
 
-def test_chat_and_edit_share_the_encoders_mm_cache_entry(family, monkeypatch):
+def test_chat_and_edit_share_the_encoders_mm_cache_entry(family):
     """The same image, seen by an edit encode and then by chat, runs the vision tower once (and the
     edit embeddings are the same with the cache as without it)."""
     image = render(sample_scenes(1, "chat-cache-test", "heldout")[0], 64)  # an image no other test shows
@@ -114,8 +115,7 @@ def test_chat_and_edit_share_the_encoders_mm_cache_entry(family, monkeypatch):
     hits = stats.hits
     family.chat_model().run(ask(image, max_tokens=4))
     assert stats.hits == hits + 1 and stats.misses == misses + 1
-    monkeypatch.setenv("TRIPTYCH_MM_CACHE_MB", "0")
-    plain = family_class(EDIT_MODEL)(EDIT_MODEL, roles={Role.ENCODER})
+    plain = family_class(EDIT_MODEL)(EDIT_MODEL, roles={Role.ENCODER}, mm_cache_config=MMCacheConfig(max_mb=0))
     assert plain.mm_cache is None
     fresh = plain.encode(params)
     for name, tensor in cond.flat().items():

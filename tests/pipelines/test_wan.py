@@ -12,6 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
+from triptych.calibration.metrics import psnr
 from triptych.errors import InvalidParam
 from triptych.pipelines.base import GenerationParams, Role
 from triptych.pipelines.registry import load_family, make_tiny
@@ -61,11 +62,6 @@ def _staged(fam, params: GenerationParams, denoiser=None, decoder=None):
     while not state.done:
         denoiser.denoise_step([state])
     return state.latents, decoder.decode(state.latents, params).array
-
-
-def _psnr(a: np.ndarray, b: np.ndarray) -> float:
-    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
-    return float("inf") if mse == 0 else 10 * np.log10(1.0 / mse)
 
 
 class _CallCounter:
@@ -170,9 +166,9 @@ def test_batched_requests_match_alone_within_tolerance(families, batch_alone, na
     for state, p, (latents_alone, frames_alone) in zip(states, params, alone):
         assert state.step == p.steps
         latent_diff = (state.latents - latents_alone).abs().max().item()
-        psnr = _psnr(fam.decode(state.latents, p).array, frames_alone)
+        db = psnr(fam.decode(state.latents, p).array, frames_alone)
         assert latent_diff <= LATENT_ATOL, (p.seed, latent_diff)
-        assert psnr >= MIN_PSNR_DB, (p.seed, psnr)
+        assert db >= MIN_PSNR_DB, (p.seed, db)
 
 
 BAD = [

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from triptych.cli import main
+from triptych.cli import build_parser, main
 
 
 @pytest.mark.parametrize(
@@ -17,6 +17,7 @@ from triptych.cli import main
         (["--steps", "0"], "steps"),
         (["--frames", "5"], "frames"),
         (["--negative-prompt", "x"], "negative_prompt"),
+        (["--mm-cache-mb", "-1"], "mm_cache_mb"),
     ],
 )
 def test_bad_parameters_exit_2_naming_the_field(tiny_model_dir, tmp_path, capsys, args, field):
@@ -90,3 +91,12 @@ def test_generate_writes_an_image_in_a_subprocess(tiny_model_dir, tmp_path):
 
     with Image.open(out) as img:
         assert img.size == (80, 48)
+
+
+def test_mm_cache_budget_defaults_to_the_environment(monkeypatch):
+    argv = ["generate", "--prompt", "x", "--out", "a.png"]
+    monkeypatch.delenv("TRIPTYCH_MM_CACHE_MB", raising=False)
+    assert build_parser().parse_args(argv).mm_cache_mb == 256.0
+    monkeypatch.setenv("TRIPTYCH_MM_CACHE_MB", "0")
+    assert build_parser().parse_args(argv).mm_cache_mb == 0.0
+    assert build_parser().parse_args([*argv, "--mm-cache-mb", "8"]).mm_cache_mb == 8.0

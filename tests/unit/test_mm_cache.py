@@ -3,9 +3,10 @@ in the key, and calls it cannot key run uncached."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from triptych.cache.mm import MMEmbeddingCache, install
+from triptych.cache.mm import MMCacheConfig, MMEmbeddingCache, install
 
 
 class Toy(torch.nn.Module):
@@ -58,3 +59,14 @@ def test_lru_within_the_byte_budget_and_unkeyable_calls_bypass():
     small = install(tight, MMEmbeddingCache(entry - 1))
     tight(a), tight(a)  # an output larger than the whole budget is never stored
     assert tight.calls == 2 and len(small) == 0 and small.nbytes == 0
+
+
+@pytest.mark.parametrize("bad", [-1, float("nan"), float("inf"), "256", True])
+def test_config_refuses_a_budget_that_is_not_a_finite_number_of_mib(bad):
+    with pytest.raises(ValueError, match=f"max_mb={bad!r}" if isinstance(bad, (str, bool)) else "max_mb="):
+        MMCacheConfig(max_mb=bad)
+
+
+def test_config_budget_in_bytes():
+    assert MMCacheConfig().max_bytes == 256 << 20 and MMCacheConfig(max_mb=0.5).max_bytes == 1 << 19
+    assert MMCacheConfig(max_mb=0).max_bytes == 0

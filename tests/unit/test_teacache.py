@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from triptych.cache.hooks import RequestStateStore
-from triptych.cache.teacache import RowStep, TeaCache, TeaCacheConfig, TeaCachePlan, TeaCacheProfile
+from triptych.cache.teacache import RowStep, TeaCache, TeaCacheConfig, TeaCachePlan
+from triptych.cache.teacache_profile import TeaCacheProfile
 from triptych.errors import InvalidParam
 
 IDENTITY = (0.0, 0.0, 0.0, 1.0, 0.0)  # polyval(IDENTITY, x) == x

@@ -8,7 +8,7 @@ stored result instead, which is exact, not an approximation.
 
 The key is a SHA-256 over the input tensors' dtype, shape and bytes (the preprocessed pixels and the
 patch grid, so a different resize or processor setting is a different key), the call's simple
-keyword arguments and the cache's scope (the encoder's model identity).
+keyword arguments and the cache's scope (the encoder's ``triptych.identity.model_identity``).
 Calls with other arguments (tensors in kwargs, hooks asking for attentions) bypass the cache.
 Entries are evicted least-recently-used past ``max_bytes`` of stored tensors; a hit returns clones,
 so nothing downstream can alter a stored entry.
@@ -20,8 +20,10 @@ whose forward is the vision encoder (``text_encoder.model.visual`` for Qwen2.5-V
 from __future__ import annotations
 
 import hashlib
+import math
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -32,6 +34,27 @@ from triptych.cache.mm_stats import MMCacheStats
 
 HOOK_NAME = "triptych_mm_cache"
 SIMPLE = (type(None), bool, int, float, str)
+
+
+@dataclass(frozen=True)
+class MMCacheConfig:
+    """The encoder's mm-hash cache, one per loaded encoder (a family builds it from this)."""
+
+    max_mb: float = 256.0
+    """Budget in MiB (2**20 bytes) of stored encoder outputs; past it the least recently used entries
+    are evicted. 0 turns the cache off."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_mb, bool) or not isinstance(self.max_mb, (int, float)):
+            raise ValueError(f"MMCacheConfig.max_mb={self.max_mb!r}: must be a number of MiB (0 turns the cache off)")
+        if not (math.isfinite(self.max_mb) and self.max_mb >= 0):
+            raise ValueError(
+                f"MMCacheConfig.max_mb={self.max_mb}: must be a finite number >= 0 (0 turns the cache off)"
+            )
+
+    @property
+    def max_bytes(self) -> int:
+        return int(self.max_mb * (1 << 20))
 
 
 def content_hash(*tensors: torch.Tensor, extra: str = "") -> str:
@@ -165,21 +188,6 @@ def install(module: torch.nn.Module, cache: MMEmbeddingCache) -> MMEmbeddingCach
         registry.remove_hook(HOOK_NAME, recurse=False)
     registry.register_hook(_EncoderCacheHook(cache), HOOK_NAME)
     return cache
-
-
-def encoder_identity(model_dir, component: str = "text_encoder") -> str:
-    """``<dir>/<component>@<sha256[:16]>`` of the component's config and its files' names and sizes:
-    what a cache scope names (cheap for a 15 GB encoder; a retrained one of the same shape in the
-    same place would need its directory renamed)."""
-    from pathlib import Path
-
-    root = Path(model_dir) / component
-    h = hashlib.sha256()
-    for f in sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else ():
-        h.update(f"{f.relative_to(root)}|{f.stat().st_size}|".encode())
-        if f.name == "config.json":
-            h.update(f.read_bytes())
-    return f"{Path(model_dir).name}/{component}@{h.hexdigest()[:16]}"
 
 
 def vision_encoder(text_encoder: torch.nn.Module) -> torch.nn.Module | None:

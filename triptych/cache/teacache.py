@@ -27,24 +27,6 @@ ONE call over that sub-batch; skipping rows only add their cached residual. The 
 depends only on that row's own inputs and state, so a request makes the same decisions alone or in a
 batch (up to batch-composition rounding of ~1e-7 in the rel-L1 values).
 
-Calibration profiles ("TeaCache is calibrated or off", ARCHITECTURE.md contract 7). The polynomial
-comes from a profile file for the family and step schedule, produced by
-``triptych.calibration.fit``. Without one, a request with a threshold > 0 is refused with
-``InvalidParam("teacache_threshold", ...)`` unless it brings its coefficients explicitly; nothing is
-guessed. Profile file (JSON, one per family × model × steps)::
-
-    {
-      "format": "triptych.teacache.profile/1",
-      "family": "flux",                  # Family.name the fit was made with
-      "model": "FLUX.1-dev@<revision>",  # model name or revision the fit was made on
-      "steps": 28,                       # step schedule (number of inference steps) it is valid for
-      "coefficients": [a4, a3, a2, a1, a0],  # degree-4 polynomial, highest power first (numpy.polyval):
-                                         # input rel-L1 -> estimated output rel-L1
-      "warmup": 1,                       # first steps that always compute
-      "cooldown": 1,                     # last steps that always compute
-      "quality": {"points": 84, "r2": 0.97, "rmse": 0.004, "x_range": [lo, hi], ...}  # fit figures
-    }
-
 Adding a family: write ``triptych/pipelines/<family>/teacache.py`` with ``make_plan(transformer) ->
 TeaCachePlan`` (see the FLUX one: ``describe`` is family-independent and can be reused), test that
 ``head(e, blocks(e, None))`` equals the family's ``forward``, and register it in
@@ -52,174 +34,27 @@ TeaCachePlan`` (see the FLUX one: ``describe`` is family-independent and can be 
 the first block's ``img_mod(temb)`` shift/scale applied to ``img_norm1(hidden)``; Wan 2.1, the timestep
 embedding after ``time_projection`` (``e0``) or before it (``e``), per the paper's two variants.
 
-Where profiles are found (:func:`find_profile`): ``<profiles_dir>/*.json`` (an operator's directory;
-entries must name the model in ``"model"``, see :func:`model_identity`) first, then ``<model_dir>/teacache/*.json`` (shipped with
-the model; the model is implied). A profile matches on ``family`` and ``steps``.
+The polynomial comes from a calibration profile for the family and step schedule
+(:mod:`triptych.cache.teacache_profile`: the file format, its loader and lookup); without one a request
+with a threshold > 0 is refused unless it brings its coefficients.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from triptych.cache.hooks import RequestStateStore
+from triptych.cache.teacache_profile import TeaCacheProfile, check_coefficients
 from triptych.errors import InvalidParam
 
 logger = logging.getLogger(__name__)
-
-PROFILE_FORMAT = "triptych.teacache.profile/1"
-DEGREE = 4
-
-
-# ---- profile files -------------------------------------------------------------------------------
-class ProfileError(ValueError):
-    """A profile file that cannot be used; names the file and the field."""
-
-
-@dataclass(frozen=True)
-class TeaCacheProfile:
-    """One calibration: family × model × steps → rescaling polynomial and its fit figures."""
-
-    family: str
-    model: str
-    steps: int
-    coefficients: tuple[float, ...]  # degree 4, highest power first (numpy.polyval)
-    warmup: int = 1
-    cooldown: int = 1
-    quality: dict[str, Any] = field(default_factory=dict)
-    path: str | None = None  # where it was loaded from; not written
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "format": PROFILE_FORMAT,
-            "family": self.family,
-            "model": self.model,
-            "steps": self.steps,
-            "coefficients": list(self.coefficients),
-            "warmup": self.warmup,
-            "cooldown": self.cooldown,
-            "quality": self.quality,
-        }
-
-
-def check_coefficients(coefficients: Sequence[float], where: str) -> tuple[float, ...]:
-    try:
-        coeffs = tuple(float(c) for c in coefficients)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{where}: coefficients must be numbers ({e})") from e
-    if len(coeffs) != DEGREE + 1 or not all(math.isfinite(c) for c in coeffs):
-        raise ValueError(f"{where}: coefficients must be {DEGREE + 1} finite numbers (degree {DEGREE}, highest first)")
-    return coeffs
-
-
-def load_profile(path: str | Path) -> TeaCacheProfile:
-    """Read and validate one profile file; raises ``ProfileError`` naming the file and field."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ProfileError(f"TeaCache profile {path}: unreadable ({e})") from e
-    if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
-        raise ProfileError(f"TeaCache profile {path}: 'format' must be {PROFILE_FORMAT!r}")
-    for key, kind in (("family", str), ("model", str), ("steps", int), ("coefficients", list)):
-        if not isinstance(data.get(key), kind):
-            raise ProfileError(f"TeaCache profile {path}: field {key!r} missing or not {kind.__name__}")
-    try:
-        coeffs = check_coefficients(data["coefficients"], f"TeaCache profile {path}")
-    except (TypeError, ValueError) as e:
-        raise ProfileError(str(e)) from e
-    warmup, cooldown = data.get("warmup", 1), data.get("cooldown", 1)
-    if data["steps"] < 1 or not isinstance(warmup, int) or not isinstance(cooldown, int) or min(warmup, cooldown) < 0:
-        raise ProfileError(f"TeaCache profile {path}: steps must be >= 1, warmup/cooldown integers >= 0")
-    return TeaCacheProfile(
-        family=data["family"],
-        model=data["model"],
-        steps=data["steps"],
-        coefficients=coeffs,
-        warmup=warmup,
-        cooldown=cooldown,
-        quality=dict(data.get("quality", {})),
-        path=str(path),
-    )
-
-
-def save_profile(profile: TeaCacheProfile, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(profile.to_json(), indent=2) + "\n")
-    return path
-
-
-def profile_filename(family: str, steps: int) -> str:
-    return f"{family}-{steps}steps.json"
-
-
-def model_identity(model_dir: str | Path) -> str:
-    """``<dir name>@<sha256[:12] of transformer/config.json>``: what a profile's ``model`` names.
-
-    NOTE: it names the directory and the architecture, not the weights: give each checkpoint its own
-    directory name (or pass ``model`` explicitly) when several share one profiles dir.
-    """
-    model_dir = Path(model_dir)
-    config = model_dir / "transformer" / "config.json"
-    digest = hashlib.sha256(config.read_bytes()).hexdigest()[:12] if config.is_file() else "unknown"
-    return f"{model_dir.resolve().name}@{digest}"
-
-
-def find_profile(
-    model_dir: str | Path,
-    steps: int,
-    family: str | None = None,
-    profiles_dir: str | Path | None = None,
-    model: str | None = None,
-) -> TeaCacheProfile | None:
-    """The profile for ``(family, steps)`` of the model in ``model_dir``, or None.
-
-    ``profiles_dir`` entries must also name the model (``model``, default :func:`model_identity`);
-    ``<model_dir>/teacache/`` entries belong to that model by location. Broken files raise.
-    """
-    model = model or model_identity(model_dir)
-    places = [(Path(profiles_dir), True)] if profiles_dir is not None else []
-    places.append((Path(model_dir) / "teacache", False))
-    for directory, must_name_model in places:
-        if not directory.is_dir():
-            continue
-        found = [
-            p
-            for p in (load_profile(f) for f in sorted(directory.glob("*.json")))
-            if p.steps == steps and (family is None or p.family == family) and (not must_name_model or p.model == model)
-        ]
-        if len(found) > 1:
-            logger.warning(
-                "several TeaCache profiles match %s/%s steps in %s; using %s", family, steps, directory, found[0].path
-            )
-        if found:
-            return found[0]
-    return None
-
-
-class ProfileIndex:
-    """``steps -> profile`` for one loaded model (memoised :func:`find_profile`); the TeaCache's source."""
-
-    def __init__(
-        self, model_dir: str | Path, family: str, profiles_dir: str | Path | None = None, model: str | None = None
-    ):
-        self.model_dir, self.family, self.profiles_dir, self.model = model_dir, family, profiles_dir, model
-        self._cache: dict[int, TeaCacheProfile | None] = {}
-
-    def __call__(self, steps: int) -> TeaCacheProfile | None:
-        if steps not in self._cache:
-            self._cache[steps] = find_profile(self.model_dir, steps, self.family, self.profiles_dir, self.model)
-        return self._cache[steps]
 
 
 # ---- what a family hands the cache ---------------------------------------------------------------
@@ -364,7 +199,8 @@ def resolve_settings(
 class TeaCache:
     """Wraps the family's transformer call for a batch of rows; see the module docstring.
 
-    ``profiles(steps)`` returns the calibration for a step count or None (e.g. :class:`ProfileIndex`).
+    ``profiles(steps)`` returns the calibration for a step count or None (e.g.
+    :class:`~triptych.cache.teacache_profile.ProfileIndex`).
     Engine use::
 
         tc = TeaCache(plan_for(family), profiles=ProfileIndex(model_dir, family.name))  # pipelines.teacache

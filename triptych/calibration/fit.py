@@ -1,4 +1,4 @@
-"""Fit TeaCache's rescaling polynomial and write a profile file (format: ``triptych.cache.teacache``).
+"""Fit TeaCache's rescaling polynomial and write a profile file (format: ``triptych.cache.teacache_profile``).
 
 ``triptych calibrate --model MODEL_DIR --steps 28`` collects reference trajectories
 (``collect.py``), fits ``output_rel ≈ polyval(coefficients, input_rel)`` with ``numpy.polyfit`` at
@@ -14,8 +14,15 @@ from pathlib import Path
 
 import numpy as np
 
-from triptych.cache.teacache import DEGREE, TeaCacheProfile, model_identity, profile_filename, save_profile
+from triptych.cache.teacache_profile import (
+    DEGREE,
+    PROFILED_COMPONENTS,
+    TeaCacheProfile,
+    profile_filename,
+    save_profile,
+)
 from triptych.calibration.collect import DEFAULT_PROMPTS, Trajectory, collect
+from triptych.identity import model_identity
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +77,9 @@ def calibrate(
 
     family = family or load_family(model_dir, roles=(Role.ENCODER, Role.DENOISER))
     trajectories = collect(family, steps, prompts, seeds, base=GenerationParams(prompt="-", **base))
-    profile = build_profile(family.name, model_identity(model_dir), steps, trajectories, warmup, cooldown)
+    profile = build_profile(
+        family.name, model_identity(model_dir, PROFILED_COMPONENTS), steps, trajectories, warmup, cooldown
+    )
     path = Path(out) if out else Path(model_dir) / "teacache" / profile_filename(family.name, steps)
     save_profile(profile, path)
     logger.info("TeaCache profile %s: r2=%.4f over %d points", path, profile.quality["r2"], profile.quality["points"])

@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from triptych.cache.mm import MMCacheConfig
 from triptych.errors import InvalidParam
 
 logger = logging.getLogger(__name__)
@@ -190,8 +191,16 @@ class Family(ABC):
     requires_image: ClassVar[bool] = False
     is_video: ClassVar[bool] = False
 
-    def __init__(self, model_dir: str | Path, roles=ALL_ROLES, device: str = "cpu", dtype=torch.float32):
+    def __init__(
+        self,
+        model_dir: str | Path,
+        roles=ALL_ROLES,
+        device: str = "cpu",
+        dtype=torch.float32,
+        mm_cache_config: MMCacheConfig = MMCacheConfig(),
+    ):
         self.model_dir = Path(model_dir)
+        self.mm_cache_config = mm_cache_config  # the encoder's mm-hash cache, for families that have one
         self.roles = frozenset(Role(r) for r in roles)
         self.device = torch.device(device)
         self.dtype = dtype

@@ -57,14 +57,22 @@ def family_class(model_dir: str | Path):
     return _load(FAMILIES[architecture(model_dir)])
 
 
-def load_family(model_dir: str | Path, roles=None, device: str = "cpu", dtype=None):
-    """Load the adapter for ``model_dir`` with only the components ``roles`` need."""
+def load_family(model_dir: str | Path, roles=None, device: str = "cpu", dtype=None, mm_cache_config=None):
+    """Load the adapter for ``model_dir`` with only the components ``roles`` need (``mm_cache_config``:
+    a ``triptych.cache.mm.MMCacheConfig``; None = its defaults)."""
     import torch
 
+    from triptych.cache.mm import MMCacheConfig
     from triptych.pipelines.base import ALL_ROLES
 
     cls = family_class(model_dir)
-    return cls(model_dir, roles=ALL_ROLES if roles is None else roles, device=device, dtype=dtype or torch.float32)
+    return cls(
+        model_dir,
+        roles=ALL_ROLES if roles is None else roles,
+        device=device,
+        dtype=dtype or torch.float32,
+        mm_cache_config=mm_cache_config or MMCacheConfig(),
+    )
 
 
 def make_tiny(family: str, out: str | Path, seed: int = 0, size: str = "tiny") -> Path:

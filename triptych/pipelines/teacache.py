@@ -1,20 +1,26 @@
-"""Which families have a TeaCache plan (``triptych.cache.teacache``), and the lookup for a loaded family.
+"""TeaCache for a loaded family: which families have a plan, the engine's cache and the head's check.
 
-The denoiser engine builds its cache with::
+The denoiser engine owns one ``TeaCache`` per loaded family (``make_teacache``); the head, which
+loads no weights, validates a request's ``teacache_threshold`` with ``check_teacache`` before
+queueing it, so a request the engine would refuse is a 400 at the door, not a failed stage.
+``make_teacache`` is::
 
-    from triptych.cache.teacache import ProfileIndex, TeaCache
-    from triptych.pipelines.teacache import plan_for
+    TeaCache(plan_for(family), ProfileIndex(family.model_dir, family.name, profiles_dir), config)
 
-    tc = TeaCache(plan_for(family), ProfileIndex(family.model_dir, family.name, profiles_dir), config)
-
-Calibration (``triptych.calibration``) uses the same lookup; the server never imports calibration.
+with ``TeaCache`` from ``triptych.cache.teacache`` and ``ProfileIndex`` from
+``triptych.cache.teacache_profile``. Calibration (``triptych.calibration``) uses the same lookup; the
+server never imports calibration.
 """
 
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 
-from triptych.cache.teacache import TeaCachePlan
+from triptych.cache.teacache import TeaCache, TeaCacheConfig, TeaCachePlan, resolve_settings
+from triptych.cache.teacache_profile import ProfileIndex
+from triptych.errors import InvalidParam
+from triptych.pipelines.base import Family, GenerationParams
 
 # Family.name → "module:function(family) -> TeaCachePlan". A family without an entry has no TeaCache.
 PLANS: dict[str, str] = {
@@ -35,3 +41,32 @@ def plan_for(family) -> TeaCachePlan:
         raise ValueError(f"family {family.name!r} has no TeaCache plan; families with one: {sorted(PLANS)}")
     module, name = PLANS[family.name].split(":")
     return getattr(importlib.import_module(module), name)(family)
+
+
+def make_teacache(
+    family: Family, profiles_dir: str | Path | None = None, config: TeaCacheConfig | None = None
+) -> TeaCache | None:
+    """The family's TeaCache, or None when the family has no TeaCache plan."""
+    if not has_plan(family):
+        return None
+    return TeaCache(plan_for(family), ProfileIndex(family.model_dir, family.name, profiles_dir), config)
+
+
+def check_teacache(
+    family: Family,
+    params: GenerationParams,
+    profiles_dir: str | Path | None = None,
+    config: TeaCacheConfig | None = None,
+) -> None:
+    """Raise ``InvalidParam`` if ``params`` asks for TeaCache this model cannot run."""
+    threshold = params.teacache_threshold
+    if threshold == 0:
+        return
+    if not has_plan(family):
+        raise InvalidParam(
+            "teacache_threshold",
+            threshold,
+            f"TeaCache is not available for family {family.name!r} (available for: {', '.join(sorted(PLANS))}); use 0",
+        )
+    profiles = ProfileIndex(family.model_dir, family.name, profiles_dir)
+    resolve_settings(family.name, profiles, config or TeaCacheConfig(), threshold, params.steps)

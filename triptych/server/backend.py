@@ -101,7 +101,7 @@ class InProcessBackend(GenerationBackend):
     """Runs one job at a time in a worker thread of the head process (no pools)."""
 
     def __init__(self, family: Family, max_queued: int = 64):
-        from triptych.server.engine.accel import make_teacache
+        from triptych.pipelines.teacache import make_teacache
 
         self.family = family
         self.metrics = Metrics()

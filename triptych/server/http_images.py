@@ -17,10 +17,10 @@ from starlette.datastructures import UploadFile
 
 from triptych.errors import InvalidParam
 from triptych.pipelines.base import GenerationParams
+from triptych.pipelines.teacache import check_teacache
 from triptych.server import metrics
 from triptych.server.api_models import ImageData, ImageEditForm, ImageGenerationRequest, ImagesResponse, inline_schema
 from triptych.server.backend import GenerationJob
-from triptych.server.engine.accel import check_teacache
 from triptych.server.media import decode_image
 
 #: GenerationParams field → the API field a user set.

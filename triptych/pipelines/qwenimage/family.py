@@ -9,7 +9,6 @@ ignored by the pipeline and is refused instead.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,6 +17,7 @@ from diffusers import QwenImageEditPipeline, QwenImagePipeline
 from diffusers.image_processor import VaeImageProcessor
 
 from triptych.errors import InvalidParam
+from triptych.identity import model_identity
 from triptych.pipelines.base import Conditioning, DenoiseState, Family, Frames, GenerationParams, Role, Row
 from triptych.pipelines.geometry import model_defaults, vae_config
 from triptych.pipelines.qwenimage import decode as dec
@@ -41,7 +41,7 @@ class QwenImageFamily(Family):
     default_steps = 50  # the pipelines' default num_inference_steps
     default_guidance = 4.0  # the pipelines' default true_cfg_scale
     #: The encoder's mm-hash cache of vision-tower outputs (``triptych.cache.mm``), shared by edit
-    #: encodes and chat; None without a text encoder or with ``TRIPTYCH_MM_CACHE_MB=0``.
+    #: encodes and chat; None without a text encoder or with ``MMCacheConfig(max_mb=0)``.
     mm_cache = None
 
     def _post_load(self) -> None:
@@ -72,9 +72,10 @@ class QwenImageFamily(Family):
         from triptych.cache import mm
 
         visual = mm.vision_encoder(self.pipe.text_encoder) if self.pipe.text_encoder is not None else None
-        budget = int(float(os.environ.get("TRIPTYCH_MM_CACHE_MB", "256")) * (1 << 20))
+        budget = self.mm_cache_config.max_bytes
         if visual is not None and budget > 0:
-            self.mm_cache = mm.install(visual, mm.MMEmbeddingCache(budget, scope=mm.encoder_identity(self.model_dir)))
+            scope = model_identity(self.model_dir, ("text_encoder",))
+            self.mm_cache = mm.install(visual, mm.MMEmbeddingCache(budget, scope=scope))
         self._chat = None
 
     @property

@@ -17,7 +17,7 @@ from triptych.server.runners.encoder import EncoderRunner
 
 
 def _denoiser(family, port: WorkerPort, engine: EngineConfig) -> StageRunner:
-    from triptych.server.engine.accel import make_teacache
+    from triptych.pipelines.teacache import make_teacache
 
     return DenoiserRunner(family, port, engine, accel=make_teacache(family))
 

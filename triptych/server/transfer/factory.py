@@ -7,7 +7,7 @@ from typing import Literal
 
 from triptych.server.transfer.base import TransferConfig, TransferEndpoint
 from triptych.server.transfer.errors import BackendUnavailable
-from triptych.server.transfer.zmq_backend import ZmqEndpoint
+from triptych.server.transfer.peer import PeerEndpoint
 
 logger = logging.getLogger(__name__)
 
@@ -18,18 +18,18 @@ def make_endpoint(kind: BackendKind, instance_id: str, config: TransferConfig | 
     """Build the endpoint: "mooncake" (raises BackendUnavailable if it cannot run), "zmq", or
     "auto" = Mooncake when `mooncake.engine` imports and initializes, else ZMQ."""
     if kind == "zmq":
-        return ZmqEndpoint(instance_id, config)
+        return PeerEndpoint(instance_id, config)
     if kind not in ("auto", "mooncake"):
         raise ValueError(f"transfer backend {kind!r} is not one of 'auto', 'mooncake', 'zmq'")
-    from triptych.server.transfer.mooncake_backend import MooncakeEndpoint
+    from triptych.server.transfer.mooncake_backend import mooncake_endpoint
 
     try:
-        endpoint: TransferEndpoint = MooncakeEndpoint(instance_id, config)
+        endpoint: TransferEndpoint = mooncake_endpoint(instance_id, config)
     except BackendUnavailable as exc:
         if kind == "mooncake":
             raise
         logger.info("transfer backend auto -> zmq for %s (mooncake unavailable: %s)", instance_id, exc)
-        return ZmqEndpoint(instance_id, config)
+        return PeerEndpoint(instance_id, config)
     if kind == "auto":
         logger.info("transfer backend auto -> mooncake for %s", instance_id)
     return endpoint

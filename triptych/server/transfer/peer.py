@@ -1,13 +1,20 @@
-"""Shared machinery of both backends: slot bookkeeping, the receiver thread and sender channels.
+"""The transfer endpoint: slot bookkeeping, the receiver thread and the receiving end of the protocol.
 
-Every backend receives control messages (and, on the ZMQ data path, the tensor bytes) on one
-ROUTER socket served by a background thread, and answers each with an `Ack`. Backends differ only
-in where a slot's bytes live and how a sender moves them (the hooks at the bottom).
+Every endpoint receives control messages and tensor bytes on one ROUTER socket served by a
+background thread, and answers each with an `Ack`. The ZMQ data path is built in: the sender
+pushes a typed header frame plus the raw tensor bytes, zero-copy, and the receiver's tensor is a
+view over the received frame (`torch.frombuffer`), so the bytes are copied only by the kernel's
+socket buffers. It works anywhere pyzmq does and is what `make_endpoint("zmq")` builds.
+
+An endpoint may also hold a `Carrier` (Mooncake, `mooncake_backend.py`): then each reservation gets
+a range of the carrier's registered memory, named in the `TensorRef`, and a sender whose carrier
+can reach it writes there one-sidedly: WriteClaim (ack) -> carrier write -> WriteDone (ack ->
+READY). Either side without a carrier falls back to frames, so the two kinds interoperate. The
+sending half (channels, both push paths) is `sender.PushSender`, one per endpoint.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
@@ -20,12 +27,12 @@ import torch
 import zmq
 
 from triptych.server.transfer.base import TransferConfig, TransferEndpoint
-from triptych.server.transfer.channel import PeerChannel
+from triptych.server.transfer.carrier import Carrier
 from triptych.server.transfer.errors import (
     PeerLost,
+    SlotUnavailable,
     TransferCancelled,
     TransferError,
-    TransferRejected,
     TransferTimeout,
     UnknownTransfer,
 )
@@ -33,18 +40,16 @@ from triptych.server.transfer.messages import (
     ENCODER,
     REQUEST_DECODER,
     Ack,
-    DataPush,
     Request,
     WriteClaim,
     WriteDone,
 )
 from triptych.server.transfer.refs import (
-    MooncakeLocation,
     TensorRef,
-    check_tensor,
     dtype_name,
     tensor_nbytes,
 )
+from triptych.server.transfer.sender import PushSender
 from triptych.server.transfer.slots import SlotPool, SlotState
 from triptych.server.transfer.stats import TransferStats
 
@@ -61,39 +66,46 @@ class Entry:
     peer: str  # the only sender allowed to fill the slot
     tensor: torch.Tensor | None = None  # set when the bytes arrived as a ZMQ frame
     error: TransferError | None = None  # set when freed before being taken
-    offset: int | None = None  # backend buffer handle (Mooncake arena offset)
-    claimed: bool = False  # a remote write into the buffer may be in flight
+    offset: int | None = None  # the carrier range the slot's bytes may be written into
+    claimed: bool = False  # a remote write into the range may be in flight
 
 
 class PeerEndpoint(TransferEndpoint):
-    """Common receiver/sender implementation; see `TransferEndpoint` for the contract.
+    """One instance's transfer endpoint; see `TransferEndpoint` for the contract.
 
-    Threading: `_cond` guards the pool, the entries and the backend buffers. The serving thread
-    owns the ROUTER socket; sender channels are shared by callers under their own lock.
+    Ownership contract: a slot holds a carrier range from `reserve` until it is freed (none without
+    a carrier; a frame that arrives becomes the slot's buffer and is handed to the caller of
+    `wait_ready`, which alone references it). A range whose sender already claimed it is *parked*
+    when its slot is freed (timeout, cancel) and returned to the carrier only when that sender's
+    WriteDone arrives or the sender is reclaimed as dead, so a late write never lands in another
+    transfer's tensor. The carrier (if any) is closed with the endpoint. Pushes are accepted only
+    for live reservations of the right sender, dtype, shape and size; anything else is rejected,
+    counted and dropped.
+
+    Threading: `_cond` guards the pool, the entries, the parked ranges and the carrier's ranges.
+    The serving thread owns the ROUTER socket; sender channels are shared by callers under their
+    own lock.
     """
 
-    kind = "base"
-
-    def __init__(self, instance_id: str, config: TransferConfig | None = None) -> None:
+    def __init__(self, instance_id: str, config: TransferConfig | None = None, carrier: Carrier | None = None) -> None:
         self.instance_id = instance_id
         self.config = config or TransferConfig()
+        self.carrier = carrier
+        self.kind = carrier.kind if carrier is not None else "zmq"
         self.pool = SlotPool(self.config.max_slots, self.config.max_bytes)
         self.stats = TransferStats(backend=self.kind)
         self._cond = threading.Condition()
         self._entries: dict[str, Entry] = {}
+        self._parked: dict[str, tuple[int, str]] = {}  # transfer id -> (carrier offset, peer)
         self._outcomes: OrderedDict[str, TransferError] = OrderedDict()
-        self._seq = itertools.count(1)
         self._ctx = zmq.Context()
-        self._channels: dict[str, PeerChannel] = {}
-        self._channels_lock = threading.Lock()
+        self.sender = PushSender(instance_id, self._ctx, carrier, self.stats, self.config.push_timeout_s)
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.bind(f"tcp://{self.config.host}:*")
         self.address = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name=f"transfer-{instance_id}", daemon=True)
-
-    def _start(self) -> None:
         self._thread.start()
         logger.info("transfer endpoint %s (%s) serving at %s", self.instance_id, self.kind, self.address)
 
@@ -107,11 +119,16 @@ class PeerEndpoint(TransferEndpoint):
         nbytes = tensor_nbytes(dtype, shape)
         with self._cond:
             slot = self.pool.reserve(transfer_id, nbytes, peer, time.monotonic() + timeout_s)
-            try:
-                offset, location = self._allocate(transfer_id, nbytes)
-            except TransferError:
-                self.pool.release(transfer_id)
-                raise
+            offset = location = None
+            if self.carrier is not None:
+                landing = self.carrier.allocate(nbytes)
+                if landing is None:
+                    self.pool.release(transfer_id)
+                    raise SlotUnavailable(
+                        f"{transfer_id!r}: no contiguous {nbytes} bytes in the arena "
+                        f"({self.carrier.free_bytes} free, {len(self._parked)} ranges parked)"
+                    )
+                offset, location = landing
             ref = TensorRef(
                 transfer_id, dtype_name(dtype), shape, nbytes, self.instance_id, slot, self.address, location
             )
@@ -164,9 +181,10 @@ class PeerEndpoint(TransferEndpoint):
         return [s.transfer_id for s in slots]
 
     def idle(self) -> bool:
-        """True when no slot is reserved and every backend buffer is free (full capacity)."""
+        """True when no slot is reserved and every carrier range is free (full capacity)."""
         with self._cond:
-            return self.pool.is_full_capacity() and not self._entries and self._buffers_idle()
+            carrier_idle = self.carrier is None or self.carrier.allocated == 0
+            return self.pool.is_full_capacity() and not self._entries and not self._parked and carrier_idle
 
     def _finish(self, transfer_id: str, error: TransferError | None) -> bool:
         """Release the slot and free its buffer; caller holds `_cond`."""
@@ -184,6 +202,32 @@ class PeerEndpoint(TransferEndpoint):
                 self._outcomes.popitem(last=False)
         self._free(entry)
         self._cond.notify_all()
+
+    def _take(self, entry: Entry) -> torch.Tensor:
+        """The READY tensor, owning its storage: the received frame, or a copy of the carrier range."""
+        if entry.tensor is not None:
+            return entry.tensor
+        assert self.carrier is not None and entry.offset is not None
+        return self.carrier.read(entry.offset, entry.ref)
+
+    def _free(self, entry: Entry) -> None:
+        """Return the entry's carrier range (the slot is already released), or park it."""
+        if entry.offset is None:
+            return
+        assert self.carrier is not None
+        if entry.claimed:
+            # NOTE: the sender may still be writing into this range; reusing it now could let
+            # the late write corrupt another transfer's tensor.
+            self._parked[entry.ref.transfer_id] = (entry.offset, entry.peer)
+            return
+        self.carrier.free(entry.offset)
+
+    def _reclaim_parked(self, peer: str) -> None:
+        """Return the ranges held back for `peer`'s in-flight writes (it is dead)."""
+        for transfer_id, (offset, owner) in list(self._parked.items()):
+            if owner == peer:
+                del self._parked[transfer_id]
+                self.carrier.free(offset)
 
     def _outcome(self, transfer_id: str) -> TransferError:
         error = self._outcomes.get(transfer_id)
@@ -243,17 +287,20 @@ class PeerEndpoint(TransferEndpoint):
         entry = self._entries.get(msg.transfer_id)
         slot = self.pool.get(msg.transfer_id)
         if entry is None or slot is None:
-            return self._on_unreserved(msg)
+            return self._unreserved(msg)
         if msg.sender != slot.peer:
             return f"{msg.transfer_id!r}: sender {msg.sender!r} is not the reserved peer {slot.peer!r}"
         if msg.nbytes != entry.ref.nbytes:
             return f"{msg.transfer_id!r}: {msg.nbytes} bytes != reserved {entry.ref.nbytes}"
         if isinstance(msg, WriteDone):
-            return self._on_write_done(entry, msg)
+            return self._write_done(entry, msg)
         if slot.state is not SlotState.RESERVED or entry.claimed:
             return f"{msg.transfer_id!r}: duplicate push (slot is {slot.state.value})"
         if isinstance(msg, WriteClaim):
-            return self._on_claim(entry)
+            if entry.offset is None:
+                return f"{msg.transfer_id!r}: {self.kind} receiver does not accept remote writes"
+            entry.claimed = True
+            return None
         ref = entry.ref
         if (msg.dtype, tuple(msg.shape)) != (ref.dtype, ref.shape):
             return f"{msg.transfer_id!r}: {msg.dtype}{list(msg.shape)} != reserved {ref.dtype}{list(ref.shape)}"
@@ -263,6 +310,27 @@ class PeerEndpoint(TransferEndpoint):
         self._mark_ready(entry)
         return None
 
+    def _write_done(self, entry: Entry, msg: WriteDone) -> str | None:
+        if entry.offset is None:
+            return f"{msg.transfer_id!r}: {self.kind} receiver does not accept remote writes"
+        if not entry.claimed:
+            return f"{msg.transfer_id!r}: write done without a claim"
+        entry.claimed = False
+        if msg.failed:
+            self._finish(msg.transfer_id, TransferError(f"{msg.transfer_id!r}: sender's write failed"))
+            return None
+        self._mark_ready(entry)
+        return None
+
+    def _unreserved(self, msg: Request) -> str:
+        """A request for no live slot: the WriteDone of a parked range returns the range."""
+        parked = self._parked.get(msg.transfer_id)
+        if isinstance(msg, WriteDone) and parked is not None and parked[1] == msg.sender:
+            del self._parked[msg.transfer_id]
+            self.carrier.free(parked[0])
+            return f"{msg.transfer_id!r}: reservation was released before the write completed"
+        return f"{msg.transfer_id!r}: no live reservation"
+
     def _mark_ready(self, entry: Entry) -> None:
         self.pool.mark_ready(entry.ref.transfer_id)
         self.stats.add(pushes_received=1, bytes_received=entry.ref.nbytes)
@@ -270,29 +338,7 @@ class PeerEndpoint(TransferEndpoint):
 
     # -- sender ----------------------------------------------------------------------------------
     def push(self, ref: TensorRef, tensor: torch.Tensor, timeout_s: float | None = None) -> None:
-        check_tensor(ref, tensor)
-        data = tensor.detach().to("cpu").contiguous()
-        timeout = self.config.push_timeout_s if timeout_s is None else timeout_s
-        start = time.perf_counter()
-        self._push(ref, data, timeout)
-        self.stats.add(pushes_sent=1, bytes_sent=ref.nbytes, push_seconds=time.perf_counter() - start)
-
-    def _push_data(self, ref: TensorRef, data: torch.Tensor, timeout_s: float) -> None:
-        """ZMQ data path: header frame + the raw bytes frame, zero-copy."""
-        msg = DataPush(next(self._seq), ref.transfer_id, self.instance_id, ref.dtype, ref.shape, ref.nbytes)
-        self._request(ref, msg, [_raw_bytes(data)], timeout_s)
-
-    def _request(self, ref: TensorRef, msg: Request, payload: Sequence[object], timeout_s: float) -> None:
-        ack = self._channel(ref.endpoint).request(msg, payload, timeout_s)
-        if not ack.ok:
-            raise TransferRejected(f"{ref.owner} rejected {type(msg).__name__}: {ack.reason}")
-
-    def _channel(self, address: str) -> PeerChannel:
-        with self._channels_lock:
-            channel = self._channels.get(address)
-            if channel is None:
-                channel = self._channels[address] = PeerChannel(self._ctx, address)
-            return channel
+        self.sender.push(ref, tensor, timeout_s)
 
     def close(self) -> None:
         if self._stop.is_set():
@@ -303,13 +349,11 @@ class PeerEndpoint(TransferEndpoint):
         with self._cond:
             for transfer_id in list(self._entries):
                 self._finish(transfer_id, TransferCancelled(f"{transfer_id!r}: endpoint closed"))
-        with self._channels_lock:
-            for channel in self._channels.values():
-                channel.close()
-            self._channels.clear()
+        self.sender.close()
         self._router.close(linger=0)
         self._ctx.term()
-        self._close_backend()
+        if self.carrier is not None:
+            self.carrier.close()
         logger.info("transfer endpoint %s closed", self.instance_id)
 
     def __enter__(self) -> PeerEndpoint:
@@ -317,46 +361,6 @@ class PeerEndpoint(TransferEndpoint):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    # -- backend hooks (caller holds `_cond` except for `_push`) ---------------------------------
-    def _allocate(self, transfer_id: str, nbytes: int) -> tuple[int | None, MooncakeLocation | None]:
-        """Buffer for a new reservation: (handle kept in the entry, location put in the ref)."""
-        return None, None
-
-    def _take(self, entry: Entry) -> torch.Tensor:
-        """The READY tensor, owning its storage."""
-        assert entry.tensor is not None
-        return entry.tensor
-
-    def _free(self, entry: Entry) -> None:
-        """Free the entry's backend buffer (the slot is already released)."""
-
-    def _on_unreserved(self, msg: Request) -> str:
-        return f"{msg.transfer_id!r}: no live reservation"
-
-    def _on_claim(self, entry: Entry) -> str | None:
-        return f"{entry.ref.transfer_id!r}: {self.kind} receiver does not accept remote writes"
-
-    def _on_write_done(self, entry: Entry, msg: WriteDone) -> str | None:
-        return f"{entry.ref.transfer_id!r}: {self.kind} receiver does not accept remote writes"
-
-    def _buffers_idle(self) -> bool:
-        return True
-
-    def _reclaim_parked(self, peer: str) -> None:
-        """Free buffers held back for `peer`'s in-flight remote writes."""
-
-    def _push(self, ref: TensorRef, data: torch.Tensor, timeout_s: float) -> None:
-        self._push_data(ref, data, timeout_s)
-
-    def _close_backend(self) -> None:
-        """Release backend resources after the serving thread stopped."""
-
-
-def _raw_bytes(data: torch.Tensor) -> memoryview:
-    if data.numel() == 0:
-        return memoryview(b"")
-    return memoryview(data.reshape(-1).view(torch.uint8).numpy())
 
 
 def _frame_tensor(frame: zmq.Frame, ref: TensorRef) -> torch.Tensor:

@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
+from triptych.calibration.metrics import psnr, ssim
 from triptych.errors import InvalidParam
 
 WORLD_KEYS = ("shape", "color", "background")
@@ -83,15 +83,7 @@ def _requests(images: int, steps: int | None, world: bool, prompts):
 
 
 def _fidelity(got: np.ndarray, want: np.ndarray) -> tuple[float, float]:
-    from torchmetrics.functional.image import peak_signal_noise_ratio, structural_similarity_index_measure
-
-    a = torch.from_numpy(got).permute(0, 3, 1, 2).double()
-    b = torch.from_numpy(want).permute(0, 3, 1, 2).double()
-    if torch.equal(a, b):
-        return math.inf, 1.0
-    psnr = float(peak_signal_noise_ratio(a, b, data_range=1.0))
-    ssim = float(structural_similarity_index_measure(a, b, data_range=1.0))
-    return psnr, ssim
+    return psnr(got, want), ssim(got, want)
 
 
 def quality_report(
@@ -108,7 +100,7 @@ def quality_report(
     """Plain vs each TeaCache threshold on the same requests; see the module docstring."""
     from triptych.pipelines.registry import load_family
     from triptych.pipelines.runner import run_request
-    from triptych.server.engine.accel import check_teacache, make_teacache
+    from triptych.pipelines.teacache import check_teacache, make_teacache
 
     model_dir = Path(model_dir)
     if images < 1:
