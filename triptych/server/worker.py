@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import zmq
 
+from triptych.cache.mm import MMCacheConfig
 from triptych.errors import TriptychError
 from triptych.identity import model_revision
 from triptych.pipelines.base import Role
@@ -66,6 +67,8 @@ class WorkerConfig:
     device: str = "cpu"
     engine: EngineConfig = field(default_factory=EngineConfig)
     """Denoiser step batching (ignored by other roles)."""
+    mm_cache: MMCacheConfig = field(default_factory=MMCacheConfig)
+    """The encoder's mm-hash cache budget (ignored by other roles)."""
     register_timeout_s: float = 120.0
     """How long to wait for the head's ``RegisterAck``."""
     torch_threads: int = 0
@@ -98,7 +101,9 @@ class Worker:
         self.instance_id = config.instance_id or f"{self.role.value}-{uuid.uuid4().hex[:8]}"
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
-        self.family = family_class(config.model_dir)(config.model_dir, roles={self.role}, device=config.device)
+        self.family = family_class(config.model_dir)(
+            config.model_dir, roles={self.role}, device=config.device, mm_cache_config=config.mm_cache
+        )
         self.endpoint = make_endpoint(
             config.transfer,
             self.instance_id,
