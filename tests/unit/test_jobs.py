@@ -102,6 +102,11 @@ def test_metrics_update_from_stats_objects():
     )
     text = metrics.render().decode()
     assert 'triptych_instances{role="decoder",state="busy"} 1.0' in text and 'state="idle"} 1.0' in text
+    metrics.update_from_describe({"stats": {"retries": 2}, "local_workers": {"restarts": 1}})
+    metrics.update_from_describe({"stats": {"retries": 3}, "local_workers": {"restarts": 1}})
+    text = metrics.render().decode()
+    assert 'triptych_head_events_total{event="retries"} 3.0' in text
+    assert 'triptych_head_events_total{event="worker_restarts"} 1.0' in text
     metrics.update_from_describe({})  # a fresh snapshot drops stale label sets
     assert 'role="encoder"' not in metrics.render().decode()
     with pytest.raises(AssertionError):

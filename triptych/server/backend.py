@@ -37,6 +37,15 @@ class Overloaded(TriptychError):
         self.retry_after = retry_after
 
 
+class Unavailable(TriptychError):
+    """A role the job needs has had no live instance for longer than the grace period (HTTP 503 with
+    Retry-After), instead of waiting out the queue timeout."""
+
+    def __init__(self, message: str, retry_after: float = 5.0):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 class Cancelled(TriptychError):
     """The job was cancelled (DELETE, client disconnect) before it finished."""
 

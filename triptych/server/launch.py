@@ -1,25 +1,23 @@
 """Embedded topology: the orchestrator plus N encoder, M denoiser and K decoder local worker processes.
 
-``LocalWorkers`` is the supervision component: it spawns worker processes (connected over loopback
-to the orchestrator's control port), signals and reaps them. It owns those processes: nothing else
-starts or kills them. ``EmbeddedBackend`` composes an ``Orchestrator`` and a ``LocalWorkers``:
-``start`` spawns the topology and waits until every worker registered; ``close`` shuts them down.
+``supervisor.LocalWorkers`` is the supervision component: it spawns worker processes (connected over
+loopback to the orchestrator's control port), restarts the ones that exit, and reaps them.
+``EmbeddedBackend`` composes an ``Orchestrator`` and a ``LocalWorkers``: ``start`` spawns the
+topology and waits until every worker registered; a worker that exits is declared dead at once (its
+requests are retried) and restarted; ``close`` shuts them down.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import os
 import signal
-import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from triptych.pipelines.vlm import ChatResult
 from triptych.server.backend import ChatJob, GenerationBackend, GenerationJob, ProgressFn, TextFn
 from triptych.server.orchestrator import Orchestrator, OrchestratorConfig
+from triptych.server.supervisor import LocalWorkers
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +42,15 @@ class TopologyConfig:
     """How long ``start`` waits for every local worker to register."""
     extra_args: tuple[str, ...] = field(default_factory=tuple)
     """Extra ``triptych worker`` flags for every worker (e.g. ``--max-batch-requests 4``)."""
+    restart: bool = True
+    """Restart a local worker whose process exited while the head runs."""
+    restart_backoff_s: float = 1.0
+    """Wait before the first restart of a worker; doubles with each restart inside the crash-loop
+    window, up to 30 s."""
+    crash_loop_limit: int = 5
+    """A worker that needed this many restarts within ``crash_loop_window_s`` is given up on."""
+    crash_loop_window_s: float = 300.0
+    """The window of ``crash_loop_limit``."""
 
     def __post_init__(self) -> None:
         for name in ("encoders", "denoisers", "decoders"):
@@ -53,66 +60,11 @@ class TopologyConfig:
             raise ValueError(f"transfer={self.transfer!r} must be one of auto, mooncake, zmq")
         if self.capacity < 1:
             raise ValueError(f"capacity={self.capacity} must be >= 1")
-
-
-class LocalWorkers:
-    """Worker processes of this head (see the module docstring)."""
-
-    def __init__(self, model_dir: Path, topology: TopologyConfig, token: str):
-        self.model_dir = model_dir
-        self.token = token  # handed to workers in their environment, never on a command line
-        self.topology = topology
-        self.procs: dict[str, subprocess.Popen] = {}
-
-    def spawn(self, role: str, head: str, instance_id: str | None = None) -> str:
-        """Start one local worker process of ``role`` that registers with ``head``; returns its id."""
-        n = sum(1 for i in self.procs if i.startswith(f"{role}-"))
-        instance_id = instance_id or f"{role}-{n}"
-        t = self.topology
-        cmd = [
-            sys.executable,
-            "-m",
-            "triptych.cli",
-            "worker",
-            "--role",
-            role,
-            "--head",
-            head,
-            "--model",
-            str(self.model_dir),
-            "--instance-id",
-            instance_id,
-            "--transfer",
-            t.transfer,
-            "--capacity",
-            str(t.capacity),
-            "--threads",
-            str(t.torch_threads),
-            "--exit-with-parent",
-            str(os.getpid()),
-            *t.extra_args,
-        ]
-        if logger.isEnabledFor(logging.DEBUG):
-            cmd.insert(3, "-v")
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRIPTYCH_TOKEN": self.token}
-        self.procs[instance_id] = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
-        logger.info("spawned %s (pid %d)", instance_id, self.procs[instance_id].pid)
-        return instance_id
-
-    def kill(self, instance_id: str, sig: int = signal.SIGKILL) -> None:
-        """Send ``sig`` to a local worker (tests: kill -9 mid-request)."""
-        self.procs[instance_id].send_signal(sig)
-
-    async def reap(self, timeout_s: float = 15.0) -> None:
-        """Wait for every process to exit (after a shutdown was sent); kill what does not."""
-        for instance_id, proc in self.procs.items():
-            try:
-                await asyncio.to_thread(proc.wait, timeout_s)
-            except subprocess.TimeoutExpired:
-                logger.warning("worker %s did not stop; killing pid %d", instance_id, proc.pid)
-                proc.kill()
-                await asyncio.to_thread(proc.wait)
-        self.procs.clear()
+        if self.restart_backoff_s <= 0 or self.crash_loop_limit < 1 or self.crash_loop_window_s <= 0:
+            raise ValueError(
+                f"restart_backoff_s={self.restart_backoff_s} and crash_loop_window_s={self.crash_loop_window_s} "
+                f"must be > 0, crash_loop_limit={self.crash_loop_limit} >= 1"
+            )
 
 
 class EmbeddedBackend(GenerationBackend):
@@ -123,7 +75,7 @@ class EmbeddedBackend(GenerationBackend):
     ):
         self.orchestrator = Orchestrator(model_dir, config)
         self.topology = topology or TopologyConfig()
-        self.workers = LocalWorkers(self.orchestrator.model_dir, self.topology, self.orchestrator.token)
+        self.workers = LocalWorkers(self.orchestrator.model_dir, self.topology, self.orchestrator.token, self._exited)
         self.family = self.orchestrator.family
         self.metrics = self.orchestrator.metrics
 
@@ -136,6 +88,7 @@ class EmbeddedBackend(GenerationBackend):
                 for _ in range(n):
                     self.spawn(role)
             await self.orchestrator.wait_for_instances(counts, t.start_timeout_s)
+            self.workers.watch(self.orchestrator.control_address)
         except BaseException:
             await self.close()
             raise
@@ -143,10 +96,14 @@ class EmbeddedBackend(GenerationBackend):
     def spawn(self, role: str, instance_id: str | None = None) -> str:
         return self.workers.spawn(role, self.orchestrator.control_address, instance_id)
 
+    def _exited(self, instance_id: str, returncode: int) -> None:
+        self.orchestrator.instance_dead(instance_id, f"its process exited with code {returncode}")
+
     def kill(self, instance_id: str, sig: int = signal.SIGKILL) -> None:
         self.workers.kill(instance_id, sig)
 
     async def close(self) -> None:
+        await self.workers.stop_watching()
         if self.orchestrator.control.open:
             self.orchestrator.shutdown_workers()
         await self.orchestrator.close()
@@ -162,4 +119,4 @@ class EmbeddedBackend(GenerationBackend):
         return await self.orchestrator.cancel(request_id)
 
     def describe(self) -> dict:
-        return self.orchestrator.describe()
+        return {**self.orchestrator.describe(), "local_workers": self.workers.describe()}

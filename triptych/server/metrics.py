@@ -122,6 +122,14 @@ class Metrics:
             buckets=_SECONDS_BUCKETS,
             registry=r,
         )
+        self.head_events = Counter(
+            "triptych_head_events",
+            "Head events by kind: retries, instances_lost, worker_restarts, rejoins_requested, unauthenticated, "
+            "malformed, dropped_stale, ... (the orchestrator's counters)",
+            ["event"],
+            registry=r,
+        )
+        self._events_seen: dict[str, float] = {}
         self.instances = Gauge(
             "triptych_instances", "Worker instances by role and state", ["role", "state"], registry=r
         )
@@ -237,6 +245,14 @@ class Metrics:
             self.queue_depth.labels(str(stage)).set(depth)
         if head_in_flight is not None:
             self.queue_depth.labels("head").set(head_in_flight)
+        events = dict(describe.get("stats", {}))
+        if "local_workers" in describe:
+            events["worker_restarts"] = describe["local_workers"]["restarts"]
+        for event, total in events.items():
+            delta = total - self._events_seen.get(event, 0)
+            if delta > 0:  # the head's counters only grow; a restart of the head restarts both
+                self.head_events.labels(event).inc(delta)
+                self._events_seen[event] = total
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

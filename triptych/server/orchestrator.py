@@ -26,7 +26,15 @@ from triptych.errors import InvalidParam
 from triptych.pipelines.vlm import ChatResult
 from triptych.server import protocol as P
 from triptych.server.auth import ControlKey, new_token
-from triptych.server.backend import Cancelled, ChatJob, GenerationBackend, GenerationJob, ProgressFn, TextFn
+from triptych.server.backend import (
+    Cancelled,
+    ChatJob,
+    GenerationBackend,
+    GenerationJob,
+    ProgressFn,
+    TextFn,
+    Unavailable,
+)
 from triptych.server.chat_router import ChatRouter
 from triptych.server.control import ControlPlane
 from triptych.server.dispatch import Instance, make_policy
@@ -62,6 +70,10 @@ class OrchestratorConfig:
     """How long a receiver keeps slots reserved waiting for the upstream push."""
     chat_timeout_s: float = 600.0
     """Longest a chat answer may take from its first token to its last."""
+    unavailable_after_s: float = 30.0
+    """A role with no live instance for this long makes new and queued requests that need it fail
+    at once (HTTP 503 + Retry-After) instead of waiting out the queue timeout; local workers that
+    died are restarted well within it."""
     token: str = ""
     """The deployment's control-plane token: only workers holding it register, every control frame
     is signed with it. Empty = a fresh random one (``Orchestrator.token``), for local workers."""
@@ -72,6 +84,8 @@ class OrchestratorConfig:
                 f"heartbeat_timeout_s={self.heartbeat_timeout_s} must exceed 2 x heartbeat_interval_s="
                 f"{self.heartbeat_interval_s}, or live workers get declared dead"
             )
+        if self.unavailable_after_s <= 0:
+            raise ValueError(f"unavailable_after_s={self.unavailable_after_s} must be > 0")
         if self.max_retries < 0 or self.max_queued < 1 or self.reserve_timeout_s <= 0 or self.chat_timeout_s <= 0:
             raise ValueError("max_retries must be >= 0, max_queued >= 1, reserve_timeout_s and chat_timeout_s > 0")
         make_policy(self.dispatch)  # raises on an unknown name
@@ -145,6 +159,7 @@ class Orchestrator(GenerationBackend):
     async def run(self, job: GenerationJob, on_progress: ProgressFn | None = None) -> bytes:
         assert self.control.open, "Orchestrator.start() was not called"
         self._check_new(job.request_id)
+        self._check_available(("encoder", "denoiser", "decoder"))
         future = self.generations.submit(job, on_progress)
         return await self._await(job.request_id, future)
 
@@ -153,6 +168,7 @@ class Orchestrator(GenerationBackend):
         if not self.family.supports_chat:
             raise InvalidParam("model", self.model_dir.name, "this model has no VLM to chat with")
         self._check_new(job.request_id)
+        self._check_available(("encoder",))
         future = self.chats.submit(job, on_text)
         return await self._await(job.request_id, future)
 
@@ -165,11 +181,25 @@ class Orchestrator(GenerationBackend):
             "control": self.control_address,
             "revision": self.revision,
             "instances": self.registry.describe(),
+            "empty_roles": self.registry.empty_roles(),
             "requests": gen["requests"],
             "chats": chats["chats"],
             "queues": {**gen["queues"], "chat": chats["queue"]},
             "stats": dict(self.stats),
         }
+
+    def _unavailable(self, roles) -> Unavailable | None:
+        missing = self.registry.missing(time.monotonic(), self.config.unavailable_after_s)
+        gone = {r: s for r, s in missing.items() if r in roles}
+        if not gone:
+            return None
+        what = ", ".join(f"{r} (none for {s:.0f}s)" for r, s in sorted(gone.items()))
+        return Unavailable(f"no live instance of a role this request needs: {what}", retry_after=5.0)
+
+    def _check_available(self, roles) -> None:
+        error = self._unavailable(roles)
+        if error is not None:
+            raise error
 
     def _check_new(self, request_id: str) -> None:
         if request_id in self.generations.requests or request_id in self.chats.chats:
@@ -207,6 +237,10 @@ class Orchestrator(GenerationBackend):
                 self.instance_dead(inst.instance_id, f"silent for {now - inst.last_seen:.1f}s")
             self.generations.expire(now)
             self.chats.expire(now)
+            if self.generations.wait_encode:
+                error = self._unavailable(("encoder", "denoiser", "decoder"))
+                if error is not None:
+                    self.generations.fail_queued(error)
             self._pump()
 
     def _pump(self) -> None:

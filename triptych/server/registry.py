@@ -46,6 +46,8 @@ class InstanceRegistry:
         }
         self._rejoin_sent: dict[str, float] = {}  # unknown instance id -> when it was last told to rejoin
         self._last_stats: dict[str, tuple[int, P.StatsReport]] = {}  # dead instance -> (pid, last report)
+        now = time.monotonic()
+        self._empty_since: dict[str, float] = {role: now for role in self.policies}  # role -> pool empty since
 
     def pool(self, role: str) -> list[Instance]:
         return [i for i in self.instances.values() if i.role == role]
@@ -67,6 +69,7 @@ class InstanceRegistry:
             if last is not None and last[0] == m.pid:  # the same process rejoining: its counters continue
                 inst.stats = last[1]
             self.instances[m.instance_id] = inst
+            self._empty_since.pop(m.role, None)
             logger.info(
                 "registered %s %s (capacity %d, %s at %s)", m.role, m.instance_id, m.capacity, m.transfer, m.data
             )
@@ -94,6 +97,13 @@ class InstanceRegistry:
             inst.stats = msg
         return inst
 
+    def missing(self, now: float, grace_s: float) -> dict[str, float]:
+        """Roles with no live instance for longer than ``grace_s`` → for how long."""
+        return {role: now - t for role, t in self._empty_since.items() if now - t > grace_s}
+
+    def empty_roles(self) -> list[str]:
+        return sorted(self._empty_since)
+
     def silent(self, now: float, timeout_s: float) -> list[Instance]:
         return [i for i in self.instances.values() if now - i.last_seen > timeout_s]
 
@@ -102,6 +112,8 @@ class InstanceRegistry:
         inst = self.instances.pop(instance_id, None)
         if inst is None:
             return None
+        if not self.pool(inst.role):
+            self._empty_since[inst.role] = time.monotonic()
         self.metrics.forget_instance(instance_id)
         self.control.forget(instance_id)
         if inst.stats is not None:

@@ -108,6 +108,11 @@ class GenerationRouter:
         for tr in list(self.requests.values()):
             self._finish(tr, S.CANCELLED, error=error(tr.job.request_id))
 
+    def fail_queued(self, error: Exception) -> None:
+        """End every request still waiting for its encode with ``error`` (a role it needs is gone)."""
+        for rid in list(self.wait_encode):
+            self._finish(self.requests[rid], S.FAILED, error=error)
+
     def expire(self, now: float) -> None:
         for tr in [t for t in self.requests.values() if t.machine.expired(now)]:
             state = tr.machine.state

@@ -1,0 +1,79 @@
+"""Local worker supervision with 10-line fake processes: exits are reported, restarts back off,
+a crash loop is given up on, and ``restart=False`` only reports."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from triptych.server.launch import TopologyConfig
+from triptych.server.supervisor import LocalWorkers
+
+
+class FakeProc:
+    pids = iter(range(1000, 2000))
+
+    def __init__(self):
+        self.pid = next(self.pids)
+        self.code = None
+
+    def poll(self):
+        return self.code
+
+
+def workers(**topology):
+    exits = []
+    w = LocalWorkers(Path("m"), TopologyConfig(**topology), "t" * 32, lambda iid, code: exits.append((iid, code)))
+    w._start = lambda role, head, iid: FakeProc()
+    w.spawn("denoiser", "tcp://127.0.0.1:1")
+    return w, exits
+
+
+def test_an_exit_is_reported_once_and_restarted_after_the_backoff():
+    w, exits = workers(restart_backoff_s=1.0)
+    first = w.procs["denoiser-0"]
+    first.code = -9
+    w.check(100.0)
+    assert exits == [("denoiser-0", -9)] and w.procs["denoiser-0"] is first  # waiting out the backoff
+    w.check(100.5)
+    assert w.procs["denoiser-0"] is first and len(exits) == 1
+    w.check(101.0)
+    assert w.procs["denoiser-0"] is not first and w.restarts_total == 1
+    w.check(101.5)
+    assert len(exits) == 1  # the new process runs
+
+
+def test_the_backoff_doubles_inside_the_window_and_a_crash_loop_is_given_up():
+    w, exits = workers(restart_backoff_s=1.0, crash_loop_limit=3, crash_loop_window_s=60.0)
+    now, waits = 0.0, []
+    for _ in range(4):
+        w.procs["denoiser-0"].code = 1
+        w.check(now)
+        worker = w.workers["denoiser-0"]
+        if worker.given_up:
+            break
+        waits.append(worker.restart_at - now)
+        now = worker.restart_at
+        w.check(now)
+    assert waits == [1.0, 2.0, 4.0] and w.workers["denoiser-0"].given_up and len(exits) == 4
+    assert w.describe()["workers"]["denoiser-0"]["given_up"] is True
+
+
+def test_restarts_outside_the_window_do_not_count():
+    w, _ = workers(restart_backoff_s=1.0, crash_loop_limit=2, crash_loop_window_s=10.0)
+    now = 0.0
+    for _ in range(5):  # one crash every 100 s never makes a loop
+        w.procs["denoiser-0"].code = 1
+        w.check(now)
+        now = w.workers["denoiser-0"].restart_at
+        w.check(now)
+        now += 100.0
+    assert not w.workers["denoiser-0"].given_up and w.restarts_total == 5
+
+
+def test_without_restart_an_exit_is_only_reported():
+    w, exits = workers(restart=False)
+    first = w.procs["denoiser-0"]
+    first.code = 0
+    w.check(1.0)
+    w.check(100.0)
+    assert exits == [("denoiser-0", 0)] and w.procs["denoiser-0"] is first and w.restarts_total == 0
