@@ -77,3 +77,11 @@ def test_without_restart_an_exit_is_only_reported():
     w.check(1.0)
     w.check(100.0)
     assert exits == [("denoiser-0", 0)] and w.procs["denoiser-0"] is first and w.restarts_total == 0
+
+
+def test_threads_split_the_cores_among_local_workers_unless_set(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    assert workers(encoders=1, denoisers=2, decoders=1)[0].threads() == 4
+    assert workers(encoders=1, denoisers=1, decoders=1, torch_threads=3)[0].threads() == 3
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert workers(encoders=1, denoisers=2, decoders=1)[0].threads() == 1

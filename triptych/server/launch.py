@@ -37,7 +37,7 @@ class TopologyConfig:
     capacity: int = 4
     """Slots per worker (requests it may hold at once)."""
     torch_threads: int = 0
-    """torch threads per worker (0 = torch's default)."""
+    """torch threads per local worker; 0 = the machine's cores split evenly among the local workers."""
     start_timeout_s: float = 300.0
     """How long ``start`` waits for every local worker to register."""
     extra_args: tuple[str, ...] = field(default_factory=tuple)

@@ -61,7 +61,7 @@ class LocalWorkers:
         t = self.topology
         cmd = [sys.executable, "-m", "triptych.cli", "worker", "--role", role, "--head", head]
         cmd += ["--model", str(self.model_dir), "--instance-id", instance_id, "--transfer", t.transfer]
-        cmd += ["--capacity", str(t.capacity), "--threads", str(t.torch_threads)]
+        cmd += ["--capacity", str(t.capacity), "--threads", str(self.threads())]
         cmd += ["--exit-with-parent", str(os.getpid()), *t.extra_args]
         if logger.isEnabledFor(logging.DEBUG):
             cmd.insert(3, "-v")
@@ -69,6 +69,15 @@ class LocalWorkers:
         proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
         logger.info("spawned %s (pid %d)", instance_id, proc.pid)
         return proc
+
+    def threads(self) -> int:
+        """torch threads of each local worker: ``topology.torch_threads``, or (0) the machine's cores
+        split evenly among the topology's local workers, so they do not oversubscribe the CPU."""
+        t = self.topology
+        if t.torch_threads:
+            return t.torch_threads
+        workers = max(1, t.encoders + t.denoisers + t.decoders)
+        return max(1, (os.cpu_count() or 1) // workers)
 
     def kill(self, instance_id: str, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` to a local worker (tests: kill -9 mid-request)."""
