@@ -196,7 +196,23 @@ class QwenImageEditFamily(QwenImageFamily):
     def resolve(self, p: GenerationParams) -> GenerationParams:
         if p.image is not None and not _is_image(p.image):
             raise InvalidParam("image", type(p.image).__name__, "must be a PIL image")
+        if _is_image(p.image):
+            self._check_condition_size(p.image)
         return super().resolve(p)
+
+    def _check_condition_size(self, image) -> None:
+        """The pipeline resizes the condition image to ``condition_area`` keeping its aspect ratio;
+        an extreme ratio rounds one side below one latent patch (0 px at worst), which fails in the
+        VAE. Refuse it here, naming the size it would get."""
+        height, width = enc.condition_size(image, self.condition_area)
+        if min(height, width) < self.multiple:
+            w, h = image.size
+            raise InvalidParam(
+                "image",
+                f"{w}x{h}",
+                f"aspect ratio {max(w, h) / min(w, h):.0f}:1 is too extreme: the model resizes it to "
+                f"{width}x{height} and each side must be at least {self.multiple} px",
+            )
 
     def compat_key(self, state: DenoiseState) -> tuple:
         """Rows also share the condition image's latent shape (it is part of the sequence)."""

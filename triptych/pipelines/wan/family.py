@@ -55,7 +55,11 @@ class WanFamily(Family):
         self.pipe.vae_scale_factor_temporal = vae_cfg.get("scale_factor_temporal") or 4
         self.pipe.video_processor = VideoProcessor(vae_scale_factor=self.pipe.vae_scale_factor_spatial)
         self.latent_channels = vae_cfg.get("z_dim", 16)
-        patch = read_json(self.model_dir / "transformer" / "config.json").get("patch_size", (1, 2, 2))
+        transformer_cfg = read_json(self.model_dir / "transformer" / "config.json")
+        patch = transformer_cfg.get("patch_size", (1, 2, 2))
+        self.patch_size = tuple(patch)
+        #: RoPE tables cover this many positions per axis (frames, height, width in patches).
+        self.rope_max_seq_len = int(transformer_cfg.get("rope_max_seq_len", 1024))
         # The pipelines require multiples of 16 and patchify by vae scale * patch size.
         self.size_multiple = math.lcm(16, self.pipe.vae_scale_factor_spatial * patch[1])
         self.size_multiple = math.lcm(self.size_multiple, self.pipe.vae_scale_factor_spatial * patch[2])
@@ -76,6 +80,7 @@ class WanFamily(Family):
             raise InvalidParam(
                 "frames", p.frames, f"must be 1 + a multiple of {temporal} (e.g. 1, {1 + temporal}, {1 + 2 * temporal})"
             )
+        self._check_rope_range(p)
         if p.true_cfg != 1.0:
             raise InvalidParam("true_cfg", p.true_cfg, f"{self.name} has no true_cfg; set guidance > 1 for CFG")
         if p.negative_prompt is not None and not self.uses_cfg(p):
@@ -85,6 +90,24 @@ class WanFamily(Family):
         if self.accepts_image:
             self._check_image(p.image)
         return p
+
+    def _check_rope_range(self, p: GenerationParams) -> None:
+        """Each axis of the latent patch grid must fit the transformer's RoPE tables; past them the
+        denoiser fails mid-request (the model was never built for that length)."""
+        temporal, spatial = self.pipe.vae_scale_factor_temporal, self.pipe.vae_scale_factor_spatial
+        pt, ph, pw = self.patch_size
+        limit = self.rope_max_seq_len
+        axes = {
+            "frames": (p.frames, ((p.frames - 1) // temporal + 1) // pt, temporal * pt),
+            "height": (p.height, p.height // (spatial * ph), spatial * ph),
+            "width": (p.width, p.width // (spatial * pw), spatial * pw),
+        }
+        for name, (value, positions, per_position) in axes.items():
+            if positions > limit:
+                most = 1 + (limit * pt - 1) * temporal if name == "frames" else limit * per_position
+                raise InvalidParam(
+                    name, value, f"must be at most {most} for this model (its RoPE covers {limit} positions per axis)"
+                )
 
     def _check_image(self, image) -> None:
         from PIL import Image
