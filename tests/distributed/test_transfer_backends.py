@@ -226,9 +226,16 @@ def test_capacity_exhausted_then_full_again(pair):
         assert rx.release(f"c{i}")
 
 
-def test_auto_prefers_mooncake_when_it_runs():
+def test_auto_on_a_loopback_host_is_zmq_which_binds_only_that_host():
+    """Mooncake's engine listens on every interface whatever host it is given; an endpoint bound to
+    loopback must not, so "auto" takes ZMQ there (its socket binds the given address only)."""
+    from triptych.server.transfer.factory import is_loopback
+
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("10.0.0.5") and not is_loopback("gpu-node-3")
     with make_endpoint("auto", "auto", CONFIG) as endpoint:
-        assert endpoint.kind == ("mooncake" if mooncake_available() else "zmq")
+        assert CONFIG.host == "127.0.0.1" and endpoint.kind == "zmq"
+        assert endpoint.address.startswith("tcp://127.0.0.1:")
 
 
 def test_unknown_backend_kind_raises():
