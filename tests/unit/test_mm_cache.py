@@ -70,3 +70,21 @@ def test_config_refuses_a_budget_that_is_not_a_finite_number_of_mib(bad):
 def test_config_budget_in_bytes():
     assert MMCacheConfig().max_bytes == 256 << 20 and MMCacheConfig(max_mb=0.5).max_bytes == 1 << 19
     assert MMCacheConfig(max_mb=0).max_bytes == 0
+
+
+def test_one_tenants_entry_never_serves_another_tenant():
+    """The tenant of the request (``tenant_scope``, set by the encoder around each encode and chat)
+    is part of every key: tenant B's identical image misses tenant A's entry, and hits its own."""
+    from triptych.cache.mm import tenant_scope
+
+    enc = Toy()
+    cache = install(enc, MMEmbeddingCache(1 << 20, scope="model-a"))
+    x = torch.randn(3, 4)
+    with tenant_scope("tenant-a"):
+        enc(x)
+        enc(x)
+    with tenant_scope("tenant-b"):
+        enc(x)
+        enc(x)
+    enc(x)  # no tenant: the shared scope, its own entry
+    assert enc.calls == 3 and (cache.stats.hits, cache.stats.misses) == (2, 3)

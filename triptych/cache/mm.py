@@ -19,6 +19,8 @@ whose forward is the vision encoder (``text_encoder.model.visual`` for Qwen2.5-V
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import hashlib
 import math
 import threading
@@ -33,6 +35,9 @@ from diffusers.hooks import HookRegistry, ModelHook
 from triptych.cache.mm_stats import MMCacheStats
 
 HOOK_NAME = "triptych_mm_cache"
+#: The tenant whose request the current encode serves (set by the caller around an encode or a chat,
+#: ``tenant_scope``); part of every key, so one tenant's entries never serve another's requests.
+TENANT: contextvars.ContextVar[str] = contextvars.ContextVar("triptych_mm_tenant", default="")
 SIMPLE = (type(None), bool, int, float, str)
 
 
@@ -90,7 +95,8 @@ class MMEmbeddingCache:
     """LRU of encoder outputs by content hash, bounded by the bytes of the stored tensors."""
 
     def __init__(self, max_bytes: int = 256 << 20, scope: str = ""):
-        """``scope`` goes into every key: the encoder's identity (model revision), later a tenant."""
+        """``scope`` goes into every key: the encoder's identity (model revision); the tenant of the
+        request (``tenant_scope``) joins it per lookup."""
         if max_bytes < 0:
             raise ValueError(f"max_bytes={max_bytes}: must be >= 0 (0 disables the cache)")
         self.max_bytes = max_bytes
@@ -154,7 +160,7 @@ class _EncoderCacheHook(ModelHook):
             return run(*args, **kwargs)
         shape = (len(args), tuple(k for k, v in kwargs.items() if isinstance(v, torch.Tensor)))
         extra = repr((shape, sorted(simple.items()), [a for a in args if not isinstance(a, torch.Tensor)]))
-        key = content_hash(*tensors, extra=f"{self.cache.scope}|{extra}")
+        key = content_hash(*tensors, extra=f"{self.cache.scope}|tenant={TENANT.get()}|{extra}")
         hit = self.cache.get(key)
         if hit is not None:
             return hit
@@ -179,6 +185,16 @@ def _without_per_layer(out: Any) -> Any:
         if isinstance(out, dict) and out.get(name) is not None:
             out[name] = None
     return out
+
+
+@contextlib.contextmanager
+def tenant_scope(tenant: str):
+    """Key the mm-hash cache lookups made inside this block by ``tenant`` ("" = the shared scope)."""
+    token = TENANT.set(tenant)
+    try:
+        yield
+    finally:
+        TENANT.reset(token)
 
 
 def install(module: torch.nn.Module, cache: MMEmbeddingCache) -> MMEmbeddingCache:

@@ -71,6 +71,7 @@ class GenerationParams:
     image: Any = None  # PIL.Image condition image (edit / image-to-video), None for text-only
     true_cfg: float = 1.0  # FLUX only: true CFG with the negative prompt when > 1 (Qwen/Wan use guidance)
     teacache_threshold: float = 0.0  # 0 = off (see triptych.cache.teacache)
+    tenant: str = ""  # who asked (a hash of the API key at the head); scopes the mm-hash cache
 
     def replace(self, **changes: Any) -> GenerationParams:
         return dataclasses.replace(self, **changes)

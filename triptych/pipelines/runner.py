@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from triptych.cache.mm import tenant_scope
 from triptych.pipelines.base import DenoiseState, Family, Frames, GenerationParams
 
 StepCallback = Callable[[DenoiseState], None]
@@ -42,7 +43,8 @@ def run_request(
     timings = StageTimings()
     params = family.resolve(params)
     t = time.perf_counter()
-    cond = family.encode(params)
+    with tenant_scope(params.tenant):
+        cond = family.encode(params)
     timings.add("encode", t)
     t = time.perf_counter()
     state = family.prepare(request_id, params, cond)

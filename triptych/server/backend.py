@@ -19,6 +19,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from triptych.cache.mm import tenant_scope
 from triptych.errors import InvalidParam, TriptychError
 from triptych.pipelines.base import Family, GenerationParams
 from triptych.pipelines.vlm import ChatParams, ChatResult
@@ -171,7 +172,7 @@ class InProcessBackend(GenerationBackend):
         async with self._turn(job.request_id):
             emit = None if on_text is None else (lambda text: loop.call_soon_threadsafe(on_text, text))
             running = asyncio.ensure_future(
-                asyncio.to_thread(model.run, job.params, emit, lambda: job.request_id in self._cancelled)
+                asyncio.to_thread(_run_chat, model, job.params, emit, lambda: job.request_id in self._cancelled)
             )
             try:
                 result = await asyncio.shield(running)
@@ -182,3 +183,8 @@ class InProcessBackend(GenerationBackend):
             if result.finish_reason == "cancelled":
                 raise Cancelled(job.request_id)
             return result
+
+
+def _run_chat(model, params: ChatParams, emit, should_stop) -> ChatResult:
+    with tenant_scope(params.tenant):
+        return model.run(params, emit, should_stop)

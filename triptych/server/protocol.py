@@ -55,6 +55,7 @@ class WireParams(msgspec.Struct, frozen=True):
     image_png: bytes | None  # condition image as lossless PNG; None for text-only requests
     true_cfg: float
     teacache_threshold: float
+    tenant: str = ""  # scopes the encoder's mm-hash cache (``GenerationParams.tenant``)
 
 
 # ---- worker → head ---------------------------------------------------------------------------
@@ -237,6 +238,7 @@ class ChatTask(msgspec.Struct, frozen=True, tag="chat_task"):
     seed: int
     stream: bool  # send ChatDelta messages as the answer is decoded
     ignore_eos: bool = False  # generate exactly max_tokens
+    tenant: str = ""  # scopes the encoder's mm-hash cache (``GenerationParams.tenant``)
 
 
 class PushTask(msgspec.Struct, frozen=True, tag="push_task"):

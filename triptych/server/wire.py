@@ -42,6 +42,7 @@ def params_to_wire(p: GenerationParams) -> WireParams:
         image_png=None if p.image is None else png_bytes(p.image),
         true_cfg=float(p.true_cfg),
         teacache_threshold=float(p.teacache_threshold),
+        tenant=p.tenant,
     )
 
 
@@ -58,6 +59,7 @@ def params_from_wire(w: WireParams) -> GenerationParams:
         image=None if w.image_png is None else rgb_image(w.image_png),
         true_cfg=w.true_cfg,
         teacache_threshold=w.teacache_threshold,
+        tenant=w.tenant,
     )
 
 
@@ -79,6 +81,7 @@ def chat_to_wire(request_id: str, generation: int, p, stream: bool) -> ChatTask:
         int(p.seed),
         stream,
         bool(p.ignore_eos),
+        p.tenant,
     )
 
 
@@ -90,4 +93,6 @@ def chat_from_wire(task: ChatTask):
         ChatTurn(m.role, tuple(x.image if x.image is not None else x.text or "" for x in m.parts))
         for m in task.messages
     )
-    return ChatParams(turns, tuple(images), task.max_tokens, task.temperature, task.top_p, task.seed, task.ignore_eos)
+    return ChatParams(
+        turns, tuple(images), task.max_tokens, task.temperature, task.top_p, task.seed, task.ignore_eos, task.tenant
+    )

@@ -44,6 +44,7 @@ class ChatParams:
     top_p: float = 1.0
     seed: int = 0
     ignore_eos: bool = False  # generate exactly max_tokens (load tests, benchmarks)
+    tenant: str = ""  # who asked (a hash of the API key at the head); scopes the mm-hash cache
 
     def check(self, max_images: int) -> None:
         """Structure only (the head runs it without the model); token counts are checked by ``ChatModel``."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from triptych.cache.mm import tenant_scope
 from triptych.errors import TriptychError
 from triptych.server import protocol as P
 from triptych.server import wire
@@ -38,7 +39,7 @@ class EncoderRunner(StageRunner):
         self._chat_step()
 
     def compute(self, job: Job) -> None:
-        with torch.no_grad():
+        with torch.no_grad(), tenant_scope(job.params.tenant):
             cond = self.family.encode(job.params)
         job.outgoing = owned(cond.flat())
         self.port.send(P.EncodeDone(job.request_id, job.generation, self.port.instance_id, specs_of(job.outgoing)))
