@@ -5,5 +5,16 @@ multi-rank denoiser instance (ARCHITECTURE.md contract 8). Model-agnostic: a tra
 from triptych.parallel.config import ParallelConfig
 from triptych.parallel.groups import ParallelGroups, destroy, free_port, init_rank
 from triptych.parallel.launch import RankFailed, run_ranks
+from triptych.parallel.sequence import SequenceParallel, cpu_device_count_shim
 
-__all__ = ["ParallelConfig", "ParallelGroups", "RankFailed", "destroy", "free_port", "init_rank", "run_ranks"]
+__all__ = [
+    "ParallelConfig",
+    "ParallelGroups",
+    "RankFailed",
+    "SequenceParallel",
+    "cpu_device_count_shim",
+    "destroy",
+    "free_port",
+    "init_rank",
+    "run_ranks",
+]
