@@ -73,8 +73,9 @@ class SequenceParallel:
             raise ValueError(f"ulysses={config.ulysses} does not divide the {heads} attention heads of the model")
         self.transformer = transformer
         self._saved_backends = [p._attention_backend for p in _attention_processors(transformer)]
-        if config.ring > 1 and groups.device.type == "cpu":
+        if config.ring > 1:
             # NOTE: set before enable_parallelism, which checks the backend is context-parallel capable.
+            # On CUDA too: diffusers' log-sum-exp backends there need flash-attn, sage or half precision.
             backend = attention.install()
             for p in _attention_processors(transformer):
                 p._attention_backend = backend
