@@ -25,13 +25,13 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.distributed as dist
-from diffusers.models._modeling_parallel import gather_size_by_comm
 from diffusers.models.attention_dispatch import (
     AttentionBackendName,
     _AttentionBackendRegistry,
     _templated_context_parallel_attention,
 )
+
+from triptych.parallel.gather import all_gather_uneven
 
 logger = logging.getLogger(__name__)
 
@@ -92,20 +92,6 @@ def _backward_op(ctx, grad_out, *args, **kwargs):
     raise NotImplementedError("the log-sum-exp attention backend is inference-only")
 
 
-def _all_gather_uneven(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """All-gather shards that may differ in length along ``dim`` (gloo's all_gather needs equal
-    sizes, so shards are zero-padded to the longest and trimmed after)."""
-    sizes = gather_size_by_comm(tensor.shape[dim], group)
-    longest = max(sizes)
-    if tensor.shape[dim] < longest:
-        pad = list(tensor.shape)
-        pad[dim] = longest - tensor.shape[dim]
-        tensor = torch.cat([tensor, tensor.new_zeros(pad)], dim=dim)
-    gathered = [torch.empty_like(tensor) for _ in sizes]
-    dist.all_gather(gathered, tensor.contiguous(), group=group)
-    return torch.cat([g.narrow(dim, 0, n) for g, n in zip(gathered, sizes)], dim=dim)
-
-
 def _ring_with_key_mask(query, key, value, attn_mask, scale, return_lse, parallel_config):
     """Ring attention under a key padding mask: gather the ring group's key/value shards and masks
     (shards may differ in length by one token with ``ring_anything``), attend once."""
@@ -115,8 +101,8 @@ def _ring_with_key_mask(query, key, value, attn_mask, scale, return_lse, paralle
     if attn_mask.shape[-1] != key.shape[1] or attn_mask.shape[-2] != 1:
         raise ValueError(f"expected a key padding mask (..., 1, {key.shape[1]}), got {tuple(attn_mask.shape)}")
     group = cp._ring_mesh.get_group()
-    key, value = (_all_gather_uneven(x, 1, group) for x in (key, value))
-    attn_mask = _all_gather_uneven(attn_mask, attn_mask.dim() - 1, group)
+    key, value = (all_gather_uneven(x, 1, group) for x in (key, value))
+    attn_mask = all_gather_uneven(attn_mask, attn_mask.dim() - 1, group)
     out, lse = attention_with_lse(query, key, value, attn_mask, scale)
     return (out, lse) if return_lse else out
 

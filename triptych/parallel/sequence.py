@@ -6,7 +6,8 @@ What diffusers provides and this module only calls: ``ContextParallelConfig``, t
 (``enable_parallelism`` → ``apply_context_parallel``) and the templated Ulysses/ring attention.
 What it adds: the mesh (``ParallelGroups.mesh``, so a CFG dimension can sit beside the sequence
 dimensions), the CPU device-count shim, the log-sum-exp attention backend ring needs on CPU
-(``triptych.parallel.attention``), and ``remove`` (diffusers 0.42.1 has no ``disable_parallelism``).
+(``triptych.parallel.attention``), an output gather that works with uneven shards on gloo
+(``triptych.parallel.gather``), and ``remove`` (diffusers 0.42.1 has no ``disable_parallelism``).
 """
 
 from __future__ import annotations
@@ -17,9 +18,16 @@ from collections.abc import Iterator
 
 import torch
 from diffusers import ContextParallelConfig
-from diffusers.hooks.context_parallel import remove_context_parallel
+from diffusers.hooks import HookRegistry
+from diffusers.hooks.context_parallel import (
+    _CONTEXT_PARALLEL_OUTPUT_HOOK_TEMPLATE,
+    _get_submodule_by_name,
+    remove_context_parallel,
+)
+from diffusers.models._modeling_parallel import ContextParallelOutput
 
 from triptych.parallel import attention
+from triptych.parallel.gather import UnevenGatherHook
 from triptych.parallel.groups import ParallelGroups
 
 logger = logging.getLogger(__name__)
@@ -53,6 +61,21 @@ def _attention_processors(transformer: torch.nn.Module) -> list:
         for m in transformer.modules()
         if getattr(m, "processor", None) is not None and hasattr(m.processor, "_attention_backend")
     ]
+
+
+def _replace_output_gathers(transformer: torch.nn.Module, plan: dict, group) -> None:
+    """Swap diffusers' output gather hooks for ``UnevenGatherHook`` under the same names (so
+    ``remove_context_parallel`` removes them): diffusers' uneven gather fails on gloo."""
+    for module_id, entry in plan.items():
+        if isinstance(entry, dict):
+            continue
+        outputs = [entry] if isinstance(entry, ContextParallelOutput) else list(entry)
+        modules = _get_submodule_by_name(transformer, module_id)
+        for module in modules if isinstance(modules, list) else [modules]:
+            registry = HookRegistry.check_if_exists_or_initialize(module)
+            name = _CONTEXT_PARALLEL_OUTPUT_HOOK_TEMPLATE.format(module_id)
+            registry.remove_hook(name)
+            registry.register_hook(UnevenGatherHook(outputs, group), name)
 
 
 class SequenceParallel:
@@ -89,6 +112,8 @@ class SequenceParallel:
         with cpu_device_count_shim():
             transformer.enable_parallelism(config=cp)
         self.plan = transformer._cp_plan
+        if config.uneven_sequences:
+            _replace_output_gathers(transformer, self.plan, cp._flattened_mesh.get_group())
 
     def remove(self) -> None:
         """Detach the split/gather hooks and parallel configs, restore the attention backends."""
