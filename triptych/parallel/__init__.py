@@ -7,16 +7,19 @@ from triptych.parallel.broadcast import broadcast_bytes, broadcast_message, broa
 from triptych.parallel.config import ParallelConfig
 from triptych.parallel.groups import ParallelGroups, destroy, free_port, init_rank
 from triptych.parallel.launch import RankFailed, run_ranks
+from triptych.parallel.sequence import SequenceParallel, cpu_device_count_shim
 
 __all__ = [
     "ParallelConfig",
     "ParallelGroups",
     "Parallelism",
     "RankFailed",
+    "SequenceParallel",
     "apply_parallel",
     "broadcast_bytes",
     "broadcast_message",
     "broadcast_tensors",
+    "cpu_device_count_shim",
     "destroy",
     "free_port",
     "init_rank",
