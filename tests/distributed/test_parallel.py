@@ -155,6 +155,8 @@ def _rank_families(rank: int, device, model_dirs: dict, configs: list[dict], ext
             case["full_tokens"] = full_tokens[0]
             out[f"{name}/{_mode(config)}"] = case
         out[f"{name}/removed_equal"] = bool(torch.equal(_denoise(family, params), reference))
+        if extras and name == "qwen-image":
+            out["leader-flow"] = _leader_flow(rank, device, family, params, reference)
         if extras and name == "flux":  # one row per step: nothing to split, both halves compute it
             plain = family.resolve(_params(name, cfg=False))
             case = _run_case(family, plain, ParallelConfig(cfg=2), device)
@@ -163,6 +165,26 @@ def _rank_families(rank: int, device, model_dirs: dict, configs: list[dict], ext
     if extras:
         out["broadcast"] = _broadcast_roundtrip(rank, device)
     return out
+
+
+def _leader_flow(rank: int, device, family, params, reference: torch.Tensor) -> dict:
+    """Contract 8 as a runner does it: only rank 0 holds the request (params and the encoder's
+    conditioning); it broadcasts them, every rank prepares and steps the same state."""
+    from triptych.pipelines.base import Conditioning, GenerationParams
+
+    groups = ParallelGroups.build(ParallelConfig(cfg=2), device)
+    received = broadcast_message(params if rank == 0 else None, GenerationParams, groups)
+    flat = broadcast_tensors(family.encode(params).flat() if rank == 0 else None, groups)
+    parallel = apply_parallel(family.pipe.transformer, groups)
+    try:
+        state = family.prepare("r0", received, Conditioning.from_flat(flat))
+        while not state.done:
+            family.denoise_step([state], fuse_cfg=True, forward=parallel.wrap(family.forward))
+    finally:
+        parallel.remove()
+    return dict(
+        params_equal=received == params, latents=state.latents, diff=(state.latents - reference).abs().max().item()
+    )
 
 
 def _broadcast_roundtrip(rank: int, device) -> dict:
@@ -215,6 +237,9 @@ def test_two_ranks_cfg_ulysses_ring_match_single_rank(model_dirs):
     results = run_ranks(_rank_families, 2, (model_dirs, configs, True), timeout_s=240)
     _check(results, configs)
     for r in results:
+        flow = r["leader-flow"]  # the same figure as qwen-image/cfg2: the broadcast request is the same request
+        assert flow["params_equal"] and flow["diff"] == results[0]["qwen-image/cfg2"]["diff"]
+        assert torch.equal(flow["latents"], results[0]["leader-flow"]["latents"])
         case = r["flux-no-cfg/cfg2"]
         assert case["diff"] == 0.0 and case["rows_seen"] == [1, 1]  # whole row on both halves, no split
         b = r["broadcast"]
