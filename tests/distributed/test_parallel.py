@@ -261,6 +261,16 @@ def _rank_fails(rank: int, device) -> None:
     dist.barrier()  # never completes: rank 1 is gone
 
 
+def _rank_stalls(rank: int, device) -> None:
+    import time
+
+    import torch.distributed as dist
+
+    if rank == 1:
+        time.sleep(120)  # alive but never joins the collective
+    dist.barrier()
+
+
 def test_a_failing_rank_fails_the_run_and_no_process_is_left():
     import multiprocessing
 
@@ -268,6 +278,13 @@ def test_a_failing_rank_fails_the_run_and_no_process_is_left():
     with pytest.raises(RankFailed, match="rank 1 broke"):
         run_ranks(_rank_fails, 2, timeout_s=60, collective_timeout_s=30)
     assert {p.pid for p in multiprocessing.active_children()} <= before
+
+
+def test_a_stalled_rank_times_the_collective_out():
+    # Rank 0 raises from its own barrier once the collective timeout passes (it is not killed at the
+    # run's deadline, which would read "exited with -9"); then rank 1 is killed.
+    with pytest.raises(RankFailed, match=r"rank 0 raised:(.|\n)*Timed out"):
+        run_ranks(_rank_stalls, 2, timeout_s=90, collective_timeout_s=3)
 
 
 @pytest.mark.gpu
