@@ -1,4 +1,32 @@
-"""``apply_parallel``: make a transformer and its rows forward run as one multi-rank instance."""
+"""``apply_parallel``: make a transformer and its rows forward run as one multi-rank instance.
+
+A multi-rank denoiser runner (contract 8: one instance; rank 0 talks to the head) runs, on every
+rank::
+
+    device = init_rank(rank, world_size, port, device="cuda", timeout=timedelta(seconds=60))
+    groups = ParallelGroups.build(ParallelConfig(cfg=2, ulysses=2), device)  # a collective
+    family = load_family(model_dir, roles={Role.DENOISER}, device=str(device))
+    parallel = apply_parallel(family.pipe.transformer, groups)  # a collective
+    forward = parallel.wrap(family.forward)
+    while serving:
+        tick = broadcast_message(decide_tick() if groups.is_leader else None, Tick, groups)
+        for request_id in tick.joined:  # rank 0 holds what the head and the encoder sent
+            task = broadcast_message(task if groups.is_leader else None, DenoiseTask, groups)
+            flat = broadcast_tensors(cond.flat() if groups.is_leader else None, groups)
+            states[request_id] = family.prepare(request_id, task.params, Conditioning.from_flat(flat))
+        family.denoise_step([states[r] for r in tick.batch], fuse_cfg=True, forward=forward)
+        # every rank now holds identical latents; rank 0 sends the finished ones
+
+``prepare`` draws the initial noise from the request's seed, so every rank starts from the same
+latents without sending them. Everything a rank does between two broadcasts must be the same on
+all ranks (same rows, same order): a rank that diverges deadlocks the collectives until the
+timeout, which takes the instance out of service.
+
+Not composed yet: TeaCache's own forward runs the transformer blocks itself (not through
+``forward`` or the transformer's ``__call__``), so a request with TeaCache on would bypass the CFG
+split and meet the sequence-parallel hooks half-way; refuse ``teacache_threshold > 0`` on a
+multi-rank instance until that is tested.
+"""
 
 from __future__ import annotations
 
