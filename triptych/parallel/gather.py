@@ -1,0 +1,48 @@
+"""All-gather of shards that may differ in length, on any backend, and the output hook that uses it.
+
+diffusers gathers uneven shards (``ulysses_anything`` / ``ring_anything``) with a list
+``all_gather`` of differently sized tensors; gloo refuses that ("invalid tensor size"), so on CPU
+any odd token count (Qwen-Image at 48×48: 9 image tokens) failed at the model's output gather.
+Here shards are zero-padded to the longest, gathered, and trimmed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from diffusers.hooks.hooks import ModelHook
+from diffusers.models._modeling_parallel import ContextParallelOutput, gather_size_by_comm
+
+
+def all_gather_uneven(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """Concatenate every rank's ``tensor`` along ``dim`` in rank order; lengths along ``dim`` may differ
+    (one small size all-gather, then one padded all-gather)."""
+    sizes = gather_size_by_comm(tensor.shape[dim], group)
+    longest = max(sizes)
+    if tensor.shape[dim] < longest:
+        pad = list(tensor.shape)
+        pad[dim] = longest - tensor.shape[dim]
+        tensor = torch.cat([tensor, tensor.new_zeros(pad)], dim=dim)
+    gathered = [torch.empty_like(tensor) for _ in sizes]
+    dist.all_gather(gathered, tensor.contiguous(), group=group)
+    return torch.cat([g.narrow(dim, 0, n) for g, n in zip(gathered, sizes)], dim=dim)
+
+
+class UnevenGatherHook(ModelHook):
+    """Replaces diffusers' ``ContextParallelGatherHook`` on a ``_cp_plan`` output entry: the same
+    gather, through ``all_gather_uneven``."""
+
+    def __init__(self, outputs: list[ContextParallelOutput | None], group: dist.ProcessGroup):
+        super().__init__()
+        self.outputs = outputs
+        self.group = group
+
+    def post_forward(self, module, output):
+        single = isinstance(output, torch.Tensor)
+        items = [output] if single else list(output)
+        if len(items) != len(self.outputs):
+            raise ValueError(f"expected {len(self.outputs)} outputs to gather, got {len(items)}")
+        for i, spec in enumerate(self.outputs):
+            if spec is not None:
+                items[i] = all_gather_uneven(items[i], spec.gather_dim, self.group)
+        return items[0] if single else tuple(items)
