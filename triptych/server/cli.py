@@ -52,6 +52,12 @@ def add_server_commands(sub) -> None:
     )
     w.add_argument("--device", default="cpu")
     w.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    w.add_argument("--cfg-parallel", type=int, default=1, help="denoiser: CFG-parallel degree (1 or 2)")
+    w.add_argument("--ulysses", type=int, default=1, help="denoiser: Ulysses sequence-parallel degree")
+    w.add_argument("--ring", type=int, default=1, help="denoiser: ring-attention sequence-parallel degree")
+    w.add_argument(
+        "--collective-timeout", type=float, default=60.0, help="multi-rank denoiser: collective timeout, seconds"
+    )
     w.add_argument("--max-batch-requests", type=int, default=8, help="denoiser: requests per forward")
     w.add_argument("--no-fuse-cfg", action="store_true", help="denoiser: one forward per CFG branch")
     w.add_argument(
@@ -66,6 +72,7 @@ def add_server_commands(sub) -> None:
 
 def cmd_worker(args) -> int:
     from triptych.models import resolve_model
+    from triptych.parallel import ParallelConfig
     from triptych.pipelines.base import Role
     from triptych.server.engine import EngineConfig
     from triptych.server.worker import WorkerConfig, run_worker
@@ -85,6 +92,8 @@ def cmd_worker(args) -> int:
         device=args.device,
         torch_threads=args.threads,
         parent_pid=args.exit_with_parent,
+        parallel=ParallelConfig(cfg=args.cfg_parallel, ulysses=args.ulysses, ring=args.ring),
+        collective_timeout_s=args.collective_timeout,
         engine=EngineConfig(max_batch_requests=args.max_batch_requests, fuse_cfg=not args.no_fuse_cfg),
     )
     return run_worker(config)

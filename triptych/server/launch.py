@@ -14,6 +14,7 @@ import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from triptych.parallel import ParallelConfig
 from triptych.pipelines.vlm import ChatResult
 from triptych.server.backend import ChatJob, GenerationBackend, GenerationJob, ProgressFn, TextFn
 from triptych.server.orchestrator import Orchestrator, OrchestratorConfig
@@ -42,6 +43,8 @@ class TopologyConfig:
     """How long ``start`` waits for every local worker to register."""
     extra_args: tuple[str, ...] = field(default_factory=tuple)
     """Extra ``triptych worker`` flags for every worker (e.g. ``--max-batch-requests 4``)."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """CFG × Ulysses × ring degrees of every local denoiser (each one instance of that many ranks)."""
     restart: bool = True
     """Restart a local worker whose process exited while the head runs."""
     restart_backoff_s: float = 1.0

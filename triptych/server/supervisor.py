@@ -63,6 +63,9 @@ class LocalWorkers:
         cmd += ["--model", str(self.model_dir), "--instance-id", instance_id, "--transfer", t.transfer]
         cmd += ["--capacity", str(t.capacity), "--threads", str(self.threads())]
         cmd += ["--exit-with-parent", str(os.getpid()), *t.extra_args]
+        if role == "denoiser" and t.parallel.world_size > 1:
+            p = t.parallel
+            cmd += ["--cfg-parallel", str(p.cfg), "--ulysses", str(p.ulysses), "--ring", str(p.ring)]
         if logger.isEnabledFor(logging.DEBUG):
             cmd.insert(3, "-v")
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRIPTYCH_TOKEN": self.token}
@@ -76,7 +79,7 @@ class LocalWorkers:
         t = self.topology
         if t.torch_threads:
             return t.torch_threads
-        workers = max(1, t.encoders + t.denoisers + t.decoders)
+        workers = max(1, t.encoders + t.denoisers * t.parallel.world_size + t.decoders)
         return max(1, (os.cpu_count() or 1) // workers)
 
     def kill(self, instance_id: str, sig: int = signal.SIGKILL) -> None:

@@ -26,11 +26,12 @@ import zmq
 from triptych.cache.mm import MMCacheConfig
 from triptych.errors import TriptychError
 from triptych.identity import model_revision
+from triptych.parallel import ParallelConfig
 from triptych.pipelines.base import Role
 from triptych.server import protocol as P
 from triptych.server.auth import ControlKey
 from triptych.server.engine import EngineConfig
-from triptych.server.runners import StageRunner, make_runner
+from triptych.server.runners import RunnerBroken, StageRunner, make_runner
 from triptych.server.transfer import TransferConfig, make_endpoint
 from triptych.server.worker_port import JobPort
 
@@ -67,6 +68,12 @@ class WorkerConfig:
     device: str = "cpu"
     engine: EngineConfig = field(default_factory=EngineConfig)
     """Denoiser step batching (ignored by other roles)."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Denoiser: the instance's CFG × Ulysses × ring degrees; more than one rank spawns the others
+    (this process is rank 0, the instance's only endpoint)."""
+    collective_timeout_s: float = 60.0
+    """Multi-rank denoiser: a collective waiting longer than this (a dead or hung rank) takes the
+    whole instance out of service."""
     mm_cache: MMCacheConfig = field(default_factory=MMCacheConfig)
     """The encoder's mm-hash cache budget (ignored by other roles)."""
     register_timeout_s: float = 120.0
@@ -116,7 +123,7 @@ class Worker:
         self._ctx = zmq.Context()
         self._sock = self._dealer("control")
         self.port = JobPort(self.instance_id, self.send, self.endpoint, self._stop)
-        self.runner: StageRunner = make_runner(self.role, self.family, self.port, config.engine)
+        self.runner: StageRunner = make_runner(self.role, self.family, self.port, config)
         self.port.stage = self.runner.stage
         self.port.on_drop = self.runner.abort
         self.port.on_arrived = self.runner.arrived
@@ -317,4 +324,7 @@ def run_worker(config: WorkerConfig) -> int:
     except RegistrationRefused as e:
         logger.error("%s", e)
         return 3
+    except RunnerBroken as e:
+        logger.error("%s", e)
+        return 5
     return 0

@@ -33,13 +33,15 @@ class EngineStepOutput:
 
 
 class DenoiserEngine:
-    def __init__(self, family: Family, config: EngineConfig | None = None, accel=None):
+    def __init__(self, family: Family, config: EngineConfig | None = None, accel=None, wrap=None):
         """``accel``: optional acceleration (e.g. TeaCache) with ``forward(rows, base_forward)``
         and ``release(request_id)``; it owns its per-request state, the engine tells it when a
-        request leaves."""
+        request leaves. ``wrap``: optional ``wrap(forward) -> forward`` around the rows forward (a
+        multi-rank instance's CFG split)."""
         self.family = family
         self.config = config or EngineConfig()
         self.accel = accel
+        self.wrap = wrap
         self.stats = EngineStats()
         self._running: dict[str, Running] = {}
         self._tick = 0
@@ -81,8 +83,10 @@ class DenoiserEngine:
         return list(self._running)
 
     # ---- one tick -----------------------------------------------------------------------------
-    def step(self) -> EngineStepOutput:
-        batch = self.schedule()
+    def step(self, order: list[str] | None = None) -> EngineStepOutput:
+        """One tick. ``order``: the batch another rank scheduled (request ids, in its order) instead of
+        scheduling here; every rank of a multi-rank instance runs the leader's batch."""
+        batch = self.schedule() if order is None else [self._running[rid] for rid in order]
         out = EngineStepOutput()
         if not batch:
             return out
@@ -109,6 +113,9 @@ class DenoiserEngine:
 
             def forward(rows):
                 return self.accel.forward(rows, base)
+
+        if self.wrap is not None:
+            forward = self.wrap(forward or self.family.forward)
 
         t = time.perf_counter()
         step_stats = self.family.denoise_step(states, fuse_cfg=self.config.fuse_cfg, forward=forward)

@@ -9,28 +9,41 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from triptych.pipelines.base import Role
-from triptych.server.engine import EngineConfig
-from triptych.server.runners.base import Job, StageRunner, WorkerPort
+from triptych.server.runners.base import Job, RunnerBroken, StageRunner, WorkerPort
 from triptych.server.runners.decoder import DecoderRunner
 from triptych.server.runners.denoiser import DenoiserRunner
 from triptych.server.runners.encoder import EncoderRunner
 
 
-def _denoiser(family, port: WorkerPort, engine: EngineConfig) -> StageRunner:
+def _denoiser(family, port: WorkerPort, config) -> StageRunner:
+    if config.parallel.world_size > 1:
+        from triptych.server.runners.parallel_denoiser import ParallelDenoiserRunner
+
+        return ParallelDenoiserRunner(
+            family,
+            port,
+            config.engine,
+            config.parallel,
+            config.collective_timeout_s,
+            str(config.model_dir),
+            config.device,
+            threads=config.torch_threads,
+        )
     from triptych.pipelines.teacache import make_teacache
 
-    return DenoiserRunner(family, port, engine, accel=make_teacache(family))
+    return DenoiserRunner(family, port, config.engine, accel=make_teacache(family))
 
 
 RUNNERS: dict[Role, Callable[..., StageRunner]] = {
-    Role.ENCODER: lambda family, port, engine: EncoderRunner(family, port),
+    Role.ENCODER: lambda family, port, config: EncoderRunner(family, port),
     Role.DENOISER: _denoiser,
-    Role.DECODER: lambda family, port, engine: DecoderRunner(family, port),
+    Role.DECODER: lambda family, port, config: DecoderRunner(family, port),
 }
 
 
-def make_runner(role: Role, family, port: WorkerPort, engine: EngineConfig) -> StageRunner:
-    return RUNNERS[role](family, port, engine)
+def make_runner(role: Role, family, port: WorkerPort, config) -> StageRunner:
+    """``config``: the worker's ``WorkerConfig`` (engine, parallel degrees, device...)."""
+    return RUNNERS[role](family, port, config)
 
 
-__all__ = ["Job", "StageRunner", "WorkerPort", "make_runner", "RUNNERS"]
+__all__ = ["Job", "RunnerBroken", "StageRunner", "WorkerPort", "make_runner", "RUNNERS"]

@@ -28,6 +28,11 @@ logger = logging.getLogger(__name__)
 Task = P.EncodeTask | P.DenoiseTask | P.DecodeTask | P.ChatTask
 
 
+class RunnerBroken(TriptychError):
+    """The runner cannot go on (e.g. a multi-rank instance lost a rank): the worker exits, and its
+    instance leaves service; the requests it held were failed as retryable first."""
+
+
 @dataclass
 class Job:
     """One request generation held by this worker."""
