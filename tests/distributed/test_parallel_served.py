@@ -124,3 +124,16 @@ def test_killing_a_follower_rank_takes_the_instance_out_and_it_comes_back(cluste
     assert len(children(new["pid"])) == 1
     j = job(family, "par-after", seed=5)
     assert np.abs(pixels(cluster.submit(j).result(300)) - alone(family, j)).max() <= MAX_PIXEL_DIFF
+
+
+def test_one_request_in_this_process_on_two_ranks_matches_one_rank(model):
+    """What ``generate --ulysses 2`` runs: this process is rank 0 and spawns rank 1."""
+    from triptych.pipelines.base import GenerationParams
+    from triptych.server.runners.local import run_parallel_request
+
+    _, family = model
+    params = GenerationParams("a red circle", seed=4, steps=3)
+    frames, timings = run_parallel_request(family, params, ParallelConfig(ulysses=2))
+    want, _ = run_request(family, params)
+    diff = np.abs(frames.to_uint8().astype(np.int16) - want.to_uint8().astype(np.int16)).max()
+    assert diff <= MAX_PIXEL_DIFF and set(timings.seconds) == {"encode", "denoise", "decode"}

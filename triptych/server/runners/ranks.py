@@ -68,6 +68,9 @@ class InstanceRanks:
                 proc.kill()
                 proc.wait()
         self.kill()
+        if self.parallelism is not None:
+            self.parallelism.remove()  # the transformer is the single-rank one again
+            self.parallelism = None
         self.groups = None
         destroy()
 

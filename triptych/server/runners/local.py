@@ -1,0 +1,65 @@
+"""One request on a multi-rank instance in this process (``triptych generate --ulysses 2 ...``).
+
+This process is rank 0: it spawns the other ranks (``InstanceRanks``), encodes, and drives the same
+ticks a served instance broadcasts (``runners/ticks``): one join, then one step per tick until the
+request is done; it decodes and closes the ranks. Nothing of a worker or the head is involved.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from triptych.cache.mm import tenant_scope
+from triptych.parallel import ParallelConfig, broadcast_message, broadcast_tensors
+from triptych.pipelines.base import Conditioning, Family, Frames, GenerationParams
+from triptych.pipelines.runner import StageTimings, StepCallback
+from triptych.server import wire
+from triptych.server.engine import DenoiserEngine, EngineConfig
+from triptych.server.runners.ranks import InstanceRanks
+from triptych.server.runners.ticks import Join, Tick, step
+
+
+def run_parallel_request(
+    family: Family,
+    params: GenerationParams,
+    parallel: ParallelConfig,
+    device: str = "cpu",
+    on_step: StepCallback | None = None,
+    collective_timeout_s: float = 120.0,
+    threads: int = 0,
+) -> tuple[Frames, StageTimings]:
+    """Resolve, encode, denoise on ``parallel.world_size`` ranks, decode (``family`` holds every role)."""
+    timings = StageTimings()
+    params = family.resolve(params)
+    if params.teacache_threshold > 0:
+        raise ValueError("TeaCache is not composed with a multi-rank denoiser yet: drop --teacache-threshold")
+    engine_config = EngineConfig(max_batch_requests=1)
+    ranks = InstanceRanks(parallel, collective_timeout_s, threads)
+    groups = ranks.start(family, str(family.model_dir), device, None, engine_config)
+    try:
+        t = time.perf_counter()
+        with torch.no_grad(), tenant_scope(params.tenant):
+            flat = family.encode(params).flat()
+        timings.add("encode", t)
+        t = time.perf_counter()
+        engine = DenoiserEngine(family, engine_config, wrap=ranks.parallelism.wrap)
+        with torch.no_grad():
+            state = family.prepare("local", params, Conditioning.from_flat(flat))
+        engine.add(state)
+        join = Join("local", wire.params_to_wire(params))
+        broadcast_message(Tick([], [join], []), Tick, groups)
+        broadcast_tensors(flat, groups)
+        while not state.done:
+            broadcast_message(Tick([], [], ["local"]), Tick, groups)
+            step(engine, ["local"], groups)
+            if on_step is not None:
+                on_step(state)
+        timings.add("denoise", t)
+    finally:
+        ranks.close()
+    t = time.perf_counter()
+    frames = family.decode(state.latents, params)
+    timings.add("decode", t)
+    return frames, timings
