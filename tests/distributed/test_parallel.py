@@ -143,7 +143,8 @@ def _run_case(family, params, config: ParallelConfig, device) -> dict:
     finally:
         handle.remove()
         parallel.remove()
-    return dict(latents=latents, rows_seen=rows_seen, local_tokens=local_tokens)
+    coords = [groups.cfg_index, groups.sequence_index, groups.cfg_group.size(), groups.sequence_group.size()]
+    return dict(latents=latents, rows_seen=rows_seen, local_tokens=local_tokens, coords=coords)
 
 
 def _rank_families(rank: int, device, model_dirs: dict, configs: list[dict], extras: bool) -> dict:
@@ -207,6 +208,7 @@ def _broadcast_roundtrip(rank: int, device) -> dict:
         steps: list[int]
 
     groups = ParallelGroups.build(ParallelConfig(cfg=2), device)
+    assert groups.cfg_group.size() == 2 and groups.sequence_group.size() == 1
     tick = broadcast_message(Tick(["a", "b"], [3, 0]) if rank == 0 else None, Tick, groups)
     sent = {"latents": torch.arange(12, dtype=torch.float32).reshape(1, 3, 4), "ids": torch.tensor([7, 9])}
     got = broadcast_tensors(sent if rank == 0 else None, groups)
@@ -262,7 +264,11 @@ def test_two_ranks_cfg_ulysses_ring_match_single_rank(model_dirs):
 
 def test_four_ranks_cfg2_x_ulysses2_and_ring2_x_ulysses2_match_single_rank(model_dirs):
     configs = [CFG2_ULYSSES2, RING2_ULYSSES2]
-    _check(run_ranks(_rank_families, 4, (model_dirs, configs, False), timeout_s=240), configs)
+    results = run_ranks(_rank_families, 4, (model_dirs, configs, False), timeout_s=240)
+    _check(results, configs)
+    for rank, r in enumerate(results):  # groups.py's worked example: cfg index, sequence index, group sizes
+        assert r["flux/cfg2_ulysses2"]["coords"] == [rank // 2, rank % 2, 2, 2]
+        assert r["flux/ring2_ulysses2"]["coords"] == [0, rank, 1, 4]
 
 
 def _rank_fails(rank: int, device) -> None:
