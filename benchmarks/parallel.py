@@ -20,7 +20,10 @@ The request uses true CFG (FLUX: a negative prompt and ``true_cfg`` 3; others: `
 step is one fused forward of 2 rows. Time: wall seconds of the denoise loop on rank 0 between two
 barriers, best of ``--repeats``; ``× single`` < 1 is faster than one rank. ``max |Δ|``: latents after
 the loop against single rank. On a shared 2-core machine two ranks have at most 2 cores; figures
-for tiny sequences measure communication overhead more than parallel speed-up.
+for tiny sequences measure communication overhead more than parallel speed-up. ``ulysses2-even``
+against diffusers is an A/A pair (the same diffusers split, attention and gather on both sides):
+its distance from 1 is the run's noise, and differences in the other ratios smaller than it mean
+nothing.
 """
 
 from __future__ import annotations

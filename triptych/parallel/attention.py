@@ -10,7 +10,8 @@ Where it lives: diffusers' dispatcher only accepts backends named in its closed
 ``AttentionBackendName`` enum, so the backend takes the slot of ``_native_math``. ``install``
 keeps that slot's original function and calls it whenever there is no parallel config, so the
 math backend behaves exactly as before for everyone else; only context-parallel calls (and the
-log-sum-exp it now returns) are new. ``uninstall`` restores the original registration.
+log-sum-exp it now returns) are new. Installs are counted: the last ``uninstall`` restores the
+original registration.
 
 Key padding masks under ring. Qwen-Image stacks prompts of different lengths with a key padding
 mask; each rank holds the mask of its own key shard, and diffusers' ring passes that local mask
@@ -39,6 +40,7 @@ LSE_BACKEND = AttentionBackendName._NATIVE_MATH
 """The dispatcher slot the log-sum-exp backend occupies while installed."""
 
 _original: dict | None = None  # the slot's registration before ``install``; None when not installed
+_users = 0  # installs not yet matched by an uninstall
 
 
 def attention_with_lse(
@@ -152,8 +154,9 @@ def _lse_attention(
 
 
 def install() -> AttentionBackendName:
-    """Register the log-sum-exp backend in ``LSE_BACKEND``'s slot (idempotent); returns the slot."""
-    global _original
+    """Register the log-sum-exp backend in ``LSE_BACKEND``'s slot (counted); returns the slot."""
+    global _original, _users
+    _users += 1
     registry = _AttentionBackendRegistry
     if _original is None:
         _original = dict(
@@ -170,9 +173,12 @@ def install() -> AttentionBackendName:
 
 
 def uninstall() -> None:
-    """Restore the slot's original registration (no-op when not installed)."""
-    global _original
+    """Undo one ``install``; the last one restores the slot's original registration."""
+    global _original, _users
     if _original is None:
+        return
+    _users -= 1
+    if _users > 0:
         return
     registry = _AttentionBackendRegistry
     registry._backends[LSE_BACKEND] = _original["func"]

@@ -145,7 +145,7 @@ class ParallelGroups:
             backend_override=dict.fromkeys(MESH_DIMS, override),
         )
         # diffusers' ContextParallelConfig.setup flattens ("ring", "ulysses") under this default name and
-        # reuses an existing flattened mesh: create it here, with the timeout.
+        # reuses an existing flattened mesh: create it here, with the timeout (``sequence_group``).
         mesh["ring", "ulysses"]._flatten(backend_override=override)
         rank = dist.get_rank()
         cfg_index = mesh.get_local_rank("cfg")
@@ -163,6 +163,12 @@ class ParallelGroups:
     def cfg_group(self) -> dist.ProcessGroup:
         """The ranks at this rank's sequence position, one per CFG half (size ``config.cfg``)."""
         return self.mesh.get_group("cfg")
+
+    @property
+    def sequence_group(self) -> dist.ProcessGroup:
+        """The ranks sharing this rank's rows, each holding a shard of every row's tokens (size
+        ``config.sequence_degree``; diffusers gathers the model output over it)."""
+        return self.mesh["ring", "ulysses"]._flatten().get_group()
 
     @property
     def is_leader(self) -> bool:

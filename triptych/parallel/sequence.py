@@ -95,8 +95,10 @@ class SequenceParallel:
         if heads is not None and heads % config.ulysses:
             raise ValueError(f"ulysses={config.ulysses} does not divide the {heads} attention heads of the model")
         self.transformer = transformer
+        self.plan = transformer._cp_plan
         self._saved_backends = [p._attention_backend for p in _attention_processors(transformer)]
-        if config.ring > 1:
+        self._uses_lse_backend = config.ring > 1
+        if self._uses_lse_backend:
             # NOTE: set before enable_parallelism, which checks the backend is context-parallel capable.
             # On CUDA too: diffusers' log-sum-exp backends there need flash-attn, sage or half precision.
             backend = attention.install()
@@ -109,14 +111,18 @@ class SequenceParallel:
             ulysses_anything=config.uneven_sequences and config.ring == 1,
             ring_anything=config.uneven_sequences and config.ulysses == 1 and config.ring > 1,
         )
-        with cpu_device_count_shim():
-            transformer.enable_parallelism(config=cp)
-        self.plan = transformer._cp_plan
-        if config.uneven_sequences:
-            _replace_output_gathers(transformer, self.plan, cp._flattened_mesh.get_group())
+        try:
+            with cpu_device_count_shim():
+                transformer.enable_parallelism(config=cp)
+            if config.uneven_sequences:
+                _replace_output_gathers(transformer, self.plan, cp._flattened_mesh.get_group())
+        except BaseException:
+            self.remove()
+            raise
 
     def remove(self) -> None:
-        """Detach the split/gather hooks and parallel configs, restore the attention backends."""
+        """Detach the split/gather hooks and parallel configs, restore the attention backends
+        (safe on a half-applied attach: hooks that were never registered are skipped)."""
         t = self.transformer
         remove_context_parallel(t, self.plan)
         for p, backend in zip(_attention_processors(t), self._saved_backends):
@@ -124,3 +130,6 @@ class SequenceParallel:
                 p._parallel_config = None
             p._attention_backend = backend
         t._parallel_config = None
+        if self._uses_lse_backend:
+            attention.uninstall()
+            self._uses_lse_backend = False
