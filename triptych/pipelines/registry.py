@@ -57,14 +57,14 @@ def family_class(model_dir: str | Path):
     return _load(FAMILIES[architecture(model_dir)])
 
 
-def load_family(model_dir: str | Path, roles=None, device: str = "cpu", dtype=None):
-    """Load the adapter for ``model_dir`` with only the components ``roles`` need."""
-    import torch
+def load_family(model_dir: str | Path, roles=None, device="cpu", dtype=None):
+    """Load the adapter for ``model_dir`` with only the components ``roles`` need.
 
+    ``device``: a device name (with ``dtype``, None = auto) or a ``triptych.devices.DeviceConfig``."""
     from triptych.pipelines.base import ALL_ROLES
 
     cls = family_class(model_dir)
-    return cls(model_dir, roles=ALL_ROLES if roles is None else roles, device=device, dtype=dtype or torch.float32)
+    return cls(model_dir, roles=ALL_ROLES if roles is None else roles, device=device, dtype=dtype)
 
 
 def make_tiny(family: str, out: str | Path, seed: int = 0, size: str = "tiny") -> Path:
