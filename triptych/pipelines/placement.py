@@ -8,6 +8,7 @@ decoder instance serves 64² and 2048² requests, each the way its size needs.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 
 import torch
@@ -55,6 +56,24 @@ def group_offload(pipe, onload_device: torch.device, offload_device: torch.devic
     )
 
 
+#: Tile edge and stride (pixels) for VAEs whose ``enable_tiling`` takes sizes (Qwen-Image, Wan). diffusers'
+#: default 256/192 decoded the default model at 2048² in 212 s vs 107 s with 512/448, at the same peak
+#: (922 vs 913 MB; 4787 MB untiled), on the 2-core CPU: fewer, larger tiles overlap less.
+TILE, TILE_STRIDE = 512, 448
+
+
+def enable_vae_tiling(vae) -> None:
+    if "tile_sample_min_height" in inspect.signature(vae.enable_tiling).parameters:
+        vae.enable_tiling(
+            tile_sample_min_height=TILE,
+            tile_sample_min_width=TILE,
+            tile_sample_stride_height=TILE_STRIDE,
+            tile_sample_stride_width=TILE_STRIDE,
+        )
+    else:  # AutoencoderKL (FLUX): tiles of its config's sample_size
+        vae.enable_tiling()
+
+
 @contextlib.contextmanager
 def vae_tiling(vae, on: bool):
     """Run the body with the VAE's tiling ``on`` or off, restoring what it was."""
@@ -63,9 +82,9 @@ def vae_tiling(vae, on: bool):
         return
     before = bool(getattr(vae, "use_tiling", False))
     if on != before:
-        vae.enable_tiling() if on else vae.disable_tiling()
+        enable_vae_tiling(vae) if on else vae.disable_tiling()
     try:
         yield
     finally:
         if on != before:
-            vae.enable_tiling() if before else vae.disable_tiling()
+            enable_vae_tiling(vae) if before else vae.disable_tiling()
