@@ -87,6 +87,15 @@ class DeviceConfig:
 
         return torch.device(self.device)
 
+    def to_args(self) -> list[str]:
+        """The ``add_device_flags`` arguments that rebuild this config (a head spawning its workers)."""
+        args = ["--device", self.device, "--attention", self.attention, "--offload", self.offload]
+        if self.dtype is not None:
+            args += ["--dtype", self.dtype]
+        if self.vae_tiling is not None:
+            args.append("--vae-tiling" if self.vae_tiling else "--no-vae-tiling")
+        return args + (["--vae-slicing"] if self.vae_slicing else [])
+
     def tiling_for(self, height: int, width: int) -> bool:
         """Whether a decode of one ``height`` × ``width`` frame runs tiled."""
         if self.vae_tiling is not None:

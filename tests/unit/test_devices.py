@@ -81,6 +81,8 @@ def test_flags_build_the_config():
     assert config == DeviceConfig("cpu", "bfloat16", "_native_math", vae_tiling=True, vae_slicing=True)
     assert device_config_from_args(parser.parse_args(["--no-vae-tiling"])).vae_tiling is False
     assert device_config_from_args(parser.parse_args([])) == DeviceConfig()
+    for config in (DeviceConfig(), DeviceConfig(dtype="bfloat16", vae_tiling=False, vae_slicing=True)):
+        assert device_config_from_args(parser.parse_args(config.to_args())) == config  # head -> worker argv
 
 
 BAD_FLAGS = [(["--device", "cuda:7"], "--device"), (["--dtype", "float64"], "--dtype")]
