@@ -34,13 +34,14 @@ def _image(family, **kw):
     return run_request(family, params, fuse_cfg=False)[0].array
 
 
-def test_attention_backend_is_set_on_every_processor_and_changes_little(tiny_model_dir):
+@pytest.mark.parametrize("backend", ["_native_math", "flex"])
+def test_attention_backend_is_set_on_every_processor_and_changes_little(tiny_model_dir, backend):
     native = load_family(tiny_model_dir("flux"))
-    math = load_family(tiny_model_dir("flux"), device=DeviceConfig(attention="_native_math"))
-    procs = _processors(math.pipe.transformer)
-    assert procs and all(p._attention_backend == AttentionBackendName._NATIVE_MATH for p in procs)
+    other = load_family(tiny_model_dir("flux"), device=DeviceConfig(attention=backend))
+    procs = _processors(other.pipe.transformer)
+    assert procs and all(p._attention_backend == AttentionBackendName(backend) for p in procs)
     assert all(p._attention_backend == AttentionBackendName.NATIVE for p in _processors(native.pipe.transformer))
-    assert np.abs(_image(math) - _image(native)).max() <= BACKEND_ATOL
+    assert np.abs(_image(other) - _image(native)).max() <= BACKEND_ATOL
 
 
 def test_group_offload_hooks_change_no_result(tiny_model_dir):
