@@ -319,19 +319,22 @@ def measure(arch: Arch, family, size: int, args) -> dict:
     seconds = {name: timed(fn, family.device) for name, fn in contenders.items()}
     params_b = sum(p.numel() for p in family.pipe.transformer.parameters()) / 1e9
     row = dict(family=arch.family, params_b=params_b, size=size, n=n, steps=steps, **seconds)
-    print(json.dumps(row), file=sys.stderr, flush=True)
+    print(table_row(row), flush=True)  # row by row: a run stopped by its time cap keeps what it measured
     return row
 
 
-def table(rows: list[dict]) -> str:
-    head = "| family | params | size | requests x steps | triptych s | diffusers batched s | diffusers sequential s | vs batched | vs sequential |"
-    lines = [head, "|" + "---|" * 9]
-    for r in rows:
-        t, b, s = r["triptych"], r["diffusers batched"], r["diffusers sequential"]
-        lines.append(
-            f"| {r['family']} | {r['params_b']:.2f}B | {r['size']}² | {r['n']} x {r['steps']} | {t:.2f} | {b:.2f} | {s:.2f} | {b / t:.2f}x | {s / t:.2f}x |"
-        )
-    return "\n".join(lines)
+HEADER = (
+    "| family | params | size | requests x steps | triptych s | diffusers batched s | diffusers sequential s "
+    "| vs batched | vs sequential |\n" + "|---" * 9 + "|"
+)
+
+
+def table_row(r: dict) -> str:
+    t, b, s = r["triptych"], r["diffusers batched"], r["diffusers sequential"]
+    return (
+        f"| {r['family']} | {r['params_b']:.2f}B | {r['size']}² | {r['n']} x {r['steps']} | {t:.2f} | {b:.2f} "
+        f"| {s:.2f} | {b / t:.2f}x | {s / t:.2f}x |"
+    )
 
 
 def main(argv=None) -> int:
@@ -349,6 +352,7 @@ def main(argv=None) -> int:
     if args.tiny:
         args.requests, args.steps = min(args.requests, 2), min(args.steps, 2)
     deadline = time.monotonic() + args.budget_s
+    print(HEADER, flush=True)
     rows = []
     with tempfile.TemporaryDirectory(prefix="triptych-gpu-bench-") as root:
         for name in args.families:
@@ -356,7 +360,7 @@ def main(argv=None) -> int:
                 rows += bench_family(ARCHS[name], Path(root), args, deadline)
                 if args.device.startswith("cuda"):
                     torch.cuda.empty_cache()
-    print(table(rows))
+    print(f"{len(rows)} measurements", file=sys.stderr)
     return 0
 
 

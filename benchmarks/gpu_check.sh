@@ -7,8 +7,9 @@
 #   3. run benchmarks/gpu_bench.py (full-size FLUX / Qwen-Image / Wan transformers built on the device
 #      with random weights; Triptych step batching vs diffusers batched and sequential) and print its table.
 # Usage, from the repository root on the GPU machine:  bash benchmarks/gpu_check.sh
+# Caps: wheels ~30 s + tests 150 s + benchmark 270 s = at most 7.5 minutes.
 # Env: PY (default /opt/torch/.venv/bin/python), WHEELS (default benchmarks/gpu_wheels), BENCH_BUDGET_S
-# (default 180), BENCH_ARGS (extra gpu_bench flags; a CPU dry run: BENCH_ARGS="--device cpu --tiny").
+# (default 150), BENCH_ARGS (extra gpu_bench flags; a CPU dry run: BENCH_ARGS="--device cpu --tiny").
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -32,12 +33,12 @@ nvidia-smi -L 2>/dev/null || true
 echo "   $((SECONDS - start)) s"
 
 echo "== 2/3 gpu-marked tests"
-timeout 180 "$PY" -m pytest -q -s -m gpu -p no:cacheprovider \
+timeout 150 "$PY" -m pytest -q -s -m gpu -p no:cacheprovider \
     tests/pipelines/test_gpu.py tests/unit/test_transfer_staging.py || status=1
 echo "   $((SECONDS - start)) s"
 
 echo "== 3/3 benchmark"
 # shellcheck disable=SC2086
-timeout 330 "$PY" benchmarks/gpu_bench.py --device cuda --budget-s "${BENCH_BUDGET_S:-180}" ${BENCH_ARGS:-} || status=1
+timeout 270 "$PY" benchmarks/gpu_bench.py --device cuda --budget-s "${BENCH_BUDGET_S:-150}" ${BENCH_ARGS:-} || status=1
 echo "== done in $((SECONDS - start)) s, status $status"
 exit $status
