@@ -10,6 +10,7 @@ import logging
 import os
 import sys
 
+from triptych.devices import add_device_flags, device_config_from_args
 from triptych.errors import InvalidParam, UnknownModel
 
 EXIT_USAGE = 2
@@ -62,6 +63,7 @@ def _add_generate(sub) -> None:
     )
     p.add_argument("--out", required=True, help="output file: .png .jpg .webp (images) or .mp4 (video)")
     _add_mm_cache_mb(p)
+    add_device_flags(p)
     p.set_defaults(func=cmd_generate)
 
 
@@ -87,6 +89,7 @@ def cmd_generate(args) -> int:
     from triptych.pipelines.runner import run_request
     from triptych.server.media import decode_image, encode_frames, format_for_path
 
+    device = device_config_from_args(args)
     fmt = format_for_path(args.out)
     image = None
     if args.image:
@@ -109,7 +112,7 @@ def cmd_generate(args) -> int:
         teacache_threshold=args.teacache_threshold,
     )
     t0 = time.perf_counter()
-    family = load_family(resolve_model(args.model), mm_cache_config=_mm_cache_config(args))
+    family = load_family(resolve_model(args.model), device=device, mm_cache_config=_mm_cache_config(args))
     load_s = time.perf_counter() - t0
     params = family.resolve(params)
     accel = None
@@ -149,6 +152,7 @@ def _add_chat(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     _add_mm_cache_mb(p)
+    add_device_flags(p)
     p.set_defaults(func=cmd_chat)
 
 
@@ -159,6 +163,7 @@ def cmd_chat(args) -> int:
     from triptych.pipelines.vlm import ChatParams, ChatTurn
     from triptych.server.media import decode_image
 
+    device = device_config_from_args(args)
     images = []
     for i, path in enumerate(args.image):
         try:
@@ -172,7 +177,9 @@ def cmd_chat(args) -> int:
     params = ChatParams(turns, tuple(images), args.max_tokens, args.temperature, args.top_p, args.seed)
     params.check(max_images=64)
     model_dir = resolve_model(args.model)
-    family = family_class(model_dir)(model_dir, roles={Role.ENCODER}, mm_cache_config=_mm_cache_config(args))
+    family = family_class(model_dir)(
+        model_dir, roles={Role.ENCODER}, device=device, mm_cache_config=_mm_cache_config(args)
+    )
     chat = family.chat_model()
     if chat is None:
         raise InvalidParam("model", str(model_dir), f"({family.name}) has no VLM to chat with (no processor/)")
@@ -197,6 +204,7 @@ def _add_calibrate(sub) -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--out", help="profile path (default MODEL_DIR/teacache/<family>-<steps>steps.json)")
     p.add_argument("--image", help="condition image (edit / image-to-video families)")
+    add_device_flags(p)
     p.set_defaults(func=cmd_calibrate)
 
 
@@ -227,6 +235,7 @@ def _add_quality(sub) -> None:
         help="fail (exit 1) when adherence falls more than this fraction below plain (e.g. 0.05)",
     )
     p.add_argument("--out", help="also write the report: .json (everything) or .md (the table)")
+    add_device_flags(p)
     p.set_defaults(func=cmd_quality)
 
 
@@ -234,6 +243,7 @@ def cmd_quality(args) -> int:
     from triptych.calibration.quality import markdown, quality_report, write
     from triptych.models import resolve_model
 
+    device = device_config_from_args(args)
     world = {"auto": None, "on": True, "off": False}[args.world]
     report = quality_report(
         resolve_model(args.model),
@@ -244,6 +254,7 @@ def cmd_quality(args) -> int:
         prompts=args.prompt,
         min_psnr=args.min_psnr,
         max_adherence_drop=args.max_adherence_drop,
+        device=device,
     )
     print(markdown(report))
     if args.out:
@@ -257,6 +268,7 @@ def cmd_calibrate(args) -> int:
 
     if args.steps < 1:
         raise InvalidParam("steps", args.steps, "must be >= 1")
+    device = device_config_from_args(args)
     base = {}
     if args.image:
         from triptych.server.media import decode_image
@@ -270,7 +282,7 @@ def cmd_calibrate(args) -> int:
 
     model = resolve_model(args.model)
     prompts = args.prompt or world_prompts(model) or DEFAULT_PROMPTS
-    profile, path = calibrate(model, args.steps, prompts, args.seeds, args.out, **base)
+    profile, path = calibrate(model, args.steps, prompts, args.seeds, args.out, device=device, **base)
     q = profile.quality
     print(f"wrote {path}: r2={q['r2']:.4f} rmse={q['rmse']:.3g} points={q['points']} x_range={q['x_range']}")
     return 0

@@ -67,15 +67,17 @@ def calibrate(
     seeds: Sequence[int] = (0, 1),
     out: str | Path | None = None,
     family=None,
+    device="cpu",
     warmup: int = 1,
     cooldown: int = 1,
     **base,
 ) -> tuple[TeaCacheProfile, Path]:
-    """Collect, fit and write; returns the profile and its path. ``base``: other GenerationParams fields."""
+    """Collect, fit and write; returns the profile and its path. ``base``: other GenerationParams fields.
+    ``device``: a device name or ``triptych.devices.DeviceConfig`` for the family loaded here."""
     from triptych.pipelines.base import GenerationParams, Role
     from triptych.pipelines.registry import load_family
 
-    family = family or load_family(model_dir, roles=(Role.ENCODER, Role.DENOISER))
+    family = family or load_family(model_dir, roles=(Role.ENCODER, Role.DENOISER), device=device)
     trajectories = collect(family, steps, prompts, seeds, base=GenerationParams(prompt="-", **base))
     profile = build_profile(
         family.name, model_identity(model_dir, PROFILED_COMPONENTS), steps, trajectories, warmup, cooldown

@@ -96,8 +96,10 @@ def quality_report(
     profiles_dir: str | Path | None = None,
     min_psnr: float | None = None,
     max_adherence_drop: float | None = None,
+    device="cpu",
 ) -> dict[str, Any]:
-    """Plain vs each TeaCache threshold on the same requests; see the module docstring."""
+    """Plain vs each TeaCache threshold on the same requests; see the module docstring. ``device``: a
+    device name or ``triptych.devices.DeviceConfig``."""
     from triptych.pipelines.registry import load_family
     from triptych.pipelines.runner import run_request
     from triptych.pipelines.teacache import check_teacache, make_teacache
@@ -107,7 +109,7 @@ def quality_report(
         raise InvalidParam("images", images, "must be >= 1")
     if not thresholds or any(not (0 < t <= 2) for t in thresholds):
         raise InvalidParam("teacache_threshold", thresholds, "give one or more thresholds in (0, 2]")
-    family = load_family(model_dir)
+    family = load_family(model_dir, device=device)
     world = _is_world_model(model_dir) if world is None else world
     requests = [(family.resolve(p), scene) for p, scene in _requests(images, steps, world, prompts)]
     for t in thresholds:  # fail before any compute when a threshold has no profile for these steps

@@ -32,7 +32,9 @@ import numpy as np
 import torch
 
 from triptych.cache.mm import MMCacheConfig
+from triptych.devices import DeviceConfig
 from triptych.errors import InvalidParam
+from triptych.pipelines.placement import place, vae_tiling
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +89,13 @@ class Conditioning:
 
     branches: dict[str, dict[str, torch.Tensor]]
     shared: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def to(self, device: torch.device) -> Conditioning:
+        """The same conditioning with every tensor on ``device`` (no copy for those already there)."""
+        return Conditioning(
+            branches={b: {k: v.to(device) for k, v in d.items()} for b, d in self.branches.items()},
+            shared={k: v.to(device) for k, v in self.shared.items()},
+        )
 
     def flat(self) -> dict[str, torch.Tensor]:
         """Flatten to ``"<branch>.<name>"`` keys for transport; ``from_flat`` inverts it."""
@@ -196,22 +205,30 @@ class Family(ABC):
         self,
         model_dir: str | Path,
         roles=ALL_ROLES,
-        device: str = "cpu",
-        dtype=torch.float32,
+        device: str | DeviceConfig = "cpu",
+        dtype: str | torch.dtype | None = None,
         mm_cache_config: MMCacheConfig = MMCacheConfig(),
     ):
+        """``device``: a device name with ``dtype`` (a name, a ``torch.dtype`` or None = auto), or a
+        whole ``DeviceConfig`` (then ``dtype`` must be None). Invalid values raise ``InvalidParam``.
+        ``mm_cache_config``: the encoder's mm-hash cache, for families that have one."""
         self.model_dir = Path(model_dir)
         self.mm_cache_config = mm_cache_config  # the encoder's mm-hash cache, for families that have one
         self.roles = frozenset(Role(r) for r in roles)
-        self.device = torch.device(device)
-        self.dtype = dtype
+        self.device_config = as_device_config(device, dtype)
+        self.device = self.device_config.torch_device
+        self.dtype = self.device_config.torch_dtype
         wanted = {c for r in self.roles for c in self.role_components[r]}
         skipped = {c: None for c in self.all_components if c not in wanted}
         built = self._build_components(frozenset(wanted))
-        self.pipe = self.pipeline_class.from_pretrained(str(self.model_dir), dtype=dtype, **skipped, **built)
-        self.pipe.to(self.device)
+        self.pipe = self.pipeline_class.from_pretrained(str(self.model_dir), dtype=self.dtype, **skipped, **built)
+        place(self.pipe, self.device_config)
         self.pipe.set_progress_bar_config(disable=True)
         self._post_load()
+
+    def vae_mode(self, params: GenerationParams):
+        """Context for one VAE decode of ``params``' size: tiling on or off as the config says."""
+        return vae_tiling(self.pipe.vae, self.device_config.tiling_for(params.height, params.width))
 
     def _post_load(self) -> None:
         """Hook for families that derive geometry from configs after loading."""
@@ -330,6 +347,16 @@ class Family(ABC):
     @abstractmethod
     def reference_call(self, params: GenerationParams, output_type: str = "np") -> Any:
         """Run the diffusers pipeline's own ``__call__`` for the same request (tests, benchmarks)."""
+
+
+def as_device_config(device: str | DeviceConfig, dtype: str | torch.dtype | None = None) -> DeviceConfig:
+    """A ``DeviceConfig`` from a config, or from a device name and dtype (name or ``torch.dtype``)."""
+    if isinstance(device, DeviceConfig):
+        assert dtype is None, "pass the dtype inside the DeviceConfig"
+        return device
+    if isinstance(dtype, torch.dtype):
+        dtype = str(dtype).removeprefix("torch.")
+    return DeviceConfig(device=str(device), dtype=dtype)
 
 
 def to_frames(array: np.ndarray) -> Frames:

@@ -57,11 +57,11 @@ def family_class(model_dir: str | Path):
     return _load(FAMILIES[architecture(model_dir)])
 
 
-def load_family(model_dir: str | Path, roles=None, device: str = "cpu", dtype=None, mm_cache_config=None):
-    """Load the adapter for ``model_dir`` with only the components ``roles`` need (``mm_cache_config``:
-    a ``triptych.cache.mm.MMCacheConfig``; None = its defaults)."""
-    import torch
+def load_family(model_dir: str | Path, roles=None, device="cpu", dtype=None, mm_cache_config=None):
+    """Load the adapter for ``model_dir`` with only the components ``roles`` need.
 
+    ``device``: a device name (with ``dtype``, None = auto) or a ``triptych.devices.DeviceConfig``;
+    ``mm_cache_config``: a ``triptych.cache.mm.MMCacheConfig`` (None = its defaults)."""
     from triptych.cache.mm import MMCacheConfig
     from triptych.pipelines.base import ALL_ROLES
 
@@ -70,7 +70,7 @@ def load_family(model_dir: str | Path, roles=None, device: str = "cpu", dtype=No
         model_dir,
         roles=ALL_ROLES if roles is None else roles,
         device=device,
-        dtype=dtype or torch.float32,
+        dtype=dtype,
         mm_cache_config=mm_cache_config or MMCacheConfig(),
     )
 

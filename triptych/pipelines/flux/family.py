@@ -71,7 +71,7 @@ class FluxFamily(Family):
         return enc.encode(self.pipe, params, self.max_sequence_length, self.uses_true_cfg(params))
 
     def prepare(self, request_id: str, params: GenerationParams, cond: Conditioning) -> DenoiseState:
-        return den.prepare(self, request_id, params, cond)
+        return den.prepare(self, request_id, params, cond.to(self.device))
 
     @torch.no_grad()
     def forward(self, rows: Sequence[Row]) -> torch.Tensor:
@@ -81,7 +81,8 @@ class FluxFamily(Family):
         return den.combine(state, preds)
 
     def decode(self, latents: torch.Tensor, params: GenerationParams) -> Frames:
-        return dec.decode(self.pipe, latents, params)
+        with self.vae_mode(params):
+            return dec.decode(self.pipe, latents.to(self.device), params)
 
     def reference_call(self, params: GenerationParams, output_type: str = "np"):
         return self.pipe(

@@ -125,7 +125,7 @@ class WanFamily(Family):
         return enc.encode_text(self.pipe, params, self.uses_cfg(params), self.max_sequence_length, self.dtype)
 
     def prepare(self, request_id: str, params: GenerationParams, cond: Conditioning) -> DenoiseState:
-        return den.prepare(self, request_id, params, cond)
+        return den.prepare(self, request_id, params, cond.to(self.device))
 
     @torch.no_grad()
     def forward(self, rows: Sequence[Row]) -> torch.Tensor:
@@ -135,7 +135,8 @@ class WanFamily(Family):
         return den.combine(state, preds)
 
     def decode(self, latents: torch.Tensor, params: GenerationParams) -> Frames:
-        return dec.decode(self.pipe, latents, params)
+        with self.vae_mode(params):
+            return dec.decode(self.pipe, latents.to(self.device), params)
 
     # ---- reference ----------------------------------------------------------------------------
     def _reference_kwargs(self, params: GenerationParams, output_type: str) -> dict:

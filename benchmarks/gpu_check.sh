@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The one GPU check (ARCHITECTURE.md contract 9), under 8 minutes on a one-H200 machine:
+#   1. install the carried wheels (benchmarks/gpu_wheels/, from benchmarks/fetch_gpu_wheels.sh) into a
+#      private folder with --no-deps --target (the machine's own CUDA torch is kept; nothing is fetched),
+#   2. run the gpu-marked tests (placement, bf16 staged vs diffusers on the device, roles split through
+#      host staging, attention backends, offload, pinned transfer staging), printing measured figures,
+#   3. run benchmarks/gpu_bench.py (full-size FLUX / Qwen-Image / Wan transformers built on the device
+#      with random weights; Triptych step batching vs diffusers batched and sequential) and print its table.
+# Usage, from the repository root on the GPU machine:  bash benchmarks/gpu_check.sh
+# Caps: wheels ~30 s + tests 150 s + benchmark 270 s = at most 7.5 minutes.
+# Env: PY (default /opt/torch/.venv/bin/python), WHEELS (default benchmarks/gpu_wheels), BENCH_BUDGET_S
+# (default 150), BENCH_ARGS (extra gpu_bench flags; a CPU dry run: BENCH_ARGS="--device cpu --tiny").
+set -uo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$root"
+PY="${PY:-/opt/torch/.venv/bin/python}"
+site="${TMPDIR:-/tmp}/triptych-gpu-site"
+start=$SECONDS
+status=0
+
+echo "== 1/3 wheels -> $site"
+wheels=("${WHEELS:-benchmarks/gpu_wheels}"/*.whl)
+if [ ! -e "${wheels[0]}" ]; then echo "no wheels in benchmarks/gpu_wheels/: run benchmarks/fetch_gpu_wheels.sh first" >&2; exit 2; fi
+rm -rf "$site" && mkdir -p "$site"
+if ! "$PY" -m pip install --no-deps --no-index --no-compile --target "$site" --quiet "${wheels[@]}"; then
+    echo "pip unavailable or failed: unpacking the wheels instead"
+    for w in "${wheels[@]}"; do "$PY" -m zipfile -e "$w" "$site"; done
+fi
+export PYTHONPATH="$root:$site"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error DIFFUSERS_VERBOSITY=error TOKENIZERS_PARALLELISM=false
+nvidia-smi -L 2>/dev/null || true
+"$PY" -c "import torch, diffusers, transformers, msgspec, zmq; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.device_count(), '| diffusers', diffusers.__version__, '| transformers', transformers.__version__)" || exit 2
+echo "   $((SECONDS - start)) s"
+
+echo "== 2/3 gpu-marked tests"
+timeout 150 "$PY" -m pytest -q -s -m gpu -p no:cacheprovider \
+    tests/pipelines/test_gpu.py tests/unit/test_transfer_staging.py || status=1
+echo "   $((SECONDS - start)) s"
+
+echo "== 3/3 benchmark"
+# shellcheck disable=SC2086
+timeout 270 "$PY" benchmarks/gpu_bench.py --device cuda --budget-s "${BENCH_BUDGET_S:-150}" ${BENCH_ARGS:-} || status=1
+echo "== done in $((SECONDS - start)) s, status $status"
+exit $status
