@@ -85,3 +85,25 @@ def test_threads_split_the_cores_among_local_workers_unless_set(monkeypatch):
     assert workers(encoders=1, denoisers=1, decoders=1, torch_threads=3)[0].threads() == 3
     monkeypatch.setattr("os.cpu_count", lambda: 2)
     assert workers(encoders=1, denoisers=2, decoders=1)[0].threads() == 1
+
+
+def test_gpus_are_laid_out_denoisers_first_and_a_worker_sees_only_its_own(monkeypatch):
+    """``--gpus``: each denoiser takes as many devices as it has ranks, encoders and decoders share the
+    rest; a worker's CUDA_VISIBLE_DEVICES holds its devices, so its own indices start at cuda:0."""
+    import pytest
+
+    from triptych.devices import DeviceConfig
+    from triptych.parallel import ParallelConfig
+
+    for check in ("check_device", "check_dtype", "check_attention"):  # no CUDA on this machine
+        monkeypatch.setattr(f"triptych.devices.{check}", lambda *a: None)
+    cuda = DeviceConfig(device="cuda", dtype="bfloat16")
+    t = TopologyConfig(encoders=1, denoisers=2, decoders=1, device=cuda, gpus=(0, 1, 2, 3))
+    assert t.layout() == {"denoiser-0": (0,), "denoiser-1": (1,), "encoder-0": (2,), "decoder-0": (3,)}
+    t = TopologyConfig(device=cuda, gpus=(4, 5, 6), parallel=ParallelConfig(ulysses=2))
+    assert t.layout() == {"denoiser-0": (4, 5), "encoder-0": (6,), "decoder-0": (6,)}
+    assert t.device_for("denoiser", "denoiser-0").to_args()[:2] == ["--device", "cuda"]
+    with pytest.raises(ValueError, match="need 4"):
+        TopologyConfig(denoisers=2, device=cuda, gpus=(0, 1, 2), parallel=ParallelConfig(cfg=2)).layout()
+    with pytest.raises(ValueError, match="use device cuda"):
+        TopologyConfig(gpus=(0,))

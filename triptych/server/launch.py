@@ -9,11 +9,13 @@ requests are retried) and restarted; ``close`` shuts them down.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from triptych.devices import DeviceConfig
 from triptych.parallel import ParallelConfig
 from triptych.pipelines.vlm import ChatResult
 from triptych.server.backend import ChatJob, GenerationBackend, GenerationJob, ProgressFn, TextFn
@@ -45,6 +47,12 @@ class TopologyConfig:
     """Extra ``triptych worker`` flags for every worker (e.g. ``--max-batch-requests 4``)."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """CFG × Ulysses × ring degrees of every local denoiser (each one instance of that many ranks)."""
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+    """Device and dtype of every local worker; with ``gpus``, the CUDA index is assigned per worker."""
+    gpus: tuple[int, ...] = ()
+    """CUDA device indices for local workers (``--gpus 0,1,2,3``): denoisers take them first, one
+    each (a multi-rank denoiser takes as many as it has ranks), then encoders and decoders share
+    what is left (or the last one). Empty: every worker uses ``device``."""
     restart: bool = True
     """Restart a local worker whose process exited while the head runs."""
     restart_backoff_s: float = 1.0
@@ -63,11 +71,42 @@ class TopologyConfig:
             raise ValueError(f"transfer={self.transfer!r} must be one of auto, mooncake, zmq")
         if self.capacity < 1:
             raise ValueError(f"capacity={self.capacity} must be >= 1")
+        if self.gpus and self.device.torch_device.type != "cuda":
+            raise ValueError(
+                f"gpus={self.gpus} places workers on CUDA devices: use device cuda (not {self.device.device})"
+            )
         if self.restart_backoff_s <= 0 or self.crash_loop_limit < 1 or self.crash_loop_window_s <= 0:
             raise ValueError(
                 f"restart_backoff_s={self.restart_backoff_s} and crash_loop_window_s={self.crash_loop_window_s} "
                 f"must be > 0, crash_loop_limit={self.crash_loop_limit} >= 1"
             )
+
+    def layout(self) -> dict[str, tuple[int, ...]]:
+        """Instance id → the CUDA devices it sees (``CUDA_VISIBLE_DEVICES``), from ``gpus``: each
+        denoiser takes as many as it has ranks, in order; encoders and decoders then take the rest
+        round robin (the last GPU when none is left). Empty without ``gpus``."""
+        if not self.gpus:
+            return {}
+        out, free = {}, list(self.gpus)
+        per = self.parallel.world_size
+        for i in range(self.denoisers):
+            taken, free = free[:per], free[per:]
+            if len(taken) < per:
+                raise ValueError(
+                    f"gpus={self.gpus}: {self.denoisers} denoisers of {per} rank(s) need {self.denoisers * per}"
+                )
+            out[f"denoiser-{i}"] = tuple(taken)
+        rest = free or [self.gpus[-1]]
+        others = [f"encoder-{i}" for i in range(self.encoders)] + [f"decoder-{i}" for i in range(self.decoders)]
+        for n, iid in enumerate(others):
+            out[iid] = (rest[n % len(rest)],)
+        return out
+
+    def device_for(self, role: str, instance_id: str) -> DeviceConfig:
+        """The device flags of one local worker: with ``gpus`` its visible devices start at cuda:0."""
+        if instance_id in self.layout():
+            return dataclasses.replace(self.device, device="cuda")
+        return self.device
 
 
 class EmbeddedBackend(GenerationBackend):
@@ -86,6 +125,9 @@ class EmbeddedBackend(GenerationBackend):
         await self.orchestrator.start()
         t = self.topology
         counts = {"encoder": t.encoders, "denoiser": t.denoisers, "decoder": t.decoders}
+        layout = t.layout()
+        if layout:
+            logger.info("local workers on GPUs: %s", ", ".join(f"{i} -> {g}" for i, g in layout.items()))
         try:
             for role, n in counts.items():
                 for _ in range(n):

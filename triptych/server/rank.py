@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("--rank", "--world", "--port", "--parent-pid", "--cfg", "--ulysses", "--ring"):
         p.add_argument(name, type=int, required=True)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None)
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--threads", type=int, default=0)
     args = p.parse_args(argv)
@@ -53,7 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         groups = ParallelGroups.build(ParallelConfig(cfg=args.cfg, ulysses=args.ulysses, ring=args.ring), device)
         setup = broadcast_message(None, RankSetup, groups)
-        family = family_class(setup.model_dir)(setup.model_dir, roles={Role.DENOISER}, device=str(device))
+        family = family_class(setup.model_dir)(
+            setup.model_dir, roles={Role.DENOISER}, device=str(device), dtype=setup.dtype
+        )
         parallelism = apply_parallel(family.pipe.transformer, groups)
         engine = DenoiserEngine(family, setup.engine, wrap=parallelism.wrap)
         follow(family, engine, groups)

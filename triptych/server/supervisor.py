@@ -62,13 +62,16 @@ class LocalWorkers:
         cmd = [sys.executable, "-m", "triptych.cli", "worker", "--role", role, "--head", head]
         cmd += ["--model", str(self.model_dir), "--instance-id", instance_id, "--transfer", t.transfer]
         cmd += ["--capacity", str(t.capacity), "--threads", str(self.threads())]
-        cmd += ["--exit-with-parent", str(os.getpid()), *t.extra_args]
+        cmd += ["--exit-with-parent", str(os.getpid()), *t.device_for(role, instance_id).to_args(), *t.extra_args]
         if role == "denoiser" and t.parallel.world_size > 1:
             p = t.parallel
             cmd += ["--cfg-parallel", str(p.cfg), "--ulysses", str(p.ulysses), "--ring", str(p.ring)]
         if logger.isEnabledFor(logging.DEBUG):
             cmd.insert(3, "-v")
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRIPTYCH_TOKEN": self.token}
+        gpus = t.layout().get(instance_id)
+        if gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
         proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
         logger.info("spawned %s (pid %d)", instance_id, proc.pid)
         return proc
@@ -139,6 +142,8 @@ class LocalWorkers:
     def describe(self) -> dict:
         return {
             "restarts": self.restarts_total,
+            "layout": {iid: list(g) for iid, g in self.topology.layout().items()},
+            "device": self.topology.device.device,
             "workers": {
                 iid: {
                     "role": w.role,

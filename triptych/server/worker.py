@@ -24,6 +24,7 @@ import torch
 import zmq
 
 from triptych.cache.mm import MMCacheConfig
+from triptych.devices import DeviceConfig
 from triptych.errors import TriptychError
 from triptych.identity import model_revision
 from triptych.parallel import ParallelConfig
@@ -65,7 +66,8 @@ class WorkerConfig:
     """Address the transfer endpoint binds and advertises."""
     transfer_max_bytes: int = 256 << 20
     """Receiver bytes of the transfer slot pool."""
-    device: str = "cpu"
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+    """Where and in what dtype this instance's components run (``--device --dtype --attention ...``)."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """Denoiser step batching (ignored by other roles)."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

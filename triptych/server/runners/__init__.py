@@ -26,7 +26,8 @@ def _denoiser(family, port: WorkerPort, config) -> StageRunner:
             config.parallel,
             config.collective_timeout_s,
             str(config.model_dir),
-            config.device,
+            config.device.device,
+            dtype=config.device.dtype,
             threads=config.torch_threads,
         )
     from triptych.pipelines.teacache import make_teacache

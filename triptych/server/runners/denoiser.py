@@ -10,6 +10,7 @@ from triptych.server import protocol as P
 from triptych.server import wire
 from triptych.server.engine import DenoiserEngine, EngineConfig
 from triptych.server.runners.base import Job, StageRunner, specs_of
+from triptych.server.transfer.staging import to_host
 
 
 class DenoiserRunner(StageRunner):
@@ -56,7 +57,7 @@ class DenoiserRunner(StageRunner):
             job = self._jobs.pop(state.request_id, None)
             if job is None or not port.owns(job):
                 continue
-            job.outgoing = {"latents": state.latents.detach().contiguous()}
+            job.outgoing = to_host({"latents": state.latents.detach().contiguous()})
             port.send(P.DenoiseDone(job.request_id, job.generation, port.instance_id, specs_of(job.outgoing)))
 
     def compute(self, job: Job) -> None:

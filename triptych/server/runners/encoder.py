@@ -11,6 +11,7 @@ from triptych.server import protocol as P
 from triptych.server import wire
 from triptych.server.runners.base import Job, StageRunner, owned, specs_of
 from triptych.server.runners.chat import ChatSession
+from triptych.server.transfer.staging import to_host
 
 
 class EncoderRunner(StageRunner):
@@ -41,7 +42,7 @@ class EncoderRunner(StageRunner):
     def compute(self, job: Job) -> None:
         with torch.no_grad(), tenant_scope(job.params.tenant):
             cond = self.family.encode(job.params)
-        job.outgoing = owned(cond.flat())
+        job.outgoing = to_host(owned(cond.flat()))
         self.port.send(P.EncodeDone(job.request_id, job.generation, self.port.instance_id, specs_of(job.outgoing)))
 
     def abort(self, job: Job) -> None:
