@@ -28,7 +28,8 @@ from triptych.pipelines.vlm import ChatParams, ChatResult, ChatTurn
 from triptych.server import metrics
 from triptych.server.api_models import ChatChoice, ChatCompletion, ChatCompletionRequest, ChatMessageOut, ChatUsage
 from triptych.server.backend import ChatJob
-from triptych.server.http_images import wait_disconnect
+from triptych.server.head import ClientGone, Head
+from triptych.server.http_common import wait_disconnect
 from triptych.server.media import decode_data_url
 
 ENDPOINT = "/v1/chat/completions"
@@ -48,7 +49,7 @@ UNSUPPORTED = {
 }
 
 
-def build_chat(head, req: ChatCompletionRequest) -> ChatParams:
+def build_chat(head: Head, req: ChatCompletionRequest) -> ChatParams:
     """API request → checked ``ChatParams`` (decodes the images: run it off the event loop)."""
     lim = head.limits
     head.check_model(req.model)
@@ -123,10 +124,8 @@ def _error_event(exc: BaseException) -> dict:
     return {"error": {"message": f"chat failed: {exc}", "type": "server_error", "param": None, "code": "stage_failed"}}
 
 
-async def _answer(head, request: Request, job: ChatJob) -> ChatResult:
+async def _answer(head: Head, request: Request, job: ChatJob) -> ChatResult:
     """The whole answer; a client disconnect cancels the chat (``ClientGone``)."""
-    from triptych.server.http import ClientGone
-
     task = asyncio.create_task(head.backend.chat(job))
     watcher = asyncio.create_task(wait_disconnect(request))
     try:
@@ -146,7 +145,7 @@ def _record(result: ChatResult, t0: float) -> None:
     metrics.record_chat(result.prompt_tokens, result.completion_tokens)
 
 
-async def _stream(head, job: ChatJob, model: str, include_usage: bool, t0: float) -> StreamingResponse:
+async def _stream(head: Head, job: ChatJob, model: str, include_usage: bool, t0: float) -> StreamingResponse:
     """Start the chat, wait for its first piece (or its end, or its error: raised here, so the client
     gets a proper status), then stream the rest."""
     pieces: asyncio.Queue[str] = asyncio.Queue()
@@ -226,7 +225,7 @@ async def _stream(head, job: ChatJob, model: str, include_usage: bool, t0: float
     return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-def add_chat_routes(app: FastAPI, head) -> None:
+def add_chat_routes(app: FastAPI, head: Head) -> None:
     @app.post(ENDPOINT, response_model=ChatCompletion)
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         t0 = time.perf_counter()
