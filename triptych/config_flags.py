@@ -6,6 +6,7 @@ help the attribute docstring under the field. ``flags.build(args, parser)`` cons
 dataclass from the parsed values; a ``ValueError`` from its ``__post_init__`` becomes one argparse
 error line naming the flag (exit code 2), like a badly typed value. ``flags.argv(config)`` turns a
 config back into the flags that reproduce it (to pass on to a child process).
+``add_flags_later(parser, add)`` defers adding a subcommand's flags until it is used.
 
 Supported annotations: ``int``, ``float``, ``str``, ``bool`` (``--x`` / ``--no-x``), ``Path``,
 ``Literal[...]`` and ``Enum`` (choices), ``X | None`` (the value ``none`` gives None) and
@@ -234,3 +235,40 @@ def _text(value: Any) -> str:
     if isinstance(value, enum.Enum):
         return str(value.value)
     return str(value)
+
+
+class _DeferredFlagsParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` that runs its pending ``add`` callbacks before it first parses or
+    formats help (see ``add_flags_later``)."""
+
+    _pending: list[Callable[[argparse.ArgumentParser], None]]
+
+    def _complete(self) -> None:
+        while self._pending:
+            self._pending.pop(0)(self)
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._complete()
+        return super().parse_known_args(args, namespace)
+
+    def format_usage(self) -> str:
+        self._complete()
+        return super().format_usage()
+
+    def format_help(self) -> str:
+        self._complete()
+        return super().format_help()
+
+
+def add_flags_later(parser: argparse.ArgumentParser, add: Callable[[argparse.ArgumentParser], None]) -> None:
+    """Call ``add(parser)`` when ``parser`` is first used (parses, or prints help), not now.
+
+    For a subcommand whose config classes are expensive to import (their modules import torch):
+    building the whole command line then costs nothing for the other subcommands or ``--help``.
+    """
+    if not isinstance(parser, _DeferredFlagsParser):
+        if type(parser) is not argparse.ArgumentParser:
+            raise TypeError(f"add_flags_later needs a plain ArgumentParser, not {type(parser).__name__}")
+        parser.__class__ = _DeferredFlagsParser  # NOTE: same layout; only the three methods above differ
+        parser._pending = []
+    parser._pending.append(add)

@@ -10,7 +10,7 @@ from typing import Literal
 
 import pytest
 
-from triptych.config_flags import ConfigFlags, field_docs
+from triptych.config_flags import ConfigFlags, add_flags_later, field_docs
 
 
 class Mode(enum.Enum):
@@ -149,3 +149,24 @@ def test_unknown_field_names_and_unsupported_types_are_refused():
 
     with pytest.raises(TypeError, match="table"):
         ConfigFlags(argparse.ArgumentParser(), Odd)
+
+
+def test_flags_added_later_appear_when_the_parser_is_used(capsys):
+    calls = []
+
+    def add(parser):
+        calls.append(parser)
+        ConfigFlags(parser, Demo)
+
+    top = argparse.ArgumentParser(prog="top")
+    sub = top.add_subparsers(dest="command")
+    demo = sub.add_parser("demo")
+    add_flags_later(demo, add)
+    sub.add_parser("other")
+    assert top.parse_args(["other"]).command == "other" and calls == []
+    top.format_help()
+    assert calls == []
+    assert top.parse_args(["demo", "--steps", "3"]).steps == 3 and calls == [demo]
+    with pytest.raises(SystemExit):
+        top.parse_args(["demo", "--help"])
+    assert "How many steps to run" in capsys.readouterr().out and calls == [demo]
