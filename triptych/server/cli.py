@@ -1,15 +1,102 @@
-"""``triptych serve`` (head + embedded local workers) and ``triptych worker`` (one role process)."""
+"""``triptych serve`` (head + embedded local workers) and ``triptych worker`` (one role process).
+
+The flags of the configs both commands build come from the config dataclasses themselves
+(``triptych.config_flags``): every ``AdmissionLimits`` limit and ``HeadConfig`` setting on ``serve``,
+the ``EngineConfig`` batch limits and the transfer pool size on both. ``serve`` passes the engine and
+transfer flags on to its local workers (``TopologyConfig.extra_args``), so a local and a remote
+worker read them the same way. Environment variables only supply defaults (``$TRIPTYCH_API_KEYS``).
+
+NOTE: the config flags are added when ``serve`` or ``worker`` is used (``add_flags_later``): the
+engine and transfer config modules import torch, which ``triptych --help`` and the other
+subcommands should not pay for.
+"""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from triptych.config_flags import ConfigFlags, add_flags_later
 from triptych.server.dispatch import POLICIES
 
+if TYPE_CHECKING:
+    from triptych.server.engine.config import EngineConfig
+    from triptych.server.head import HeadConfig
+    from triptych.server.transfer.base import TransferConfig
+
 logger = logging.getLogger(__name__)
+
+TRANSFER_KINDS = ("auto", "mooncake", "zmq")
+#: ``TransferConfig`` fields a worker takes from the command line (``WorkerConfig`` sets the rest).
+WORKER_TRANSFER_FIELDS = ("max_bytes",)
+
+
+@dataclass(frozen=True)
+class WorkerFlags:
+    """The config flags ``serve`` and ``worker`` share: engine batch limits and transfer pool."""
+
+    parser: argparse.ArgumentParser
+    engine: ConfigFlags
+    transfer: ConfigFlags
+
+    @classmethod
+    def add(cls, parser: argparse.ArgumentParser) -> WorkerFlags:
+        from triptych.server.engine.config import EngineConfig
+        from triptych.server.transfer.base import TransferConfig
+
+        engine = ConfigFlags(parser.add_argument_group("denoiser engine (EngineConfig)"), EngineConfig)
+        group = parser.add_argument_group("tensor transfer (TransferConfig)")
+        transfer = ConfigFlags(group, TransferConfig, prefix="transfer-", only=WORKER_TRANSFER_FIELDS)
+        return cls(parser, engine, transfer)
+
+    def engine_config(self, args: argparse.Namespace) -> EngineConfig:
+        return self.engine.build(args, self.parser)
+
+    def transfer_config(self, args: argparse.Namespace) -> TransferConfig:
+        return self.transfer.build(args, self.parser)
+
+    def argv(self, args: argparse.Namespace) -> tuple[str, ...]:
+        """The flags that give a ``triptych worker`` the same engine and transfer settings."""
+        return (*self.engine.argv(self.engine_config(args)), *self.transfer.argv(self.transfer_config(args)))
+
+
+@dataclass(frozen=True)
+class ServeFlags:
+    """``serve``'s config flags and the configs built from them."""
+
+    parser: argparse.ArgumentParser
+    head: ConfigFlags
+    limits: ConfigFlags
+    workers: WorkerFlags
+
+    @classmethod
+    def add(cls, parser: argparse.ArgumentParser) -> ServeFlags:
+        from triptych.server.admission import AdmissionLimits
+        from triptych.server.head import HeadConfig
+
+        head = ConfigFlags(
+            parser.add_argument_group("head (HeadConfig)"),
+            HeadConfig,
+            explicit={"data_dir": "--data-dir", "api_keys": "--api-key"},
+        )
+        limits = ConfigFlags(parser.add_argument_group("admission limits (AdmissionLimits)"), AdmissionLimits)
+        return cls(parser, head, limits, WorkerFlags.add(parser))
+
+    def head_config(self, args: argparse.Namespace, default_data_dir: Path) -> HeadConfig:
+        env_keys = os.environ.get("TRIPTYCH_API_KEYS", "").split(",")
+        keys = [*args.api_key, *(k for k in env_keys if k.strip())]
+        return self.head.build(
+            args,
+            self.parser,
+            data_dir=Path(args.data_dir) if args.data_dir else default_data_dir,
+            limits=self.limits.build(args, self.parser),
+            api_keys=tuple(k.strip() for k in keys),
+        )
 
 
 def add_server_commands(sub) -> None:
@@ -18,7 +105,7 @@ def add_server_commands(sub) -> None:
     p.add_argument("--encoders", type=int, default=1, help="local encoder processes (0: remote only)")
     p.add_argument("--denoisers", type=int, default=1, help="local denoiser processes (0: remote only)")
     p.add_argument("--decoders", type=int, default=1, help="local decoder processes (0: remote only)")
-    p.add_argument("--transfer", choices=["auto", "mooncake", "zmq"], default="auto")
+    p.add_argument("--transfer", choices=TRANSFER_KINDS, default="auto")
     p.add_argument("--dispatch", choices=sorted(POLICIES), default="round_robin")
     p.add_argument("--capacity", type=int, default=4, help="slots per local worker")
     p.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
@@ -35,6 +122,7 @@ def add_server_commands(sub) -> None:
         "comma-separated); default: no authentication",
     )
     p.set_defaults(func=cmd_serve)
+    add_flags_later(p, lambda parser: parser.set_defaults(serve_flags=ServeFlags.add(parser)))
 
     w = sub.add_parser("worker", help="run one encoder/denoiser/decoder instance that registers with a head")
     w.add_argument("--role", required=True, choices=["encoder", "denoiser", "decoder"])
@@ -42,12 +130,10 @@ def add_server_commands(sub) -> None:
     w.add_argument("--model", help="diffusers model directory (must match the head's)")
     w.add_argument("--instance-id", default="", help="unique id (default: <role>-<random>)")
     w.add_argument("--capacity", type=int, default=4, help="requests this instance may hold at once")
-    w.add_argument("--transfer", choices=["auto", "mooncake", "zmq"], default="auto")
+    w.add_argument("--transfer", choices=TRANSFER_KINDS, default="auto")
     w.add_argument("--host", default="127.0.0.1", help="address peers push tensors to")
     w.add_argument("--device", default="cpu")
     w.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    w.add_argument("--max-batch-requests", type=int, default=8, help="denoiser: requests per forward")
-    w.add_argument("--no-fuse-cfg", action="store_true", help="denoiser: one forward per CFG branch")
     w.add_argument(
         "--exit-with-parent",
         type=int,
@@ -56,15 +142,17 @@ def add_server_commands(sub) -> None:
         help="exit when process PID (the spawning head) is gone, even after its kill -9",
     )
     w.set_defaults(func=cmd_worker)
+    add_flags_later(w, lambda parser: parser.set_defaults(worker_flags=WorkerFlags.add(parser)))
 
 
-def cmd_worker(args) -> int:
+def worker_config(args: argparse.Namespace):
+    """The ``WorkerConfig`` of parsed ``triptych worker`` flags."""
     from triptych.models import resolve_model
     from triptych.pipelines.base import Role
-    from triptych.server.engine import EngineConfig
-    from triptych.server.worker import WorkerConfig, run_worker
+    from triptych.server.worker import WorkerConfig
 
-    config = WorkerConfig(
+    flags: WorkerFlags = args.worker_flags
+    return WorkerConfig(
         role=Role(args.role),
         head=args.head,
         model_dir=Path(resolve_model(args.model)),
@@ -72,12 +160,18 @@ def cmd_worker(args) -> int:
         capacity=args.capacity,
         transfer=args.transfer,
         host=args.host,
+        transfer_max_bytes=flags.transfer_config(args).max_bytes,
         device=args.device,
         torch_threads=args.threads,
         parent_pid=args.exit_with_parent,
-        engine=EngineConfig(max_batch_requests=args.max_batch_requests, fuse_cfg=not args.no_fuse_cfg),
+        engine=flags.engine_config(args),
     )
-    return run_worker(config)
+
+
+def cmd_worker(args) -> int:
+    from triptych.server.worker import run_worker
+
+    return run_worker(worker_config(args))
 
 
 def cmd_serve(args) -> int:
@@ -85,6 +179,8 @@ def cmd_serve(args) -> int:
     from triptych.server.launch import EmbeddedBackend, TopologyConfig
     from triptych.server.orchestrator import OrchestratorConfig
 
+    flags: ServeFlags = args.serve_flags
+    head_config = flags.head_config(args, default_data_dir=cache_dir() / "head")
     backend = EmbeddedBackend(
         resolve_model(args.model),
         OrchestratorConfig(host=args.control_host, control_port=args.control_port, dispatch=args.dispatch),
@@ -94,19 +190,17 @@ def cmd_serve(args) -> int:
             decoders=args.decoders,
             transfer=args.transfer,
             capacity=args.capacity,
+            extra_args=flags.workers.argv(args),
         ),
     )
     try:
-        from triptych.server.http import HeadConfig, create_app
+        from triptych.server.http import create_app
     except ImportError:
         logger.warning("no HTTP head (triptych.server.http) installed: serving the control plane only")
         return asyncio.run(_control_plane_only(backend))
     import uvicorn
 
-    data_dir = Path(args.data_dir) if args.data_dir else cache_dir() / "head"
-    keys = [*args.api_key, *(k for k in os.environ.get("TRIPTYCH_API_KEYS", "").split(",") if k.strip())]
-    app = create_app(backend, HeadConfig(data_dir=data_dir, api_keys=tuple(k.strip() for k in keys)))
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    uvicorn.run(create_app(backend, head_config), host=args.host, port=args.port, log_level="info")
     return 0
 
 
