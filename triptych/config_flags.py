@@ -125,7 +125,8 @@ class ConfigFlags:
 
     ``only`` limits the flags to those fields (the others keep their dataclass default, or come
     from ``build``'s keyword arguments); ``explicit`` maps fields the caller adds flags for itself
-    to those flags, so an error about them still names the flag; ``rename`` gives a field another
+    to those flags, so an error about them still names the flag (None: a field with no flag, that
+    the caller fills in); ``rename`` gives a field another
     flag name (without ``--``; ``prefix`` is not added); ``choices`` restricts a field's values.
     """
 
@@ -136,7 +137,7 @@ class ConfigFlags:
         *,
         prefix: str = "",
         only: Sequence[str] | None = None,
-        explicit: Mapping[str, str] | None = None,
+        explicit: Mapping[str, str | None] | None = None,
         rename: Mapping[str, str] | None = None,
         choices: Mapping[str, Sequence[Any]] | None = None,
     ):
@@ -206,7 +207,7 @@ class ConfigFlags:
     def error_message(self, message: str) -> str:
         """``argument --flag: <message>`` on one line, for the first field the message names."""
         message = " ".join(message.split())
-        named = {**self.flags, **self.explicit}
+        named = {**self.flags, **{name: flag for name, flag in self.explicit.items() if flag}}
         found = [(m.start(), name) for name in named if (m := re.search(rf"(?<![\w-]){re.escape(name)}\b", message))]
         if not found:
             return f"invalid {self.cls.__name__}: {message}"

@@ -15,13 +15,24 @@ from triptych.cli import build_parser
 from triptych.server.admission import AdmissionLimits
 from triptych.server.engine.config import EngineConfig
 from triptych.server.head import HeadConfig
+from triptych.server.launch import TopologyConfig
+from triptych.server.orchestrator import OrchestratorConfig
+from triptych.server.request_state import StateTimeouts
 from triptych.server.transfer.base import TransferConfig
 
-HEAD_EXPLICIT = {"data_dir": "--data-dir", "api_keys": "--api-key"}
+#: (config class, flag prefix, field -> flag where it is not --<prefix><field>); None: no flag of its own
+SERVE_CONFIGS = [
+    (AdmissionLimits, "", {}),
+    (EngineConfig, "", {}),
+    (HeadConfig, "", {"data_dir": "--data-dir", "api_keys": "--api-key", "limits": None}),
+    (TopologyConfig, "", {"torch_threads": "--threads", "extra_args": None}),
+    (OrchestratorConfig, "", {"host": "--control-host", "max_queued": "--orchestrator-max-queued", "timeouts": None}),
+    (StateTimeouts, "timeout-", {}),
+]
 
 
-def flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
+def flag(name: str, prefix: str = "") -> str:
+    return "--" + (prefix + name).replace("_", "-")
 
 
 def has_flag(text: str, name: str) -> bool:
@@ -35,13 +46,12 @@ def help_text(command: str, capsys) -> str:
     return " ".join(capsys.readouterr().out.split())
 
 
-def test_serve_help_lists_every_limit_engine_and_head_setting(capsys):
+def test_serve_help_lists_every_setting_of_its_configs(capsys):
     text = help_text("serve", capsys)
-    for cls in (AdmissionLimits, EngineConfig, HeadConfig):
+    for cls, prefix, named in SERVE_CONFIGS:
         for f in dataclasses.fields(cls):
-            if f.name == "limits":  # HeadConfig's nested AdmissionLimits: its fields are checked above
-                continue
-            assert has_flag(text, HEAD_EXPLICIT.get(f.name, flag(f.name))), f"{cls.__name__}.{f.name}: no serve flag"
+            name = named.get(f.name, flag(f.name, prefix))
+            assert name is None or has_flag(text, name), f"{cls.__name__}.{f.name}: no serve flag"
     assert has_flag(text, "--no-fuse-cfg") and has_flag(text, "--transfer-max-bytes")
     assert "Most images per request (n); each image is one job." in text  # the field's own docstring
 
@@ -79,6 +89,25 @@ def test_serve_flags_build_the_head_config(tmp_path, monkeypatch):
     assert args.serve_flags.head_config(args, Path("unused")) == expected
 
 
+def test_serve_flags_build_the_topology_and_control_plane():
+    args = serve_args()
+    assert args.serve_flags.topology_config(args) == TopologyConfig()
+    assert args.serve_flags.orchestrator_config(args) == OrchestratorConfig()
+    args = serve_args(
+        *("--encoders", "2", "--decoders", "0", "--transfer", "zmq", "--capacity", "3", "--threads", "1"),
+        *("--control-host", "0.0.0.0", "--control-port", "5555", "--dispatch", "max_free_slots"),
+        *("--orchestrator-max-queued", "9", "--timeout-queued-s", "7.5", "--max-batch-requests", "2"),
+    )
+    topology = TopologyConfig(
+        encoders=2, decoders=0, transfer="zmq", capacity=3, torch_threads=1, extra_args=("--max-batch-requests", "2")
+    )
+    assert args.serve_flags.topology_config(args) == topology
+    orchestrator = OrchestratorConfig(
+        host="0.0.0.0", control_port=5555, dispatch="max_free_slots", max_queued=9, timeouts=StateTimeouts(queued_s=7.5)
+    )
+    assert args.serve_flags.orchestrator_config(args) == orchestrator
+
+
 @pytest.mark.parametrize(
     "argv, named",
     [
@@ -86,6 +115,9 @@ def test_serve_flags_build_the_head_config(tmp_path, monkeypatch):
         (["--max-steps", "0"], "--max-steps"),
         (["--video-fps", "500"], "--video-fps"),
         (["--api-key", "short"], "--api-key"),
+        (["--heartbeat-timeout-s", "0.5"], "--heartbeat-timeout-s"),
+        (["--encoders", "-1"], "--encoders"),
+        (["--timeout-decoding-s", "0"], "--timeout-decoding-s"),
     ],
 )
 def test_a_bad_serve_setting_exits_2_naming_its_flag(tmp_path, monkeypatch, capsys, argv, named):
@@ -93,6 +125,8 @@ def test_a_bad_serve_setting_exits_2_naming_its_flag(tmp_path, monkeypatch, caps
     args = serve_args(*argv)
     with pytest.raises(SystemExit) as exit_:
         args.serve_flags.head_config(args, tmp_path)
+        args.serve_flags.topology_config(args)
+        args.serve_flags.orchestrator_config(args)
     assert exit_.value.code == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith(f"triptych serve: error: argument {named}: ")

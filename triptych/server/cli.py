@@ -1,8 +1,9 @@
 """``triptych serve`` (head + embedded local workers) and ``triptych worker`` (one role process).
 
 The flags of the configs both commands build come from the config dataclasses themselves
-(``triptych.config_flags``): every ``AdmissionLimits`` limit and ``HeadConfig`` setting on ``serve``,
-the ``EngineConfig`` batch limits and the transfer pool size on both. ``serve`` passes the engine and
+(``triptych.config_flags``): on ``serve`` every ``AdmissionLimits`` limit and every ``HeadConfig``,
+``TopologyConfig``, ``OrchestratorConfig`` and ``StateTimeouts`` setting; on both the
+``EngineConfig`` batch limits and the transfer pool size. ``serve`` passes the engine and
 transfer flags on to its local workers (``TopologyConfig.extra_args``), so a local and a remote
 worker read them the same way. Environment variables only supply defaults (``$TRIPTYCH_API_KEYS``).
 
@@ -27,6 +28,8 @@ from triptych.server.dispatch import POLICIES
 if TYPE_CHECKING:
     from triptych.server.engine.config import EngineConfig
     from triptych.server.head import HeadConfig
+    from triptych.server.launch import TopologyConfig
+    from triptych.server.orchestrator import OrchestratorConfig
     from triptych.server.transfer.base import TransferConfig
 
 logger = logging.getLogger(__name__)
@@ -72,20 +75,44 @@ class ServeFlags:
     parser: argparse.ArgumentParser
     head: ConfigFlags
     limits: ConfigFlags
+    topology: ConfigFlags
+    orchestrator: ConfigFlags
+    timeouts: ConfigFlags
     workers: WorkerFlags
 
     @classmethod
     def add(cls, parser: argparse.ArgumentParser) -> ServeFlags:
         from triptych.server.admission import AdmissionLimits
         from triptych.server.head import HeadConfig
+        from triptych.server.launch import TopologyConfig
+        from triptych.server.orchestrator import OrchestratorConfig
+        from triptych.server.request_state import StateTimeouts
 
-        head = ConfigFlags(
-            parser.add_argument_group("head (HeadConfig)"),
-            HeadConfig,
-            explicit={"data_dir": "--data-dir", "api_keys": "--api-key"},
+        def group(title: str):
+            return parser.add_argument_group(title)
+
+        return cls(
+            parser,
+            head=ConfigFlags(
+                group("head (HeadConfig)"), HeadConfig, explicit={"data_dir": "--data-dir", "api_keys": "--api-key"}
+            ),
+            limits=ConfigFlags(group("admission limits (AdmissionLimits)"), AdmissionLimits),
+            topology=ConfigFlags(
+                group("local workers (TopologyConfig)"),
+                TopologyConfig,
+                rename={"torch_threads": "threads"},
+                choices={"transfer": TRANSFER_KINDS},
+                explicit={"extra_args": None},  # the engine and transfer flags below
+            ),
+            orchestrator=ConfigFlags(
+                group("control plane (OrchestratorConfig)"),
+                OrchestratorConfig,
+                rename={"host": "control-host", "max_queued": "orchestrator-max-queued"},
+                choices={"dispatch": sorted(POLICIES)},
+            ),
+            timeouts=ConfigFlags(group("request state timeouts (StateTimeouts)"), StateTimeouts, prefix="timeout-"),
+            workers=WorkerFlags.add(parser),
         )
-        limits = ConfigFlags(parser.add_argument_group("admission limits (AdmissionLimits)"), AdmissionLimits)
-        return cls(parser, head, limits, WorkerFlags.add(parser))
 
     def head_config(self, args: argparse.Namespace, default_data_dir: Path) -> HeadConfig:
         env_keys = os.environ.get("TRIPTYCH_API_KEYS", "").split(",")
@@ -98,20 +125,18 @@ class ServeFlags:
             api_keys=tuple(k.strip() for k in keys),
         )
 
+    def topology_config(self, args: argparse.Namespace) -> TopologyConfig:
+        return self.topology.build(args, self.parser, extra_args=self.workers.argv(args))
+
+    def orchestrator_config(self, args: argparse.Namespace) -> OrchestratorConfig:
+        return self.orchestrator.build(args, self.parser, timeouts=self.timeouts.build(args, self.parser))
+
 
 def add_server_commands(sub) -> None:
     p = sub.add_parser("serve", help="run the head with local encoder/denoiser/decoder workers")
     p.add_argument("--model", help="diffusers model directory (default: the built-in model)")
-    p.add_argument("--encoders", type=int, default=1, help="local encoder processes (0: remote only)")
-    p.add_argument("--denoisers", type=int, default=1, help="local denoiser processes (0: remote only)")
-    p.add_argument("--decoders", type=int, default=1, help="local decoder processes (0: remote only)")
-    p.add_argument("--transfer", choices=TRANSFER_KINDS, default="auto")
-    p.add_argument("--dispatch", choices=sorted(POLICIES), default="round_robin")
-    p.add_argument("--capacity", type=int, default=4, help="slots per local worker")
     p.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
-    p.add_argument("--control-host", default="127.0.0.1", help="address remote workers reach the head at")
-    p.add_argument("--control-port", type=int, default=0, help="worker control port (0: a free port, logged)")
     p.add_argument("--data-dir", help="head state: job records, videos, url files")
     p.add_argument(
         "--api-key",
@@ -176,23 +201,11 @@ def cmd_worker(args) -> int:
 
 def cmd_serve(args) -> int:
     from triptych.models import cache_dir, resolve_model
-    from triptych.server.launch import EmbeddedBackend, TopologyConfig
-    from triptych.server.orchestrator import OrchestratorConfig
+    from triptych.server.launch import EmbeddedBackend
 
     flags: ServeFlags = args.serve_flags
     head_config = flags.head_config(args, default_data_dir=cache_dir() / "head")
-    backend = EmbeddedBackend(
-        resolve_model(args.model),
-        OrchestratorConfig(host=args.control_host, control_port=args.control_port, dispatch=args.dispatch),
-        TopologyConfig(
-            encoders=args.encoders,
-            denoisers=args.denoisers,
-            decoders=args.decoders,
-            transfer=args.transfer,
-            capacity=args.capacity,
-            extra_args=flags.workers.argv(args),
-        ),
-    )
+    backend = EmbeddedBackend(resolve_model(args.model), flags.orchestrator_config(args), flags.topology_config(args))
     try:
         from triptych.server.http import create_app
     except ImportError:
