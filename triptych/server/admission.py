@@ -4,6 +4,10 @@
 API field, the value and the limit (→ HTTP 400), or ``Overloaded`` (→ HTTP 429 + Retry-After).
 ``Admission`` counts the generation jobs the head has accepted and not yet finished (queued or
 running, images and videos alike) and refuses new ones past ``max_queued_requests``.
+
+NOTE: importing this module does not import torch, so the CLI and config code can read the limits
+without it; ``Overloaded`` lives in ``backend``, whose edge types do, so it is imported where it is
+raised (the refusal path only).
 """
 
 from __future__ import annotations
@@ -14,7 +18,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, fields
 
 from triptych.errors import InvalidParam
-from triptych.server.backend import Overloaded
 from triptych.server.media import ImageLimits
 
 _SIZE_RE = re.compile(r"^\s*(\d{1,9})\s*[xX×]\s*(\d{1,9})\s*$")
@@ -126,6 +129,8 @@ class Admission:
 
     def reserve(self, k: int = 1) -> None:
         if self.in_flight + k > self.limits.max_queued_requests:
+            from triptych.server.backend import Overloaded
+
             raise Overloaded(
                 f"too many queued requests ({self.in_flight} in flight, limit max_queued_requests="
                 f"{self.limits.max_queued_requests}); retry later",

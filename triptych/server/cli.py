@@ -1,31 +1,176 @@
-"""``triptych serve`` (head + embedded local workers) and ``triptych worker`` (one role process)."""
+"""``triptych serve`` (head + embedded local workers) and ``triptych worker`` (one role process).
+
+The flags of the configs both commands build come from the config dataclasses themselves
+(``triptych.config_flags``): on ``serve`` every ``AdmissionLimits`` limit and every ``HeadConfig``,
+``TopologyConfig``, ``OrchestratorConfig`` and ``StateTimeouts`` setting; on both the
+``EngineConfig`` batch limits, the transfer pool size, the ``ParallelConfig`` degrees of a
+denoiser, the mm-hash cache budget (``MMCacheConfig``) and the device flags (``DeviceConfig``).
+``serve`` passes the engine, transfer and cache flags on to its local workers
+(``TopologyConfig.extra_args``; the device and parallel flags travel as ``TopologyConfig`` fields),
+so a local and a remote worker read them the same way. Environment variables only supply defaults
+(``$TRIPTYCH_API_KEYS``, ``$TRIPTYCH_TOKEN``, ``$TRIPTYCH_MM_CACHE_MB``).
+
+NOTE: the config flags are added when ``serve`` or ``worker`` is used (``add_flags_later``): the
+engine and transfer config modules import torch, which ``triptych --help`` and the other
+subcommands should not pay for.
+"""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from triptych.config_flags import ConfigFlags, add_flags_later
 from triptych.server.dispatch import POLICIES
 
+if TYPE_CHECKING:
+    from triptych.server.engine.config import EngineConfig
+    from triptych.server.head import HeadConfig
+    from triptych.server.launch import TopologyConfig
+    from triptych.server.orchestrator import OrchestratorConfig
+    from triptych.server.transfer.base import TransferConfig
+
 logger = logging.getLogger(__name__)
+
+TRANSFER_KINDS = ("auto", "mooncake", "zmq")
+#: ``TransferConfig`` fields a worker takes from the command line (``WorkerConfig`` sets the rest).
+WORKER_TRANSFER_FIELDS = ("max_bytes",)
+
+
+@dataclass(frozen=True)
+class WorkerFlags:
+    """The config flags ``serve`` and ``worker`` share: engine batch limits and transfer pool."""
+
+    parser: argparse.ArgumentParser
+    engine: ConfigFlags
+    transfer: ConfigFlags
+    parallel: ConfigFlags
+    mm_cache: ConfigFlags
+
+    @classmethod
+    def add(cls, parser: argparse.ArgumentParser) -> WorkerFlags:
+        from triptych.cache.mm import MMCacheConfig
+        from triptych.devices import add_device_flags
+        from triptych.parallel import ParallelConfig
+        from triptych.server.engine.config import EngineConfig
+        from triptych.server.transfer.base import TransferConfig
+
+        engine = ConfigFlags(parser.add_argument_group("denoiser engine (EngineConfig)"), EngineConfig)
+        group = parser.add_argument_group("tensor transfer (TransferConfig)")
+        transfer = ConfigFlags(group, TransferConfig, prefix="transfer-", only=WORKER_TRANSFER_FIELDS)
+        group = parser.add_argument_group("multi-rank denoiser (ParallelConfig)")
+        parallel = ConfigFlags(group, ParallelConfig, rename={"cfg": "cfg-parallel"})
+        group = parser.add_argument_group("encoder mm-hash cache (MMCacheConfig)")
+        mm_cache = ConfigFlags(group, MMCacheConfig, rename={"max_mb": "mm-cache-mb"})
+        if os.environ.get("TRIPTYCH_MM_CACHE_MB"):  # the environment as the flag's default, nothing more
+            parser.set_defaults(mm_cache_mb=float(os.environ["TRIPTYCH_MM_CACHE_MB"]))
+        add_device_flags(parser)
+        return cls(parser, engine, transfer, parallel, mm_cache)
+
+    def parallel_config(self, args: argparse.Namespace):
+        return self.parallel.build(args, self.parser)
+
+    def mm_cache_config(self, args: argparse.Namespace):
+        return self.mm_cache.build(args, self.parser)
+
+    def engine_config(self, args: argparse.Namespace) -> EngineConfig:
+        return self.engine.build(args, self.parser)
+
+    def transfer_config(self, args: argparse.Namespace) -> TransferConfig:
+        return self.transfer.build(args, self.parser)
+
+    def argv(self, args: argparse.Namespace) -> tuple[str, ...]:
+        """The flags that give a ``triptych worker`` the same engine and transfer settings."""
+        return (
+            *self.engine.argv(self.engine_config(args)),
+            *self.transfer.argv(self.transfer_config(args)),
+            *self.mm_cache.argv(self.mm_cache_config(args)),
+        )
+
+
+@dataclass(frozen=True)
+class ServeFlags:
+    """``serve``'s config flags and the configs built from them."""
+
+    parser: argparse.ArgumentParser
+    head: ConfigFlags
+    limits: ConfigFlags
+    topology: ConfigFlags
+    orchestrator: ConfigFlags
+    timeouts: ConfigFlags
+    workers: WorkerFlags
+
+    @classmethod
+    def add(cls, parser: argparse.ArgumentParser) -> ServeFlags:
+        from triptych.server.admission import AdmissionLimits
+        from triptych.server.head import HeadConfig
+        from triptych.server.launch import TopologyConfig
+        from triptych.server.orchestrator import OrchestratorConfig
+        from triptych.server.request_state import StateTimeouts
+
+        def group(title: str):
+            return parser.add_argument_group(title)
+
+        return cls(
+            parser,
+            head=ConfigFlags(
+                group("head (HeadConfig)"), HeadConfig, explicit={"data_dir": "--data-dir", "api_keys": "--api-key"}
+            ),
+            limits=ConfigFlags(group("admission limits (AdmissionLimits)"), AdmissionLimits),
+            topology=ConfigFlags(
+                group("local workers (TopologyConfig)"),
+                TopologyConfig,
+                rename={"torch_threads": "threads"},
+                choices={"transfer": TRANSFER_KINDS},
+                explicit={"extra_args": None, "parallel": None, "device": None},  # the worker flags below
+            ),
+            orchestrator=ConfigFlags(
+                group("control plane (OrchestratorConfig)"),
+                OrchestratorConfig,
+                rename={"host": "control-host", "max_queued": "orchestrator-max-queued"},
+                choices={"dispatch": sorted(POLICIES)},
+            ),
+            timeouts=ConfigFlags(group("request state timeouts (StateTimeouts)"), StateTimeouts, prefix="timeout-"),
+            workers=WorkerFlags.add(parser),
+        )
+
+    def head_config(self, args: argparse.Namespace, default_data_dir: Path) -> HeadConfig:
+        env_keys = os.environ.get("TRIPTYCH_API_KEYS", "").split(",")
+        keys = [*args.api_key, *(k for k in env_keys if k.strip())]
+        return self.head.build(
+            args,
+            self.parser,
+            data_dir=Path(args.data_dir) if args.data_dir else default_data_dir,
+            limits=self.limits.build(args, self.parser),
+            api_keys=tuple(k.strip() for k in keys),
+        )
+
+    def topology_config(self, args: argparse.Namespace) -> TopologyConfig:
+        from triptych.devices import device_config_from_args
+
+        return self.topology.build(
+            args,
+            self.parser,
+            extra_args=self.workers.argv(args),
+            parallel=self.workers.parallel_config(args),
+            device=device_config_from_args(args),
+        )
+
+    def orchestrator_config(self, args: argparse.Namespace) -> OrchestratorConfig:
+        return self.orchestrator.build(args, self.parser, timeouts=self.timeouts.build(args, self.parser))
 
 
 def add_server_commands(sub) -> None:
     p = sub.add_parser("serve", help="run the head with local encoder/denoiser/decoder workers")
     p.add_argument("--model", help="diffusers model directory (default: the built-in model)")
-    p.add_argument("--encoders", type=int, default=1, help="local encoder processes (0: remote only)")
-    p.add_argument("--denoisers", type=int, default=1, help="local denoiser processes (0: remote only)")
-    p.add_argument("--decoders", type=int, default=1, help="local decoder processes (0: remote only)")
-    p.add_argument("--transfer", choices=["auto", "mooncake", "zmq"], default="auto")
-    p.add_argument("--dispatch", choices=sorted(POLICIES), default="round_robin")
-    p.add_argument("--capacity", type=int, default=4, help="slots per local worker")
     p.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
-    p.add_argument("--control-host", default="127.0.0.1", help="address remote workers reach the head at")
-    p.add_argument("--control-port", type=int, default=0, help="worker control port (0: a free port, logged)")
     p.add_argument("--data-dir", help="head state: job records, videos, url files")
     p.add_argument(
         "--api-key",
@@ -36,6 +181,7 @@ def add_server_commands(sub) -> None:
         "comma-separated); default: no authentication",
     )
     p.set_defaults(func=cmd_serve)
+    add_flags_later(p, lambda parser: parser.set_defaults(serve_flags=ServeFlags.add(parser)))
 
     w = sub.add_parser("worker", help="run one encoder/denoiser/decoder instance that registers with a head")
     w.add_argument("--role", required=True, choices=["encoder", "denoiser", "decoder"])
@@ -43,23 +189,18 @@ def add_server_commands(sub) -> None:
     w.add_argument("--model", help="diffusers model directory (must match the head's)")
     w.add_argument("--instance-id", default="", help="unique id (default: <role>-<random>)")
     w.add_argument("--capacity", type=int, default=4, help="requests this instance may hold at once")
-    w.add_argument("--transfer", choices=["auto", "mooncake", "zmq"], default="auto")
+    w.add_argument("--transfer", choices=TRANSFER_KINDS, default="auto")
     w.add_argument("--host", default="127.0.0.1", help="address peers push tensors to")
     w.add_argument(
         "--token",
         default=os.environ.get("TRIPTYCH_TOKEN", ""),
-        help="the deployment's control-plane token (default: $TRIPTYCH_TOKEN); serve writes it to DATA_DIR/worker.token",
+        help="the deployment's control-plane token (default: $TRIPTYCH_TOKEN; serve writes its token to "
+        "DATA_DIR/worker.token for remote workers)",
     )
-    w.add_argument("--device", default="cpu")
-    w.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    w.add_argument("--cfg-parallel", type=int, default=1, help="denoiser: CFG-parallel degree (1 or 2)")
-    w.add_argument("--ulysses", type=int, default=1, help="denoiser: Ulysses sequence-parallel degree")
-    w.add_argument("--ring", type=int, default=1, help="denoiser: ring-attention sequence-parallel degree")
     w.add_argument(
         "--collective-timeout", type=float, default=60.0, help="multi-rank denoiser: collective timeout, seconds"
     )
-    w.add_argument("--max-batch-requests", type=int, default=8, help="denoiser: requests per forward")
-    w.add_argument("--no-fuse-cfg", action="store_true", help="denoiser: one forward per CFG branch")
+    w.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     w.add_argument(
         "--exit-with-parent",
         type=int,
@@ -68,19 +209,18 @@ def add_server_commands(sub) -> None:
         help="exit when process PID (the spawning head) is gone, even after its kill -9",
     )
     w.set_defaults(func=cmd_worker)
+    add_flags_later(w, lambda parser: parser.set_defaults(worker_flags=WorkerFlags.add(parser)))
 
 
-def cmd_worker(args) -> int:
+def worker_config(args: argparse.Namespace):
+    """The ``WorkerConfig`` of parsed ``triptych worker`` flags."""
+    from triptych.devices import device_config_from_args
     from triptych.models import resolve_model
-    from triptych.parallel import ParallelConfig
     from triptych.pipelines.base import Role
-    from triptych.server.engine import EngineConfig
-    from triptych.server.worker import WorkerConfig, run_worker
+    from triptych.server.worker import WorkerConfig
 
-    if len(args.token) < 16:
-        print("triptych worker: --token (or $TRIPTYCH_TOKEN) must be the head's control-plane token", file=sys.stderr)
-        return 2
-    config = WorkerConfig(
+    flags: WorkerFlags = args.worker_flags
+    return WorkerConfig(
         role=Role(args.role),
         head=args.head,
         token=args.token,
@@ -89,44 +229,55 @@ def cmd_worker(args) -> int:
         capacity=args.capacity,
         transfer=args.transfer,
         host=args.host,
-        device=args.device,
+        transfer_max_bytes=flags.transfer_config(args).max_bytes,
+        device=device_config_from_args(args),
         torch_threads=args.threads,
         parent_pid=args.exit_with_parent,
-        parallel=ParallelConfig(cfg=args.cfg_parallel, ulysses=args.ulysses, ring=args.ring),
+        engine=flags.engine_config(args),
+        parallel=flags.parallel_config(args),
         collective_timeout_s=args.collective_timeout,
-        engine=EngineConfig(max_batch_requests=args.max_batch_requests, fuse_cfg=not args.no_fuse_cfg),
+        mm_cache=flags.mm_cache_config(args),
     )
-    return run_worker(config)
+
+
+def cmd_worker(args) -> int:
+    from triptych.server.worker import run_worker
+
+    if len(args.token) < 16:
+        print("triptych worker: --token (or $TRIPTYCH_TOKEN) must be the head's control-plane token", file=sys.stderr)
+        return 2
+    return run_worker(worker_config(args))
 
 
 def cmd_serve(args) -> int:
     from triptych.models import cache_dir, resolve_model
-    from triptych.server.launch import EmbeddedBackend, TopologyConfig
-    from triptych.server.orchestrator import OrchestratorConfig
+    from triptych.server.launch import EmbeddedBackend
 
-    backend = EmbeddedBackend(
-        resolve_model(args.model),
-        OrchestratorConfig(host=args.control_host, control_port=args.control_port, dispatch=args.dispatch),
-        TopologyConfig(
-            encoders=args.encoders,
-            denoisers=args.denoisers,
-            decoders=args.decoders,
-            transfer=args.transfer,
-            capacity=args.capacity,
-        ),
-    )
+    flags: ServeFlags = args.serve_flags
+    head_config = flags.head_config(args, default_data_dir=cache_dir() / "head")
+    orchestrator = flags.orchestrator_config(args)
+    backend = EmbeddedBackend(resolve_model(args.model), orchestrator, flags.topology_config(args))
+    write_token(head_config.data_dir, backend.orchestrator.token)
     try:
-        from triptych.server.http import HeadConfig, create_app
+        from triptych.server.http import create_app
     except ImportError:
         logger.warning("no HTTP head (triptych.server.http) installed: serving the control plane only")
         return asyncio.run(_control_plane_only(backend))
     import uvicorn
 
-    data_dir = Path(args.data_dir) if args.data_dir else cache_dir() / "head"
-    keys = [*args.api_key, *(k for k in os.environ.get("TRIPTYCH_API_KEYS", "").split(",") if k.strip())]
-    app = create_app(backend, HeadConfig(data_dir=data_dir, api_keys=tuple(k.strip() for k in keys)))
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    uvicorn.run(create_app(backend, head_config), host=args.host, port=args.port, log_level="info")
     return 0
+
+
+def write_token(data_dir: Path, token: str) -> Path:
+    """The control-plane token where an operator starting remote workers finds it (owner-only)."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    path = data_dir / "worker.token"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    logger.info('remote workers: triptych worker --token "$(cat %s)" --head %s ...', path, "<control address>")
+    return path
 
 
 async def _control_plane_only(backend) -> int:

@@ -4,9 +4,12 @@
 against ``AdmissionLimits`` and the backend's family (a weightless adapter is enough), turns it into
 ``GenerationJob``s and awaits ``backend.run``; it never sees a tensor. Errors leave in OpenAI's shape
 ``{"error": {"message", "type", "param", "code"}}``: bad input is a 400 naming the field, the value
-and the limit; ``Overloaded`` is a 429 with Retry-After; ``StageFailed`` is a 502. Routes:
-images (``http_images``), videos (``http_videos``), chat (``http_chat``), and here models, health,
-metrics, files.
+and the limit; ``Overloaded`` is a 429 with Retry-After; ``StageFailed`` is a 502.
+
+This module only wires: it builds the ``Head`` (``server/head.py``), installs the error handlers and
+the API-key check, and adds the routes: images (``http_images``), videos (``http_videos``), chat
+(``http_chat``), and here models, health, metrics, files. Route modules share their plumbing through
+``http_common``; none of them imports another, or this module.
 """
 
 from __future__ import annotations
@@ -15,8 +18,6 @@ import asyncio
 import contextlib
 import hmac
 import logging
-from dataclasses import dataclass, field
-from pathlib import Path
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -25,117 +26,18 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from triptych.errors import InvalidParam
-from triptych.server import metrics
-from triptych.server.admission import Admission, AdmissionLimits, retry_after_header
+from triptych.server.admission import retry_after_header
 from triptych.server.api_models import ErrorResponse, ModelCard, ModelList
 from triptych.server.backend import Cancelled, GenerationBackend, Overloaded, StageFailed
-from triptych.server.files import FileStore
-from triptych.server.jobs import VideoJobs
+from triptych.server.head import TENANT, ClientGone, Head, HeadConfig, tenant_of_key
+from triptych.server.http_chat import add_chat_routes
+from triptych.server.http_images import add_image_routes
+from triptych.server.http_videos import add_video_routes
+from triptych.server.metrics import CONTENT_TYPE
+
+__all__ = ["HeadConfig", "create_app"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class HeadConfig:
-    """Everything the head needs besides its backend."""
-
-    data_dir: Path
-    """Root of the head's state: ``jobs.sqlite``, ``videos/`` (finished MP4s), ``files/`` (url links)."""
-
-    limits: AdmissionLimits = field(default_factory=AdmissionLimits)
-    """Admission limits (sizes, steps, frames, n, uploads, queue)."""
-
-    url_ttl_s: float = 3600.0
-    """Lifetime of a ``response_format=url`` link, seconds. Bounds: > 0."""
-
-    video_ttl_s: float | None = 7 * 24 * 3600.0
-    """Lifetime of a completed video (record and file), seconds; None keeps them. Bounds: > 0."""
-
-    public_base_url: str | None = None
-    """Base of the links the head hands out (e.g. ``https://gen.example.com``); None = the request's."""
-
-    served_model_name: str | None = None
-    """Model id in ``/v1/models`` and the ``model`` field; None = the model directory's name."""
-
-    video_fps: int = 16
-    """Frame rate of MP4 outputs; ``seconds`` × fps gives the frame count. Bounds: 1..120."""
-
-    sweep_interval_s: float = 60.0
-    """How often expired files and videos are deleted, seconds. Bounds: > 0."""
-
-    api_keys: tuple[str, ...] = ()
-    """Bearer tokens the API accepts (``Authorization: Bearer KEY``, what the OpenAI SDK sends);
-    empty = no authentication. ``/health``, ``/metrics`` and ``/v1/files/…`` links (unguessable
-    ids, handed out like pre-signed URLs) stay open."""
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "data_dir", Path(self.data_dir))
-        for name in ("url_ttl_s", "sweep_interval_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"HeadConfig.{name}={getattr(self, name)!r}: must be > 0")
-        if self.video_ttl_s is not None and not self.video_ttl_s > 0:
-            raise ValueError(f"HeadConfig.video_ttl_s={self.video_ttl_s!r}: must be > 0 or None (keep forever)")
-        if not 1 <= self.video_fps <= 120:
-            raise ValueError(f"HeadConfig.video_fps={self.video_fps!r}: must be between 1 and 120")
-        if self.public_base_url is not None and not self.public_base_url.startswith(("http://", "https://")):
-            raise ValueError(f"HeadConfig.public_base_url={self.public_base_url!r}: must start with http(s)://")
-        object.__setattr__(self, "api_keys", tuple(self.api_keys))
-        if any(len(k) < 8 or k != k.strip() for k in self.api_keys):
-            raise ValueError("HeadConfig.api_keys: every key must be at least 8 characters, without surrounding spaces")
-
-
-class ClientGone(Exception):
-    """The client disconnected while its request was running; its jobs were cancelled."""
-
-
-class Head:
-    """Per-app state shared by the routes: backend, config, admission, file and job stores."""
-
-    def __init__(self, backend: GenerationBackend, config: HeadConfig):
-        self.backend = backend
-        self.config = config
-        self.limits = config.limits
-        self.admission = Admission(config.limits)
-        self.files: FileStore | None = None
-        self.videos: VideoJobs | None = None
-
-    @property
-    def family(self):
-        return self.backend.family
-
-    @property
-    def model_id(self) -> str:
-        return self.config.served_model_name or Path(self.family.model_dir).name
-
-    def model_card(self) -> ModelCard:
-        f = self.family
-        kind = "video" if f.is_video else "image-edit" if f.requires_image else "image"
-        return ModelCard(id=self.model_id, created=0, family=f.name, kind=kind)
-
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_id:
-            raise HTTPException(404, f"model {model!r} is not served here; this server serves {self.model_id!r}")
-
-    def base_url(self, request: Request) -> str:
-        return (self.config.public_base_url or str(request.base_url)).rstrip("/")
-
-    async def open(self) -> None:
-        self.config.data_dir.mkdir(parents=True, exist_ok=True)
-        self.files = FileStore(self.config.data_dir, self.config.url_ttl_s)
-        self.videos = VideoJobs(self.config.data_dir, self.backend, self.admission, self.config.video_ttl_s)
-        await self.backend.start()
-
-    async def close(self) -> None:
-        if self.videos is not None:
-            await self.videos.close()
-        await self.backend.close()
-
-    async def sweep_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.sweep_interval_s)
-            removed = self.files.sweep() + self.videos.sweep()
-            if removed:
-                logger.info("removed %d expired files/videos", removed)
 
 
 # ---- errors in OpenAI's shape ---------------------------------------------------------------------
@@ -182,7 +84,7 @@ def _endpoint(request: Request) -> str:
 
 def install_error_handlers(app: FastAPI) -> None:
     def outcome(request: Request, kind: str) -> None:
-        metrics.record_request(_endpoint(request), kind)
+        request.app.state.head.metrics.record_request(_endpoint(request), kind)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation(request: Request, exc: RequestValidationError):
@@ -260,16 +162,13 @@ def api_key_check(keys: tuple[str, ...]):
             )
         if not any(hmac.compare_digest(given, k) for k in encoded):
             raise HTTPException(401, "invalid API key", {"WWW-Authenticate": "Bearer"})
+        TENANT.set(tenant_of_key(given))
 
     return check
 
 
 def create_app(backend: GenerationBackend, config: HeadConfig) -> FastAPI:
     """The head's FastAPI app; startup opens the stores and starts ``backend``, shutdown closes both."""
-    from triptych.server.http_chat import add_chat_routes
-    from triptych.server.http_images import add_image_routes
-    from triptych.server.http_videos import add_video_routes
-
     head = Head(backend, config)
 
     @contextlib.asynccontextmanager
@@ -315,8 +214,8 @@ def create_app(backend: GenerationBackend, config: HeadConfig) -> FastAPI:
 
     @app.get("/metrics", response_class=Response)
     async def prometheus():
-        metrics.update_from_describe(backend.describe(), head_in_flight=head.admission.in_flight)
-        return Response(metrics.render(), media_type=metrics.CONTENT_TYPE)
+        head.metrics.update_from_describe(backend.describe(), head_in_flight=head.admission.in_flight)
+        return Response(head.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/files/{file_id}/content", response_class=FileResponse)
     async def file_content(file_id: str):

@@ -25,10 +25,10 @@ from fastapi.responses import StreamingResponse
 
 from triptych.errors import InvalidParam, TriptychError
 from triptych.pipelines.vlm import ChatParams, ChatResult, ChatTurn
-from triptych.server import metrics
 from triptych.server.api_models import ChatChoice, ChatCompletion, ChatCompletionRequest, ChatMessageOut, ChatUsage
 from triptych.server.backend import ChatJob
-from triptych.server.http_images import wait_disconnect
+from triptych.server.head import TENANT, ClientGone, Head
+from triptych.server.http_common import wait_disconnect
 from triptych.server.media import decode_data_url
 
 ENDPOINT = "/v1/chat/completions"
@@ -48,7 +48,7 @@ UNSUPPORTED = {
 }
 
 
-def build_chat(head, req: ChatCompletionRequest) -> ChatParams:
+def build_chat(head: Head, req: ChatCompletionRequest) -> ChatParams:
     """API request → checked ``ChatParams`` (decodes the images: run it off the event loop)."""
     lim = head.limits
     head.check_model(req.model)
@@ -101,7 +101,9 @@ def build_chat(head, req: ChatCompletionRequest) -> ChatParams:
     seed = req.seed if req.seed is not None else secrets.randbelow(2**31)
     temperature = 0.0 if req.temperature is None else req.temperature
     top_p = 1.0 if req.top_p is None else req.top_p
-    params = ChatParams(tuple(turns), tuple(images), max_tokens, temperature, top_p, seed, bool(req.ignore_eos))
+    params = ChatParams(
+        tuple(turns), tuple(images), max_tokens, temperature, top_p, seed, bool(req.ignore_eos), TENANT.get()
+    )
     params.check(lim.max_chat_images)
     return params
 
@@ -123,10 +125,8 @@ def _error_event(exc: BaseException) -> dict:
     return {"error": {"message": f"chat failed: {exc}", "type": "server_error", "param": None, "code": "stage_failed"}}
 
 
-async def _answer(head, request: Request, job: ChatJob) -> ChatResult:
+async def _answer(head: Head, request: Request, job: ChatJob) -> ChatResult:
     """The whole answer; a client disconnect cancels the chat (``ClientGone``)."""
-    from triptych.server.http import ClientGone
-
     task = asyncio.create_task(head.backend.chat(job))
     watcher = asyncio.create_task(wait_disconnect(request))
     try:
@@ -141,12 +141,12 @@ async def _answer(head, request: Request, job: ChatJob) -> ChatResult:
         task.cancel()  # a no-op when it finished; otherwise the backend's chat frees what it holds
 
 
-def _record(result: ChatResult, t0: float) -> None:
-    metrics.record_request(ENDPOINT, "success", time.perf_counter() - t0)
-    metrics.record_chat(result.prompt_tokens, result.completion_tokens)
+def _record(head: Head, result: ChatResult, t0: float) -> None:
+    head.metrics.record_request(ENDPOINT, "success", time.perf_counter() - t0)
+    head.metrics.record_chat(result.prompt_tokens, result.completion_tokens)
 
 
-async def _stream(head, job: ChatJob, model: str, include_usage: bool, t0: float) -> StreamingResponse:
+async def _stream(head: Head, job: ChatJob, model: str, include_usage: bool, t0: float) -> StreamingResponse:
     """Start the chat, wait for its first piece (or its end, or its error: raised here, so the client
     gets a proper status), then stream the rest."""
     pieces: asyncio.Queue[str] = asyncio.Queue()
@@ -193,10 +193,10 @@ async def _stream(head, job: ChatJob, model: str, include_usage: bool, t0: float
             try:
                 result = task.result()
             except (TriptychError, asyncio.CancelledError) as e:
-                metrics.record_request(ENDPOINT, "invalid" if isinstance(e, InvalidParam) else "failed")
+                head.metrics.record_request(ENDPOINT, "invalid" if isinstance(e, InvalidParam) else "failed")
                 yield _sse(_error_event(e))
                 return
-            _record(result, t0)
+            _record(head, result, t0)
             yield chunk({}, result.finish_reason)
             if include_usage:
                 usage = {
@@ -226,7 +226,7 @@ async def _stream(head, job: ChatJob, model: str, include_usage: bool, t0: float
     return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-def add_chat_routes(app: FastAPI, head) -> None:
+def add_chat_routes(app: FastAPI, head: Head) -> None:
     @app.post(ENDPOINT, response_model=ChatCompletion)
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         t0 = time.perf_counter()
@@ -241,7 +241,7 @@ def add_chat_routes(app: FastAPI, head) -> None:
             return await _stream(head, job, head.model_id, include_usage, t0)
         with head.admission.admit(1):
             result = await _answer(head, request, job)
-        _record(result, t0)
+        _record(head, result, t0)
         usage = ChatUsage(
             prompt_tokens=result.prompt_tokens,
             completion_tokens=result.completion_tokens,

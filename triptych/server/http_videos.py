@@ -20,7 +20,6 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
 
 from triptych.errors import InvalidParam
-from triptych.server import metrics
 from triptych.server.api_models import (
     VideoCreateRequest,
     VideoDeleted,
@@ -30,7 +29,8 @@ from triptych.server.api_models import (
     inline_schema,
 )
 from triptych.server.backend import GenerationJob
-from triptych.server.http_images import build_params, read_form, read_upload, resolve, text_fields
+from triptych.server.head import Head
+from triptych.server.http_common import build_params, read_form, read_upload, resolve, text_fields
 from triptych.server.jobs import VideoRecord
 from triptych.server.media import decode_data_url
 
@@ -55,7 +55,7 @@ def to_api(rec: VideoRecord) -> VideoObject:
     )
 
 
-async def parse_create(head, request: Request):
+async def parse_create(head: Head, request: Request):
     """The create body → (validated request, condition image or None)."""
     ctype = request.headers.get("content-type", "")
     upload = None
@@ -83,13 +83,13 @@ async def parse_create(head, request: Request):
     return req, None
 
 
-def _decode_reference(head, ref):
+def _decode_reference(head: Head, ref):
     if ref.file_id is not None or ref.image_url is None:
         raise InvalidParam("input_reference", ref.file_id, "only an uploaded file or a base64 data: URL image_url")
     return decode_data_url(ref.image_url, head.limits.image_limits, "input_reference.image_url")
 
 
-def resolve_video(head, req: VideoCreateRequest, image):
+def resolve_video(head: Head, req: VideoCreateRequest, image):
     """Params with the frame count from ``frames`` or ``seconds`` (the first count the model accepts)."""
     lim, fps = head.limits, head.config.video_fps
     if not head.family.is_video:
@@ -125,7 +125,7 @@ def _schema() -> dict:
     return {"requestBody": {"required": True, "content": content}}
 
 
-def add_video_routes(app: FastAPI, head) -> None:
+def add_video_routes(app: FastAPI, head: Head) -> None:
     def get_record(video_id: str) -> VideoRecord:
         rec = head.videos.store.get(video_id)
         if rec is None:
@@ -148,7 +148,7 @@ def add_video_routes(app: FastAPI, head) -> None:
             frames=params.frames or 1,
         )
         head.videos.submit(rec, GenerationJob(rec.id, params, "mp4", fps=head.config.video_fps))
-        metrics.record_request("/v1/videos", "success")
+        head.metrics.record_request("/v1/videos", "success")
         return to_api(rec)
 
     @app.get("/v1/videos", response_model=VideoList)

@@ -21,7 +21,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from triptych.errors import InvalidParam
-from triptych.server import metrics
 from triptych.server.admission import Admission
 from triptych.server.backend import Cancelled, GenerationBackend, GenerationJob, Overloaded, StageFailed
 
@@ -207,7 +206,7 @@ class VideoJobs:
         finally:
             self._tasks.pop(job_id, None)
             self.admission.release(1)
-            metrics.record_video_job(outcome, time.time() - t0 if outcome == "completed" else None)
+            self.backend.metrics.record_video_job(outcome, time.time() - t0 if outcome == "completed" else None)
 
     def _fail(self, job_id: str, code: str, message: str) -> None:
         self.store.update(job_id, status="failed", error_code=code, error_message=message)

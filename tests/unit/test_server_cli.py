@@ -1,0 +1,165 @@
+"""``triptych serve`` / ``triptych worker`` flags: built from the config dataclasses, and the configs
+they build reach the head and the workers."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from triptych.cli import build_parser
+from triptych.server.admission import AdmissionLimits
+from triptych.server.engine.config import EngineConfig
+from triptych.server.head import HeadConfig
+from triptych.server.launch import TopologyConfig
+from triptych.server.orchestrator import OrchestratorConfig
+from triptych.server.request_state import StateTimeouts
+from triptych.server.transfer.base import TransferConfig
+
+#: (config class, flag prefix, field -> flag where it is not --<prefix><field>); None: no flag of its own
+SERVE_CONFIGS = [
+    (AdmissionLimits, "", {}),
+    (EngineConfig, "", {}),
+    (HeadConfig, "", {"data_dir": "--data-dir", "api_keys": "--api-key", "limits": None}),
+    (TopologyConfig, "", {"torch_threads": "--threads", "extra_args": None}),
+    (OrchestratorConfig, "", {"host": "--control-host", "max_queued": "--orchestrator-max-queued", "timeouts": None}),
+    (StateTimeouts, "timeout-", {}),
+]
+
+
+def flag(name: str, prefix: str = "") -> str:
+    return "--" + (prefix + name).replace("_", "-")
+
+
+def has_flag(text: str, name: str) -> bool:
+    return re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", text) is not None
+
+
+def help_text(command: str, capsys) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args([command, "--help"])
+    assert exit_.value.code == 0
+    return " ".join(capsys.readouterr().out.split())
+
+
+def test_serve_help_lists_every_setting_of_its_configs(capsys):
+    text = help_text("serve", capsys)
+    for cls, prefix, named in SERVE_CONFIGS:
+        for f in dataclasses.fields(cls):
+            name = named.get(f.name, flag(f.name, prefix))
+            assert name is None or has_flag(text, name), f"{cls.__name__}.{f.name}: no serve flag"
+    assert has_flag(text, "--no-fuse-cfg") and has_flag(text, "--transfer-max-bytes")
+    assert "Most images per request (n); each image is one job." in text  # the field's own docstring
+
+
+def test_worker_help_lists_every_engine_setting(capsys):
+    text = help_text("worker", capsys)
+    for f in dataclasses.fields(EngineConfig):
+        assert has_flag(text, flag(f.name)), f"EngineConfig.{f.name} has no worker flag"
+    for old in ("--max-batch-requests", "--no-fuse-cfg", "--threads", "--capacity", "--transfer", "--host"):
+        assert has_flag(text, old)
+
+
+def serve_args(*argv: str):
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_serve_flags_build_the_head_config(tmp_path, monkeypatch):
+    monkeypatch.delenv("TRIPTYCH_API_KEYS", raising=False)
+    args = serve_args()
+    assert args.serve_flags.head_config(args, tmp_path) == HeadConfig(data_dir=tmp_path)
+
+    monkeypatch.setenv("TRIPTYCH_API_KEYS", "env-key-123, env-key-456")
+    args = serve_args(
+        *("--max-n", "3", "--max-queued-requests", "5", "--retry-after-s", "2.5", "--max-pixels", "4096"),
+        *("--video-ttl-s", "none", "--video-fps", "24", "--data-dir", str(tmp_path / "d")),
+        *("--api-key", "flag-key-789"),
+    )
+    expected = HeadConfig(
+        data_dir=tmp_path / "d",
+        limits=AdmissionLimits(max_n=3, max_queued_requests=5, retry_after_s=2.5, max_pixels=4096),
+        video_ttl_s=None,
+        video_fps=24,
+        api_keys=("flag-key-789", "env-key-123", "env-key-456"),
+    )
+    assert args.serve_flags.head_config(args, Path("unused")) == expected
+
+
+def test_serve_flags_build_the_topology_and_control_plane():
+    args = serve_args()
+    assert args.serve_flags.topology_config(args) == TopologyConfig()
+    assert args.serve_flags.orchestrator_config(args) == OrchestratorConfig()
+    args = serve_args(
+        *("--encoders", "2", "--decoders", "0", "--transfer", "zmq", "--capacity", "3", "--threads", "1"),
+        *("--control-host", "0.0.0.0", "--control-port", "5555", "--dispatch", "max_free_slots"),
+        *("--orchestrator-max-queued", "9", "--timeout-queued-s", "7.5", "--max-batch-requests", "2"),
+    )
+    topology = TopologyConfig(
+        encoders=2, decoders=0, transfer="zmq", capacity=3, torch_threads=1, extra_args=("--max-batch-requests", "2")
+    )
+    assert args.serve_flags.topology_config(args) == topology
+    orchestrator = OrchestratorConfig(
+        host="0.0.0.0", control_port=5555, dispatch="max_free_slots", max_queued=9, timeouts=StateTimeouts(queued_s=7.5)
+    )
+    assert args.serve_flags.orchestrator_config(args) == orchestrator
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["--max-n", "9", "--max-queued-requests", "8"], "--max-n"),
+        (["--max-steps", "0"], "--max-steps"),
+        (["--video-fps", "500"], "--video-fps"),
+        (["--api-key", "short"], "--api-key"),
+        (["--heartbeat-timeout-s", "0.5"], "--heartbeat-timeout-s"),
+        (["--encoders", "-1"], "--encoders"),
+        (["--timeout-decoding-s", "0"], "--timeout-decoding-s"),
+    ],
+)
+def test_a_bad_serve_setting_exits_2_naming_its_flag(tmp_path, monkeypatch, capsys, argv, named):
+    monkeypatch.delenv("TRIPTYCH_API_KEYS", raising=False)
+    args = serve_args(*argv)
+    with pytest.raises(SystemExit) as exit_:
+        args.serve_flags.head_config(args, tmp_path)
+        args.serve_flags.topology_config(args)
+        args.serve_flags.orchestrator_config(args)
+    assert exit_.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"triptych serve: error: argument {named}: ")
+
+
+def worker_config(*argv: str):
+    from triptych.server.cli import worker_config
+
+    return worker_config(build_parser().parse_args(["worker", "--role", "denoiser", "--head", "tcp://h:1", *argv]))
+
+
+def test_serve_passes_engine_and_transfer_flags_to_its_workers():
+    args = serve_args("--max-batch-requests", "3", "--no-fuse-cfg", "--max-batch-tokens", "512")
+    assert serve_args().serve_flags.workers.argv(serve_args()) == ()
+    config = worker_config(*args.serve_flags.workers.argv(args), "--transfer-max-bytes", "4096")
+    assert config.engine == EngineConfig(max_batch_requests=3, max_batch_tokens=512, fuse_cfg=False)
+    assert config.transfer_max_bytes == 4096
+
+
+def test_worker_defaults_and_existing_flags():
+    config = worker_config()
+    assert config.engine == EngineConfig()
+    assert config.transfer_max_bytes == TransferConfig().max_bytes
+    config = worker_config("--max-batch-requests", "4", "--no-fuse-cfg", "--threads", "2", "--capacity", "3")
+    assert config.engine == EngineConfig(max_batch_requests=4, fuse_cfg=False)
+    assert (config.torch_threads, config.capacity) == (2, 3)
+
+
+def test_building_the_command_line_imports_no_torch():
+    """The serve/worker config flags are added when those commands are used, not for ``--help``."""
+    code = (
+        "import sys\nfrom triptych.cli import build_parser\nbuild_parser().format_help()\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'diffusers') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -1,0 +1,159 @@
+"""The head's per-app state, shared by every route module: ``HeadConfig``, ``Head``, ``ClientGone``.
+
+``create_app`` (``server/http.py``) builds one ``Head`` and hands it to each ``add_*_routes(app,
+head)``; a route reads the backend, config, limits, admission counter and stores from it and owns
+nothing itself. ``Head.open`` creates the file and video stores and starts the backend;
+``Head.close`` closes both. Route modules import from here and from ``http_common``, never from
+each other or from ``http``.
+
+NOTE: importing this module does not import torch; the backend and the video jobs (which do, through
+the pipelines' edge types) are imported where they are used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import hashlib
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+
+from triptych.server.admission import Admission, AdmissionLimits
+from triptych.server.api_models import ModelCard
+from triptych.server.files import FileStore
+from triptych.server.metrics import Metrics
+
+if TYPE_CHECKING:
+    from triptych.pipelines.base import Family
+    from triptych.server.backend import GenerationBackend
+    from triptych.server.jobs import VideoJobs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    """Everything the head needs besides its backend."""
+
+    data_dir: Path
+    """Root of the head's state: ``jobs.sqlite``, ``videos/`` (finished MP4s), ``files/`` (url links)."""
+
+    limits: AdmissionLimits = field(default_factory=AdmissionLimits)
+    """Admission limits (sizes, steps, frames, n, uploads, queue)."""
+
+    url_ttl_s: float = 3600.0
+    """Lifetime of a ``response_format=url`` link, seconds. Bounds: > 0."""
+
+    video_ttl_s: float | None = 7 * 24 * 3600.0
+    """Lifetime of a completed video (record and file), seconds; None keeps them. Bounds: > 0."""
+
+    public_base_url: str | None = None
+    """Base of the links the head hands out (e.g. ``https://gen.example.com``); None = the request's."""
+
+    served_model_name: str | None = None
+    """Model id in ``/v1/models`` and the ``model`` field; None = the model directory's name."""
+
+    video_fps: int = 16
+    """Frame rate of MP4 outputs; ``seconds`` × fps gives the frame count. Bounds: 1..120."""
+
+    sweep_interval_s: float = 60.0
+    """How often expired files and videos are deleted, seconds. Bounds: > 0."""
+
+    api_keys: tuple[str, ...] = ()
+    """Bearer tokens the API accepts (``Authorization: Bearer KEY``, what the OpenAI SDK sends);
+    empty = no authentication. ``/health``, ``/metrics`` and ``/v1/files/…`` links (unguessable
+    ids, handed out like pre-signed URLs) stay open."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "data_dir", Path(self.data_dir))
+        for name in ("url_ttl_s", "sweep_interval_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"HeadConfig.{name}={getattr(self, name)!r}: must be > 0")
+        if self.video_ttl_s is not None and not self.video_ttl_s > 0:
+            raise ValueError(f"HeadConfig.video_ttl_s={self.video_ttl_s!r}: must be > 0 or None (keep forever)")
+        if not 1 <= self.video_fps <= 120:
+            raise ValueError(f"HeadConfig.video_fps={self.video_fps!r}: must be between 1 and 120")
+        if self.public_base_url is not None and not self.public_base_url.startswith(("http://", "https://")):
+            raise ValueError(f"HeadConfig.public_base_url={self.public_base_url!r}: must start with http(s)://")
+        object.__setattr__(self, "api_keys", tuple(self.api_keys))
+        if any(len(k) < 8 or k != k.strip() for k in self.api_keys):
+            raise ValueError("HeadConfig.api_keys: every key must be at least 8 characters, without surrounding spaces")
+
+
+class ClientGone(Exception):
+    """The client disconnected while its request was running; its jobs were cancelled."""
+
+
+#: The tenant of the request being handled: set by the API-key check, read where the request's
+#: parameters are built (it scopes the encoders' mm-hash cache); "" when the server has no keys.
+TENANT: contextvars.ContextVar[str] = contextvars.ContextVar("triptych_tenant", default="")
+
+
+def tenant_of_key(key: bytes) -> str:
+    """A stable tenant id for an API key: a hash, never the key itself (ids reach logs and workers)."""
+    return "key-" + hashlib.sha256(b"triptych tenant\0" + key).hexdigest()[:16]
+
+
+class Head:
+    """Per-app state shared by the routes: backend, config, admission, file and job stores.
+
+    The stores exist between ``open`` and ``close`` (the app's lifespan); routes run only then.
+    """
+
+    def __init__(self, backend: GenerationBackend, config: HeadConfig):
+        self.backend = backend
+        self.config = config
+        self.limits = config.limits
+        self.admission = Admission(config.limits)
+        self.files: FileStore | None = None
+        self.videos: VideoJobs | None = None
+
+    @property
+    def metrics(self) -> Metrics:
+        """The backend's Prometheus collectors (one set per head)."""
+        return self.backend.metrics
+
+    @property
+    def family(self) -> Family:
+        return self.backend.family
+
+    @property
+    def model_id(self) -> str:
+        return self.config.served_model_name or Path(self.family.model_dir).name
+
+    def model_card(self) -> ModelCard:
+        f = self.family
+        kind = "video" if f.is_video else "image-edit" if f.requires_image else "image"
+        return ModelCard(id=self.model_id, created=0, family=f.name, kind=kind)
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_id:
+            raise HTTPException(404, f"model {model!r} is not served here; this server serves {self.model_id!r}")
+
+    def base_url(self, request: Request) -> str:
+        return (self.config.public_base_url or str(request.base_url)).rstrip("/")
+
+    async def open(self) -> None:
+        from triptych.server.jobs import VideoJobs
+
+        self.config.data_dir.mkdir(parents=True, exist_ok=True)
+        self.files = FileStore(self.config.data_dir, self.config.url_ttl_s)
+        self.videos = VideoJobs(self.config.data_dir, self.backend, self.admission, self.config.video_ttl_s)
+        await self.backend.start()
+
+    async def close(self) -> None:
+        if self.videos is not None:
+            await self.videos.close()
+        await self.backend.close()
+
+    async def sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.sweep_interval_s)
+            removed = self.files.sweep() + self.videos.sweep()
+            if removed:
+                logger.info("removed %d expired files/videos", removed)
