@@ -20,7 +20,7 @@ from dataclasses import dataclass, fields
 from triptych.errors import InvalidParam
 from triptych.server.media import ImageLimits
 
-_SIZE_RE = re.compile(r"^\s*(\d{1,9})\s*[xX×]\s*(\d{1,9})\s*$")
+_SIZE_RE = re.compile(r"^\s*([0-9]{1,9})\s*[xX×]\s*([0-9]{1,9})\s*$")  # ASCII digits only
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -82,7 +83,12 @@ class GenerationBackend(ABC):
     """Runs jobs. ``family`` is a weightless adapter (configs and scheduler only) for validation."""
 
     family: Family
-    metrics: Metrics  # the head's Prometheus collectors (one set per backend, shared with the HTTP head)
+
+    @functools.cached_property
+    def metrics(self) -> Metrics:
+        """The head's Prometheus collectors: one set per backend, shared with the HTTP head (a backend
+        that builds its own assigns it in ``__init__``)."""
+        return Metrics()
 
     async def start(self) -> None:
         """Start workers/connections; called once before the first ``run``."""

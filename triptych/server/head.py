@@ -64,6 +64,15 @@ class HeadConfig:
     sweep_interval_s: float = 60.0
     """How often expired files and videos are deleted, seconds. Bounds: > 0."""
 
+    max_json_bytes: int = 64 * 1024 * 1024
+    """Largest JSON request body in bytes (chat images travel inside it as base64); past it a 413
+    before the body is read or held. Multipart uploads have their own limit (max_upload_bytes).
+    Bounds: >= 1024."""
+
+    body_read_timeout_s: float = 30.0
+    """A client that sends no byte of its body for this long gets 408 (slow or half-open clients).
+    Bounds: > 0."""
+
     api_keys: tuple[str, ...] = ()
     """Bearer tokens the API accepts (``Authorization: Bearer KEY``, what the OpenAI SDK sends);
     empty = no authentication. ``/health``, ``/metrics`` and ``/v1/files/…`` links (unguessable
@@ -71,7 +80,9 @@ class HeadConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir))
-        for name in ("url_ttl_s", "sweep_interval_s"):
+        if self.max_json_bytes < 1024:
+            raise ValueError(f"HeadConfig.max_json_bytes={self.max_json_bytes!r}: must be >= 1024")
+        for name in ("url_ttl_s", "sweep_interval_s", "body_read_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"HeadConfig.{name}={getattr(self, name)!r}: must be > 0")
         if self.video_ttl_s is not None and not self.video_ttl_s > 0:

@@ -29,6 +29,7 @@ from triptych.errors import InvalidParam
 from triptych.server.admission import retry_after_header
 from triptych.server.api_models import ErrorResponse, ModelCard, ModelList
 from triptych.server.backend import Cancelled, GenerationBackend, Overloaded, StageFailed
+from triptych.server.body_limit import BodyLimit
 from triptych.server.head import TENANT, ClientGone, Head, HeadConfig, tenant_of_key
 from triptych.server.http_chat import add_chat_routes
 from triptych.server.http_images import add_image_routes
@@ -70,6 +71,8 @@ def validation_message(errors) -> tuple[str, str | None]:
             parts.append(f"missing required field {name}")
         elif err.get("type") == "json_invalid":
             parts.append(f"request body is not valid JSON ({err.get('ctx', {}).get('error', 'parse error')})")
+        elif name is None:  # the body itself: a list, a number, a string where an object belongs
+            parts.append(f"invalid request body={_short(err.get('input'))}: must be a JSON object")
         elif err.get("type") == "extra_forbidden":
             parts.append(f"unknown field {name}={_short(err.get('input'))}: not a parameter of this endpoint")
         else:
@@ -189,6 +192,7 @@ def create_app(backend: GenerationBackend, config: HeadConfig) -> FastAPI:
         dependencies=[Depends(api_key_check(config.api_keys))],
     )
     app.state.head = head
+    app.add_middleware(BodyLimit, max_json_bytes=config.max_json_bytes, read_timeout_s=config.body_read_timeout_s)
     install_error_handlers(app)
     add_image_routes(app, head)
     add_video_routes(app, head)
