@@ -17,7 +17,6 @@ from tests.e2e.http_support import FakeBackend, FakeFamily, png_bytes, serve, wa
 from triptych.server.admission import AdmissionLimits
 from triptych.server.http import HeadConfig, create_app
 from triptych.server.jobs import JobStore, VideoRecord
-from triptych.server.metrics import REGISTRY
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
 HAVE_WAN = importlib.util.find_spec("triptych.pipelines.wan.family") is not None
@@ -45,19 +44,19 @@ def wait_status(client, video_id, status):
     return wait_for(lambda: (v := client.videos.retrieve(video_id)).status == status and v, f"status {status}")
 
 
-def jobs_ended(outcome: str) -> float:
-    return REGISTRY.get_sample_value("triptych_video_jobs_total", {"outcome": outcome}) or 0.0
+def jobs_ended(backend, outcome: str) -> float:
+    return backend.metrics.registry.get_sample_value("triptych_video_jobs_total", {"outcome": outcome}) or 0.0
 
 
 def test_lifecycle_create_poll_download_list_delete(video_family, tmp_path):
     backend, server = start(video_family, tmp_path / "data")
     with server as base:
         client = client_for(base)
-        completed = jobs_ended("completed")
+        completed = jobs_ended(backend, "completed")
         video = client.videos.create(prompt="a boat", extra_body={"seed": 4, "frames": 5})
         assert video.status == "queued" and video.progress == 0 and video.id.startswith("video_")
         done = wait_status(client, video.id, "completed")
-        wait_for(lambda: jobs_ended("completed") == completed + 1, "the job's outcome counted when it ended")
+        wait_for(lambda: jobs_ended(backend, "completed") == completed + 1, "the job's outcome counted when it ended")
         assert done.progress == 100 and done.completed_at is not None
         mp4 = client.videos.download_content(video.id).read()
         assert mp4[4:8] == b"ftyp"
@@ -72,7 +71,7 @@ def test_delete_cancels_a_running_job(video_family, tmp_path):
     backend, server = start(video_family, tmp_path / "data", gated=True)
     with server as base:
         client = client_for(base)
-        cancelled, completed = jobs_ended("cancelled"), jobs_ended("completed")
+        cancelled, completed = jobs_ended(backend, "cancelled"), jobs_ended(backend, "completed")
         video = client.videos.create(prompt="a boat")
         wait_for(lambda: video.id in backend.running, "job running")
         resp = httpx.get(f"{base}/v1/videos/{video.id}/content")
@@ -80,7 +79,7 @@ def test_delete_cancels_a_running_job(video_family, tmp_path):
         client.videos.delete(video.id)
         assert video.id in backend.cancelled
         wait_for(lambda: httpx.get(f"{base}/health").json()["in_flight"] == 0, "slot released")
-        assert (jobs_ended("cancelled"), jobs_ended("completed")) == (cancelled + 1, completed)
+        assert (jobs_ended(backend, "cancelled"), jobs_ended(backend, "completed")) == (cancelled + 1, completed)
         assert client.videos.list().data == []
 
 

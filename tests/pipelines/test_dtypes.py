@@ -14,7 +14,7 @@ import torch
 from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
 from PIL import Image
 
-from tests.helpers import psnr
+from triptych.calibration.metrics import psnr
 from triptych.pipelines.base import GenerationParams
 from triptych.pipelines.registry import load_family
 from triptych.pipelines.runner import run_request

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import count_calls, psnr
+from tests.helpers import count_calls
+from triptych.calibration.metrics import psnr
 from triptych.errors import InvalidParam
 from triptych.pipelines.base import GenerationParams
 from triptych.pipelines.registry import load_family

@@ -15,7 +15,7 @@ from diffusers.models.attention_dispatch import AttentionBackendName, _Attention
 from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
 from PIL import Image
 
-from tests.helpers import psnr
+from triptych.calibration.metrics import psnr
 from triptych.devices import DeviceConfig
 from triptych.errors import InvalidParam
 from triptych.pipelines.base import GenerationParams, Role

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import psnr
+from triptych.calibration.metrics import psnr
 from triptych.devices import DeviceConfig
 from triptych.models import resolve_model
 from triptych.pipelines.base import GenerationParams, Role
