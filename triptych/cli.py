@@ -64,7 +64,22 @@ def _add_generate(sub) -> None:
     p.add_argument("--out", required=True, help="output file: .png .jpg .webp (images) or .mp4 (video)")
     _add_mm_cache_mb(p)
     add_device_flags(p)
+    g = p.add_argument_group("multi-rank denoiser (this process is rank 0 and spawns the others)")
+    g.add_argument("--cfg-parallel", type=int, default=1, help="CFG-parallel degree: 1 or 2")
+    g.add_argument("--ulysses", type=int, default=1, help="Ulysses sequence-parallel degree")
+    g.add_argument("--ring", type=int, default=1, help="ring-attention sequence-parallel degree")
     p.set_defaults(func=cmd_generate)
+
+
+def _parallel_config(args):
+    from triptych.parallel import ParallelConfig
+
+    try:
+        return ParallelConfig(cfg=args.cfg_parallel, ulysses=args.ulysses, ring=args.ring)
+    except ValueError as e:
+        raise InvalidParam(
+            "--cfg-parallel/--ulysses/--ring", (args.cfg_parallel, args.ulysses, args.ring), str(e)
+        ) from None
 
 
 def _add_make_tiny(sub) -> None:
@@ -124,9 +139,17 @@ def cmd_generate(args) -> int:
     if family.is_video != (fmt == "mp4"):
         raise InvalidParam("out", args.out, "video families write .mp4; image families write .png/.jpg/.webp")
     bar = tqdm(total=params.steps, desc="denoising", unit="step", file=sys.stderr)
-    frames, timings = run_request(
-        family, params, on_step=lambda s: bar.update(1), fuse_cfg=not args.separate_cfg, accel=accel
-    )
+    parallel = _parallel_config(args)
+    if parallel.world_size > 1:
+        from triptych.server.runners.local import run_parallel_request
+
+        frames, timings = run_parallel_request(
+            family, params, parallel, device=device.device, on_step=lambda s: bar.update(1)
+        )
+    else:
+        frames, timings = run_request(
+            family, params, on_step=lambda s: bar.update(1), fuse_cfg=not args.separate_cfg, accel=accel
+        )
     bar.close()
     t = time.perf_counter()
     data = encode_frames(frames.to_uint8(), fmt, fps=args.fps)

@@ -12,6 +12,7 @@ import time
 import torch
 
 from triptych.cache.mm import tenant_scope
+from triptych.errors import InvalidParam
 from triptych.parallel import ParallelConfig, broadcast_message, broadcast_tensors
 from triptych.pipelines.base import Conditioning, Family, Frames, GenerationParams
 from triptych.pipelines.runner import StageTimings, StepCallback
@@ -37,7 +38,10 @@ def run_parallel_request(
         raise ValueError("TeaCache is not composed with a multi-rank denoiser yet: drop --teacache-threshold")
     engine_config = EngineConfig(max_batch_requests=1)
     ranks = InstanceRanks(parallel, collective_timeout_s, threads)
-    groups = ranks.start(family, str(family.model_dir), device, None, engine_config)
+    try:
+        groups = ranks.start(family, str(family.model_dir), device, None, engine_config)
+    except ValueError as e:  # degrees the model cannot split by (e.g. Ulysses past its head count)
+        raise InvalidParam("--cfg-parallel/--ulysses/--ring", str(parallel), str(e)) from None
     try:
         t = time.perf_counter()
         with torch.no_grad(), tenant_scope(params.tenant):
