@@ -4,9 +4,11 @@ Fairness policy (least recently served first): every running request remembers t
 it last advanced (its arrival tick before its first step). Each tick the engine picks the request
 that has waited longest, runs its compatibility group (family, size, frames, dtype), and fills the
 batch from that group in the same waited-longest order, up to ``max_batch_requests`` and
-``max_batch_tokens``. A request therefore waits at most ``ceil(R / max_batch_requests) - 1`` ticks
-between two of its steps, where R is the number of running requests, whatever their kind: a long
-video request cannot starve short image requests, and image requests cannot starve the video.
+``max_batch_tokens``. With B = ``max_batch_requests`` and the running requests in compatibility
+groups of sizes n_1 .. n_G, a request therefore waits at most ``sum(ceil(n_g / B)) - 1`` ticks
+between two of its steps (one group: ``ceil(R / B) - 1``; never more than R - 1), whatever its
+kind: a long video request cannot starve short image requests, and image requests cannot starve
+the video. (Within the token budget; a batch cut short by ``max_batch_tokens`` adds ticks.)
 """
 
 from __future__ import annotations
