@@ -127,7 +127,11 @@ def cmd_generate(args) -> int:
         teacache_threshold=args.teacache_threshold,
     )
     t0 = time.perf_counter()
-    family = load_family(resolve_model(args.model), device=device, mm_cache_config=_mm_cache_config(args))
+    family = load_family(
+        resolve_model(args.model, os.environ.get("TRIPTYCH_CACHE")),
+        device=device,
+        mm_cache_config=_mm_cache_config(args),
+    )
     load_s = time.perf_counter() - t0
     params = family.resolve(params)
     accel = None
@@ -199,7 +203,7 @@ def cmd_chat(args) -> int:
     )
     params = ChatParams(turns, tuple(images), args.max_tokens, args.temperature, args.top_p, args.seed)
     params.check(max_images=64)
-    model_dir = resolve_model(args.model)
+    model_dir = resolve_model(args.model, os.environ.get("TRIPTYCH_CACHE"))
     family = family_class(model_dir)(
         model_dir, roles={Role.ENCODER}, device=device, mm_cache_config=_mm_cache_config(args)
     )
@@ -269,7 +273,7 @@ def cmd_quality(args) -> int:
     device = device_config_from_args(args)
     world = {"auto": None, "on": True, "off": False}[args.world]
     report = quality_report(
-        resolve_model(args.model),
+        resolve_model(args.model, os.environ.get("TRIPTYCH_CACHE")),
         args.teacache_threshold,
         images=args.images,
         steps=args.steps,
@@ -303,7 +307,7 @@ def cmd_calibrate(args) -> int:
             raise InvalidParam("image", args.image, "file does not exist") from None
     from triptych.calibration.quality import world_prompts
 
-    model = resolve_model(args.model)
+    model = resolve_model(args.model, os.environ.get("TRIPTYCH_CACHE"))
     prompts = args.prompt or world_prompts(model) or DEFAULT_PROMPTS
     profile, path = calibrate(model, args.steps, prompts, args.seeds, args.out, device=device, **base)
     q = profile.quality

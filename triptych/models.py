@@ -2,7 +2,7 @@
 
 Order: a trained default shipped inside the package (``triptych/assets/default``) when present;
 otherwise a tiny seeded model of ``DEFAULT_TINY_FAMILY`` created on first use under the per-user
-cache directory (``$TRIPTYCH_CACHE`` or ``~/.cache/triptych``). Creation writes to a temporary
+cache directory (``cache_root``; the CLIs pass ``$TRIPTYCH_CACHE``, default ``~/.cache/triptych``). Creation writes to a temporary
 directory and renames it into place, so concurrent first uses never see a half-written model.
 """
 
@@ -20,21 +20,21 @@ PACKAGED_DEFAULT = Path(__file__).parent / "assets" / "default"
 DEFAULT_TINY_FAMILY = "flux"
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("TRIPTYCH_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "triptych")
-    return Path(root)
+def cache_dir(root: str | os.PathLike | None = None) -> Path:
+    """``root``, or the per-user default ``~/.cache/triptych`` (the CLIs pass ``$TRIPTYCH_CACHE``)."""
+    return Path(root) if root else Path(os.path.expanduser("~")) / ".cache" / "triptych"
 
 
-def default_model_dir() -> Path:
+def default_model_dir(cache_root: str | os.PathLike | None = None) -> Path:
     if (PACKAGED_DEFAULT / "model_index.json").is_file():
         return PACKAGED_DEFAULT
-    return ensure_tiny(DEFAULT_TINY_FAMILY)
+    return ensure_tiny(DEFAULT_TINY_FAMILY, cache_root=cache_root)
 
 
-def ensure_tiny(family: str, seed: int = 0, size: str = "tiny") -> Path:
+def ensure_tiny(family: str, seed: int = 0, size: str = "tiny", cache_root: str | os.PathLike | None = None) -> Path:
     from triptych.pipelines.registry import make_tiny
 
-    target = cache_dir() / "models" / f"tiny-{family}-{size}-seed{seed}"
+    target = cache_dir(cache_root) / "models" / f"tiny-{family}-{size}-seed{seed}"
     if (target / "model_index.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -52,5 +52,5 @@ def ensure_tiny(family: str, seed: int = 0, size: str = "tiny") -> Path:
     return target
 
 
-def resolve_model(model: str | None) -> Path:
-    return Path(model) if model else default_model_dir()
+def resolve_model(model: str | None, cache_root: str | os.PathLike | None = None) -> Path:
+    return Path(model) if model else default_model_dir(cache_root)

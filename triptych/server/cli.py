@@ -224,7 +224,7 @@ def worker_config(args: argparse.Namespace):
         role=Role(args.role),
         head=args.head,
         token=args.token,
-        model_dir=Path(resolve_model(args.model)),
+        model_dir=Path(resolve_model(args.model, os.environ.get("TRIPTYCH_CACHE"))),
         instance_id=args.instance_id,
         capacity=args.capacity,
         transfer=args.transfer,
@@ -254,9 +254,11 @@ def cmd_serve(args) -> int:
     from triptych.server.launch import EmbeddedBackend
 
     flags: ServeFlags = args.serve_flags
-    head_config = flags.head_config(args, default_data_dir=cache_dir() / "head")
+    head_config = flags.head_config(args, default_data_dir=cache_dir(os.environ.get("TRIPTYCH_CACHE")) / "head")
     orchestrator = flags.orchestrator_config(args)
-    backend = EmbeddedBackend(resolve_model(args.model), orchestrator, flags.topology_config(args))
+    backend = EmbeddedBackend(
+        resolve_model(args.model, os.environ.get("TRIPTYCH_CACHE")), orchestrator, flags.topology_config(args)
+    )
     write_token(head_config.data_dir, backend.orchestrator.token)
     try:
         from triptych.server.http import create_app
