@@ -34,7 +34,9 @@ def _image(family, **kw):
     return run_request(family, params, fuse_cfg=False)[0].array
 
 
-@pytest.mark.parametrize("backend", ["_native_math", "flex"])
+# flex compiles its kernel with torch dynamo on first use: minutes on a loaded 2-core CPU, so it runs
+# with --run-slow (and on the GPU check).
+@pytest.mark.parametrize("backend", ["_native_math", pytest.param("flex", marks=pytest.mark.slow)])
 def test_attention_backend_is_set_on_every_processor_and_changes_little(tiny_model_dir, backend):
     native = load_family(tiny_model_dir("flux"))
     other = load_family(tiny_model_dir("flux"), device=DeviceConfig(attention=backend))
