@@ -154,3 +154,19 @@ def test_concurrent_tenants_do_not_leak_into_each_other(tmp_path):
             t.join(60)
     by_prompt = {job.params.prompt: job.params.tenant for job in backend.jobs}
     assert len(by_prompt) == 8 and len(set(by_prompt.values())) == 8
+
+
+@pytest.mark.parametrize(
+    "describe,status,code",
+    [
+        ({}, "ok", 200),
+        ({"empty_roles": [], "local_workers": {"workers": {"denoiser-0": {"running": False}}}}, "degraded", 200),
+        ({"empty_roles": ["denoiser"]}, "unavailable", 503),
+    ],
+)
+def test_health_says_degraded_or_unavailable_and_the_status_code_follows(tmp_path, describe, status, code):
+    backend, server = make_server(tmp_path)
+    backend.describe = lambda: describe
+    with server as base:
+        r = httpx.get(f"{base}/health")
+    assert (r.status_code, r.json()["status"]) == (code, status)

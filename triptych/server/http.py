@@ -209,12 +209,16 @@ def create_app(backend: GenerationBackend, config: HeadConfig) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {
-            "status": "ok",
-            "model": head.model_id,
-            "in_flight": head.admission.in_flight,
-            "backend": backend.describe(),
-        }
+        """``ok``; ``degraded`` (200) while a local worker is down or given up but every role still has
+        a live instance; ``unavailable`` (503) while a role has none."""
+        desc = backend.describe()
+        empty = desc.get("empty_roles", [])
+        down = [iid for iid, w in desc.get("local_workers", {}).get("workers", {}).items() if not w["running"]]
+        status = "unavailable" if empty else "degraded" if down else "ok"
+        body = {"status": status, "model": head.model_id, "in_flight": head.admission.in_flight, "backend": desc}
+        if empty:
+            body["missing_roles"] = empty
+        return JSONResponse(body, status_code=503 if empty else 200)
 
     @app.get("/metrics", response_class=Response)
     async def prometheus():
