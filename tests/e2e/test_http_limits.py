@@ -133,8 +133,10 @@ def test_form_fields_are_validated(tmp_path):
         ]:
             resp = httpx.post(f"{base}/v1/images/edits", data=data, files={"image": ("a.png", png_bytes())})
             assert resp.status_code == 400 and resp.json()["error"]["param"] == param, (data, resp.text)
-        resp = httpx.post(f"{base}/v1/images/edits", data={"prompt": "x"})
+        resp = httpx.post(f"{base}/v1/images/edits", files=[("prompt", (None, "x"))])  # multipart, no image
         assert resp.status_code == 400 and resp.json()["error"]["param"] == "image"
+        resp = httpx.post(f"{base}/v1/images/edits", data={"prompt": "x"})  # urlencoded: a cross-site form
+        assert resp.status_code == 415
 
 
 def test_stage_failure_is_502_not_bad_input(tmp_path):

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 
 from triptych.cli import build_parser
+from triptych.devices import DeviceConfig
+from triptych.parallel import ParallelConfig
 from triptych.server.admission import AdmissionLimits
 from triptych.server.engine.config import EngineConfig
 from triptych.server.head import HeadConfig
@@ -25,7 +27,9 @@ SERVE_CONFIGS = [
     (AdmissionLimits, "", {}),
     (EngineConfig, "", {}),
     (HeadConfig, "", {"data_dir": "--data-dir", "api_keys": "--api-key", "limits": None}),
-    (TopologyConfig, "", {"torch_threads": "--threads", "extra_args": None}),
+    (TopologyConfig, "", {"torch_threads": "--threads", "extra_args": None, "parallel": None, "device": None}),
+    (ParallelConfig, "", {"cfg": "--cfg-parallel"}),
+    (DeviceConfig, "", {}),
     (OrchestratorConfig, "", {"host": "--control-host", "max_queued": "--orchestrator-max-queued", "timeouts": None}),
     (StateTimeouts, "timeout-", {}),
 ]
@@ -135,7 +139,10 @@ def test_a_bad_serve_setting_exits_2_naming_its_flag(tmp_path, monkeypatch, caps
 def worker_config(*argv: str):
     from triptych.server.cli import worker_config
 
-    return worker_config(build_parser().parse_args(["worker", "--role", "denoiser", "--head", "tcp://h:1", *argv]))
+    token = ("--token", "a-deployment-token-for-tests")
+    return worker_config(
+        build_parser().parse_args(["worker", "--role", "denoiser", "--head", "tcp://h:1", *token, *argv])
+    )
 
 
 def test_serve_passes_engine_and_transfer_flags_to_its_workers():

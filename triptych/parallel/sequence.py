@@ -26,7 +26,7 @@ from diffusers.hooks.context_parallel import (
 )
 from diffusers.models._modeling_parallel import ContextParallelOutput
 
-from triptych.parallel import attention
+import triptych.parallel.attention as attention
 from triptych.parallel.gather import UnevenGatherHook
 from triptych.parallel.groups import ParallelGroups
 

@@ -117,7 +117,13 @@ class EmbeddedBackend(GenerationBackend):
     ):
         self.orchestrator = Orchestrator(model_dir, config)
         self.topology = topology or TopologyConfig()
-        self.workers = LocalWorkers(self.orchestrator.model_dir, self.topology, self.orchestrator.token, self._exited)
+        self.workers = LocalWorkers(
+            self.orchestrator.model_dir,
+            self.topology,
+            self.orchestrator.token,
+            self._exited,
+            self.orchestrator.registry.expect,
+        )
         self.family = self.orchestrator.family
         self.metrics = self.orchestrator.metrics
 

@@ -71,9 +71,9 @@ class OrchestratorConfig:
     chat_timeout_s: float = 600.0
     """Longest a chat answer may take from its first token to its last."""
     unavailable_after_s: float = 30.0
-    """A role with no live instance for this long makes new and queued requests that need it fail
-    at once (HTTP 503 + Retry-After) instead of waiting out the queue timeout; local workers that
-    died are restarted well within it."""
+    """A role with no live instance for this long (and no local worker of it starting: a spawn or a
+    restart restarts the count) makes new and queued requests that need it fail at once (HTTP 503 +
+    Retry-After) instead of waiting out the queue timeout."""
     token: str = ""
     """The deployment's control-plane token: only workers holding it register, every control frame
     is signed with it. Empty = a fresh random one (``Orchestrator.token``), for local workers."""

@@ -101,6 +101,11 @@ class InstanceRegistry:
         """Roles with no live instance for longer than ``grace_s`` → for how long."""
         return {role: now - t for role, t in self._empty_since.items() if now - t > grace_s}
 
+    def expect(self, role: str) -> None:
+        """A worker of ``role`` is starting (spawned or restarted here): its absence restarts its grace."""
+        if role in self._empty_since:
+            self._empty_since[role] = time.monotonic()
+
     def empty_roles(self) -> list[str]:
         return sorted(self._empty_since)
 

@@ -36,7 +36,15 @@ class _Worker:
 
 
 class LocalWorkers:
-    def __init__(self, model_dir: Path, topology, token: str, on_exit: Callable[[str, int], None]):
+    def __init__(
+        self,
+        model_dir: Path,
+        topology,
+        token: str,
+        on_exit: Callable[[str, int], None],
+        on_start: Callable[[str], None] = lambda role: None,
+    ):
+        self.on_start = on_start  # a worker of this role is starting (the head's grace for the role restarts)
         self.model_dir = model_dir
         self.topology = topology
         self.token = token  # handed to workers in their environment, never on a command line
@@ -72,6 +80,7 @@ class LocalWorkers:
         gpus = t.layout().get(instance_id)
         if gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+        self.on_start(role)
         proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
         logger.info("spawned %s (pid %d)", instance_id, proc.pid)
         return proc
