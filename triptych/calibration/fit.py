@@ -136,7 +136,7 @@ def calibrate(
     family=None,
     warmup: int = 1,
     cooldown: int = 1,
-    thresholds: Sequence[float] = DEFAULT_THRESHOLDS,
+    thresholds: Sequence[float] = (),
     variants: Sequence[tuple[int, int | None]] | None = None,
     eval_images: int = 16,
     target: Target | None = None,
