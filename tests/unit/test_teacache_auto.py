@@ -70,4 +70,3 @@ def test_rest_models_map_auto_and_refuse_other_words():
     for bad in ("fast", 3.0, float("inf")):
         with pytest.raises(ValidationError, match="teacache_threshold"):
             ImageGenerationRequest(prompt="x", teacache_threshold=bad)
-
