@@ -1,6 +1,6 @@
 """Run a list of requests through the stages in one process, several at a time, keeping what the
 calibration sweep and the quality baselines measure: images, final latents, forwards computed and
-skipped per request, and the denoise wall time.
+skipped per request, and the denoise time (CPU seconds).
 
 Requests are encoded once (:class:`Cases`) and then run as often as a sweep needs. A batch is one
 ``denoise_step`` over up to ``batch_size`` requests, CFG branches fused, as the serving engine runs
@@ -58,7 +58,10 @@ def run_cases(
     on_request: Callable[[], None] | None = None,
 ) -> tuple[list[Output], float]:
     """Every case at TeaCache ``threshold`` (0 = plain, the family's own forward); returns the outputs
-    in order and the summed denoise seconds. ``cache``: a ``TeaCache`` (needed when threshold > 0)."""
+    in order and the denoise time in CPU seconds of this process (``time.process_time``, all its
+    threads). NOTE: CPU time, not wall time: on a shared machine other processes' load changes wall
+    time by several times between two settings of one sweep, but not the work a setting does.
+    ``cache``: a ``TeaCache`` (needed when threshold > 0)."""
     if threshold and cache is None:
         raise ValueError("run_cases: a TeaCache threshold needs a cache")
     family, outputs, seconds = cases.family, [], 0.0
@@ -72,7 +75,7 @@ def run_cases(
             states.append(state)
             counts[state.request_id] = [0, 0]
         forward = cache.bind(family.forward) if threshold else None
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         try:
             while not all(s.done for s in states):
                 family.denoise_step([s for s in states if not s.done], fuse_cfg=True, forward=forward)
@@ -82,7 +85,7 @@ def run_cases(
             for s in states:
                 if cache is not None:
                     cache.release(s.request_id)
-        seconds += time.perf_counter() - t0
+        seconds += time.process_time() - t0
         for s in states:
             if not threshold:  # plain: every branch of every step computed
                 counts[s.request_id] = [s.total_steps * len(s.branches()), 0]

@@ -2,8 +2,8 @@
 
 For each TeaCache setting (threshold × warmup × cap on consecutive skips) the sweep runs the same
 held-out requests (prompts and seeds the fit never saw) as the plain path, in the same batch
-composition, and measures: forwards skipped, the denoise speedup (wall time, plain / cached, in
-this run), PSNR and SSIM against the plain images (mean and worst), and shape-world adherence for
+composition, and measures: forwards skipped, the denoise speedup (CPU time of the denoise loop,
+plain / cached, in this run), PSNR and SSIM against the plain images (mean and worst), and shape-world adherence for
 models that draw that world. The recommendation is the setting with the largest saving whose
 worst case meets the :class:`Target`; none meeting it gives no recommendation (``"auto"`` is then
 refused with a 400 naming the field).
@@ -134,7 +134,7 @@ def _row(t, warmup, max_skips, got, plain, secs, plain_s, total, adh, plain_adh)
         "images": len(got),
         "skipped_fraction": 1 - computed / total,
         "forward_reduction": total / computed,  # transformer forwards (rows) plain / cached
-        "denoise_speedup": plain_s / secs if secs > 0 else math.nan,  # measured, this run
+        "denoise_speedup": plain_s / secs if secs > 0 else math.nan,  # CPU time, measured in this run
         "seconds": secs,
         **{k: v for k, v in fid.items() if k != "psnr_each"},
         "psnr_each": fid["psnr_each"],
