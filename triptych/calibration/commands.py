@@ -58,8 +58,13 @@ def add_calibrate(sub) -> None:
         "--thresholds", type=float, nargs="*", default=list(DEFAULT_THRESHOLDS), help="swept (none: fit only)"
     )
     p.add_argument("--eval-images", type=int, default=16, help="evaluation requests (unseen prompts and seeds)")
-    p.add_argument("--warmup", type=int, nargs="+", default=[1], help="first steps always computed (swept)")
-    p.add_argument("--max-skips", type=int, nargs="+", default=[0], help="cap on consecutive skips, 0 = none (swept)")
+    # NOTE: defaults from the default model's sweep (RESULTS in the commit adding them): computing the
+    # first 4 of 20 steps and capping skips at 1 in a row raised the saving that meets the target
+    # from 11% to 36% of forwards; plain TeaCache (1, none) stays in the grid as the reference.
+    p.add_argument("--warmup", type=int, nargs="+", default=[1, 4], help="first steps always computed (swept)")
+    p.add_argument(
+        "--max-skips", type=int, nargs="+", default=[0, 1], help="cap on consecutive skips, 0 = none (swept)"
+    )
     p.add_argument("--batch", type=int, default=8, help="requests per forward in the sweep")
     p.add_argument("--report", metavar="DIR", help="write an HTML report (fit plot, curves, images) into DIR")
     _add_target(p, "recommendation target")

@@ -70,7 +70,7 @@ def write_calibration_report(out_dir: str | Path, profile: TeaCacheProfile, traj
         )
         classes.append("" if r["threshold"] == 0 else ("fail" if r["failures"] else "pass"))
     page.table(header, table, classes)
-    _side_by_side(page, result, profile.sweep.get("prompts", []))
+    _side_by_side(page, result, profile, profile.sweep.get("prompts", []))
     page.write()
 
 
@@ -114,10 +114,13 @@ def _curve_figure(rows, target: dict):
     return fig
 
 
-def _side_by_side(page: Page, result, prompts: Sequence[str]) -> None:
-    keys = sorted(result.outputs, key=lambda k: (str(k[1:]), k[0]))
+def _side_by_side(page: Page, result, profile: TeaCacheProfile, prompts: Sequence[str]) -> None:
+    """Plain and every threshold of the first variant swept and of the recommended one."""
+    keys = list(result.outputs)
+    shown = {keys[0][1:]} | ({(profile.warmup, profile.max_skips)} if profile.recommended_threshold else set())
+    keys = sorted((k for k in keys if k[1:] in shown), key=lambda k: (str(k[1:]), k[0]))
     n = min(SHOWN_IMAGES, len(result.plain))
-    page.heading("Side by side")
+    page.heading("Side by side (first variant swept and the recommended one)")
     header = ["request", "plain"] + [f"t={t:g} w={w} cap={c or '-'}" for t, w, c in keys]
     rows = []
     for i in range(n):
