@@ -3,6 +3,9 @@ the target is set where this random-weight model's thresholds differ, its images
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from triptych import cli
@@ -27,7 +30,7 @@ def calibrated(tmp_path_factory):
         STEPS,
         prompts=FIT_PROMPTS,
         family=load_family(model),
-        thresholds=(0.1, 0.3, 1.0),
+        thresholds=(0.05, 0.1, 1.0),
         eval_images=2,
         target=TARGET,
         report_dir=root / "report",
@@ -40,7 +43,7 @@ def test_the_profile_holds_the_sweep_and_recommends_the_largest_saving_that_meet
     loaded = load_profile(path)
     assert loaded.recommended_threshold == profile.recommended_threshold is not None
     rows = loaded.sweep["rows"]
-    assert [r["threshold"] for r in rows] == [0.0, 0.1, 0.3, 1.0]
+    assert [r["threshold"] for r in rows] == [0.0, 0.05, 0.1, 1.0]
     for r in rows[1:]:  # every row's verdict is the target's
         meets = r["psnr_min"] >= TARGET.min_psnr and r["ssim_min"] >= TARGET.min_ssim
         assert meets == (not r["failures"]), r
@@ -85,3 +88,30 @@ def test_a_profile_without_a_recommendation_refuses_auto_with_one_line(tmp_path,
     code = cli.main(["quality", "--model", str(model), "--teacache-threshold", "auto", "--steps", str(STEPS)])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and err[-1].startswith("error: invalid teacache_threshold='auto'")
+
+
+def _cli_json(args: list[str], report: Path) -> tuple[int, dict]:
+    code = cli.main(args + ["--report", str(report)])
+    return code, json.loads((report / "report.json").read_text())
+
+
+def test_a_baseline_gates_10x_the_recommendation_at_the_calibrated_target(calibrated):
+    model, profile, _, root = calibrated
+    matrix = root / "matrix.yaml"
+    matrix.write_text(f"steps: [{STEPS}]\nprompts: [a red fox in the snow, a lighthouse at night]\nguidance: [3.5]\n")
+    base = ["quality", "--model", str(model), "--baseline", str(root / "base")]
+    assert (
+        cli.main(["quality", "--model", str(model), "--save-baseline", str(root / "base"), "--matrix", str(matrix)])
+        == 0
+    )
+    code, same = _cli_json(base, root / "same")
+    assert code == 0 and same["kind"] == "exact" and same["summary"]["identical"] == 2
+    code, auto = _cli_json(base + ["--teacache-threshold", "auto"], root / "auto")
+    conf = auto["current"]["configuration"]
+    assert conf["teacache_requested"] == "auto" and conf["teacache_threshold"] == profile.recommended_threshold
+    assert auto["gates"] == profile.target  # held to the calibrated target, not the defaults
+    damaging = 10 * profile.recommended_threshold
+    code, bad = _cli_json(base + ["--teacache-threshold", f"{damaging:g}"], root / "damaged")
+    assert code == 1 and bad["failures"] and bad["failures"][0].startswith("worst PSNR")
+    assert bad["summary"]["skipped_fraction"] > auto["summary"]["skipped_fraction"]
+    assert "Gates FAILED" in (root / "damaged" / "index.html").read_text()

@@ -1,7 +1,11 @@
 """``triptych quality --save-baseline`` / ``--baseline`` on the packaged default model: the same code
-compares exact (exit 0), a damaging configuration (10x the recommended TeaCache threshold) fails the
-gate (exit 1) and its report shows it, and the HTML report renders in headless Chromium with every
-image loaded."""
+compares exact (exit 0), a damaging configuration fails the gate (exit 1) and its report shows it,
+and the HTML report renders in headless Chromium with every image loaded.
+
+The default model's profile has no recommended threshold (no TeaCache setting met the target on its
+48 evaluation requests), so the damaging setting is plain TeaCache at 0.3: in the calibration sweep it
+skipped 73% of forwards at 11.9 dB worst PSNR. "10x the recommendation" is tested on a tiny FLUX with
+a recommendation (``test_calibrate_sweep.py``)."""
 
 from __future__ import annotations
 
@@ -15,10 +19,9 @@ import pytest
 from PIL import Image
 
 from triptych import cli
-from triptych.cache.teacache_profile import find_profile
-from triptych.models import resolve_model
 
 CHROMIUM = "/usr/bin/chromium"
+DAMAGING = 0.3
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +54,8 @@ def test_the_same_code_compares_identical_and_exits_0(saved):
     assert report["summary"]["identical"] == 2 and report["summary"]["latent_rel_l2_max"] == 0.0
 
 
-def test_ten_times_the_recommended_threshold_fails_and_the_report_shows_it(saved):
-    profile = find_profile(resolve_model(None), 20, "qwen-image")
-    damaging = 10 * profile.recommended_threshold
+def test_a_damaging_threshold_fails_and_the_report_shows_it(saved):
+    damaging = DAMAGING
     code, report, out = _compare(saved, "damaged", "--teacache-threshold", f"{damaging:g}")
     assert code == 1 and not report["passed"] and report["failures"]
     assert report["current"]["configuration"]["teacache_threshold"] == pytest.approx(damaging)
@@ -68,7 +70,7 @@ def test_the_report_renders_in_headless_chromium_with_its_images(saved, tmp_path
         pytest.skip("headless Chromium (/usr/bin/chromium) is not installed")
     out = saved / "damaged"
     if not (out / "index.html").exists():
-        _compare(saved, "damaged", "--teacache-threshold", "1.0")
+        _compare(saved, "damaged", "--teacache-threshold", str(DAMAGING))
     html = (out / "index.html").read_text()
     sources = re.findall(r'<img[^>]* src="([^"]+)"', html)
     assert len(sources) >= 7  # plot + 2 cases x (baseline, current, diff)

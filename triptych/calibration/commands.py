@@ -26,15 +26,12 @@ def threshold_arg(text: str) -> float:
 
 
 def _add_target(p, gates: str) -> None:
-    t = DEFAULT_TARGET
-    p.add_argument(
-        "--min-psnr", type=float, default=t.min_psnr, help=f"{gates}: worst PSNR, dB (default {t.min_psnr:g})"
-    )
-    p.add_argument("--min-ssim", type=float, default=t.min_ssim, help=f"{gates}: worst SSIM (default {t.min_ssim:g})")
+    t = DEFAULT_TARGET  # None: --baseline with TeaCache takes the profile's calibrated target, else these
+    p.add_argument("--min-psnr", type=float, help=f"{gates}: worst PSNR, dB (default {t.min_psnr:g})")
+    p.add_argument("--min-ssim", type=float, help=f"{gates}: worst SSIM (default {t.min_ssim:g})")
     p.add_argument(
         "--max-adherence-drop",
         type=float,
-        default=t.max_adherence_drop,
         help=f"{gates}: largest drop of world adherence, a fraction (default {t.max_adherence_drop:g} = 2 points)",
     )
 
@@ -63,7 +60,7 @@ def add_calibrate(sub) -> None:
     # from 11% to 36% of forwards; plain TeaCache (1, none) stays in the grid as the reference.
     p.add_argument("--warmup", type=int, nargs="+", default=[1, 4], help="first steps always computed (swept)")
     p.add_argument(
-        "--max-skips", type=int, nargs="+", default=[0, 1], help="cap on consecutive skips, 0 = none (swept)"
+        "--max-skips", type=int, nargs="+", default=[0, 1, 2], help="cap on consecutive skips, 0 = none (swept)"
     )
     p.add_argument("--batch", type=int, default=8, help="requests per forward in the sweep")
     p.add_argument("--report", metavar="DIR", help="write an HTML report (fit plot, curves, images) into DIR")
@@ -129,11 +126,33 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
-def _target(args) -> Target:
+def _profile_target(model, args) -> dict:
+    """The calibrated target of the model's profile for the baseline's steps (a TeaCache comparison
+    is held to what calibration promised), or {} (then ``Target``'s defaults)."""
+    if not args.baseline or not args.teacache_threshold or not args.teacache_threshold[0]:
+        return {}
+    import json
+    from pathlib import Path
+
+    from triptych.cache.teacache_profile import find_profile
+
     try:
-        return Target(args.min_psnr, args.min_ssim, args.max_adherence_drop)
+        meta = json.loads((Path(args.baseline) / "baseline.json").read_text())
+        steps = meta["cases"][0]["steps"]
+    except (OSError, ValueError, KeyError, IndexError):
+        return {}  # load_baseline reports an unreadable baseline
+    profile = find_profile(model, steps, meta.get("family"))
+    return dict(profile.target) if profile is not None else {}
+
+
+def _target(args, calibrated: dict | None = None) -> Target:
+    """Flags given win; then the profile's calibrated target; then ``Target``'s defaults."""
+    given = {k: getattr(args, k) for k in ("min_psnr", "min_ssim", "max_adherence_drop")}
+    values = {**vars(DEFAULT_TARGET), **(calibrated or {}), **{k: v for k, v in given.items() if v is not None}}
+    try:
+        return Target(values["min_psnr"], values["min_ssim"], values["max_adherence_drop"])
     except ValueError as e:
-        raise InvalidParam("target", (args.min_psnr, args.min_ssim, args.max_adherence_drop), str(e)) from None
+        raise InvalidParam("target", tuple(values.values()), str(e)) from None
 
 
 def add_quality(sub) -> None:
@@ -180,12 +199,12 @@ def cmd_quality(args) -> int:
 
     model = resolve_model(args.model)
     if args.save_baseline or args.baseline:
-        return _baseline_command(args, model, _target(args))
+        return _baseline_command(args, model, _target(args, _profile_target(model, args)))
     if not args.teacache_threshold:
         raise InvalidParam("teacache_threshold", None, "give thresholds (or auto), --save-baseline or --baseline")
     from triptych.calibration.quality import markdown, quality_report, write
 
-    gates = not args.no_gates
+    gates, target = not args.no_gates, _target(args)
     world = {"auto": None, "on": True, "off": False}[args.world]
     report = quality_report(
         model,
@@ -194,9 +213,9 @@ def cmd_quality(args) -> int:
         steps=args.steps,
         world=world,
         prompts=args.prompt,
-        min_psnr=args.min_psnr if gates else None,
-        min_ssim=args.min_ssim if gates else None,
-        max_adherence_drop=args.max_adherence_drop if gates else None,
+        min_psnr=target.min_psnr if gates else None,
+        min_ssim=target.min_ssim if gates else None,
+        max_adherence_drop=target.max_adherence_drop if gates else None,
         batch_size=args.batch,
         progress=True,
     )
