@@ -7,6 +7,10 @@ PY=${PYTHON:-python3}
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! ldconfig -p | grep -q libibverbs.so.1; then
   (apt-get update -qq && apt-get install -y -qq libibverbs1 >/dev/null) || echo "install.sh: libibverbs1 not installed; Mooncake transfer will be unavailable" >&2
 fi
+# Headless Chromium renders the HTML quality reports in tests (skipped without it); root only.
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && [ ! -x /usr/bin/chromium ]; then
+  (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) || echo "install.sh: chromium not installed; the report-render test will be skipped" >&2
+fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/pip install -q torch==2.13.0
 .venv/bin/pip install -q -e ".[test,mooncake]"

@@ -50,9 +50,10 @@ def _add_generate(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--teacache-threshold",
-        type=float,
+        type=_threshold_arg,
         default=0.0,
-        help="TeaCache threshold (0 = off); needs a calibration profile (triptych calibrate)",
+        help="TeaCache threshold (0 = off) or auto (the profile's recommendation); needs a calibration "
+        "profile (triptych calibrate)",
     )
     p.add_argument("--fps", type=int, default=16, help="MP4 frame rate")
     p.add_argument(
@@ -80,6 +81,12 @@ def _parallel_config(args):
         raise InvalidParam(
             "--cfg-parallel/--ulysses/--ring", (args.cfg_parallel, args.ulysses, args.ring), str(e)
         ) from None
+
+
+def _threshold_arg(text: str) -> float:
+    from triptych.calibration.commands import threshold_arg
+
+    return threshold_arg(text)
 
 
 def _add_make_tiny(sub) -> None:
@@ -220,99 +227,15 @@ def cmd_chat(args) -> int:
 
 
 def _add_calibrate(sub) -> None:
-    p = sub.add_parser("calibrate", help="fit a TeaCache profile for a model and step count")
-    p.add_argument("--model", help="diffusers model directory (default: the built-in model)")
-    p.add_argument("--steps", type=int, required=True, help="the step schedule the profile is for")
-    p.add_argument(
-        "--prompt",
-        action="append",
-        help="calibration prompt (repeatable; default: train-split captions for a shape-world model, else a built-in set)",
-    )
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    p.add_argument("--out", help="profile path (default MODEL_DIR/teacache/<family>-<steps>steps.json)")
-    p.add_argument("--image", help="condition image (edit / image-to-video families)")
-    add_device_flags(p)
-    p.set_defaults(func=cmd_calibrate)
+    from triptych.calibration.commands import add_calibrate
+
+    add_calibrate(sub)  # flags and command: triptych/calibration/commands.py
 
 
 def _add_quality(sub) -> None:
-    p = sub.add_parser("quality", help="what an acceleration changes against the plain path (PSNR, SSIM, adherence)")
-    p.add_argument("--model", help="diffusers model directory (default: the built-in model)")
-    p.add_argument(
-        "--teacache-threshold",
-        type=float,
-        nargs="+",
-        required=True,
-        metavar="T",
-        help="TeaCache thresholds to compare with the plain path (each needs a profile: triptych calibrate)",
-    )
-    p.add_argument("--images", type=int, default=32, help="requests per setting (default 32)")
-    p.add_argument("--steps", type=int, help="denoising steps (default: the model's)")
-    p.add_argument(
-        "--world",
-        choices=["auto", "on", "off"],
-        default="auto",
-        help="score prompt adherence on held-out shape-world prompts (auto: when the model says it draws that world)",
-    )
-    p.add_argument("--prompt", action="append", help="generic prompts (repeatable) when not scoring the world")
-    p.add_argument("--min-psnr", type=float, help="fail (exit 1) when any image's PSNR vs plain is below this (dB)")
-    p.add_argument(
-        "--max-adherence-drop",
-        type=float,
-        help="fail (exit 1) when adherence falls more than this fraction below plain (e.g. 0.05)",
-    )
-    p.add_argument("--out", help="also write the report: .json (everything) or .md (the table)")
-    add_device_flags(p)
-    p.set_defaults(func=cmd_quality)
+    from triptych.calibration.commands import add_quality
 
-
-def cmd_quality(args) -> int:
-    from triptych.calibration.quality import markdown, quality_report, write
-    from triptych.models import resolve_model
-
-    device = device_config_from_args(args)
-    world = {"auto": None, "on": True, "off": False}[args.world]
-    report = quality_report(
-        resolve_model(args.model, os.environ.get("TRIPTYCH_CACHE")),
-        args.teacache_threshold,
-        images=args.images,
-        steps=args.steps,
-        world=world,
-        prompts=args.prompt,
-        min_psnr=args.min_psnr,
-        max_adherence_drop=args.max_adherence_drop,
-        device=device,
-    )
-    print(markdown(report))
-    if args.out:
-        print(f"wrote {write(report, args.out)}")
-    return 0 if report["passed"] else 1
-
-
-def cmd_calibrate(args) -> int:
-    from triptych.calibration.fit import DEFAULT_PROMPTS, calibrate
-    from triptych.models import resolve_model
-
-    if args.steps < 1:
-        raise InvalidParam("steps", args.steps, "must be >= 1")
-    device = device_config_from_args(args)
-    base = {}
-    if args.image:
-        from triptych.server.media import decode_image
-
-        try:
-            with open(args.image, "rb") as f:
-                base["image"] = decode_image(f.read())
-        except FileNotFoundError:
-            raise InvalidParam("image", args.image, "file does not exist") from None
-    from triptych.calibration.quality import world_prompts
-
-    model = resolve_model(args.model, os.environ.get("TRIPTYCH_CACHE"))
-    prompts = args.prompt or world_prompts(model) or DEFAULT_PROMPTS
-    profile, path = calibrate(model, args.steps, prompts, args.seeds, args.out, device=device, **base)
-    q = profile.quality
-    print(f"wrote {path}: r2={q['r2']:.4f} rmse={q['rmse']:.3g} points={q['points']} x_range={q['x_range']}")
-    return 0
+    add_quality(sub)  # flags and command: triptych/calibration/commands.py
 
 
 def cmd_make_tiny(args) -> int:

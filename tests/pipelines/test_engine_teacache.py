@@ -22,7 +22,8 @@ def calibrated(tmp_path_factory):
     from triptych.cli import main
 
     model = make_tiny("flux", tmp_path_factory.mktemp("flux-tc"), seed=0)
-    assert main(["calibrate", "--model", str(model), "--steps", str(STEPS)]) == 0
+    args = ["calibrate", "--model", str(model), "--steps", str(STEPS), "--thresholds", "0.2", "--eval-images", "2"]
+    assert main(args) == 0
     return load_family(model)
 
 

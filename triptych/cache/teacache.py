@@ -12,7 +12,9 @@ accumulated. While the accumulated value stays below the request's threshold the
 block stack: its hidden state is the embedded input plus the residual (``blocks(x) - x``) cached the
 last time it computed; the output head (final norm with the row's current timestep embedding, then
 the projection) always runs. When the sum reaches the threshold the row computes and the sum resets.
-The first ``warmup`` and last ``cooldown`` steps of a request always compute.
+The first ``warmup`` and last ``cooldown`` steps of a request always compute, and a profile may cap
+the run of consecutive skips of a row (``max_skips``). A threshold of ``AUTO_THRESHOLD`` (``"auto"``)
+means the profile's recommended threshold, resolved when the request is admitted.
 
 Ownership and lifetime (STYLE.md, "caches and state"). A :class:`TeaCache` is owned by whoever runs
 the batch (the denoiser engine), one per loaded family; it never stores anything on the transformer
@@ -51,7 +53,7 @@ import numpy as np
 import torch
 
 from triptych.cache.hooks import RequestStateStore
-from triptych.cache.teacache_profile import TeaCacheProfile, check_coefficients
+from triptych.cache.teacache_profile import AUTO_THRESHOLD, TeaCacheProfile, check_coefficients
 from triptych.errors import InvalidParam
 
 logger = logging.getLogger(__name__)
@@ -124,6 +126,7 @@ class RequestSettings:
     warmup: int
     cooldown: int
     profile: str | None  # profile path, or None for explicit coefficients
+    max_skips: int | None = None  # cap on consecutive skips of one row; None = no cap
 
 
 @dataclass
@@ -135,6 +138,7 @@ class BranchState:
     residual: torch.Tensor | None = None
     computed: int = 0
     skipped: int = 0
+    run: int = 0  # consecutive skips up to now
 
 
 @dataclass(frozen=True)
@@ -167,8 +171,11 @@ def resolve_settings(
 ) -> RequestSettings:
     """Check a request's TeaCache parameters; raises ``InvalidParam`` (HTTP 400) when unusable.
 
-    Needs no weights, so the head validates with it before a request is queued.
+    Needs no weights, so the head validates with it before a request is queued. ``AUTO_THRESHOLD``
+    becomes the profile's ``recommended_threshold``.
     """
+    if threshold == AUTO_THRESHOLD:
+        return _resolve_auto(family, profiles, config, steps)
     if not (isinstance(threshold, (int, float)) and math.isfinite(threshold)) or not (
         0 < threshold <= config.max_threshold
     ):
@@ -193,7 +200,24 @@ def resolve_settings(
     cooldown = config.cooldown_steps
     if cooldown is None:
         cooldown = profile.cooldown if profile else 1
-    return RequestSettings(float(threshold), steps, coeffs, warmup, cooldown, profile.path if profile else None)
+    max_skips = profile.max_skips if profile else None
+    return RequestSettings(
+        float(threshold), steps, coeffs, warmup, cooldown, profile.path if profile else None, max_skips
+    )
+
+
+def _resolve_auto(family: str, profiles, config: TeaCacheConfig, steps: int) -> RequestSettings:
+    profile = profiles(steps)
+    recommended = profile.recommended_threshold if profile is not None else None
+    if recommended is None:
+        where = "no profile found" if profile is None else f"profile {profile.path} has no recommended threshold"
+        raise InvalidParam(
+            "teacache_threshold",
+            "auto",
+            f"needs a recommended threshold for family {family!r} at {steps} steps ({where}); "
+            "run triptych calibrate, or give a number",
+        )
+    return resolve_settings(family, profiles, config, min(recommended, config.max_threshold), steps)
 
 
 class TeaCache:
@@ -288,7 +312,8 @@ class TeaCache:
                 # NOTE: a negative polynomial value (outside the fitted range) counts as no change, not as
                 # a credit against later steps.
                 st.accumulated += max(0.0, float(np.polyval(cfg.coefficients, rel[k])))
-                if st.accumulated < cfg.threshold:
+                capped = cfg.max_skips is not None and st.run >= cfg.max_skips
+                if st.accumulated < cfg.threshold and not capped:
                     compute[i] = False
                 else:
                     st.accumulated = 0.0
@@ -313,8 +338,10 @@ class TeaCache:
                 if compute[i]:
                     st.residual = computed[pos[i] : pos[i] + 1] - emb.hidden[i : i + 1]
                     st.computed += 1
+                    st.run = 0
                 else:
                     st.skipped += 1
+                    st.run += 1
             if len(idx) < n:
                 pieces.append(computed[pos[i] : pos[i] + 1] if compute[i] else emb.hidden[i : i + 1] + st.residual)
         hidden = computed if len(idx) == n else torch.cat(pieces)

@@ -7,7 +7,7 @@ comes from a profile file for the family and step schedule, produced by
 guessed. Profile file (JSON, one per family × model × steps)::
 
     {
-      "format": "triptych.teacache.profile/1",
+      "format": "triptych.teacache.profile/2",  # /1 files (no recommendation) still load
       "family": "flux",                  # Family.name the fit was made with
       "model": "FLUX.1-dev@<revision>",  # model name or revision the fit was made on
       "steps": 28,                       # step schedule (number of inference steps) it is valid for
@@ -15,8 +15,16 @@ guessed. Profile file (JSON, one per family × model × steps)::
                                          # input rel-L1 -> estimated output rel-L1
       "warmup": 1,                       # first steps that always compute
       "cooldown": 1,                     # last steps that always compute
-      "quality": {"points": 84, "r2": 0.97, "rmse": 0.004, "x_range": [lo, hi], ...}  # fit figures
+      "max_skips": 3,                    # /2: cap on consecutive skipped steps of a row (null: none)
+      "quality": {"points": 84, "r2": 0.97, "rmse": 0.004, "x_range": [lo, hi], ...},  # fit figures
+      "recommended_threshold": 0.12,     # /2: what ``"auto"`` means (null: no threshold met the target)
+      "target": {"min_psnr": 30, "min_ssim": 0.92, "max_adherence_drop": 0.02},  # /2: what it met
+      "sweep": {"prompts": [...], "seeds": [...], "rows": [{"threshold": 0.1, "skipped_fraction": ...}]}
     }
+
+``"auto"`` as a threshold (REST ``teacache_threshold: "auto"``, CLI ``--teacache-threshold auto``) is
+:data:`AUTO_THRESHOLD` inside the process and on the wire; the denoiser turns it into the profile's
+``recommended_threshold`` when it admits the request (``triptych.cache.teacache.resolve_settings``).
 
 Where profiles are found (:func:`find_profile`): ``<profiles_dir>/*.json`` (an operator's directory;
 entries must name the model in ``"model"``, see ``PROFILED_COMPONENTS``) first, then
@@ -37,7 +45,12 @@ from triptych.identity import model_identity
 
 logger = logging.getLogger(__name__)
 
-PROFILE_FORMAT = "triptych.teacache.profile/1"
+PROFILE_FORMAT = "triptych.teacache.profile/2"
+READABLE_FORMATS = ("triptych.teacache.profile/1", PROFILE_FORMAT)
+#: ``"auto"`` as a float: the request wants its profile's recommended threshold. Infinity because no
+#: user can send it (thresholds are finite, at most ``TeaCacheConfig.max_threshold``) and it survives
+#: msgpack and ``float()`` unchanged.
+AUTO_THRESHOLD = math.inf
 DEGREE = 4
 #: What a fit depends on: a profile's ``model`` is ``model_identity(model_dir, PROFILED_COMPONENTS)``
 #: (``<dir name>@<hash of the transformer's configs>``, see :mod:`triptych.identity`).
@@ -60,6 +73,10 @@ class TeaCacheProfile:
     cooldown: int = 1
     quality: dict[str, Any] = field(default_factory=dict)
     path: str | None = None  # where it was loaded from; not written
+    max_skips: int | None = None  # cap on consecutive skipped steps of one row; None = no cap
+    recommended_threshold: float | None = None  # what "auto" means; None = none met the target
+    target: dict[str, float] = field(default_factory=dict)  # the quality target the recommendation met
+    sweep: dict[str, Any] = field(default_factory=dict)  # the threshold table it was chosen from
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -70,7 +87,11 @@ class TeaCacheProfile:
             "coefficients": list(self.coefficients),
             "warmup": self.warmup,
             "cooldown": self.cooldown,
+            "max_skips": self.max_skips,
             "quality": self.quality,
+            "recommended_threshold": self.recommended_threshold,
+            "target": self.target,
+            "sweep": self.sweep,
         }
 
 
@@ -91,8 +112,8 @@ def load_profile(path: str | Path) -> TeaCacheProfile:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise ProfileError(f"TeaCache profile {path}: unreadable ({e})") from e
-    if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
-        raise ProfileError(f"TeaCache profile {path}: 'format' must be {PROFILE_FORMAT!r}")
+    if not isinstance(data, dict) or data.get("format") not in READABLE_FORMATS:
+        raise ProfileError(f"TeaCache profile {path}: 'format' must be one of {READABLE_FORMATS}")
     for key, kind in (("family", str), ("model", str), ("steps", int), ("coefficients", list)):
         if not isinstance(data.get(key), kind):
             raise ProfileError(f"TeaCache profile {path}: field {key!r} missing or not {kind.__name__}")
@@ -103,6 +124,13 @@ def load_profile(path: str | Path) -> TeaCacheProfile:
     warmup, cooldown = data.get("warmup", 1), data.get("cooldown", 1)
     if data["steps"] < 1 or not isinstance(warmup, int) or not isinstance(cooldown, int) or min(warmup, cooldown) < 0:
         raise ProfileError(f"TeaCache profile {path}: steps must be >= 1, warmup/cooldown integers >= 0")
+    max_skips, recommended = data.get("max_skips"), data.get("recommended_threshold")
+    if max_skips is not None and (not isinstance(max_skips, int) or max_skips < 1):
+        raise ProfileError(f"TeaCache profile {path}: 'max_skips' must be null or an integer >= 1")
+    if recommended is not None and (
+        not isinstance(recommended, (int, float)) or not math.isfinite(recommended) or recommended <= 0
+    ):
+        raise ProfileError(f"TeaCache profile {path}: 'recommended_threshold' must be null or a number > 0")
     return TeaCacheProfile(
         family=data["family"],
         model=data["model"],
@@ -112,6 +140,10 @@ def load_profile(path: str | Path) -> TeaCacheProfile:
         cooldown=cooldown,
         quality=dict(data.get("quality", {})),
         path=str(path),
+        max_skips=max_skips,
+        recommended_threshold=None if recommended is None else float(recommended),
+        target=dict(data.get("target") or {}),
+        sweep=dict(data.get("sweep") or {}),
     )
 
 

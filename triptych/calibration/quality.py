@@ -11,8 +11,11 @@ acceleration setting, in one process on the same weights, and reports per settin
   pixels by ``triptych.world.score`` (shape, colour, background all right), so an acceleration that
   keeps PSNR but breaks what was asked for shows up.
 
-Gates (``--min-psnr``, ``--max-adherence-drop``) make it a check: the command exits 1 when a
-setting falls below them, so a CI job can hold an acceleration to a stated tolerance. The plain
+Gates (``--min-psnr``, ``--min-ssim``, ``--max-adherence-drop``; on by default in the CLI at the
+calibration target: 30 dB, 0.92, 2 points) make it a check: the command exits 1 when a setting falls
+below them, so a CI job can hold an acceleration to a stated tolerance. ``--teacache-threshold auto``
+is the profile's recommended threshold. Stored baselines (``--save-baseline``/``--baseline``) are
+:mod:`triptych.calibration.baseline`. The plain
 path runs the CFG branches as the serving engine does (fused), with threshold 0, which is
 bit-identical to no TeaCache at all (``tests/pipelines/test_teacache_*``).
 """
@@ -21,17 +24,12 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from triptych.calibration.metrics import psnr, ssim
+from triptych.cache.teacache_profile import AUTO_THRESHOLD
 from triptych.errors import InvalidParam
-
-WORLD_KEYS = ("shape", "color", "background")
 
 
 @dataclass
@@ -48,8 +46,11 @@ class SettingReport:
     skipped_fraction: float  # transformer rows served from the cache / rows
     adherence: float | None  # share of images with every world attribute right; None off-world
     plain_adherence: float | None
-    seconds: float  # wall time of this setting's generations (information, not a claim)
+    seconds: float  # denoise wall time of this setting's requests (information, not a claim)
     failures: list[str] = field(default_factory=list)  # gates this setting failed
+    auto: bool = False  # the threshold is the profile's recommendation ("auto")
+    forward_reduction: float = 1.0  # transformer rows plain / cached
+    denoise_speedup: float = 1.0  # denoise seconds plain / cached, this run
 
 
 def _is_world_model(model_dir: Path) -> bool:
@@ -82,10 +83,6 @@ def _requests(images: int, steps: int | None, world: bool, prompts):
     return [(GenerationParams(prompt=prompts[i % len(prompts)], seed=i, steps=steps), None) for i in range(images)]
 
 
-def _fidelity(got: np.ndarray, want: np.ndarray) -> tuple[float, float]:
-    return psnr(got, want), ssim(got, want)
-
-
 def quality_report(
     model_dir: str | Path,
     thresholds: list[float],
@@ -96,89 +93,93 @@ def quality_report(
     profiles_dir: str | Path | None = None,
     min_psnr: float | None = None,
     max_adherence_drop: float | None = None,
+    min_ssim: float | None = None,
+    batch_size: int = 1,
+    progress: bool = False,
     device="cpu",
 ) -> dict[str, Any]:
-    """Plain vs each TeaCache threshold on the same requests; see the module docstring. ``device``: a
-    device name or ``triptych.devices.DeviceConfig``."""
+    """Plain vs each TeaCache threshold on the same requests; see the module docstring.
+
+    A threshold may be ``AUTO_THRESHOLD`` (``"auto"``): the profile's recommendation, shown as
+    ``auto (value)``. ``batch_size`` requests run per forward (1: each alone, as ``run_request``).
+    ``device``: a device name or ``triptych.devices.DeviceConfig``.
+    """
+    from triptych.calibration.batch import Cases, run_cases
+    from triptych.calibration.sweep import fidelity, world_adherence
     from triptych.pipelines.registry import load_family
-    from triptych.pipelines.runner import run_request
     from triptych.pipelines.teacache import check_teacache, make_teacache
 
     model_dir = Path(model_dir)
     if images < 1:
         raise InvalidParam("images", images, "must be >= 1")
-    if not thresholds or any(not (0 < t <= 2) for t in thresholds):
-        raise InvalidParam("teacache_threshold", thresholds, "give one or more thresholds in (0, 2]")
+    if not thresholds or any(not (0 < t <= 2 or t == AUTO_THRESHOLD) for t in thresholds):
+        raise InvalidParam("teacache_threshold", thresholds, "give one or more thresholds in (0, 2] or auto")
     family = load_family(model_dir, device=device)
     world = _is_world_model(model_dir) if world is None else world
-    requests = [(family.resolve(p), scene) for p, scene in _requests(images, steps, world, prompts)]
+    requests = _requests(images, steps, world, prompts)
+    cases = Cases(family, [p for p, _ in requests])
+    scenes = [s for _, s in requests] if world else None
     for t in thresholds:  # fail before any compute when a threshold has no profile for these steps
-        check_teacache(family, requests[0][0].replace(teacache_threshold=t), profiles_dir)
+        check_teacache(family, cases.params[0].replace(teacache_threshold=t), profiles_dir)
     cache = make_teacache(family, profiles_dir)
+    bar = None
+    if progress:
+        import sys
 
-    def run(params, threshold: float) -> np.ndarray:
-        frames, _ = run_request(family, params.replace(teacache_threshold=threshold), f"q-{threshold}", accel=cache)
-        return frames.array
+        from tqdm import tqdm
 
-    def adherence(arrays) -> float | None:
-        if not world:
-            return None
-        from triptych.world import score
-
-        ok = [
-            all(score((a[0] * 255).round().astype("uint8"), s)[k] for k in WORLD_KEYS)
-            for a, (_, s) in zip(arrays, requests)
-        ]
-        return sum(ok) / len(ok)
-
-    t0 = time.perf_counter()
-    plain = [run(p, 0.0) for p, _ in requests]
-    plain_seconds = time.perf_counter() - t0
-    plain_adherence = adherence(plain)
+        bar = tqdm(total=len(cases) * (1 + len(thresholds)), desc="quality", unit="image", file=sys.stderr)
+    tick = bar.update if bar else None
+    plain, plain_seconds = run_cases(cases, 0.0, batch_size=batch_size, tag="plain", on_request=tick)
+    plain_adherence = world_adherence([o.frames for o in plain], scenes)
     settings = []
     for t in thresholds:
-        before = (cache.stats.rows_skipped, cache.stats.rows_computed)
-        t0 = time.perf_counter()
-        got = [run(p, t) for p, _ in requests]
-        seconds = time.perf_counter() - t0
-        skipped = cache.stats.rows_skipped - before[0]
-        computed = cache.stats.rows_computed - before[1]
-        pairs = [_fidelity(g, w) for g, w in zip(got, plain)]
-        psnrs, ssims = [p for p, _ in pairs], [s for _, s in pairs]
-        finite = [p for p in psnrs if math.isfinite(p)]
+        value = cache.resolve(t, cases.params[0].steps).threshold
+        got, seconds = run_cases(cases, value, cache, batch_size, tag=f"q{value}", on_request=tick)
+        fid = fidelity(got, plain)
+        skipped, computed = sum(o.skipped for o in got), sum(o.computed for o in got)
         row = SettingReport(
-            teacache_threshold=t,
+            teacache_threshold=value,
             images=len(got),
-            identical=len(psnrs) - len(finite),
-            psnr_mean=float(np.mean(finite)) if finite else math.inf,
-            psnr_min=min(psnrs),
-            ssim_mean=float(np.mean(ssims)),
-            ssim_min=min(ssims),
+            identical=fid["identical"],
+            psnr_mean=fid["psnr_mean"],
+            psnr_min=fid["psnr_min"],
+            ssim_mean=fid["ssim_mean"],
+            ssim_min=fid["ssim_min"],
             skipped_fraction=skipped / max(1, skipped + computed),
-            adherence=adherence(got),
+            adherence=world_adherence([o.frames for o in got], scenes),
             plain_adherence=plain_adherence,
             seconds=seconds,
+            auto=t == AUTO_THRESHOLD,
+            forward_reduction=(skipped + computed) / max(1, computed),
+            denoise_speedup=plain_seconds / seconds if seconds > 0 else math.nan,
         )
         if min_psnr is not None and row.psnr_min < min_psnr:
             row.failures.append(f"worst PSNR {row.psnr_min:.2f} dB < {min_psnr} dB")
+        if min_ssim is not None and row.ssim_min < min_ssim:
+            row.failures.append(f"worst SSIM {row.ssim_min:.4f} < {min_ssim}")
         drop = None if row.adherence is None else plain_adherence - row.adherence
-        if max_adherence_drop is not None and drop is not None and drop > max_adherence_drop:
+        if max_adherence_drop is not None and drop is not None and drop > max_adherence_drop + 1e-9:
             row.failures.append(
                 f"adherence {row.adherence:.0%} is {drop:.0%} below plain {plain_adherence:.0%} "
                 f"(allowed: {max_adherence_drop:.0%})"
             )
         settings.append(row)
-    p0 = requests[0][0]
+    if bar:
+        bar.close()
+    p0 = cases.params[0]
     return {
         "model": str(model_dir),
         "family": family.name,
         "world": world,
-        "images": len(requests),
+        "images": len(cases),
         "steps": p0.steps,
         "size": f"{p0.width}x{p0.height}",
         "guidance": p0.guidance,
+        "seeds": [p.seed for p in cases.params],
         "plain_seconds": plain_seconds,
         "plain_adherence": plain_adherence,
+        "gates": {"min_psnr": min_psnr, "min_ssim": min_ssim, "max_adherence_drop": max_adherence_drop},
         "settings": [asdict(s) for s in settings],
         "passed": not any(s.failures for s in settings),
     }
@@ -194,6 +195,7 @@ def markdown(report: dict[str, Any]) -> str:
     columns = (
         "TeaCache threshold",
         "skipped",
+        "forwards ÷",
         "identical",
         "PSNR mean / worst dB",
         "SSIM mean / worst",
@@ -203,10 +205,11 @@ def markdown(report: dict[str, Any]) -> str:
     )
     lines = [head, "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for s in report["settings"]:
+        name = f"auto ({s['teacache_threshold']:g})" if s.get("auto") else f"{s['teacache_threshold']:g}"
         adh = "n/a" if s["adherence"] is None else f"{s['plain_adherence']:.0%} → {s['adherence']:.0%}"
         gates = "; ".join(s["failures"]) or "pass"
         lines.append(
-            f"| {s['teacache_threshold']:g} | {s['skipped_fraction']:.0%} | {s['identical']}/{s['images']} "
+            f"| {name} | {s['skipped_fraction']:.0%} | {s.get('forward_reduction', 1):.2f} | {s['identical']}/{s['images']} "
             f"| {s['psnr_mean']:.1f} / {s['psnr_min']:.1f} "
             f"| {s['ssim_mean']:.3f} / {s['ssim_min']:.3f} | {adh} | {s['seconds']:.1f} | {gates} |"
         )

@@ -11,11 +11,20 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from triptych.cache.teacache_profile import AUTO_THRESHOLD
 
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+#: A number in [0, 2] or "auto" (the calibration profile's recommended threshold), which the model
+#: maps to ``AUTO_THRESHOLD``; the denoiser resolves it against its profile (400 when there is none).
+TeaCacheThreshold = Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)] | Literal["auto"]
 Seed = Annotated[int, Field(ge=0, le=2**62, description="random seed; n>1 uses seed, seed+1, ...")]
 MAX_TEXT = 1_000_000  # hard cap of any string; the configurable limit is AdmissionLimits.max_prompt_chars
+
+
+def _auto_threshold(v):
+    return AUTO_THRESHOLD if v == "auto" else v
 
 
 class _GenerationFields(BaseModel):
@@ -35,9 +44,10 @@ class _GenerationFields(BaseModel):
     guidance_scale: FiniteFloat | None = Field(None, ge=0)
     negative_prompt: str | None = Field(None, max_length=MAX_TEXT)
     true_cfg_scale: FiniteFloat | None = Field(None, ge=0)
-    teacache_threshold: FiniteFloat | None = Field(
-        None, ge=0, le=2, description="0 = TeaCache off; needs a calibration profile"
+    teacache_threshold: TeaCacheThreshold | None = Field(
+        None, description='0 = TeaCache off; "auto" = the profile\'s recommendation; needs a calibration profile'
     )
+    _threshold = field_validator("teacache_threshold")(_auto_threshold)
     output_compression: int | None = Field(
         None, ge=0, le=100, description="jpeg/webp quality, 0-100 (100: least compression); default 95"
     )
@@ -83,7 +93,8 @@ class VideoCreateRequest(BaseModel):
     guidance_scale: FiniteFloat | None = Field(None, ge=0)
     negative_prompt: str | None = Field(None, max_length=MAX_TEXT)
     true_cfg_scale: FiniteFloat | None = Field(None, ge=0)
-    teacache_threshold: FiniteFloat | None = Field(None, ge=0, le=2)
+    teacache_threshold: TeaCacheThreshold | None = None
+    _threshold = field_validator("teacache_threshold")(_auto_threshold)
     input_reference: ImageReference | None = Field(None, description="JSON form of the condition image")
 
 

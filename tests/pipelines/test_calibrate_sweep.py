@@ -1,0 +1,117 @@
+"""``triptych calibrate`` sweeps and recommends; ``auto`` means the recommendation (tiny FLUX, 6 steps;
+the target is set where this random-weight model's thresholds differ, its images being near-flat)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from triptych import cli
+from triptych.cache.teacache_profile import AUTO_THRESHOLD, find_profile, load_profile
+from triptych.calibration.fit import calibrate
+from triptych.calibration.quality import quality_report
+from triptych.calibration.sweep import Target
+from triptych.errors import InvalidParam
+from triptych.pipelines.registry import load_family, make_tiny
+
+STEPS = 6
+FIT_PROMPTS = ("a red fox in the snow", "a lighthouse at night")
+TARGET = Target(min_psnr=50.0, min_ssim=0.9, max_adherence_drop=0.02)
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory):
+    root = tmp_path_factory.mktemp("calibrate")
+    model = make_tiny("flux", root / "flux", seed=0)
+    profile, path = calibrate(
+        model,
+        STEPS,
+        prompts=FIT_PROMPTS,
+        family=load_family(model),
+        thresholds=(0.05, 0.1, 1.0),
+        eval_images=2,
+        target=TARGET,
+        report_dir=root / "report",
+    )
+    return model, profile, path, root
+
+
+def test_the_profile_holds_the_sweep_and_recommends_the_largest_saving_that_meets_the_target(calibrated):
+    model, profile, path, _ = calibrated
+    loaded = load_profile(path)
+    assert loaded.recommended_threshold == profile.recommended_threshold is not None
+    rows = loaded.sweep["rows"]
+    assert [r["threshold"] for r in rows] == [0.0, 0.05, 0.1, 1.0]
+    for r in rows[1:]:  # every row's verdict is the target's
+        meets = r["psnr_min"] >= TARGET.min_psnr and r["ssim_min"] >= TARGET.min_ssim
+        assert meets == (not r["failures"]), r
+    meeting = [r for r in rows[1:] if not r["failures"] and r["skipped_fraction"] > 0]
+    best = max(r["skipped_fraction"] for r in meeting)
+    chosen = rows[loaded.sweep["recommended_row"]]
+    assert chosen["threshold"] == loaded.recommended_threshold and chosen["skipped_fraction"] == best
+    assert any(r["failures"] for r in rows[1:]), "the sweep should reach a threshold that misses the target"
+    assert loaded.target == {"min_psnr": 50.0, "min_ssim": 0.9, "max_adherence_drop": 0.02}
+
+
+def test_evaluation_requests_are_unseen_by_the_fit_and_both_branch_fits_are_reported(calibrated):
+    _, profile, _, root = calibrated
+    assert not set(profile.sweep["prompts"]) & set(profile.quality["prompts"])
+    assert not set(profile.sweep["seeds"]) & set(profile.quality["seeds"])
+    per = profile.quality["per_branch"]
+    assert set(per) == set(profile.quality["branches"]) and all(
+        0 <= f["joint_r2"] <= f["own_r2"] + 1e-9 for f in per.values()
+    )
+    html = (root / "report" / "index.html").read_text()
+    assert "img/fit.png" in html and "img/speed_quality.png" in html and "plain_0.png" in html
+
+
+def test_auto_resolves_to_the_recommendation(calibrated, capsys):
+    model, profile, _, _ = calibrated
+    report = quality_report(model, [AUTO_THRESHOLD, profile.recommended_threshold], images=2, steps=STEPS, world=False)
+    auto, explicit = report["settings"]
+    assert auto["auto"] and not explicit["auto"] and auto["teacache_threshold"] == profile.recommended_threshold
+    assert auto["skipped_fraction"] == explicit["skipped_fraction"] > 0 and auto["psnr_min"] == explicit["psnr_min"]
+    args = ["quality", "--model", str(model), "--teacache-threshold", "auto", "--images", "2", "--steps", str(STEPS)]
+    assert cli.main(args + ["--min-psnr", "1", "--min-ssim", "0"]) == 0
+    assert f"| auto ({profile.recommended_threshold:g}) |" in capsys.readouterr().out
+    assert cli.main(args + ["--min-psnr", "1000"]) == 1  # the gates are on
+
+
+def test_a_profile_without_a_recommendation_refuses_auto_with_one_line(tmp_path, capsys):
+    model = make_tiny("flux", tmp_path / "flux", seed=1)
+    profile, _ = calibrate(model, STEPS, prompts=FIT_PROMPTS, seeds=(0,), family=load_family(model), thresholds=())
+    assert profile.recommended_threshold is None and find_profile(model, STEPS, "flux") is not None
+    with pytest.raises(InvalidParam, match="teacache_threshold"):
+        quality_report(model, [AUTO_THRESHOLD], images=1, steps=STEPS, world=False)
+    code = cli.main(["quality", "--model", str(model), "--teacache-threshold", "auto", "--steps", str(STEPS)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1].startswith("error: invalid teacache_threshold='auto'")
+
+
+def _cli_json(args: list[str], report: Path) -> tuple[int, dict]:
+    code = cli.main(args + ["--report", str(report)])
+    return code, json.loads((report / "report.json").read_text())
+
+
+def test_a_baseline_gates_10x_the_recommendation_at_the_calibrated_target(calibrated):
+    model, profile, _, root = calibrated
+    matrix = root / "matrix.yaml"
+    matrix.write_text(f"steps: [{STEPS}]\nprompts: [a red fox in the snow, a lighthouse at night]\nguidance: [3.5]\n")
+    base = ["quality", "--model", str(model), "--baseline", str(root / "base")]
+    assert (
+        cli.main(["quality", "--model", str(model), "--save-baseline", str(root / "base"), "--matrix", str(matrix)])
+        == 0
+    )
+    code, same = _cli_json(base, root / "same")
+    assert code == 0 and same["kind"] == "exact" and same["summary"]["identical"] == 2
+    code, auto = _cli_json(base + ["--teacache-threshold", "auto"], root / "auto")
+    conf = auto["current"]["configuration"]
+    assert conf["teacache_requested"] == "auto" and conf["teacache_threshold"] == profile.recommended_threshold
+    assert auto["gates"] == profile.target  # held to the calibrated target, not the defaults
+    damaging = 10 * profile.recommended_threshold
+    code, bad = _cli_json(base + ["--teacache-threshold", f"{damaging:g}"], root / "damaged")
+    assert code == 1 and bad["failures"] and bad["failures"][0].startswith("worst PSNR")
+    assert bad["summary"]["skipped_fraction"] > auto["summary"]["skipped_fraction"]
+    assert "Gates FAILED" in (root / "damaged" / "index.html").read_text()

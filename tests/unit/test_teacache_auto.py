@@ -1,0 +1,72 @@
+"""TeaCache profile /2 additions with fakes: "auto" resolves to the recommendation (or is refused
+naming the field), the cap on consecutive skips holds, /1 profiles still load, REST maps "auto"."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from tests.unit.test_teacache import FakePlan, FakeRow, base_forward, ones, profile
+from triptych.cache.teacache import TeaCache
+from triptych.cache.teacache_profile import AUTO_THRESHOLD, load_profile, save_profile
+from triptych.errors import InvalidParam
+
+
+def test_auto_is_the_profiles_recommendation():
+    prof = replace(profile(), recommended_threshold=0.25)
+    tc = TeaCache(FakePlan().plan, profiles=lambda steps: prof)
+    assert tc.resolve(AUTO_THRESHOLD, 6).threshold == 0.25
+    assert tc.resolve(0.5, 6).threshold == 0.5
+
+
+def test_auto_without_a_recommendation_names_the_field():
+    tc = TeaCache(FakePlan().plan, profiles=lambda steps: profile())
+    with pytest.raises(InvalidParam, match="teacache_threshold.*recommended threshold"):
+        tc.resolve(AUTO_THRESHOLD, 6)
+    with pytest.raises(InvalidParam, match="no profile found"):
+        TeaCache(FakePlan().plan).resolve(AUTO_THRESHOLD, 6)
+
+
+def _skips(max_skips):
+    prof = replace(profile(steps=10, warmup=1, cooldown=0), max_skips=max_skips)
+    tc = TeaCache(FakePlan().plan, profiles=lambda steps: prof)
+    decisions = []
+    for step in range(10):  # tiny input changes: without a cap every step after the first would skip
+        tc.forward([FakeRow("a", step, ones(1 + step * 1e-4), threshold=1.0, steps=10)], base_forward)
+        decisions.append(tc.last_decisions[0].compute)
+    return decisions
+
+
+def test_a_cap_on_consecutive_skips_forces_a_compute():
+    assert _skips(None) == [True] + [False] * 9
+    capped = _skips(2)
+    assert capped == [True, False, False, True, False, False, True, False, False, True]
+
+
+def test_format_1_profiles_still_load_without_a_recommendation(tmp_path):
+    data = profile().to_json()
+    data["format"] = "triptych.teacache.profile/1"
+    for key in ("max_skips", "recommended_threshold", "target", "sweep"):
+        del data[key]
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    old = load_profile(tmp_path / "old.json")
+    assert old.recommended_threshold is None and old.max_skips is None and old.coefficients == profile().coefficients
+    prof = replace(profile(), recommended_threshold=0.1, max_skips=3)
+    again = load_profile(save_profile(prof, tmp_path / "new.json"))
+    assert (again.recommended_threshold, again.max_skips) == (0.1, 3)
+
+
+def test_rest_models_map_auto_and_refuse_other_words():
+    from pydantic import ValidationError
+
+    from triptych.server.api_models import ImageEditForm, ImageGenerationRequest, VideoCreateRequest
+
+    assert ImageGenerationRequest(prompt="x", teacache_threshold="auto").teacache_threshold == AUTO_THRESHOLD
+    assert ImageEditForm(prompt="x", teacache_threshold="auto").teacache_threshold == AUTO_THRESHOLD
+    assert VideoCreateRequest(prompt="x", teacache_threshold="auto").teacache_threshold == AUTO_THRESHOLD
+    assert ImageGenerationRequest(prompt="x", teacache_threshold=0.3).teacache_threshold == 0.3
+    for bad in ("fast", 3.0, float("inf")):
+        with pytest.raises(ValidationError, match="teacache_threshold"):
+            ImageGenerationRequest(prompt="x", teacache_threshold=bad)

@@ -1,0 +1,96 @@
+"""Run a list of requests through the stages in one process, several at a time, keeping what the
+calibration sweep and the quality baselines measure: images, final latents, forwards computed and
+skipped per request, and the denoise time (CPU seconds).
+
+Requests are encoded once (:class:`Cases`) and then run as often as a sweep needs. A batch is one
+``denoise_step`` over up to ``batch_size`` requests, CFG branches fused, as the serving engine runs
+them; ``batch_size=1`` is exactly ``run_request`` (a request served alone). The batch composition is
+the same for every setting a sweep compares, so the plain run and the cached runs differ only by the
+cache's decisions (ARCHITECTURE.md contract 1: batching changes rounding, not results).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from triptych.pipelines.base import Conditioning, Family, GenerationParams
+
+
+@dataclass
+class Output:
+    """One request's result."""
+
+    frames: np.ndarray  # Frames.array: (frames, H, W, 3) float32 in [0, 1]
+    latents: torch.Tensor  # final latents, before decoding
+    computed: int  # transformer rows computed (one per CFG branch and step)
+    skipped: int  # rows served from the TeaCache
+
+
+class Cases:
+    """Resolved requests with their conditioning, encoded once. Owns the conditioning tensors; runs
+    never modify them (``prepare`` copies what it changes)."""
+
+    def __init__(self, family: Family, requests: Sequence[GenerationParams]):
+        self.family = family
+        self.params = [family.resolve(p) for p in requests]
+        self._conds: list[Conditioning | None] = [None] * len(self.params)
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    def cond(self, i: int) -> Conditioning:
+        if self._conds[i] is None:
+            self._conds[i] = self.family.encode(self.params[i])
+        return self._conds[i]
+
+
+def run_cases(
+    cases: Cases,
+    threshold: float = 0.0,
+    cache=None,
+    batch_size: int = 8,
+    tag: str = "run",
+    on_request: Callable[[], None] | None = None,
+) -> tuple[list[Output], float]:
+    """Every case at TeaCache ``threshold`` (0 = plain, the family's own forward); returns the outputs
+    in order and the denoise time in CPU seconds of this process (``time.process_time``, all its
+    threads). NOTE: CPU time, not wall time: on a shared machine other processes' load changes wall
+    time by several times between two settings of one sweep, but not the work a setting does.
+    ``cache``: a ``TeaCache`` (needed when threshold > 0)."""
+    if threshold and cache is None:
+        raise ValueError("run_cases: a TeaCache threshold needs a cache")
+    family, outputs, seconds = cases.family, [], 0.0
+    for start in range(0, len(cases), batch_size):
+        states, counts = [], {}
+        for i in range(start, min(start + batch_size, len(cases))):
+            params = cases.params[i].replace(teacache_threshold=threshold)
+            state = family.prepare(f"{tag}-{i}", params, cases.cond(i))
+            if threshold:
+                cache.admit(state.request_id, threshold, state.total_steps)
+            states.append(state)
+            counts[state.request_id] = [0, 0]
+        forward = cache.bind(family.forward) if threshold else None
+        t0 = time.process_time()
+        try:
+            while not all(s.done for s in states):
+                family.denoise_step([s for s in states if not s.done], fuse_cfg=True, forward=forward)
+                for d in cache.last_decisions if threshold else ():
+                    counts[d.request_id][0 if d.compute else 1] += 1
+        finally:
+            for s in states:
+                if cache is not None:
+                    cache.release(s.request_id)
+        seconds += time.process_time() - t0
+        for s in states:
+            if not threshold:  # plain: every branch of every step computed
+                counts[s.request_id] = [s.total_steps * len(s.branches()), 0]
+            frames = family.decode(s.latents, s.params).array
+            outputs.append(Output(frames, s.latents.detach().clone(), *counts[s.request_id]))
+            if on_request is not None:
+                on_request()
+    return outputs, seconds

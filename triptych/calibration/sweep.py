@@ -1,0 +1,171 @@
+"""The threshold sweep of ``triptych calibrate`` and the recommendation it writes into the profile.
+
+For each TeaCache setting (threshold × warmup × cap on consecutive skips) the sweep runs the same
+held-out requests (prompts and seeds the fit never saw) as the plain path, in the same batch
+composition, and measures: forwards skipped, the denoise speedup (CPU time of the denoise loop,
+plain / cached, in this run), PSNR and SSIM against the plain images (mean and worst), and shape-world adherence for
+models that draw that world. The recommendation is the setting with the largest saving whose
+worst case meets the :class:`Target`; none meeting it gives no recommendation (``"auto"`` is then
+refused with a 400 naming the field).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from triptych.cache.teacache import TeaCache
+from triptych.cache.teacache_profile import TeaCacheProfile
+from triptych.calibration.batch import Cases, Output, run_cases
+from triptych.calibration.metrics import psnr, ssim
+
+WORLD_KEYS = ("shape", "color", "background")
+
+
+@dataclass(frozen=True)
+class Target:
+    """What an acceleration must keep, worst case over the evaluation requests (the issue's default:
+    SGLang's calibration bar)."""
+
+    min_psnr: float = 30.0
+    """Worst image's PSNR against the plain one, dB."""
+    min_ssim: float = 0.92
+    """Worst image's SSIM against the plain one."""
+    max_adherence_drop: float = 0.02
+    """Largest allowed drop of the share of images with every world attribute right (0.02 = 2 points)."""
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.min_ssim <= 1) or not self.max_adherence_drop >= 0 or math.isnan(self.min_psnr):
+            raise ValueError(f"Target {self}: min_ssim in [0, 1], max_adherence_drop >= 0, min_psnr a number")
+
+    def failures(self, row: dict) -> list[str]:
+        out = []
+        if row["psnr_min"] < self.min_psnr:
+            out.append(f"worst PSNR {row['psnr_min']:.2f} dB < {self.min_psnr:g} dB")
+        if row["ssim_min"] < self.min_ssim:
+            out.append(f"worst SSIM {row['ssim_min']:.4f} < {self.min_ssim:g}")
+        if row.get("adherence") is not None:
+            drop = row["plain_adherence"] - row["adherence"]
+            if drop > self.max_adherence_drop + 1e-9:
+                out.append(
+                    f"adherence {row['adherence']:.1%} is {drop * 100:.1f} points below plain "
+                    f"{row['plain_adherence']:.1%} (allowed: {self.max_adherence_drop * 100:g})"
+                )
+        return out
+
+
+def world_adherence(arrays: Sequence[np.ndarray], scenes) -> float | None:
+    """Share of images whose shape, colour and background read back as asked; None off-world."""
+    if not scenes:
+        return None
+    from triptych.world import score
+
+    ok = [all(score((a[0] * 255).round().astype("uint8"), s)[k] for k in WORLD_KEYS) for a, s in zip(arrays, scenes)]
+    return sum(ok) / len(ok)
+
+
+def fidelity(got: Sequence[Output], want: Sequence[Output]) -> dict:
+    """PSNR / SSIM of each image against its plain one: mean (finite values) and worst, plus identical."""
+    psnrs = [psnr(g.frames, w.frames) for g, w in zip(got, want)]
+    ssims = [ssim(g.frames, w.frames) for g, w in zip(got, want)]
+    finite = [p for p in psnrs if math.isfinite(p)]
+    return {
+        "identical": len(psnrs) - len(finite),
+        "psnr_mean": float(np.mean(finite)) if finite else math.inf,
+        "psnr_min": min(psnrs),
+        "ssim_mean": float(np.mean(ssims)),
+        "ssim_min": min(ssims),
+        "psnr_each": psnrs,
+    }
+
+
+@dataclass
+class SweepResult:
+    """The table (one dict per setting, plain first), the plain outputs and each setting's outputs."""
+
+    rows: list[dict]
+    plain: list[Output]
+    outputs: dict[tuple, list[Output]] = field(default_factory=dict)  # (threshold, warmup, max_skips) -> outputs
+
+
+def sweep(
+    cache_for: Callable[[TeaCacheProfile], TeaCache],
+    profile: TeaCacheProfile,
+    cases: Cases,
+    thresholds: Sequence[float],
+    variants: Sequence[tuple[int, int | None]] = ((1, None),),
+    scenes=None,
+    target: Target | None = None,
+    batch_size: int = 8,
+    progress: Callable[[], None] | None = None,
+) -> SweepResult:
+    """Plain, then every (threshold, (warmup, max_skips)) on ``cases``; rows carry their gate failures."""
+    target = target or Target()
+    run_cases(Cases(cases.family, cases.params[:1]), 0.0, tag="warm")  # first calls are slow; not timed
+    plain, plain_s = run_cases(cases, 0.0, batch_size=batch_size, tag="plain", on_request=progress)
+    plain_adh = world_adherence([o.frames for o in plain], scenes)
+    total = sum(o.computed for o in plain)
+    rows = [_row(0.0, profile.warmup, None, plain, plain, plain_s, plain_s, total, plain_adh, plain_adh)]
+    result = SweepResult(rows, plain)
+    for warmup, max_skips in variants:
+        variant = dataclasses.replace(profile, warmup=warmup, max_skips=max_skips)
+        cache = cache_for(variant)
+        for t in thresholds:
+            got, secs = run_cases(cases, t, cache, batch_size, tag=f"t{t}", on_request=progress)
+            adh = world_adherence([o.frames for o in got], scenes)
+            row = _row(t, warmup, max_skips, got, plain, secs, plain_s, total, adh, plain_adh)
+            row["failures"] = target.failures(row)
+            rows.append(row)
+            result.outputs[(t, warmup, max_skips)] = got
+    return result
+
+
+def _row(t, warmup, max_skips, got, plain, secs, plain_s, total, adh, plain_adh) -> dict:
+    computed = sum(o.computed for o in got)
+    fid = fidelity(got, plain)
+    return {
+        "threshold": t,
+        "warmup": warmup,
+        "max_skips": max_skips,
+        "images": len(got),
+        "skipped_fraction": 1 - computed / total,
+        "forward_reduction": total / computed,  # transformer forwards (rows) plain / cached
+        "denoise_speedup": plain_s / secs if secs > 0 else math.nan,  # CPU time, measured in this run
+        "seconds": secs,
+        **{k: v for k, v in fid.items() if k != "psnr_each"},
+        "psnr_each": fid["psnr_each"],
+        "adherence": adh,
+        "plain_adherence": plain_adh,
+        "failures": [],
+    }
+
+
+def recommend(rows: Sequence[dict]) -> dict | None:
+    """The setting with the largest saving among those that met the target (ties: the smaller
+    threshold, the one with more margin); None when none did or none saved anything."""
+    ok = [r for r in rows if r["threshold"] > 0 and r["skipped_fraction"] > 0 and not r["failures"]]
+    if not ok:
+        return None
+    return max(ok, key=lambda r: (round(r["skipped_fraction"], 9), -r["threshold"]))
+
+
+def table_markdown(rows: Sequence[dict], chosen: dict | None = None) -> str:
+    """The sweep as a markdown table (the CLI prints it; the profile stores the rows)."""
+    cols = ("threshold", "warmup", "max skips", "skipped", "forwards ÷", "denoise ×", "PSNR mean/worst dB")
+    cols += ("SSIM mean/worst", "adherence", "target")
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        adh = "n/a" if r["adherence"] is None else f"{r['adherence']:.0%}"
+        mark = "plain" if r["threshold"] == 0 else ("; ".join(r["failures"]) or "meets")
+        if chosen is not None and r is chosen:
+            mark = "**recommended**"
+        lines.append(
+            f"| {r['threshold']:g} | {r['warmup']} | {r['max_skips'] or '-'} | {r['skipped_fraction']:.0%} "
+            f"| {r['forward_reduction']:.2f} | {r['denoise_speedup']:.2f} | {r['psnr_mean']:.1f} / {r['psnr_min']:.1f} "
+            f"| {r['ssim_mean']:.3f} / {r['ssim_min']:.3f} | {adh} | {mark} |"
+        )
+    return "\n".join(lines)
