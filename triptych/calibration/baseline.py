@@ -33,7 +33,8 @@ import torch
 
 from triptych.calibration.batch import Cases, Output, run_cases
 from triptych.calibration.metrics import psnr, ssim
-from triptych.calibration.sweep import WORLD_KEYS, Target
+from triptych.calibration.sweep import WORLD_KEYS
+from triptych.calibration.target import Target
 from triptych.errors import InvalidParam
 
 FORMAT = "triptych.quality.baseline/1"

@@ -10,7 +10,7 @@ import os
 import sys
 
 from triptych.cache.teacache_profile import AUTO_THRESHOLD
-from triptych.calibration.sweep import Target
+from triptych.calibration.target import Target
 from triptych.devices import add_device_flags, device_config_from_args
 from triptych.errors import InvalidParam
 
@@ -39,7 +39,7 @@ def _add_target(p, gates: str) -> None:
 
 
 def add_calibrate(sub) -> None:
-    from triptych.calibration.fit import DEFAULT_THRESHOLDS, FIT_SEEDS
+    from triptych.calibration.target import DEFAULT_THRESHOLDS, FIT_SEEDS
 
     p = sub.add_parser("calibrate", help="fit a TeaCache profile, sweep thresholds and recommend one")
     p.add_argument("--model", help="diffusers model directory (default: the built-in model)")

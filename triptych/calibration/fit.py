@@ -34,15 +34,13 @@ from triptych.cache.teacache_profile import (
     save_profile,
 )
 from triptych.calibration.collect import DEFAULT_PROMPTS, Trajectory, collect
-from triptych.calibration.sweep import Target, recommend, sweep, table_markdown
+from triptych.calibration.sweep import recommend, sweep, table_markdown
+from triptych.calibration.target import FIT_SEEDS, Target
 from triptych.identity import model_identity
 
 logger = logging.getLogger(__name__)
 
-FIT_SEEDS = (1000, 1001)
 EVAL_SEED_BASE = 2000
-#: Thresholds swept by default: dense where 20-50 step schedules meet a 30 dB worst case.
-DEFAULT_THRESHOLDS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.07, 0.1, 0.15, 0.2, 0.3)
 #: Generic evaluation prompts (models outside the shape world), disjoint from ``DEFAULT_PROMPTS``.
 EVAL_PROMPTS = (
     "a sailing boat on a calm lake at sunset",

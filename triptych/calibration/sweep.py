@@ -22,40 +22,9 @@ from triptych.cache.teacache import TeaCache
 from triptych.cache.teacache_profile import TeaCacheProfile
 from triptych.calibration.batch import Cases, Output, run_cases
 from triptych.calibration.metrics import psnr, ssim
+from triptych.calibration.target import Target
 
 WORLD_KEYS = ("shape", "color", "background")
-
-
-@dataclass(frozen=True)
-class Target:
-    """What an acceleration must keep, worst case over the evaluation requests (the issue's default:
-    SGLang's calibration bar)."""
-
-    min_psnr: float = 30.0
-    """Worst image's PSNR against the plain one, dB."""
-    min_ssim: float = 0.92
-    """Worst image's SSIM against the plain one."""
-    max_adherence_drop: float = 0.02
-    """Largest allowed drop of the share of images with every world attribute right (0.02 = 2 points)."""
-
-    def __post_init__(self) -> None:
-        if not (0 <= self.min_ssim <= 1) or not self.max_adherence_drop >= 0 or math.isnan(self.min_psnr):
-            raise ValueError(f"Target {self}: min_ssim in [0, 1], max_adherence_drop >= 0, min_psnr a number")
-
-    def failures(self, row: dict) -> list[str]:
-        out = []
-        if row["psnr_min"] < self.min_psnr:
-            out.append(f"worst PSNR {row['psnr_min']:.2f} dB < {self.min_psnr:g} dB")
-        if row["ssim_min"] < self.min_ssim:
-            out.append(f"worst SSIM {row['ssim_min']:.4f} < {self.min_ssim:g}")
-        if row.get("adherence") is not None:
-            drop = row["plain_adherence"] - row["adherence"]
-            if drop > self.max_adherence_drop + 1e-9:
-                out.append(
-                    f"adherence {row['adherence']:.1%} is {drop * 100:.1f} points below plain "
-                    f"{row['plain_adherence']:.1%} (allowed: {self.max_adherence_drop * 100:g})"
-                )
-        return out
 
 
 def world_adherence(arrays: Sequence[np.ndarray], scenes) -> float | None:

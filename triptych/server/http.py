@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import re
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -59,11 +60,19 @@ def _short(value, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _union_member(part) -> bool:
+    """pydantic's name for the member of a union type an error is about ("constrained-float",
+    "literal['auto']"): part of its location, not of the field's name."""
+    return isinstance(part, str) and ("[" in part or re.fullmatch(r"[a-z]+(-[a-z]+)+", part) is not None)
+
+
 def validation_message(errors) -> tuple[str, str | None]:
     """pydantic errors → (one message naming field, value and rule; the first field)."""
     parts, first = [], None
     for err in list(errors)[:5]:
-        loc = [str(p) for p in err.get("loc", ()) if p not in ("body", "query", "path", "form")]
+        loc = [
+            str(p) for p in err.get("loc", ()) if p not in ("body", "query", "path", "form") and not _union_member(p)
+        ]
         name = ".".join(loc) or None
         if err.get("type") != "json_invalid":
             first = first or name
