@@ -121,7 +121,7 @@ def png(color=(200, 30, 30)) -> bytes:
 
 
 async def one(client: httpx.AsyncClient, servers: dict, kind: str, i: int, counts: dict) -> None:
-    rng = random.Random(i)
+    rng = random.Random(f"soak-{i}")  # not the stream that chose the kind (that one would decide this too)
     try:
         if kind == "image":
             body = {"prompt": f"a red circle on a blue background {i}", "size": "64x64", "num_inference_steps": 2}
