@@ -15,8 +15,9 @@ from triptych.pipelines.runner import run_request
 
 # Batching changes CPU kernel reduction order (~6e-7 per forward, ENVIRONMENT.md); over a few steps
 # the latents of a request stepped inside a batch stay within this of the request stepped alone.
-BATCH_LATENT_ATOL = 1e-4
-BATCH_MIN_PSNR_DB = 60.0
+BATCH_LATENT_ATOL = 4e-6  # measured 4.8e-7 max abs, both models (two runs)
+BATCH_MIN_PSNR_DB = 112.0  # measured 131.9 dB at worst (two runs)
+FUSED_LATENT_ATOL = 9e-6  # CFG rows in one forward vs two: measured 9.5e-7 (two runs)
 
 
 @pytest.fixture(scope="module", params=["flux", "flux-schnell"])
@@ -73,7 +74,7 @@ def test_fused_cfg_is_one_forward_and_close(family):
     with count_calls(family.pipe.transformer) as calls:
         fused = _alone(family, p, fuse_cfg=True)
     assert calls == [2] * p.steps  # cond and uncond rows in one forward per step
-    assert (fused.latents - separate.latents).abs().max().item() <= BATCH_LATENT_ATOL
+    assert (fused.latents - separate.latents).abs().max().item() <= FUSED_LATENT_ATOL
 
 
 @pytest.mark.parametrize(

@@ -17,9 +17,10 @@ from triptych.errors import InvalidParam
 from triptych.pipelines.base import GenerationParams, Role
 from triptych.pipelines.registry import load_family, make_tiny
 
-# Batched vs alone, float32 CPU (measured ~1e-6 latents / >90 dB frames on the tiny models).
-LATENT_ATOL = 1e-4
-MIN_PSNR_DB = 40.0
+# Batched vs alone, float32 CPU, T2V and I2V, per-branch and fused: latents measured 2.1e-6 max abs,
+# frames 152.8 dB PSNR at worst (two runs); the bounds are 10x that / 20 dB under it.
+LATENT_ATOL = 2e-5  # measured 2.1e-6 (two runs)
+MIN_PSNR_DB = 133.0  # measured 152.8 dB (two runs)
 
 FAMILIES = ("wan-t2v", "wan-i2v")
 
