@@ -19,3 +19,20 @@ def count_calls(module):
         yield calls
     finally:
         handle.remove()
+
+
+def pristine_pipeline(model_dir, **components):
+    """The exactness reference: diffusers' own pipeline freshly loaded from ``model_dir`` in float32,
+    with none of Triptych's geometry settings, hooks or caches on it. ``components`` are passed to
+    ``from_pretrained`` as a diffusers user would pass a component the checkpoint cannot load itself."""
+    import torch
+    from diffusers import DiffusionPipeline
+
+    return DiffusionPipeline.from_pretrained(model_dir, dtype=torch.float32, **components)
+
+
+def seeded(seed: int):
+    """A CPU generator seeded as the pipelines' documented ``generator`` argument."""
+    import torch
+
+    return torch.Generator("cpu").manual_seed(seed)

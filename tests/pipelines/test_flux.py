@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import count_calls
+from tests.helpers import count_calls, pristine_pipeline, seeded
 from triptych.calibration.metrics import psnr
 from triptych.errors import InvalidParam
 from triptych.pipelines.base import GenerationParams
@@ -21,8 +21,19 @@ FUSED_LATENT_ATOL = 9e-6  # CFG rows in one forward vs two: measured 9.5e-7 (two
 
 
 @pytest.fixture(scope="module", params=["flux", "flux-schnell"])
-def family(request, tiny_model_dir):
-    return load_family(tiny_model_dir(request.param))
+def model_dir(request, tiny_model_dir):
+    return tiny_model_dir(request.param)
+
+
+@pytest.fixture(scope="module")
+def family(model_dir):
+    return load_family(model_dir)
+
+
+@pytest.fixture(scope="module")
+def pristine(model_dir):
+    """diffusers' FluxPipeline loaded afresh from the same directory: no Triptych code touches it."""
+    return pristine_pipeline(model_dir)
 
 
 CASES = [
@@ -33,9 +44,19 @@ CASES = [
 
 
 @pytest.mark.parametrize("case", CASES, ids=["default", "non-square", "true-cfg-negative"])
-def test_staged_equals_diffusers_bit_exact(family, case):
+def test_staged_equals_diffusers_bit_exact(family, pristine, case):
     params = family.resolve(GenerationParams(**case))
-    reference = np.asarray(family.reference_call(params), dtype=np.float32)
+    reference = pristine(
+        prompt=params.prompt,
+        negative_prompt=params.negative_prompt,
+        true_cfg_scale=params.true_cfg,
+        height=params.height,
+        width=params.width,
+        num_inference_steps=params.steps,
+        guidance_scale=params.guidance,
+        generator=seeded(params.seed),
+        output_type="np",
+    ).images
     with count_calls(family.pipe.transformer) as calls:
         frames, _ = run_request(family, params, fuse_cfg=False)
     assert frames.array.shape == reference.shape
