@@ -82,7 +82,13 @@ def test_heldout_edits_change_the_asked_attribute():
     assert edited >= EDITED_AT_LEAST and kept >= EDITED_AND_KEPT_AT_LEAST, (edited, kept)
 
 
+CAPTION_SCENES = 50  # MODEL_CARD.md's 50 held-out images
+CAPTIONS_RIGHT_AT_LEAST = 40  # the documented target, 80%; measured 41 of 50 (82%, the card's figure)
+
+
 def test_captioner_names_shape_and_colour_of_heldout_images():
+    """Every one of the card's 50 held-out scenes is captioned (none left out); the rate that names
+    both shape and colour is held to the documented 80% target."""
     import torch
     from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
@@ -93,10 +99,10 @@ def test_captioner_names_shape_and_colour_of_heldout_images():
     torch.set_num_threads(1)
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(PACKAGED_DEFAULT / "text_encoder").eval()
     processor = build.processor(AutoTokenizer.from_pretrained(PACKAGED_DEFAULT / "tokenizer"))
-    scenes = [sample_scenes(50, "eval-captions", "heldout")[i] for i in (0, 1, 3)]
-    for scene, answer in zip(scenes, caption_images(model, processor, [render(s, 64) for s in scenes])):
-        result = score_caption(answer, scene)
-        assert result["shape"] and result["color"], (scene, answer)
+    scenes = sample_scenes(CAPTION_SCENES, "eval-captions", "heldout")
+    answers = caption_images(model, processor, [render(s, 64) for s in scenes])
+    wrong = [(s, a) for s, a in zip(scenes, answers) if not all(score_caption(a, s)[k] for k in ("shape", "color"))]
+    assert CAPTION_SCENES - len(wrong) >= CAPTIONS_RIGHT_AT_LEAST, wrong
 
 
 # TeaCache 0.1 on the first 6 quality prompts: measured worst PSNR 14.6 dB against the plain run and
