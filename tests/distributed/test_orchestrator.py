@@ -10,11 +10,11 @@ import pytest
 from orchestrator_support import Cluster, job, nothing_held
 from PIL import Image
 
+from tests.helpers import NEEDS_MOONCAKE
 from triptych.pipelines.registry import load_family, make_tiny
 from triptych.pipelines.runner import run_request
 from triptych.server.launch import TopologyConfig
 from triptych.server.media import encode_frames
-from triptych.server.transfer import mooncake_available
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def decoded(data: bytes) -> np.ndarray:
 
 @pytest.mark.parametrize(
     "transfer",
-    ["zmq", pytest.param("mooncake", marks=pytest.mark.skipif(not mooncake_available(), reason="no mooncake"))],
+    ["zmq", pytest.param("mooncake", marks=NEEDS_MOONCAKE)],
 )
 def test_bit_identical_to_single_process(model, transfer):
     path, family = model
