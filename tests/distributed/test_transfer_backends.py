@@ -11,6 +11,7 @@ import msgspec
 import pytest
 import torch
 
+from tests.helpers import NEEDS_MOONCAKE
 from triptych.server.transfer import (
     DuplicateTransfer,
     PeerLost,
@@ -27,12 +28,7 @@ from triptych.server.transfer import (
 )
 from triptych.server.transfer.messages import WriteClaim, WriteDone
 
-MOONCAKE_SKIP = pytest.mark.skipif(
-    not mooncake_available(),
-    reason="mooncake.engine cannot be imported: pip install mooncake-transfer-engine-non-cuda"
-    "==0.3.13.post1 and apt-get install -y libibverbs1",
-)
-BACKENDS = [pytest.param("zmq"), pytest.param("mooncake", marks=MOONCAKE_SKIP)]
+BACKENDS = [pytest.param("zmq"), pytest.param("mooncake", marks=NEEDS_MOONCAKE)]
 # Small staging so tensors above 64 KiB exercise Mooncake's chunked writes.
 CONFIG = TransferConfig(max_slots=8, max_bytes=1 << 20, staging_bytes=64 << 10, poll_interval_s=0.01)
 DTYPES = [torch.float32, torch.bfloat16, torch.int64]
@@ -243,7 +239,7 @@ def test_unknown_backend_kind_raises():
         make_endpoint("nccl", "x", CONFIG)  # type: ignore[arg-type]
 
 
-@MOONCAKE_SKIP
+@NEEDS_MOONCAKE
 def test_claimed_range_is_parked_until_the_write_ends():
     with make_endpoint("mooncake", "rx", CONFIG) as rx, make_endpoint("mooncake", "tx", CONFIG) as tx:
         ref = rx.reserve("parked", torch.float32, (4,), "tx", 10)
@@ -255,7 +251,7 @@ def test_claimed_range_is_parked_until_the_write_ends():
         assert rx.idle()
 
 
-@MOONCAKE_SKIP
+@NEEDS_MOONCAKE
 @pytest.mark.parametrize(("rx_kind", "tx_kind"), [("mooncake", "zmq"), ("zmq", "mooncake")])
 def test_backends_interoperate(rx_kind, tx_kind):
     with make_endpoint(rx_kind, "rx", CONFIG) as rx, make_endpoint(tx_kind, "tx", CONFIG) as tx:

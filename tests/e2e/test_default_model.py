@@ -82,7 +82,13 @@ def test_heldout_edits_change_the_asked_attribute():
     assert edited >= EDITED_AT_LEAST and kept >= EDITED_AND_KEPT_AT_LEAST, (edited, kept)
 
 
+CAPTION_SCENES = 50  # MODEL_CARD.md's 50 held-out images
+CAPTIONS_RIGHT_AT_LEAST = 40  # the documented target, 80%; measured 41 of 50 (82%, the card's figure)
+
+
 def test_captioner_names_shape_and_colour_of_heldout_images():
+    """Every one of the card's 50 held-out scenes is captioned (none left out); the rate that names
+    both shape and colour is held to the documented 80% target."""
     import torch
     from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
@@ -93,20 +99,30 @@ def test_captioner_names_shape_and_colour_of_heldout_images():
     torch.set_num_threads(1)
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(PACKAGED_DEFAULT / "text_encoder").eval()
     processor = build.processor(AutoTokenizer.from_pretrained(PACKAGED_DEFAULT / "tokenizer"))
-    scenes = [sample_scenes(50, "eval-captions", "heldout")[i] for i in (0, 1, 3)]
-    for scene, answer in zip(scenes, caption_images(model, processor, [render(s, 64) for s in scenes])):
-        result = score_caption(answer, scene)
-        assert result["shape"] and result["color"], (scene, answer)
+    scenes = sample_scenes(CAPTION_SCENES, "eval-captions", "heldout")
+    answers = caption_images(model, processor, [render(s, 64) for s in scenes])
+    wrong = [(s, a) for s, a in zip(scenes, answers) if not all(score_caption(a, s)[k] for k in ("shape", "color"))]
+    assert CAPTION_SCENES - len(wrong) >= CAPTIONS_RIGHT_AT_LEAST, wrong
+
+
+# TeaCache 0.1 on the first 6 quality prompts: measured worst PSNR 14.6 dB against the plain run and
+# adherence 5 of 6 against 6 of 6 plain (one image loses an attribute) (two runs).
+QUALITY_MIN_PSNR = 10.0
+QUALITY_MAX_ADHERENCE_DROP = 0.2  # one image of the six
 
 
 def test_quality_report_on_the_default_model_scores_adherence_with_its_shipped_profile():
     """The packaged TeaCache profile (20 steps) and the shape world make ``triptych quality`` work out
-    of the box: adherence is read from pixels on both sides, skipped work and fidelity are measured."""
+    of the box: adherence is read from pixels on both sides, skipped work and fidelity are measured.
+    Both gates are set and pass; an adherence gate of no drop at all fails the same requests."""
     from triptych.calibration.quality import quality_report
 
-    report = quality_report(PACKAGED_DEFAULT, [0.1], images=6)
+    gates = dict(min_psnr=QUALITY_MIN_PSNR, max_adherence_drop=QUALITY_MAX_ADHERENCE_DROP)
+    report = quality_report(PACKAGED_DEFAULT, [0.1], images=6, **gates)
     (row,) = report["settings"]
-    assert report["world"] is True and report["steps"] == 20 and report["passed"]
+    assert report["world"] is True and report["steps"] == 20 and report["passed"], row["failures"]
+    strict = quality_report(PACKAGED_DEFAULT, [0.1], images=6, max_adherence_drop=0.0)
+    assert not strict["passed"] and "below plain" in strict["settings"][0]["failures"][0]
     assert report["plain_adherence"] >= 5 / 6  # measured on the first 6 quality prompts: 6 of 6
     assert 0 < row["skipped_fraction"] < 1 and row["adherence"] is not None
     assert 0 < row["ssim_min"] <= row["ssim_mean"] <= 1

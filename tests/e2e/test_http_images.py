@@ -166,10 +166,20 @@ def test_video_route_on_image_model_is_400(server):
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "model"
 
 
+def _sample(text: str, series: str) -> float:
+    """The value of one series (name with labels) in a Prometheus text exposition, 0 when absent."""
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(series + " ")]
+    return values[0] if values else 0.0
+
+
 def test_models_health_and_metrics(client, server):
+    """Counts its own generation (the server is shared by the module: no test relies on another's)."""
     models = client.models.list()
     assert [m.id for m in models.data] == [client.models.retrieve(models.data[0].id).id]
     assert httpx.get(f"{server}/health").json()["status"] == "ok"
+    success = 'triptych_requests_total{endpoint="/v1/images/generations",outcome="success"}'
+    before = _sample(httpx.get(f"{server}/metrics").text, success)
+    client.images.generate(prompt="x", extra_body={"seed": 1, "num_inference_steps": 1})
     text = httpx.get(f"{server}/metrics").text
     for name in (
         "triptych_queue_depth",
@@ -181,4 +191,4 @@ def test_models_health_and_metrics(client, server):
         "triptych_instances",
     ):
         assert f"# TYPE {name} " in text, name
-    assert 'triptych_requests_total{endpoint="/v1/images/generations",outcome="success"}' in text
+    assert _sample(text, success) == before + 1

@@ -12,18 +12,16 @@ import openai
 import pytest
 
 from tests.e2e.http_support import decode_pixels, serve, wait_for
+from tests.helpers import NEEDS_MOONCAKE
 from triptych.pipelines.base import GenerationParams
 from triptych.pipelines.registry import load_family
 from triptych.pipelines.runner import run_request
 from triptych.server.http import HeadConfig, create_app
 from triptych.server.media import encode_frames
-from triptych.server.transfer import mooncake_available
 
 BACKENDS = [
     "zmq",
-    pytest.param(
-        "mooncake", marks=pytest.mark.skipif(not mooncake_available(), reason="mooncake.engine not importable")
-    ),
+    pytest.param("mooncake", marks=NEEDS_MOONCAKE),
 ]
 
 

@@ -7,7 +7,8 @@ conditioning arrives while it is still denoising, so requests share forwards.
 
 Tolerance: a batched forward changes the reduction order of CPU kernels (about 6e-7 per forward on
 float32 activations), so a request denoised in a batch may differ from ``run_request`` by a level
-or two of uint8 pixels: we assert max |diff| <= 2 levels and PSNR >= 40 dB. A request sent alone is
+or two of uint8 pixels. Measured over two runs of 8: at most 1 level, PSNR 84.3 dB at worst (often
+bit-identical); we assert max |diff| <= 2 levels and PSNR >= 65 dB. A request sent alone is
 stepped alone with CFG fused like ``run_request``: it must be bit-identical.
 """
 
@@ -34,8 +35,8 @@ from triptych.server.orchestrator import OrchestratorConfig
 N = 8
 STEPS = 16  # ~10x an encode on the tiny model: later requests join earlier ones mid-denoise
 SIZE = 64
-MAX_DIFF = 2  # uint8 levels
-MIN_PSNR = 40.0  # dB
+MAX_DIFF = 2  # uint8 levels; measured 1 (two runs)
+MIN_PSNR = 65.0  # dB; measured 84.3 dB at worst (two runs)
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,10 @@ from triptych.pipelines.base import GenerationParams
 from triptych.pipelines.registry import load_family
 from triptych.server.engine import DenoiserEngine, EngineConfig
 
-LATENT_ATOL = 1e-4  # batching changes CPU reduction order (~6e-7 per forward)
-MIN_PSNR_DB = 60.0
+# Batching changes CPU reduction order (~6e-7 per forward). Over the 5 requests: latents measured
+# 2.4e-7 to 6.0e-7 max abs, decoded images 131.9 dB PSNR at worst (two runs).
+LATENT_ATOL = 6e-6  # measured 6.0e-7 (two runs)
+MIN_PSNR_DB = 112.0  # measured 131.9 dB (two runs)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from triptych.pipelines.teacache import check_teacache, make_teacache
 from triptych.server.engine import DenoiserEngine, EngineConfig
 
 STEPS = 8
-MIN_PSNR_DB = 25.0  # TeaCache is an approximation: stated floor vs the uncached output
+MIN_PSNR_DB = 31.0  # TeaCache 0.3 is an approximation: measured 50.8 dB vs the uncached output (two runs)
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,8 @@ The profile is fitted in the test on the same tiny model (8 steps, 2 prompts × 
 28 points). Figures seen when written: threshold 0.2 skips 4 of 8 steps at 54.4 dB PSNR against the
 uncached decode (0.1: 2 skips, 66.7 dB; 0.3: 5 skips, 50.3 dB); with true CFG 2.5 each branch skips 4
 of 8, 53.9 dB; batched with two other requests a request makes the same decisions and its latents
-stay within 2.4e-7 of the alone run. Asserted bounds: PSNR >= 25 dB, batch tolerance 1e-4.
+stay within 3.6e-7 of the alone run. Asserted bounds: PSNR >= 35 dB (20 dB under the worst measured,
+54.7 dB), batch tolerance 3e-6 (measured 3.6e-7; two runs each).
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from triptych.pipelines.registry import load_family, make_tiny
 
 STEPS = 8
 THRESHOLD = 0.2
-MIN_PSNR_DB = 25.0
-BATCH_ATOL = 1e-4  # batch composition: ~6e-7 per forward (ENVIRONMENT.md), grown over 8 steps
+MIN_PSNR_DB = 35.0  # quality at threshold 0.2: measured 54.7 dB (no CFG) / 54.9 dB (CFG) (two runs)
+BATCH_ATOL = 3e-6  # batch composition changes kernel rounding only: measured 3.6e-7 (two runs)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ Asserted: split forward bit-identical to ``family.forward`` (one row; 2 requests
 different prompt lengths, i.e. padded + masked text; edit with the condition tokens; edit with
 ``zero_cond_t`` switched on), >= 2 skips and PSNR >= 35 dB at threshold 0.2. Batched with two other
 requests (one at threshold 0, other prompts) a request makes the same decisions as alone and its
-latents stay within 4.8e-7 of the alone run (asserted 1e-4); each step is one block-stack call over
+latents stay within 4.2e-7 of the alone run (asserted 4e-6); each step is one block-stack call over
 the computing rows.
 """
 
@@ -36,8 +36,8 @@ from triptych.pipelines.teacache import plan_for
 
 STEPS = 8
 THRESHOLD = 0.2
-MIN_PSNR_DB = 35.0  # seen >= 52 dB; room for other BLAS / rel-L1 near the threshold
-BATCH_ATOL = 1e-4  # batch composition (and, for Qwen, text padding) changes kernel rounding only
+MIN_PSNR_DB = 35.0  # measured 52.1 dB at worst (CFG 4; 55.0 t2i, 53.5 edit) (two runs)
+BATCH_ATOL = 4e-6  # batch composition and text padding change kernel rounding only: measured 4.2e-7 (two runs)
 SIZE = dict(height=64, width=64)
 FAMILIES = ("qwen-image", "qwen-image-edit")
 ORIGINAL_CALCULATE_DIMENSIONS = pipeline_qwenimage_edit.calculate_dimensions

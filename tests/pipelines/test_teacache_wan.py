@@ -18,7 +18,7 @@ threshold     wan-t2v                    wan-t2v, CFG 5             wan-i2v
 Asserted: split forward bit-identical to ``family.forward`` (one row; 2 requests × CFG with
 different prompts, seeds and, for I2V, condition images), >= 2 skips and PSNR >= 35 dB at threshold
 0.2. Batched with two other requests (one at threshold 0, other prompts) a request makes the same
-decisions as alone and its latents stay within 1.2e-6 of the alone run (asserted 1e-4); each step is
+decisions as alone and its latents stay within 9.5e-7 of the alone run (asserted 9e-6); each step is
 one block-stack call over the computing rows.
 """
 
@@ -35,8 +35,8 @@ from triptych.pipelines.teacache import plan_for
 
 STEPS = 8
 THRESHOLD = 0.2
-MIN_PSNR_DB = 35.0  # seen >= 47 dB; room for other BLAS / rel-L1 near the threshold
-BATCH_ATOL = 1e-4  # batch composition (and, for Qwen, text padding) changes kernel rounding only
+MIN_PSNR_DB = 35.0  # measured 47.0 dB at worst (I2V; 50.4 T2V, 56.8 CFG) (two runs)
+BATCH_ATOL = 9e-6  # batch composition changes kernel rounding only: measured 9.5e-7 (two runs)
 SIZE = dict(height=32, width=48, frames=5)
 FAMILIES = ("wan-t2v", "wan-i2v")
 
