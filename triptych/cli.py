@@ -84,7 +84,7 @@ def _parallel_config(args):
 
 
 def _threshold_arg(text: str) -> float:
-    from triptych.calibration.commands import threshold_arg
+    from triptych.cli_calibration import threshold_arg
 
     return threshold_arg(text)
 
@@ -227,15 +227,15 @@ def cmd_chat(args) -> int:
 
 
 def _add_calibrate(sub) -> None:
-    from triptych.calibration.commands import add_calibrate
+    from triptych.cli_calibration import add_calibrate
 
-    add_calibrate(sub)  # flags and command: triptych/calibration/commands.py
+    add_calibrate(sub)  # flags and command: triptych.cli_calibration.py
 
 
 def _add_quality(sub) -> None:
-    from triptych.calibration.commands import add_quality
+    from triptych.cli_calibration import add_quality
 
-    add_quality(sub)  # flags and command: triptych/calibration/commands.py
+    add_quality(sub)  # flags and command: triptych.cli_calibration.py
 
 
 def cmd_make_tiny(args) -> int:

@@ -20,7 +20,6 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from triptych.cache.mm import tenant_scope
 from triptych.errors import InvalidParam, TriptychError
 from triptych.pipelines.base import Family, GenerationParams
 from triptych.pipelines.vlm import ChatParams, ChatResult
@@ -120,7 +119,6 @@ class InProcessBackend(GenerationBackend):
         from triptych.pipelines.teacache import make_teacache
 
         self.family = family
-        self.metrics = Metrics()
         self._accel = make_teacache(family)
         self.max_queued = max_queued
         self._lock = asyncio.Lock()
@@ -178,7 +176,7 @@ class InProcessBackend(GenerationBackend):
         async with self._turn(job.request_id):
             emit = None if on_text is None else (lambda text: loop.call_soon_threadsafe(on_text, text))
             running = asyncio.ensure_future(
-                asyncio.to_thread(_run_chat, model, job.params, emit, lambda: job.request_id in self._cancelled)
+                asyncio.to_thread(model.run, job.params, emit, lambda: job.request_id in self._cancelled)
             )
             try:
                 result = await asyncio.shield(running)
@@ -189,8 +187,3 @@ class InProcessBackend(GenerationBackend):
             if result.finish_reason == "cancelled":
                 raise Cancelled(job.request_id)
             return result
-
-
-def _run_chat(model, params: ChatParams, emit, should_stop) -> ChatResult:
-    with tenant_scope(params.tenant):
-        return model.run(params, emit, should_stop)

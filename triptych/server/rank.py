@@ -32,7 +32,6 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("--rank", "--world", "--port", "--parent-pid", "--cfg", "--ulysses", "--ring"):
         p.add_argument(name, type=int, required=True)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default=None)
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--threads", type=int, default=0)
     args = p.parse_args(argv)

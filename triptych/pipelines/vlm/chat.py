@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList, TextStreamer
 
+from triptych.cache.mm import tenant_scope
 from triptych.errors import InvalidParam
 
 ROLES = ("system", "user", "assistant")
@@ -174,6 +175,10 @@ class ChatModel:
     ) -> ChatResult:
         """Answer the last user message. ``on_text`` gets each piece of the answer as it is decoded;
         ``should_stop`` is polled after every token (a cancelled request stops at the next one)."""
+        with tenant_scope(params.tenant):  # the vision tower's mm-hash cache is scoped by who asks
+            return self._run(params, on_text, should_stop)
+
+    def _run(self, params: ChatParams, on_text, should_stop) -> ChatResult:
         inputs = self.inputs(params).to(self.model.device)
         config = self.generation_config(params)
         until = _Until(should_stop or (lambda: False))

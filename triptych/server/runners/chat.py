@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import threading
 
-from triptych.cache.mm import tenant_scope
 from triptych.pipelines.vlm import ChatParams, ChatResult
 
 
@@ -57,8 +56,7 @@ class ChatSession:
         self._go.acquire()
         try:
             on_text = self.pieces.append if self._stream else None
-            with tenant_scope(self._params.tenant):  # a thread starts with a fresh context
-                self.result = self._model.run(self._params, on_text, self._pause)
+            self.result = self._model.run(self._params, on_text, self._pause)
         except BaseException as e:  # noqa: BLE001 - handed to the loop thread, which reports it
             self.error = e
         finally:

@@ -40,8 +40,6 @@ class InstanceRanks:
         for rank in range(1, world):
             cmd = [sys.executable, "-m", "triptych.server.rank", "--rank", str(rank), "--world", str(world)]
             cmd += ["--port", str(port), "--device", device, "--parent-pid", str(os.getpid())]
-            if dtype is not None:
-                cmd += ["--dtype", dtype]
             cmd += ["--cfg", str(p.cfg), "--ulysses", str(p.ulysses), "--ring", str(p.ring)]
             cmd += ["--timeout", str(self.timeout_s), "--threads", str(self.threads)]
             self.procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL))

@@ -1,5 +1,7 @@
-"""``triptych calibrate`` and ``triptych quality``: their flags and what they run (``triptych.cli``
-adds them to the command line). Defaults of the gates are the calibration target (:class:`Target`).
+"""The command line of ``triptych calibrate`` and ``triptych quality``: their flags, what they run and
+what they print (``triptych.cli`` adds them; split from it to keep each file under 400 lines). The
+library they call (``triptych.calibration``) prints nothing. Defaults of the gates are the
+calibration target (:class:`Target`).
 """
 
 from __future__ import annotations
