@@ -158,6 +158,25 @@ class TeaCacheStats:
     base_calls: int = 0  # calls handed to the family's forward unchanged (no TeaCache row)
     rows_computed: int = 0
     rows_skipped: int = 0
+    overridden: int = 0  # rows whose own decision differed from the leader's (multi-rank only)
+
+
+class RankComposition(Protocol):
+    """How a multi-rank instance runs TeaCache's pieces (``triptych.parallel.cache`` builds one).
+
+    Every rank runs the same ``TeaCache.forward`` on the same rows (the tick is broadcast); these
+    three calls are where the ranks meet. Contract: ``blocks(run, idx)`` returns, on every rank, what
+    ``run(idx)`` returns on one rank (the block stack of rows ``idx``; with sequence parallel, this
+    rank's shard of the tokens); ``local(hidden)`` is this rank's shard of a block-stack input, the
+    one the block stack's own split gives it (identity without sequence parallel); ``agree`` returns
+    the leader's decisions and accumulated values for the rows, so every rank skips the same rows.
+    """
+
+    def blocks(self, run: Callable[[list[int]], torch.Tensor], idx: list[int]) -> torch.Tensor: ...
+
+    def local(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def agree(self, compute: list[bool], accumulated: list[float]) -> tuple[list[bool], list[float]]: ...
 
 
 # ---- the cache -----------------------------------------------------------------------------------
@@ -238,8 +257,12 @@ class TeaCache:
         plan: TeaCachePlan,
         profiles: Callable[[int], TeaCacheProfile | None] | None = None,
         config: TeaCacheConfig | None = None,
+        ranks: RankComposition | None = None,
     ):
+        """``ranks``: the instance's composition when this cache runs on every rank of a multi-rank
+        denoiser (``triptych.parallel.cache``); None on a single rank."""
         self.plan = plan
+        self.ranks = ranks
         self.profiles = profiles or (lambda steps: None)
         self.config = config or TeaCacheConfig()
         self.stats = TeaCacheStats()
@@ -318,15 +341,30 @@ class TeaCache:
                 else:
                     st.accumulated = 0.0
             st.previous_input = modulated[i : i + 1].clone()
+        if self.ranks is not None:
+            self._agree(compute, active, states)
+        for i, st in zip(active, states):
+            s = steps[i]
             self.last_decisions.append(Decision(s.request_id, s.branch, s.step, compute[i], st.accumulated))
         return compute
+
+    def _agree(self, compute: list[bool], active: list[int], states: list[BranchState]) -> None:
+        """Adopt the leader's decisions (a multi-rank instance decides once, on rank 0)."""
+        mine = [compute[i] for i in active]
+        leader, accumulated = self.ranks.agree(mine, [st.accumulated for st in states])
+        for k, (i, st) in enumerate(zip(active, states)):
+            if leader[k] != mine[k]:
+                self.stats.overridden += 1
+                logger.debug("teacache: row %d follows the leader (%s)", i, "compute" if leader[k] else "skip")
+            compute[i] = leader[k]
+            st.accumulated = accumulated[k]
 
     def _run(self, emb: Embedded, steps: list[RowStep], compute: list[bool]) -> torch.Tensor:
         n = len(steps)
         idx = [i for i in range(n) if compute[i]]
         computed = None
         if idx:
-            computed = self.plan.blocks(emb, None if len(idx) == n else torch.tensor(idx, device=emb.hidden.device))
+            computed = self._blocks(emb, idx, n)
             self.stats.block_calls += 1
         self.stats.rows_computed += len(idx)
         self.stats.rows_skipped += n - len(idx)
@@ -336,15 +374,27 @@ class TeaCache:
             if s.threshold > 0:
                 st = self._states.get(s.request_id, s.branch)
                 if compute[i]:
-                    st.residual = computed[pos[i] : pos[i] + 1] - emb.hidden[i : i + 1]
+                    st.residual = computed[pos[i] : pos[i] + 1] - self._local(emb.hidden[i : i + 1])
                     st.computed += 1
                     st.run = 0
                 else:
                     st.skipped += 1
                     st.run += 1
             if len(idx) < n:
-                pieces.append(computed[pos[i] : pos[i] + 1] if compute[i] else emb.hidden[i : i + 1] + st.residual)
+                pieces.append(
+                    computed[pos[i] : pos[i] + 1] if compute[i] else self._local(emb.hidden[i : i + 1]) + st.residual
+                )
         hidden = computed if len(idx) == n else torch.cat(pieces)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("teacache: %d/%d rows computed", len(idx), n)
         return self.plan.head(emb, hidden)
+
+    def _blocks(self, emb: Embedded, idx: list[int], n: int) -> torch.Tensor:
+        def run(rows: list[int]) -> torch.Tensor:
+            every = len(rows) == n  # rows are ascending and distinct: all n means rows == range(n)
+            return self.plan.blocks(emb, None if every else torch.tensor(rows, device=emb.hidden.device))
+
+        return run(idx) if self.ranks is None else self.ranks.blocks(run, idx)
+
+    def _local(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden if self.ranks is None else self.ranks.local(hidden)

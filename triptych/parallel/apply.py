@@ -22,16 +22,17 @@ latents without sending them. Everything a rank does between two broadcasts must
 all ranks (same rows, same order): a rank that diverges deadlocks the collectives until the
 timeout, which takes the instance out of service.
 
-Not composed yet: TeaCache's own forward runs the transformer blocks itself (not through
-``forward`` or the transformer's ``__call__``), so a request with TeaCache on would bypass the CFG
-split and meet the sequence-parallel hooks half-way; refuse ``teacache_threshold > 0`` on a
-multi-rank instance until that is tested.
+TeaCache composes with the ranks itself: its forward runs the transformer in pieces (embed, block
+stack, head) rather than through ``forward``, so ``Parallelism.for_cache`` gives it the points where
+ranks meet (``triptych.parallel.cache``), and the engine hands it the wrapped forward for the
+batches it does not touch.
 """
 
 from __future__ import annotations
 
 import torch
 
+from triptych.parallel.cache import RanksForCache
 from triptych.parallel.cfg import CfgParallel, RowsForward
 from triptych.parallel.groups import ParallelGroups
 from triptych.parallel.sequence import SequenceParallel
@@ -59,6 +60,11 @@ class Parallelism:
         """The rows forward to pass as ``denoise_step(..., forward=)`` (with ``fuse_cfg=True``, so both
         CFG branches reach one call and can be split). Wrap an acceleration's forward the same way."""
         return self._cfg.wrap(forward)
+
+    def for_cache(self) -> RanksForCache:
+        """The composition TeaCache needs on this rank; raises ``ValueError`` for a model whose
+        sequence split TeaCache's piecewise forward would bypass (see ``triptych.parallel.cache``)."""
+        return RanksForCache(self.transformer, self.groups)
 
     def remove(self) -> None:
         if self._sequence is not None:

@@ -57,12 +57,19 @@ class CfgParallel:
     def run(self, forward: RowsForward, rows: Sequence[RowT]) -> torch.Tensor:
         if len(rows) < self.degree:
             return forward(rows)
-        bounds = split_bounds(len(rows), self.degree)
-        index = self.groups.cfg_index
-        mine = forward(rows[bounds[index] : bounds[index + 1]]).contiguous()
-        longest = bounds[1] - bounds[0]
-        if mine.shape[0] < longest:
-            mine = torch.cat([mine, mine.new_zeros(longest - mine.shape[0], *mine.shape[1:])])
-        gathered = [torch.empty_like(mine) for _ in range(self.degree)]
-        dist.all_gather(gathered, mine, group=self.groups.cfg_group)
-        return torch.cat([g[: bounds[i + 1] - bounds[i]] for i, g in enumerate(gathered)])
+        return split_rows(rows, forward, self.groups)
+
+
+def split_rows(rows: Sequence[RowT], compute: Callable[[Sequence[RowT]], torch.Tensor], groups) -> torch.Tensor:
+    """``compute(rows)`` with the rows cut into ``groups.config.cfg`` contiguous parts, part ``i``
+    computed by CFG group ``i``, and one all-gather over the CFG group: every rank gets every row."""
+    degree = groups.config.cfg
+    bounds = split_bounds(len(rows), degree)
+    index = groups.cfg_index
+    mine = compute(rows[bounds[index] : bounds[index + 1]]).contiguous()
+    longest = bounds[1] - bounds[0]
+    if mine.shape[0] < longest:
+        mine = torch.cat([mine, mine.new_zeros(longest - mine.shape[0], *mine.shape[1:])])
+    gathered = [torch.empty_like(mine) for _ in range(degree)]
+    dist.all_gather(gathered, mine, group=groups.cfg_group)
+    return torch.cat([g[: bounds[i + 1] - bounds[i]] for i, g in enumerate(gathered)])

@@ -44,12 +44,13 @@ def plan_for(family) -> TeaCachePlan:
 
 
 def make_teacache(
-    family: Family, profiles_dir: str | Path | None = None, config: TeaCacheConfig | None = None
+    family: Family, profiles_dir: str | Path | None = None, config: TeaCacheConfig | None = None, ranks=None
 ) -> TeaCache | None:
-    """The family's TeaCache, or None when the family has no TeaCache plan."""
+    """The family's TeaCache, or None when the family has no TeaCache plan. ``ranks``: the instance's
+    ``RankComposition`` on a multi-rank denoiser (``Parallelism.for_cache()``)."""
     if not has_plan(family):
         return None
-    return TeaCache(plan_for(family), ProfileIndex(family.model_dir, family.name, profiles_dir), config)
+    return TeaCache(plan_for(family), ProfileIndex(family.model_dir, family.name, profiles_dir), config, ranks)
 
 
 def check_teacache(

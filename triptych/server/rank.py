@@ -45,8 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     from triptych.parallel import ParallelConfig, ParallelGroups, apply_parallel, broadcast_message, destroy, init_rank
     from triptych.pipelines.base import Role
     from triptych.pipelines.registry import family_class
-    from triptych.server.engine import DenoiserEngine
-    from triptych.server.runners.ticks import RankSetup, follow
+    from triptych.server.runners.ticks import RankSetup, follow, instance_engine
 
     timeout = datetime.timedelta(seconds=args.timeout)
     device = init_rank(args.rank, args.world, args.port, device=args.device, timeout=timeout)
@@ -57,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
             setup.model_dir, roles={Role.DENOISER}, device=str(device), dtype=setup.dtype
         )
         parallelism = apply_parallel(family.pipe.transformer, groups)
-        engine = DenoiserEngine(family, setup.engine, wrap=parallelism.wrap)
+        engine = instance_engine(family, setup.engine, parallelism)
         follow(family, engine, groups)
     finally:
         destroy()

@@ -33,15 +33,18 @@ class EngineStepOutput:
 
 
 class DenoiserEngine:
-    def __init__(self, family: Family, config: EngineConfig | None = None, accel=None, wrap=None):
+    def __init__(self, family: Family, config: EngineConfig | None = None, accel=None, wrap=None, no_accel: str = ""):
         """``accel``: optional acceleration (e.g. TeaCache) with ``forward(rows, base_forward)``
         and ``release(request_id)``; it owns its per-request state, the engine tells it when a
-        request leaves. ``wrap``: optional ``wrap(forward) -> forward`` around the rows forward (a
-        multi-rank instance's CFG split)."""
+        request leaves. ``wrap``: optional ``wrap(forward) -> forward`` around the family's rows
+        forward (a multi-rank instance's CFG split); ``accel`` calls the wrapped forward for the
+        batches it hands on unchanged, and composes with the ranks itself for the rest (TeaCache's
+        ``ranks``). ``no_accel``: why there is no ``accel`` (said when a request asks for it)."""
         self.family = family
         self.config = config or EngineConfig()
         self.accel = accel
         self.wrap = wrap
+        self.no_accel = no_accel
         self.stats = EngineStats()
         self._running: dict[str, Running] = {}
         self._tick = 0
@@ -55,7 +58,10 @@ class DenoiserEngine:
         threshold = state.params.teacache_threshold
         if threshold > 0:
             if self.accel is None:
-                raise InvalidParam("teacache_threshold", threshold, f"TeaCache is not available for {self.family.name}")
+                why = f": {self.no_accel}" if self.no_accel else ""
+                raise InvalidParam(
+                    "teacache_threshold", threshold, f"TeaCache is not available for {self.family.name}{why}"
+                )
             self.accel.admit(state.request_id, threshold, state.total_steps)
         key = self.family.compat_key(state)
         tokens = (
@@ -107,15 +113,12 @@ class DenoiserEngine:
 
     def execute(self, batch: list[Running]) -> None:
         states = [r.state for r in batch]
-        forward = None
+        base = self.family.forward if self.wrap is None else self.wrap(self.family.forward)
+        forward = None if self.wrap is None else base
         if self.accel is not None:
-            base = self.family.forward
 
             def forward(rows):
                 return self.accel.forward(rows, base)
-
-        if self.wrap is not None:
-            forward = self.wrap(forward or self.family.forward)
 
         t = time.perf_counter()
         step_stats = self.family.denoise_step(states, fuse_cfg=self.config.fuse_cfg, forward=forward)

@@ -17,9 +17,9 @@ from triptych.parallel import ParallelConfig, broadcast_message, broadcast_tenso
 from triptych.pipelines.base import Conditioning, Family, Frames, GenerationParams
 from triptych.pipelines.runner import StageTimings, StepCallback
 from triptych.server import wire
-from triptych.server.engine import DenoiserEngine, EngineConfig
+from triptych.server.engine import EngineConfig
 from triptych.server.runners.ranks import InstanceRanks
-from triptych.server.runners.ticks import Join, Tick, step
+from triptych.server.runners.ticks import Join, Tick, instance_engine, step
 
 
 def run_parallel_request(
@@ -34,8 +34,6 @@ def run_parallel_request(
     """Resolve, encode, denoise on ``parallel.world_size`` ranks, decode (``family`` holds every role)."""
     timings = StageTimings()
     params = family.resolve(params)
-    if params.teacache_threshold > 0:
-        raise ValueError("TeaCache is not composed with a multi-rank denoiser yet: drop --teacache-threshold")
     engine_config = EngineConfig(max_batch_requests=1)
     ranks = InstanceRanks(parallel, collective_timeout_s, threads)
     try:
@@ -48,7 +46,7 @@ def run_parallel_request(
             flat = family.encode(params).flat()
         timings.add("encode", t)
         t = time.perf_counter()
-        engine = DenoiserEngine(family, engine_config, wrap=ranks.parallelism.wrap)
+        engine = instance_engine(family, engine_config, ranks.parallelism)
         with torch.no_grad():
             state = family.prepare("local", params, Conditioning.from_flat(flat))
         engine.add(state)

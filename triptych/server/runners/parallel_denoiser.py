@@ -10,7 +10,8 @@ the head and the transfer plane. An idle instance still broadcasts an empty tick
 A failed collective (a rank died, or hung past the collective timeout) or a step that raised (the
 ranks may have diverged) fails every request the instance holds as retryable and raises
 ``InstanceBroken``: the worker exits and its ranks with it, and the head retries the requests
-elsewhere. TeaCache is not composed with the parallel forward yet: such a request is refused.
+elsewhere. TeaCache runs on every rank, composed with the ranks (``triptych.parallel.cache``): its skip
+decisions are rank 0's, broadcast at each step, so every rank skips the same rows.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from triptych.server.engine import EngineConfig
 from triptych.server.runners.base import Job
 from triptych.server.runners.denoiser import DenoiserRunner
 from triptych.server.runners.ranks import InstanceRanks
-from triptych.server.runners.ticks import InstanceBroken, Join, Tick, step
+from triptych.server.runners.ticks import InstanceBroken, Join, Tick, instance_engine, step
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class ParallelDenoiserRunner(DenoiserRunner):
         super().__init__(family, port, engine, accel=None)
         self.ranks = InstanceRanks(parallel, collective_timeout_s, threads)
         self.groups = self.ranks.start(family, model_dir, device, dtype, engine)
-        self.engine.wrap = self.ranks.parallelism.wrap
+        self.engine = instance_engine(family, engine, self.ranks.parallelism)
         self.keepalive_s = collective_timeout_s / 4
         self._joins: list[tuple[Job, dict[str, torch.Tensor]]] = []
         self._aborts: list[str] = []

@@ -49,6 +49,18 @@ class InstanceBroken(RunnerBroken):
     or a step raised on some rank): the instance must leave service as a whole."""
 
 
+def instance_engine(family, config: EngineConfig, parallelism) -> DenoiserEngine:
+    """The engine of one rank of an instance (every rank builds the same one): the family's forward
+    wrapped by the CFG split, and TeaCache composed with the ranks where the model allows it."""
+    from triptych.pipelines.teacache import make_teacache
+
+    try:
+        accel, why = make_teacache(family, ranks=parallelism.for_cache()), ""
+    except ValueError as e:  # e.g. a model whose sequence split TeaCache's forward would bypass
+        accel, why = None, str(e)
+    return DenoiserEngine(family, config, accel=accel, wrap=parallelism.wrap, no_accel=why)
+
+
 def step(engine: DenoiserEngine, batch: list[str], groups):
     """Step ``batch`` (every rank the same); a step that raised may have raised on some ranks only,
     so the instance cannot go on."""
