@@ -135,6 +135,9 @@ class FakeFamily:
             raise InvalidParam("image", None, "fake needs a condition image")
         return p
 
+    def sequence_tokens(self, p: GenerationParams) -> int:
+        return (p.height // 16) * (p.width // 16) * ((p.frames - 1) // 4 + 1)
+
 
 def png_bytes(width: int = 32, height: int = 32, value: int = 128) -> bytes:
     from triptych.server.media import encode_image

@@ -157,3 +157,18 @@ def test_lifespan_starts_and_closes_backend(tmp_path):
     with server:
         assert backend.lifecycle == ["start"]
     assert backend.lifecycle == ["start", "close"]
+
+
+def test_a_size_over_the_token_limit_is_400_before_any_worker(tmp_path):
+    """max_tokens counts the model's tokens (the fake family: 16 px per token side); 64x64 = 16 tokens."""
+    backend, server = make_server(tmp_path, max_tokens=16)
+    with server as base:
+        files = {"image": ("a.png", png_bytes())}
+        ok = httpx.post(f"{base}/v1/images/edits", data={"prompt": "x", "size": "64x64"}, files=files)
+        assert ok.status_code == 200, ok.text
+        resp = httpx.post(f"{base}/v1/images/edits", data={"prompt": "x", "size": "80x64"}, files=files)
+        assert resp.status_code == 400
+        error = resp.json()["error"]
+        assert error["param"] == "size" and "20 transformer tokens" in error["message"]
+        assert "limit of 16" in error["message"]
+        assert len(backend.jobs) == 1  # only the accepted request reached the backend

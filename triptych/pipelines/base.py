@@ -273,6 +273,12 @@ class Family(ABC):
         if not self.is_video and p.frames not in (None, 1):
             raise InvalidParam("frames", p.frames, f"{self.name} generates images; frames must be 1")
 
+    @abstractmethod
+    def sequence_tokens(self, params: GenerationParams) -> int:
+        """Tokens of one row of the transformer's image stream for resolved ``params`` (latent patches ×
+        latent frames, plus an edit's condition tokens), from the model's own geometry: the cost unit
+        the head limits (``AdmissionLimits.max_tokens``). Needs no weights."""
+
     # ---- stage 1: encode -----------------------------------------------------------------
     @abstractmethod
     def encode(self, params: GenerationParams) -> Conditioning: ...

@@ -30,6 +30,12 @@ class AdmissionLimits:
     max_pixels: int = 2048 * 2048
     """Largest output width × height. Bounds: >= 1."""
 
+    max_tokens: int = 32_768
+    """Most transformer tokens of one request, counted with the model's own geometry (latent patches ×
+    latent frames, plus an edit's condition tokens): the denoiser's cost grows with it (attention with
+    its square), so one cap means the same cost on every model, where max_pixels does not (2048² is
+    16,384 tokens for FLUX or Qwen-Image, 4,096 for a 32-px-per-token model). Bounds: >= 1."""
+
     max_frames: int = 161
     """Most frames of a video (``frames``, or ``seconds`` × fps). Bounds: >= 1."""
 
@@ -115,6 +121,14 @@ class AdmissionLimits:
             raise InvalidParam("size", f"{width}x{height}", f"exceeds the limit of {self.max_pixels} pixels")
         self.check_frames(frames)
         self.check_steps(steps)
+
+    def check_tokens(self, tokens: int, shown: str) -> None:
+        """``tokens``: the request's transformer tokens (``Family.sequence_tokens``); ``shown``: its
+        size (and frames) as the client gave them."""
+        if tokens > self.max_tokens:
+            raise InvalidParam(
+                "size", shown, f"is {tokens} transformer tokens for this model, over the limit of {self.max_tokens}"
+            )
 
 
 class Admission:

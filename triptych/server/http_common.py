@@ -70,6 +70,8 @@ def resolve(head: Head, params: GenerationParams, size: str | None, frames_field
             raise InvalidParam(frames_field, e.value, e.rule) from None
         raise InvalidParam(API_FIELD.get(e.field, e.field), e.value, e.rule) from None
     head.limits.check_resolved(p.width, p.height, p.frames, p.steps)
+    frames = f", {p.frames} frames" if head.family.is_video else ""
+    head.limits.check_tokens(head.family.sequence_tokens(p), f"{p.width}x{p.height}{frames}")
     check_teacache(head.family, p)  # refused at the door rather than as a failed stage
     return p
 

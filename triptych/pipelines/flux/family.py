@@ -63,6 +63,10 @@ class FluxFamily(Family):
             )
         return p.replace(frames=1)
 
+    def sequence_tokens(self, p: GenerationParams) -> int:
+        m = self.pipe.vae_scale_factor * 2
+        return (p.height // m) * (p.width // m)
+
     def uses_true_cfg(self, p: GenerationParams) -> bool:
         return p.true_cfg > 1 and p.negative_prompt is not None
 

@@ -105,6 +105,9 @@ class QwenImageFamily(Family):
         """Height and width must be multiples of this (VAE scale × 2×2 patches)."""
         return self.pipe.vae_scale_factor * 2
 
+    def sequence_tokens(self, p: GenerationParams) -> int:
+        return (p.height // self.multiple) * (p.width // self.multiple)
+
     def resolve(self, p: GenerationParams) -> GenerationParams:
         p = p.replace(**{k: v for k, v in self._defaults_for(p).items() if getattr(p, k) is None})
         self._check_common(p, self.multiple)
@@ -200,6 +203,11 @@ class QwenImageEditFamily(QwenImageFamily):
         if _is_image(p.image):
             self._check_condition_size(p.image)
         return super().resolve(p)
+
+    def sequence_tokens(self, p: GenerationParams) -> int:
+        """The output's tokens plus the condition image's (resized to ``condition_area``)."""
+        height, width = enc.condition_size(p.image, self.condition_area)
+        return super().sequence_tokens(p) + (height // self.multiple) * (width // self.multiple)
 
     def _check_condition_size(self, image) -> None:
         """The pipeline resizes the condition image to ``condition_area`` keeping its aspect ratio;

@@ -91,6 +91,12 @@ class WanFamily(Family):
             self._check_image(p.image)
         return p
 
+    def sequence_tokens(self, p: GenerationParams) -> int:
+        temporal, spatial = self.pipe.vae_scale_factor_temporal, self.pipe.vae_scale_factor_spatial
+        pt, ph, pw = self.patch_size
+        latent_frames = (p.frames - 1) // temporal + 1
+        return (latent_frames // pt) * (p.height // (spatial * ph)) * (p.width // (spatial * pw))
+
     def _check_rope_range(self, p: GenerationParams) -> None:
         """Each axis of the latent patch grid must fit the transformer's RoPE tables; past them the
         denoiser fails mid-request (the model was never built for that length)."""
