@@ -5,8 +5,8 @@
 backend, with its own pools, per model) and hands it to each ``add_*_routes(app, head)``. A route
 asks ``head.backend_for(request's model, job kind)`` for a ``ModelHead``: the chosen model's backend,
 family, admission counter and metrics beside the shared config, limits and stores; it owns nothing
-itself. ``Head.open`` creates the file and video stores and starts every backend; ``Head.close``
-closes them. Route modules import from here and from ``http_common``, never from each other or from
+itself. ``Head.open`` creates the file and video stores and starts every backend (at once: each
+waits for its own workers); ``Head.close`` closes them. Route modules import from here and from ``http_common``, never from each other or from
 ``http``.
 
 NOTE: importing this module does not import torch; the backend and the video jobs (which do, through
@@ -169,15 +169,12 @@ class Head:
         self.config.data_dir.mkdir(parents=True, exist_ok=True)
         self.files = FileStore(self.config.data_dir, self.config.url_ttl_s)
         self.videos = VideoJobs(self.config.data_dir, self.config.video_ttl_s)
-        started = []
-        try:
-            for m in self.models:
-                await m.backend.start()
-                started.append(m)
-        except BaseException:
-            for m in reversed(started):
-                await m.backend.close()
-            raise
+        models = list(self.models)
+        results = await asyncio.gather(*(m.backend.start() for m in models), return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:  # a backend whose start raised has closed what it started
+            await asyncio.gather(*(m.backend.close() for m, r in zip(models, results) if r is None))
+            raise failed[0]
 
     async def close(self) -> None:
         if self.videos is not None:
