@@ -19,7 +19,7 @@ from triptych.server.media import encode_frames
 
 
 @contextlib.contextmanager
-def serve(app, start_timeout_s: float = 30.0):
+def serve(app, start_timeout_s: float = 120.0):
     """Run ``app`` under uvicorn in a thread on 127.0.0.1:<free port>; yields the base URL.
     ``start_timeout_s`` bounds the app's startup (its backends' workers registering)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
