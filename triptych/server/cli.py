@@ -1,5 +1,9 @@
 """``triptych serve`` (head + embedded local workers) and ``triptych worker`` (one role process).
 
+``serve`` serves every ``--model [NAME=]DIR`` (default: ``triptych.models.builtin_models()``) behind
+one head, each model with its own orchestrator and local pools (``build_backends``); the topology,
+engine and control-plane flags apply to each model's pools alike.
+
 The flags of the configs both commands build come from the config dataclasses themselves
 (``triptych.config_flags``): on ``serve`` every ``AdmissionLimits`` limit and every ``HeadConfig``,
 ``TopologyConfig``, ``OrchestratorConfig`` and ``StateTimeouts`` setting; on both the
