@@ -141,6 +141,7 @@ def cmd_generate(args) -> int:
     )
     load_s = time.perf_counter() - t0
     params = family.resolve(params)
+    _warn_untrained_size(family.model_dir, params)
     accel = None
     if params.teacache_threshold:
         from triptych.pipelines.teacache import check_teacache, make_teacache
@@ -171,6 +172,17 @@ def cmd_generate(args) -> int:
     print(f"wrote {args.out} ({family.name}, {params.width}x{params.height}, {params.steps} steps, seed {params.seed})")
     print(f"timings: {stages}")
     return 0
+
+
+def _warn_untrained_size(model_dir, params) -> None:
+    """One line on stderr when the size is not one the model was trained at (its ``triptych.json``)."""
+    from pathlib import Path
+
+    from triptych.pipelines.geometry import size_warning, trained_sizes
+
+    note = size_warning(Path(model_dir).name, trained_sizes(model_dir), params.width, params.height)
+    if note:
+        print(f"warning: {note}", file=sys.stderr)
 
 
 def _add_chat(sub) -> None:
@@ -276,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # Mooncake's INFO lines (serve sets its workers' own)
     args = build_parser().parse_args(argv)
     _quiet_libraries()
     logging.basicConfig(

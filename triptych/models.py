@@ -1,6 +1,8 @@
-"""Where the built-in default model comes from.
+"""Where the built-in models come from.
 
-Order: a trained default shipped inside the package (``triptych/assets/default``) when present;
+``builtin_models`` names every built-in model present (what a bare ``triptych serve`` serves): the
+default image model, its edit variant (``assets/default_edit``, linking the default's weights) and
+the video model (``assets/video``) when it is shipped. The default image model's order: a trained default shipped inside the package (``triptych/assets/default``) when present;
 otherwise a tiny seeded model of ``DEFAULT_TINY_FAMILY`` created on first use under the per-user
 cache directory (``cache_root``; the CLIs pass ``$TRIPTYCH_CACHE``, default ``~/.cache/triptych``). Creation writes to a temporary
 directory and renames it into place, so concurrent first uses never see a half-written model.
@@ -17,6 +19,8 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 PACKAGED_DEFAULT = Path(__file__).parent / "assets" / "default"
+PACKAGED_EDIT = Path(__file__).parent / "assets" / "default_edit"
+PACKAGED_VIDEO = Path(__file__).parent / "assets" / "video"
 DEFAULT_TINY_FAMILY = "flux"
 
 
@@ -29,6 +33,19 @@ def default_model_dir(cache_root: str | os.PathLike | None = None) -> Path:
     if (PACKAGED_DEFAULT / "model_index.json").is_file():
         return PACKAGED_DEFAULT
     return ensure_tiny(DEFAULT_TINY_FAMILY, cache_root=cache_root)
+
+
+def builtin_models(cache_root: str | os.PathLike | None = None) -> dict[str, Path]:
+    """Model id → directory of each built-in model present, image model first: the default image
+    model, its edit variant (only beside the packaged default, whose weights it links) and the video
+    model. The id is the directory's name."""
+    default = default_model_dir(cache_root)
+    found = [default]
+    if default == PACKAGED_DEFAULT and (PACKAGED_EDIT / "model_index.json").is_file():
+        found.append(PACKAGED_EDIT)
+    if (PACKAGED_VIDEO / "model_index.json").is_file():
+        found.append(PACKAGED_VIDEO)
+    return {d.name: d for d in found}
 
 
 def ensure_tiny(family: str, seed: int = 0, size: str = "tiny", cache_root: str | os.PathLike | None = None) -> Path:

@@ -19,8 +19,10 @@ from triptych.server.media import encode_frames
 
 
 @contextlib.contextmanager
-def serve(app):
-    """Run ``app`` under uvicorn in a thread on 127.0.0.1:<free port>; yields the base URL."""
+def serve(app, start_timeout_s: float = 300.0):
+    """Run ``app`` under uvicorn in a thread on 127.0.0.1:<free port>; yields the base URL.
+    ``start_timeout_s`` bounds the app's startup (its backends' workers loading and registering: a
+    liveness bound; a loaded 2-core machine took over 30 s for three workers)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
@@ -28,9 +30,7 @@ def serve(app):
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    # the lifespan starts the backend (for an embedded one: every worker loads its model), so this
-    # liveness bound is generous: a loaded 2-core machine took over 30 s
-    wait_for(lambda: server.started or not thread.is_alive(), what="server start", deadline_s=300)
+    wait_for(lambda: server.started or not thread.is_alive(), what="server start", deadline_s=start_timeout_s)
     assert server.started, "uvicorn failed to start"
     try:
         yield f"http://127.0.0.1:{port}"

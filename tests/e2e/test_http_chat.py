@@ -77,7 +77,7 @@ def test_in_process_answer_stream_and_usage(family, scene, tmp_path):
         health = httpx.get(f"{base}/health").json()
         assert health["in_flight"] == 0
         metrics = httpx.get(f"{base}/metrics").text
-        assert 'triptych_chat_tokens_total{kind="completion"}' in metrics
+        assert 'triptych_chat_tokens_total{kind="completion",model="default_edit"}' in metrics
 
 
 @pytest.mark.parametrize(
@@ -196,7 +196,7 @@ def embedded(model_dir, tmp_path):
 
 def _mm_hits(base: str) -> float:
     for line in httpx.get(f"{base}/metrics").text.splitlines():
-        if line.startswith('triptych_mm_cache_lookups_total{result="hits"}'):
+        if line.startswith('triptych_mm_cache_lookups_total{model="default_edit",result="hits"}'):
             return float(line.split()[-1])
     return 0.0
 

@@ -177,7 +177,8 @@ def test_models_health_and_metrics(client, server):
     models = client.models.list()
     assert [m.id for m in models.data] == [client.models.retrieve(models.data[0].id).id]
     assert httpx.get(f"{server}/health").json()["status"] == "ok"
-    success = 'triptych_requests_total{endpoint="/v1/images/generations",outcome="success"}'
+    model = models.data[0].id
+    success = f'triptych_requests_total{{endpoint="/v1/images/generations",model="{model}",outcome="success"}}'
     before = _sample(httpx.get(f"{server}/metrics").text, success)
     client.images.generate(prompt="x", extra_body={"seed": 1, "num_inference_steps": 1})
     text = httpx.get(f"{server}/metrics").text

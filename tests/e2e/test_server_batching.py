@@ -75,8 +75,8 @@ def scrape(base: str) -> dict[str, float]:
     samples = {}
     for line in text.splitlines():
         m = re.match(r"^(\S+) (\S+)$", line)
-        if m and not line.startswith("#"):
-            samples[m.group(1)] = float(m.group(2))
+        if m and not line.startswith("#"):  # the one model's series, without its model label
+            samples[re.sub(r'model="[^"]*",?', "", m.group(1)).replace(",}", "}").replace("{}", "")] = float(m.group(2))
     return samples
 
 

@@ -11,6 +11,7 @@ TORCH_FREE = (
     "triptych.server.api_models",
     "triptych.server.head",
     "triptych.server.media",
+    "triptych.server.served",
 )
 
 

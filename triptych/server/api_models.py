@@ -33,7 +33,9 @@ class _GenerationFields(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     prompt: str = Field(min_length=1, max_length=MAX_TEXT)
-    model: str | None = Field(None, description="served model id (see GET /v1/models); default: the one model")
+    model: str | None = Field(
+        None, description="served model id (see GET /v1/models); default: the first that does the job"
+    )
     n: int | None = Field(1, ge=1, description="images to generate; each is one job")
     size: str | None = Field(None, max_length=64, description='"WIDTHxHEIGHT" or "auto" (model default)')
     response_format: Literal["b64_json", "url"] | None = "b64_json"
@@ -211,6 +213,9 @@ class ImagesResponse(BaseModel):
     size: str
     seeds: list[int] = Field(description="the seed of each image, in order (Triptych extra)")
     expires_at: int | None = Field(None, description="when url links stop working (Triptych extra)")
+    warnings: list[str] | None = Field(
+        None, description="notes on the result, e.g. a size the model was not trained at (Triptych extra)"
+    )
 
 
 class VideoError(BaseModel):
@@ -232,6 +237,9 @@ class VideoObject(BaseModel):
     completed_at: int | None = None
     expires_at: int | None = None
     error: VideoError | None = None
+    warnings: list[str] | None = Field(
+        None, description="create only: notes, e.g. a size the model was not trained at (Triptych extra)"
+    )
 
 
 class VideoList(BaseModel):
@@ -255,6 +263,7 @@ class ModelCard(BaseModel):
     owned_by: str = "triptych"
     family: str = Field(description="Triptych family adapter name (extra)")
     kind: Literal["image", "video", "image-edit"] = Field(description="what the model generates (extra)")
+    chat: bool = Field(False, description="answers POST /v1/chat/completions with its VLM (extra)")
 
 
 class ModelList(BaseModel):

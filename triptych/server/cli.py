@@ -1,5 +1,9 @@
 """``triptych serve`` (head + embedded local workers) and ``triptych worker`` (one role process).
 
+``serve`` serves every ``--model [NAME=]DIR`` (default: ``triptych.models.builtin_models()``) behind
+one head, each model with its own orchestrator and local pools (``build_backends``); the topology,
+engine and control-plane flags apply to each model's pools alike.
+
 The flags of the configs both commands build come from the config dataclasses themselves
 (``triptych.config_flags``): on ``serve`` every ``AdmissionLimits`` limit and every ``HeadConfig``,
 ``TopologyConfig``, ``OrchestratorConfig`` and ``StateTimeouts`` setting; on both the
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import sys
@@ -110,7 +115,7 @@ class ServeFlags:
     def add(cls, parser: argparse.ArgumentParser) -> ServeFlags:
         from triptych.server.admission import AdmissionLimits
         from triptych.server.head import HeadConfig
-        from triptych.server.launch import TopologyConfig
+        from triptych.server.launch import MOONCAKE_LOG_LEVELS, TopologyConfig
         from triptych.server.orchestrator import OrchestratorConfig
         from triptych.server.request_state import StateTimeouts
 
@@ -127,7 +132,7 @@ class ServeFlags:
                 group("local workers (TopologyConfig)"),
                 TopologyConfig,
                 rename={"torch_threads": "threads"},
-                choices={"transfer": TRANSFER_KINDS},
+                choices={"transfer": TRANSFER_KINDS, "mooncake_log_level": MOONCAKE_LOG_LEVELS},
                 explicit={"extra_args": None, "parallel": None, "device": None},  # the worker flags below
             ),
             orchestrator=ConfigFlags(
@@ -168,7 +173,16 @@ class ServeFlags:
 
 def add_server_commands(sub) -> None:
     p = sub.add_parser("serve", help="run the head with local encoder/denoiser/decoder workers")
-    p.add_argument("--model", help="diffusers model directory (default: the built-in model)")
+    p.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        metavar="[NAME=]DIR",
+        help="a diffusers model directory to serve, as NAME (default: the directory's name); repeat for "
+        "several, each with its own pools; a request's model field picks one, and one without it goes to "
+        "the first that does the job. Default: the built-in image model, its edit variant and the "
+        "built-in video model when shipped",
+    )
     p.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
     p.add_argument("--data-dir", help="head state: job records, videos, url files")
@@ -249,25 +263,63 @@ def cmd_worker(args) -> int:
     return run_worker(worker_config(args))
 
 
-def cmd_serve(args) -> int:
-    from triptych.models import cache_dir, resolve_model
+def served_models(specs: list[str], cache_root: str | None = None) -> dict[str, Path]:
+    """``--model`` values (``NAME=DIR`` or ``DIR``) → model id → directory, in order; none given: the
+    built-in models (``triptych.models.builtin_models``). Raises ``InvalidParam`` on a repeated id."""
+    from triptych.errors import InvalidParam
+    from triptych.models import builtin_models
+
+    if not specs:
+        return builtin_models(cache_root)
+    out: dict[str, Path] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        model_dir = Path(path if sep else spec)
+        name = name if sep else model_dir.resolve().name
+        if not name or name in out:
+            raise InvalidParam("model", spec, "needs a non-empty model id used once (write NAME=DIR)")
+        out[name] = model_dir
+    return out
+
+
+def build_backends(models: dict[str, Path], orchestrator: OrchestratorConfig, topology: TopologyConfig) -> dict:
+    """One ``EmbeddedBackend`` (orchestrator + local pools) per model. They share one control-plane
+    token; a fixed ``control_port`` P gives the models P, P+1, ... in order (0: each a free port)."""
+    from triptych.server.auth import new_token
     from triptych.server.launch import EmbeddedBackend
 
+    shared = dataclasses.replace(orchestrator, token=orchestrator.token or new_token())
+    backends = {}
+    for i, (name, model_dir) in enumerate(models.items()):
+        port = shared.control_port + i if shared.control_port else 0
+        backends[name] = EmbeddedBackend(model_dir, dataclasses.replace(shared, control_port=port), topology)
+    return backends
+
+
+def cmd_serve(args) -> int:
+    from triptych.models import cache_dir
+
     flags: ServeFlags = args.serve_flags
-    head_config = flags.head_config(args, default_data_dir=cache_dir(os.environ.get("TRIPTYCH_CACHE")) / "head")
-    orchestrator = flags.orchestrator_config(args)
-    backend = EmbeddedBackend(
-        resolve_model(args.model, os.environ.get("TRIPTYCH_CACHE")), orchestrator, flags.topology_config(args)
-    )
-    write_token(head_config.data_dir, backend.orchestrator.token)
+    cache_root = os.environ.get("TRIPTYCH_CACHE")
+    head_config = flags.head_config(args, default_data_dir=cache_dir(cache_root) / "head")
+    models = served_models(args.model, cache_root)
+    if len(models) > 1 and head_config.served_model_name:
+        print("triptych serve: --served-model-name names one model; with several use --model NAME=DIR", file=sys.stderr)
+        return 2
+    backends = build_backends(models, flags.orchestrator_config(args), flags.topology_config(args))
+    for name, model_dir in models.items():
+        logger.info("serving %s from %s", name, model_dir)
+    write_token(head_config.data_dir, next(iter(backends.values())).orchestrator.token)
     try:
         from triptych.server.http import create_app
     except ImportError:
         logger.warning("no HTTP head (triptych.server.http) installed: serving the control plane only")
-        return asyncio.run(_control_plane_only(backend))
+        return asyncio.run(_control_plane_only(next(iter(backends.values()))))
     import uvicorn
 
-    uvicorn.run(create_app(backend, head_config), host=args.host, port=args.port, log_level="info")
+    if len(backends) == 1 and head_config.served_model_name:
+        backends = next(iter(backends.values()))
+    uvicorn.run(create_app(backends, head_config), host=args.host, port=args.port, log_level="info")
     return 0
 
 

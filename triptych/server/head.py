@@ -1,10 +1,13 @@
-"""The head's per-app state, shared by every route module: ``HeadConfig``, ``Head``, ``ClientGone``.
+"""The head's per-app state, shared by every route module: ``HeadConfig``, ``Head``, ``ModelHead``,
+``ClientGone``.
 
-``create_app`` (``server/http.py``) builds one ``Head`` and hands it to each ``add_*_routes(app,
-head)``; a route reads the backend, config, limits, admission counter and stores from it and owns
-nothing itself. ``Head.open`` creates the file and video stores and starts the backend;
-``Head.close`` closes both. Route modules import from here and from ``http_common``, never from
-each other or from ``http``.
+``create_app`` (``server/http.py``) builds one ``Head`` over the served models (``served.py``: one
+backend, with its own pools, per model) and hands it to each ``add_*_routes(app, head)``. A route
+asks ``head.backend_for(request's model, job kind)`` for a ``ModelHead``: the chosen model's backend,
+family, admission counter and metrics beside the shared config, limits and stores; it owns nothing
+itself. ``Head.open`` creates the file and video stores and starts every backend (at once: each
+waits for its own workers); ``Head.close`` closes them. Route modules import from here and from ``http_common``, never from each other or from
+``http``.
 
 NOTE: importing this module does not import torch; the backend and the video jobs (which do, through
 the pipelines' edge types) are imported where they are used.
@@ -16,6 +19,7 @@ import asyncio
 import contextvars
 import hashlib
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,13 +27,12 @@ from typing import TYPE_CHECKING
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
-from triptych.server.admission import Admission, AdmissionLimits
-from triptych.server.api_models import ModelCard
+from triptych.server.admission import AdmissionLimits
 from triptych.server.files import FileStore
-from triptych.server.metrics import Metrics
+from triptych.server.metrics import Metrics, render_labelled
+from triptych.server.served import ServedModel, ServedModels
 
 if TYPE_CHECKING:
-    from triptych.pipelines.base import Family
     from triptych.server.backend import GenerationBackend
     from triptych.server.jobs import VideoJobs
 
@@ -56,7 +59,8 @@ class HeadConfig:
     """Base of the links the head hands out (e.g. ``https://gen.example.com``); None = the request's."""
 
     served_model_name: str | None = None
-    """Model id in ``/v1/models`` and the ``model`` field; None = the model directory's name."""
+    """Model id in ``/v1/models`` and the ``model`` field when the head serves one model given as a bare
+    backend; None = the model directory's name. (Several models are named by ``serve --model NAME=DIR``.)"""
 
     video_fps: int = 16
     """Frame rate of MP4 outputs; ``seconds`` × fps gives the frame count. Bounds: 1..120."""
@@ -100,6 +104,14 @@ class ClientGone(Exception):
     """The client disconnected while its request was running; its jobs were cancelled."""
 
 
+#: Response header carrying a note on the result (e.g. a size the model was not trained at); the same
+#: text is in the body's ``warnings`` list.
+WARNING_HEADER = "X-Triptych-Warning"
+
+#: The served model the request being handled was routed to (``Head.backend_for``); read by the error
+#: handlers to count the outcome under that model. None before routing.
+ROUTED: contextvars.ContextVar[str | None] = contextvars.ContextVar("triptych_routed_model", default=None)
+
 #: The tenant of the request being handled: set by the API-key check, read where the request's
 #: parameters are built (it scopes the encoders' mm-hash cache); "" when the server has no keys.
 TENANT: contextvars.ContextVar[str] = contextvars.ContextVar("triptych_tenant", default="")
@@ -111,40 +123,42 @@ def tenant_of_key(key: bytes) -> str:
 
 
 class Head:
-    """Per-app state shared by the routes: backend, config, admission, file and job stores.
+    """Per-app state shared by the routes: the served models, config, file and job stores.
 
+    A route asks ``backend_for(model, job_kind)`` for the model a request goes to (a ``ModelHead``).
     The stores exist between ``open`` and ``close`` (the app's lifespan); routes run only then.
     """
 
-    def __init__(self, backend: GenerationBackend, config: HeadConfig):
-        self.backend = backend
+    def __init__(self, backends: Mapping[str, GenerationBackend], config: HeadConfig):
         self.config = config
         self.limits = config.limits
-        self.admission = Admission(config.limits)
+        self.models = ServedModels(backends, config.limits)
+        self.unrouted_metrics = Metrics()
+        """Outcomes of requests refused before a model was chosen (the ``model=""`` series)."""
         self.files: FileStore | None = None
         self.videos: VideoJobs | None = None
 
     @property
     def metrics(self) -> Metrics:
-        """The backend's Prometheus collectors (one set per head)."""
-        return self.backend.metrics
+        """The collectors of the model the current request was routed to (``backend_for``), else the
+        head's own."""
+        routed = ROUTED.get()
+        return self.models.by_name[routed].backend.metrics if routed else self.unrouted_metrics
 
-    @property
-    def family(self) -> Family:
-        return self.backend.family
+    def backend_for(self, model: str | None, job_kind: str) -> ModelHead:
+        """The served model a request goes to (``ServedModels.pick``: 404 for an unknown name)."""
+        served = self.models.pick(model, job_kind)
+        ROUTED.set(served.name)
+        return ModelHead(self, served)
 
-    @property
-    def model_id(self) -> str:
-        return self.config.served_model_name or Path(self.family.model_dir).name
+    def in_flight(self) -> int:
+        return sum(m.admission.in_flight for m in self.models)
 
-    def model_card(self) -> ModelCard:
-        f = self.family
-        kind = "video" if f.is_video else "image-edit" if f.requires_image else "image"
-        return ModelCard(id=self.model_id, created=0, family=f.name, kind=kind)
-
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_id:
-            raise HTTPException(404, f"model {model!r} is not served here; this server serves {self.model_id!r}")
+    def render_metrics(self) -> bytes:
+        """Every model's collectors, each series labelled ``model`` (``""``: refused before routing)."""
+        for m in self.models:
+            m.backend.metrics.update_from_describe(m.backend.describe(), head_in_flight=m.admission.in_flight)
+        return render_labelled({m.name: m.backend.metrics for m in self.models}, unrouted=self.unrouted_metrics)
 
     def base_url(self, request: Request) -> str:
         return (self.config.public_base_url or str(request.base_url)).rstrip("/")
@@ -154,13 +168,19 @@ class Head:
 
         self.config.data_dir.mkdir(parents=True, exist_ok=True)
         self.files = FileStore(self.config.data_dir, self.config.url_ttl_s)
-        self.videos = VideoJobs(self.config.data_dir, self.backend, self.admission, self.config.video_ttl_s)
-        await self.backend.start()
+        self.videos = VideoJobs(self.config.data_dir, self.config.video_ttl_s)
+        models = list(self.models)
+        results = await asyncio.gather(*(m.backend.start() for m in models), return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:  # a backend whose start raised has closed what it started
+            await asyncio.gather(*(m.backend.close() for m, r in zip(models, results) if r is None))
+            raise failed[0]
 
     async def close(self) -> None:
         if self.videos is not None:
             await self.videos.close()
-        await self.backend.close()
+        for m in self.models:
+            await m.backend.close()
 
     async def sweep_forever(self) -> None:
         while True:
@@ -168,3 +188,39 @@ class Head:
             removed = self.files.sweep() + self.videos.sweep()
             if removed:
                 logger.info("removed %d expired files/videos", removed)
+
+
+class ModelHead:
+    """The head as a route sees it once the request's model is chosen: that model's backend, family,
+    admission counter and metrics beside the head's shared config, limits and stores. Made per
+    request by ``Head.backend_for``; holds nothing of its own."""
+
+    def __init__(self, head: Head, served: ServedModel):
+        self.head = head
+        self.served = served
+        self.backend = served.backend
+        self.family = served.family
+        self.model_id = served.name
+        self.admission = served.admission
+        self.metrics = served.backend.metrics
+        self.config = head.config
+        self.limits = head.limits
+
+    @property
+    def files(self) -> FileStore:
+        return self.head.files
+
+    @property
+    def videos(self) -> VideoJobs:
+        return self.head.videos
+
+    def base_url(self, request: Request) -> str:
+        return self.head.base_url(request)
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_id:
+            raise HTTPException(404, f"model {model!r} is not served here (this request went to {self.model_id!r})")
+
+    def size_warning(self, width: int, height: int) -> str | None:
+        """A note when ``width`` x ``height`` is not a size the model was trained at."""
+        return self.served.size_warning(width, height)

@@ -1,7 +1,9 @@
-"""The HTTP head: OpenAI-compatible routes over any ``GenerationBackend``.
+"""The HTTP head: OpenAI-compatible routes over one ``GenerationBackend`` per served model.
 
-``create_app(backend, HeadConfig(...))`` builds the FastAPI app. The head validates every request
-against ``AdmissionLimits`` and the backend's family (a weightless adapter is enough), turns it into
+``create_app(backends, HeadConfig(...))`` builds the FastAPI app; ``backends`` is one backend or
+model id → backend (in serving order: the first of a kind is that kind's default). The request's
+``model`` field picks the backend (``Head.backend_for``). The head validates every request against
+``AdmissionLimits`` and the model's family (a weightless adapter is enough), turns it into
 ``GenerationJob``s and awaits ``backend.run``; it never sees a tensor. Errors leave in OpenAI's shape
 ``{"error": {"message", "type", "param", "code"}}``: bad input is a 400 naming the field, the value
 and the limit; ``Overloaded`` is a 429 with Retry-After; ``StageFailed`` is a 502.
@@ -19,6 +21,8 @@ import contextlib
 import hmac
 import logging
 import re
+from collections.abc import Mapping
+from pathlib import Path
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -179,9 +183,13 @@ def api_key_check(keys: tuple[str, ...]):
     return check
 
 
-def create_app(backend: GenerationBackend, config: HeadConfig) -> FastAPI:
-    """The head's FastAPI app; startup opens the stores and starts ``backend``, shutdown closes both."""
-    head = Head(backend, config)
+def create_app(backends: GenerationBackend | Mapping[str, GenerationBackend], config: HeadConfig) -> FastAPI:
+    """The head's FastAPI app; startup opens the stores and starts every backend, shutdown closes them.
+
+    One bare backend is served as ``config.served_model_name`` or its model directory's name."""
+    if isinstance(backends, GenerationBackend):
+        backends = {config.served_model_name or Path(backends.family.model_dir).name: backends}
+    head = Head(backends, config)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -209,30 +217,38 @@ def create_app(backend: GenerationBackend, config: HeadConfig) -> FastAPI:
 
     @app.get("/v1/models", response_model=ModelList)
     async def list_models():
-        return ModelList(data=[head.model_card()])
+        return ModelList(data=[m.card() for m in head.models])
 
     @app.get("/v1/models/{model_id}", response_model=ModelCard)
     async def get_model(model_id: str):
-        head.check_model(model_id)
-        return head.model_card()
+        return head.models.pick(model_id, "image").card()
 
     @app.get("/health")
     async def health():
-        """``ok``; ``degraded`` (200) while a local worker is down or given up but every role still has
-        a live instance; ``unavailable`` (503) while a role has none."""
-        desc = backend.describe()
-        empty = desc.get("empty_roles", [])
-        down = [iid for iid, w in desc.get("local_workers", {}).get("workers", {}).items() if not w["running"]]
-        status = "unavailable" if empty else "degraded" if down else "ok"
-        body = {"status": status, "model": head.model_id, "in_flight": head.admission.in_flight, "backend": desc}
-        if empty:
-            body["missing_roles"] = empty
-        return JSONResponse(body, status_code=503 if empty else 200)
+        """``ok``; ``degraded`` (200) while a local worker is down or given up but every role of every
+        model still has a live instance; ``unavailable`` (503) while a role of some model has none.
+        ``models`` has each model's pools; ``model``, ``backend`` and ``missing_roles`` the first
+        model's (what a one-model head always showed)."""
+        models, statuses = {}, []
+        for m in head.models:
+            desc = m.backend.describe()
+            empty = desc.get("empty_roles", [])
+            down = [iid for iid, w in desc.get("local_workers", {}).get("workers", {}).items() if not w["running"]]
+            statuses.append("unavailable" if empty else "degraded" if down else "ok")
+            models[m.name] = {"status": statuses[-1], "kind": m.kind, "in_flight": m.admission.in_flight}
+            models[m.name].update({"missing_roles": empty} if empty else {}, backend=desc)
+        status = next((s for s in ("unavailable", "degraded") if s in statuses), "ok")
+        first = models[head.models.first.name]
+        body = {"status": status, "model": head.models.first.name, "in_flight": head.in_flight()}
+        body.update(backend=first["backend"], models=models)
+        missing = sorted({r for m in models.values() for r in m.get("missing_roles", [])})
+        if missing:
+            body["missing_roles"] = missing
+        return JSONResponse(body, status_code=503 if status == "unavailable" else 200)
 
     @app.get("/metrics", response_class=Response)
     async def prometheus():
-        head.metrics.update_from_describe(backend.describe(), head_in_flight=head.admission.in_flight)
-        return Response(head.metrics.render(), media_type=CONTENT_TYPE)
+        return Response(head.render_metrics(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/files/{file_id}/content", response_class=FileResponse)
     async def file_content(file_id: str):

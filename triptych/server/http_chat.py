@@ -27,7 +27,7 @@ from triptych.errors import InvalidParam, TriptychError
 from triptych.pipelines.vlm import ChatParams, ChatResult, ChatTurn
 from triptych.server.api_models import ChatChoice, ChatCompletion, ChatCompletionRequest, ChatMessageOut, ChatUsage
 from triptych.server.backend import ChatJob
-from triptych.server.head import TENANT, ClientGone, Head
+from triptych.server.head import TENANT, ClientGone, Head, ModelHead
 from triptych.server.http_common import wait_disconnect
 from triptych.server.media import decode_data_url
 
@@ -48,7 +48,7 @@ UNSUPPORTED = {
 }
 
 
-def build_chat(head: Head, req: ChatCompletionRequest) -> ChatParams:
+def build_chat(head: ModelHead, req: ChatCompletionRequest) -> ChatParams:
     """API request → checked ``ChatParams`` (decodes the images: run it off the event loop)."""
     lim = head.limits
     head.check_model(req.model)
@@ -125,7 +125,7 @@ def _error_event(exc: BaseException) -> dict:
     return {"error": {"message": f"chat failed: {exc}", "type": "server_error", "param": None, "code": "stage_failed"}}
 
 
-async def _answer(head: Head, request: Request, job: ChatJob) -> ChatResult:
+async def _answer(head: ModelHead, request: Request, job: ChatJob) -> ChatResult:
     """The whole answer; a client disconnect cancels the chat (``ClientGone``)."""
     task = asyncio.create_task(head.backend.chat(job))
     watcher = asyncio.create_task(wait_disconnect(request))
@@ -141,12 +141,12 @@ async def _answer(head: Head, request: Request, job: ChatJob) -> ChatResult:
         task.cancel()  # a no-op when it finished; otherwise the backend's chat frees what it holds
 
 
-def _record(head: Head, result: ChatResult, t0: float) -> None:
+def _record(head: ModelHead, result: ChatResult, t0: float) -> None:
     head.metrics.record_request(ENDPOINT, "success", time.perf_counter() - t0)
     head.metrics.record_chat(result.prompt_tokens, result.completion_tokens)
 
 
-async def _stream(head: Head, job: ChatJob, model: str, include_usage: bool, t0: float) -> StreamingResponse:
+async def _stream(head: ModelHead, job: ChatJob, model: str, include_usage: bool, t0: float) -> StreamingResponse:
     """Start the chat, wait for its first piece (or its end, or its error: raised here, so the client
     gets a proper status), then stream the rest."""
     pieces: asyncio.Queue[str] = asyncio.Queue()
@@ -230,18 +230,21 @@ def add_chat_routes(app: FastAPI, head: Head) -> None:
     @app.post(ENDPOINT, response_model=ChatCompletion)
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         t0 = time.perf_counter()
-        if not head.family.supports_chat:
-            raise InvalidParam("model", head.model_id, f"({head.family.name}) has no VLM to chat with (no processor/)")
+        model = head.backend_for(req.model, "chat")
+        if not model.family.supports_chat:
+            raise InvalidParam(
+                "model", model.model_id, f"({model.family.name}) has no VLM to chat with (no processor/)"
+            )
         if req.stream_options is not None and not req.stream:
             raise InvalidParam("stream_options", req.stream_options.model_dump(), "is only allowed with stream=true")
-        params = await asyncio.to_thread(build_chat, head, req)
+        params = await asyncio.to_thread(build_chat, model, req)
         job = ChatJob(f"chatcmpl-{secrets.token_hex(12)}", params, stream=bool(req.stream))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         if job.stream:
-            return await _stream(head, job, head.model_id, include_usage, t0)
-        with head.admission.admit(1):
-            result = await _answer(head, request, job)
-        _record(head, result, t0)
+            return await _stream(model, job, model.model_id, include_usage, t0)
+        with model.admission.admit(1):
+            result = await _answer(model, request, job)
+        _record(model, result, t0)
         usage = ChatUsage(
             prompt_tokens=result.prompt_tokens,
             completion_tokens=result.completion_tokens,
@@ -250,7 +253,7 @@ def add_chat_routes(app: FastAPI, head: Head) -> None:
         return ChatCompletion(
             id=job.request_id,
             created=int(time.time()),
-            model=head.model_id,
+            model=model.model_id,
             usage=usage,
             choices=[
                 ChatChoice(index=0, message=ChatMessageOut(content=result.text), finish_reason=result.finish_reason)

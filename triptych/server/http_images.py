@@ -1,5 +1,8 @@
 """Image routes: ``POST /v1/images/generations`` (JSON) and ``POST /v1/images/edits`` (multipart, one
 image). ``n`` images are ``n`` jobs with consecutive seeds, admitted together and run concurrently.
+The request's ``model`` picks the served model (default: the first image model, the first
+edit-capable one for edits). At a size the model was not trained at, the response carries a note in
+``warnings`` and in the ``X-Triptych-Warning`` header.
 """
 
 from __future__ import annotations
@@ -9,16 +12,16 @@ import base64
 import secrets
 import time
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 
 from triptych.errors import InvalidParam
 from triptych.server.api_models import ImageData, ImageEditForm, ImageGenerationRequest, ImagesResponse, inline_schema
 from triptych.server.backend import GenerationJob
-from triptych.server.head import Head
+from triptych.server.head import WARNING_HEADER, Head, ModelHead
 from triptych.server.http_common import build_params, read_form, read_upload, resolve, run_jobs, text_fields
 
 
-async def generate_images(head: Head, request: Request, req, image, endpoint: str) -> ImagesResponse:
+async def generate_images(head: ModelHead, request: Request, req, image, endpoint: str) -> ImagesResponse:
     t0 = time.perf_counter()
     head.limits.check_n(req.n or 1)
     if head.family.is_video:
@@ -48,9 +51,22 @@ async def generate_images(head: Head, request: Request, req, image, endpoint: st
     head.metrics.record_request(endpoint, "success", time.perf_counter() - t0)
     size = f"{params.width}x{params.height}"
     seeds = [j.params.seed for j in jobs]
+    note = head.size_warning(params.width, params.height)
     return ImagesResponse(
-        created=int(time.time()), data=data, output_format=fmt, size=size, seeds=seeds, expires_at=expires
+        created=int(time.time()),
+        data=data,
+        output_format=fmt,
+        size=size,
+        seeds=seeds,
+        expires_at=expires,
+        warnings=[note] if note else None,
     )
+
+
+def _with_warning(out: ImagesResponse, response: Response) -> ImagesResponse:
+    if out.warnings:
+        response.headers[WARNING_HEADER] = out.warnings[0]
+    return out
 
 
 def _edit_schema() -> dict:
@@ -62,23 +78,26 @@ def _edit_schema() -> dict:
 
 def add_image_routes(app: FastAPI, head: Head) -> None:
     @app.post("/v1/images/generations", response_model=ImagesResponse)
-    async def generations(req: ImageGenerationRequest, request: Request):
-        return await generate_images(head, request, req, None, "/v1/images/generations")
+    async def generations(req: ImageGenerationRequest, request: Request, response: Response):
+        model = head.backend_for(req.model, "image")
+        return _with_warning(await generate_images(model, request, req, None, "/v1/images/generations"), response)
 
     @app.post("/v1/images/edits", response_model=ImagesResponse, openapi_extra=_edit_schema())
-    async def edits(request: Request):
-        if not head.family.accepts_image:
+    async def edits(request: Request, response: Response):
+        form = await read_form(head, request)
+        fields = text_fields(form, skip=("image", "image[]", "mask"))
+        model = head.backend_for(fields.get("model") if isinstance(fields.get("model"), str) else None, "edit")
+        if not model.family.accepts_image:
             raise InvalidParam(
                 "image",
                 "<image>",
-                f"model {head.model_id!r} ({head.family.name}) is text-only; edits need an image-conditioned model",
+                f"model {model.model_id!r} ({model.family.name}) is text-only; edits need an image-conditioned model",
             )
-        form = await read_form(head, request)
         images = form.getlist("image") or form.getlist("image[]")
         if len(images) != 1:
             raise InvalidParam("image", f"<{len(images)} files>", "exactly one image file is required")
         if form.get("mask") is not None:
             raise InvalidParam("mask", "<mask>", "masks are not supported; the model edits the whole image")
-        req = ImageEditForm.model_validate(text_fields(form, skip=("image", "image[]", "mask")))
+        req = ImageEditForm.model_validate(fields)
         image = await read_upload(head, images[0], "image")
-        return await generate_images(head, request, req, image, "/v1/images/edits")
+        return _with_warning(await generate_images(model, request, req, image, "/v1/images/edits"), response)

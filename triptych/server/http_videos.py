@@ -14,7 +14,7 @@ import secrets
 import time
 from typing import Literal
 
-from fastapi import FastAPI, Query, Request
+from fastapi import FastAPI, Query, Request, Response
 from fastapi.responses import FileResponse
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
@@ -29,7 +29,7 @@ from triptych.server.api_models import (
     inline_schema,
 )
 from triptych.server.backend import GenerationJob
-from triptych.server.head import Head
+from triptych.server.head import WARNING_HEADER, Head, ModelHead
 from triptych.server.http_common import build_params, read_form, read_upload, resolve, text_fields
 from triptych.server.jobs import VideoRecord
 from triptych.server.media import decode_data_url
@@ -89,7 +89,7 @@ def _decode_reference(head: Head, ref):
     return decode_data_url(ref.image_url, head.limits.image_limits, "input_reference.image_url")
 
 
-def resolve_video(head: Head, req: VideoCreateRequest, image):
+def resolve_video(head: ModelHead, req: VideoCreateRequest, image):
     """Params with the frame count from ``frames`` or ``seconds`` (the first count the model accepts)."""
     lim, fps = head.limits, head.config.video_fps
     if not head.family.is_video:
@@ -133,23 +133,30 @@ def add_video_routes(app: FastAPI, head: Head) -> None:
         return rec
 
     @app.post("/v1/videos", response_model=VideoObject, openapi_extra=_schema())
-    async def create_video(request: Request):
+    async def create_video(request: Request, response: Response):
         req, image = await parse_create(head, request)
-        params = resolve_video(head, req, image)
+        model = head.backend_for(req.model, "video")
+        params = resolve_video(model, req, image)
         rec = VideoRecord(
             id=f"video_{secrets.token_hex(12)}",
             created_at=int(time.time()),
             status="queued",
             progress=0,
-            model=head.model_id,
+            model=model.model_id,
             prompt=params.prompt,
             size=f"{params.width}x{params.height}",
             seconds=f"{(params.frames or 1) / head.config.video_fps:g}",
             frames=params.frames or 1,
         )
-        head.videos.submit(rec, GenerationJob(rec.id, params, "mp4", fps=head.config.video_fps))
-        head.metrics.record_request("/v1/videos", "success")
-        return to_api(rec)
+        job = GenerationJob(rec.id, params, "mp4", fps=head.config.video_fps)
+        head.videos.submit(rec, job, model.backend, model.admission)
+        model.metrics.record_request("/v1/videos", "success")
+        out = to_api(rec)
+        note = model.size_warning(params.width, params.height)
+        if note:
+            out.warnings = [note]
+            response.headers[WARNING_HEADER] = note
+        return out
 
     @app.get("/v1/videos", response_model=VideoList)
     async def list_videos(

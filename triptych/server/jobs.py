@@ -133,38 +133,39 @@ class JobStore:
 
 
 class VideoJobs:
-    """Runs video jobs on a backend and keeps their records and files.
+    """Runs video jobs on their model's backend and keeps their records and files (one store for every
+    model the head serves).
 
-    Each submitted job holds one ``Admission`` slot from ``submit`` until its task ends.
+    Each submitted job holds one slot of its model's ``Admission`` from ``submit`` until its task ends.
     """
 
-    def __init__(self, data_dir: Path, backend: GenerationBackend, admission: Admission, ttl_s: float | None):
+    def __init__(self, data_dir: Path, ttl_s: float | None):
         self.dir = Path(data_dir) / "videos"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.store = JobStore(Path(data_dir) / "jobs.sqlite")
         interrupted = self.store.fail_interrupted()
         if interrupted:
             logger.warning("marked %d video jobs failed: they were running when the head stopped", interrupted)
-        self.backend = backend
-        self.admission = admission
         self.ttl_s = ttl_s
-        self._tasks: dict[str, asyncio.Task] = {}
+        self._tasks: dict[str, tuple[asyncio.Task, GenerationBackend]] = {}
         self._closing = False
 
     def path(self, job_id: str) -> Path:
         return self.dir / f"{job_id}.mp4"
 
-    def submit(self, rec: VideoRecord, job: GenerationJob) -> None:
-        """Persist ``rec`` and start ``job``; raises ``Overloaded`` before persisting anything."""
-        self.admission.reserve(1)
+    def submit(self, rec: VideoRecord, job: GenerationJob, backend: GenerationBackend, admission: Admission) -> None:
+        """Persist ``rec`` and start ``job`` on ``backend``; raises ``Overloaded`` (``admission`` is
+        full) before persisting anything."""
+        admission.reserve(1)
         try:
             self.store.insert(rec)
         except BaseException:
-            self.admission.release(1)
+            admission.release(1)
             raise
-        self._tasks[rec.id] = asyncio.create_task(self._run(rec.id, job), name=f"video-{rec.id}")
+        task = asyncio.create_task(self._run(rec.id, job, backend, admission), name=f"video-{rec.id}")
+        self._tasks[rec.id] = (task, backend)
 
-    async def _run(self, job_id: str, job: GenerationJob) -> None:
+    async def _run(self, job_id: str, job: GenerationJob, backend: GenerationBackend, admission: Admission) -> None:
         last = [-1]
 
         def on_progress(done: int, total: int) -> None:
@@ -176,7 +177,7 @@ class VideoJobs:
         t0 = time.time()
         outcome = "failed"
         try:
-            data = await self.backend.run(job, on_progress)
+            data = await backend.run(job, on_progress)
             await asyncio.to_thread(self._write, job_id, data)
             now = int(time.time())
             expires = now + int(self.ttl_s) if self.ttl_s else None
@@ -205,8 +206,8 @@ class VideoJobs:
             self._fail(job_id, "internal_error", type(e).__name__)
         finally:
             self._tasks.pop(job_id, None)
-            self.admission.release(1)
-            self.backend.metrics.record_video_job(outcome, time.time() - t0 if outcome == "completed" else None)
+            admission.release(1)
+            backend.metrics.record_video_job(outcome, time.time() - t0 if outcome == "completed" else None)
 
     def _fail(self, job_id: str, code: str, message: str) -> None:
         self.store.update(job_id, status="failed", error_code=code, error_message=message)
@@ -219,7 +220,7 @@ class VideoJobs:
     async def delete(self, job_id: str) -> bool:
         """Cancel (if live) and remove record and file; False if the job does not exist."""
         if job_id in self._tasks:
-            await self.backend.cancel(job_id)
+            await self._tasks[job_id][1].cancel(job_id)
         existed = self.store.delete(job_id)
         if existed:
             self.path(job_id).unlink(missing_ok=True)
@@ -240,10 +241,10 @@ class VideoJobs:
         """
         self._closing = True
         tasks = list(self._tasks.items())
-        for job_id, _ in tasks:
-            await self.backend.cancel(job_id)
+        for job_id, (_, backend) in tasks:
+            await backend.cancel(job_id)
         if tasks:
-            _, stuck = await asyncio.wait([t for _, t in tasks], timeout=grace_s)
+            _, stuck = await asyncio.wait([t for _, (t, _) in tasks], timeout=grace_s)
             for task in stuck:
                 task.cancel()
             await asyncio.gather(*stuck, return_exceptions=True)

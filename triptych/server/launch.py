@@ -25,6 +25,10 @@ from triptych.server.supervisor import LocalWorkers
 logger = logging.getLogger(__name__)
 
 
+#: Mooncake's log levels (``MC_LOG_LEVEL``), most verbose first.
+MOONCAKE_LOG_LEVELS = ("INFO", "WARNING", "ERROR")
+
+
 @dataclass(frozen=True)
 class TopologyConfig:
     """How many local workers of each role, and how they run."""
@@ -62,6 +66,9 @@ class TopologyConfig:
     """A worker that needed this many restarts within ``crash_loop_window_s`` is given up on."""
     crash_loop_window_s: float = 300.0
     """The window of ``crash_loop_limit``."""
+    mooncake_log_level: str = "ERROR"
+    """Mooncake's console log level in local workers (its ``MC_LOG_LEVEL``): ERROR keeps its INFO and
+    WARNING lines (several per worker and transfer) off the serve console; INFO shows them all."""
 
     def __post_init__(self) -> None:
         for name in ("encoders", "denoisers", "decoders"):
@@ -75,6 +82,8 @@ class TopologyConfig:
             raise ValueError(
                 f"gpus={self.gpus} places workers on CUDA devices: use device cuda (not {self.device.device})"
             )
+        if self.mooncake_log_level not in MOONCAKE_LOG_LEVELS:
+            raise ValueError(f"mooncake_log_level={self.mooncake_log_level!r} must be one of {MOONCAKE_LOG_LEVELS}")
         if self.restart_backoff_s <= 0 or self.crash_loop_limit < 1 or self.crash_loop_window_s <= 0:
             raise ValueError(
                 f"restart_backoff_s={self.restart_backoff_s} and crash_loop_window_s={self.crash_loop_window_s} "

@@ -3,8 +3,10 @@
 The core (head, orchestrator, workers) never touches Prometheus: it produces plain stats objects
 (``StageStats``, worker ``StatsWindow``s, request outcomes, ``describe()``) and
 hands them to the ``record_*`` / ``update_*`` functions here, the only writers of the collectors.
-All collectors live in one ``Metrics`` object per head, created with the backend and shared with
-the HTTP head; ``/metrics`` serves its ``render()``.
+All collectors live in one ``Metrics`` object per served model, created with its backend and shared
+with the HTTP head; ``/metrics`` serves ``render_labelled`` of all of them: one exposition where each
+series carries a ``model`` label (the first label), so a head serving several models keeps each
+model's queues, stages and outcomes apart.
 
 ``describe()`` dict read by ``update_from_describe`` (keys optional)::
 
@@ -23,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summary, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import Metric
 
 if TYPE_CHECKING:
     from triptych.server.worker_stats import StatsWindow
@@ -256,3 +259,33 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _Labelled:
+    """A collector that re-exports several ``Metrics`` registries, each sample labelled ``model``;
+    ``unrouted`` adds the request outcomes of requests refused before a model was chosen (``model=""``)."""
+
+    def __init__(self, by_model: dict[str, Metrics], unrouted: Metrics | None):
+        self.by_model = by_model
+        self.unrouted = unrouted
+
+    def collect(self):
+        sources = [(model, metrics.registry.collect()) for model, metrics in self.by_model.items()]
+        if self.unrouted is not None:
+            sources.append(("", (f for f in self.unrouted.registry.collect() if f.name == "triptych_requests")))
+        families: dict[str, Metric] = {}
+        for model, collected in sources:
+            for family in collected:
+                out = families.setdefault(
+                    family.name, Metric(family.name, family.documentation, family.type, family.unit)
+                )
+                out.samples.extend(s._replace(labels={"model": model, **s.labels}) for s in family.samples)
+        return list(families.values())
+
+
+def render_labelled(by_model: dict[str, Metrics], unrouted: Metrics | None = None) -> bytes:
+    """Model id → its ``Metrics``, rendered as one exposition with a ``model`` label on every series;
+    ``unrouted``'s request outcomes are the ``model=""`` series."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Labelled(by_model, unrouted))
+    return generate_latest(registry)

@@ -77,6 +77,7 @@ class LocalWorkers:
         if logger.isEnabledFor(logging.DEBUG):
             cmd.insert(3, "-v")
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRIPTYCH_TOKEN": self.token}
+        env["MC_LOG_LEVEL"] = t.mooncake_log_level  # read by Mooncake when a transfer engine starts
         gpus = t.layout().get(instance_id)
         if gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))

@@ -11,7 +11,8 @@ from triptych.training.common import CONDITION_AREA
 
 #: ``world``: the model draws the project's shape world, so ``triptych quality`` and ``calibrate``
 #: use (and score) shape-world prompts for it.
-DEFAULTS = {"height": 64, "width": 64, "steps": 20, "guidance": 4.0, "world": "shapes"}
+#: ``trained_sizes``: the only size the model was trained at (serve and generate warn at any other).
+DEFAULTS = {"height": 64, "width": 64, "steps": 20, "guidance": 4.0, "world": "shapes", "trained_sizes": ["64x64"]}
 #: The edit model also records the condition image's area it was trained with (the family reads it).
 EDIT_DEFAULTS = {"condition_area": CONDITION_AREA}
 

@@ -1,0 +1,146 @@
+"""One head serving several models, as a bare ``triptych serve`` does: the packaged default image
+model, its edit variant and a video model (make-tiny's wan-t2v standing in for the built-in one),
+each with its own local encoder/denoiser/decoder pools (``server.cli.build_backends``), driven by
+the official ``openai`` client. The edit and the video are bit-identical to the same model's
+``triptych generate`` path (``run_request`` + the same media encoder); the chat answer is the one the
+model's VLM gives in process. Also: a size off a model's trained sizes comes with a note, in the REST
+response and from ``triptych generate``."""
+
+from __future__ import annotations
+
+import base64
+import io
+import re
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from tests.e2e.http_support import decode_pixels, serve, wait_for
+from triptych.models import PACKAGED_DEFAULT, PACKAGED_EDIT
+from triptych.pipelines.base import GenerationParams
+from triptych.pipelines.registry import load_family
+from triptych.pipelines.runner import run_request
+from triptych.server.http import HeadConfig, create_app
+from triptych.server.media import encode_frames
+
+pytestmark = pytest.mark.skipif(
+    not (PACKAGED_DEFAULT / "model_index.json").is_file(), reason="no trained default model shipped"
+)
+FPS = 8
+
+
+def png(image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def condition_image():
+    from triptych.world import render, sample_scenes
+
+    return render(sample_scenes(1, "serve-many", "heldout")[0], 64)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    from triptych.server.cli import build_backends
+    from triptych.server.launch import TopologyConfig
+    from triptych.server.orchestrator import OrchestratorConfig
+
+    models = {"default": PACKAGED_DEFAULT, "default_edit": PACKAGED_EDIT, "video": tiny_model_dir("wan-t2v")}
+    backends = build_backends(
+        models, OrchestratorConfig(host="127.0.0.1"), TopologyConfig(transfer="zmq", torch_threads=1)
+    )
+    data = tmp_path_factory.mktemp("serve-many")
+    with serve(create_app(backends, HeadConfig(data_dir=data, video_fps=FPS)), start_timeout_s=300) as base:
+        yield models, base, openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+
+
+def test_models_lists_each_model_with_its_kind_and_health_shows_every_pool(server):
+    _, base, client = server
+    cards = {m.id: (m.kind, m.chat) for m in client.models.list().data}
+    assert cards == {"default": ("image", True), "default_edit": ("image-edit", True), "video": ("video", False)}
+    health = httpx.get(f"{base}/health").json()
+    assert health["status"] == "ok"
+    for name in cards:
+        roles = sorted(i["role"] for i in health["models"][name]["backend"]["instances"])
+        assert roles == ["decoder", "denoiser", "encoder"], (name, roles)
+
+
+def test_unknown_model_is_a_404_naming_the_served_ids(server):
+    _, _, client = server
+    with pytest.raises(openai.NotFoundError) as e:
+        client.images.generate(prompt="x", model="nope")
+    assert "'nope'" in e.value.body["message"] and "'default', 'default_edit', 'video'" in e.value.body["message"]
+
+
+def test_generate_edit_video_and_chat_on_one_server(server):
+    models, base, client = server
+    image = condition_image()
+    extra = {"seed": 3, "num_inference_steps": 4}
+    out = client.images.generate(prompt="a red circle on a white background", extra_body=extra)
+    assert decode_pixels(base64.b64decode(out.data[0].b64_json)).shape == (64, 64, 3)
+    assert getattr(out, "warnings", None) is None  # 64x64: the size it was trained at
+
+    edited = client.images.edit(
+        image=("a.png", png(image), "image/png"), prompt="make the shape blue", extra_body=extra
+    )  # no model: the first edit-capable one
+    want, _ = run_request(
+        load_family(PACKAGED_EDIT), GenerationParams(prompt="make the shape blue", image=image, seed=3, steps=4)
+    )
+    np.testing.assert_array_equal(decode_pixels(base64.b64decode(edited.data[0].b64_json)), want.to_uint8()[0])
+
+    video = client.videos.create(
+        prompt="a boat", size="32x32", extra_body={"frames": 5, "num_inference_steps": 2, "seed": 7}
+    )
+    assert video.model == "video"
+    done = wait_for(
+        lambda: (v := client.videos.retrieve(video.id)).status in ("completed", "failed") and v,
+        "video done",
+        deadline_s=300,
+    )
+    assert done.status == "completed", done
+    mp4 = client.videos.download_content(video.id).read()
+    frames, _ = run_request(
+        load_family(models["video"]), GenerationParams(prompt="a boat", seed=7, steps=2, frames=5, height=32, width=32)
+    )
+    assert mp4 == encode_frames(frames.to_uint8(), "mp4", fps=FPS)
+
+    url = "data:image/png;base64," + base64.b64encode(png(image)).decode()
+    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is in this image?"}]
+    body = {"messages": [{"role": "user", "content": content}], "max_completion_tokens": 24}
+    answer = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120).json()  # no model: the SDK needs one
+    assert answer["model"] == "default" and answer["choices"][0]["message"]["content"], answer
+
+    metrics = httpx.get(f"{base}/metrics").text
+    for endpoint, model in (
+        ("/v1/images/generations", "default"),
+        ("/v1/images/edits", "default_edit"),
+        ("/v1/videos", "video"),
+        ("/v1/chat/completions", "default"),
+    ):
+        assert f'triptych_requests_total{{endpoint="{endpoint}",model="{model}",outcome="success"}}' in metrics
+    runs = r'triptych_stage_run_seconds_count\{model="video",stage="denoise"\} (\S+)'
+    assert float(re.search(runs, metrics).group(1)) >= 1  # the video ran on the video model's own pools
+
+
+def test_a_size_the_model_was_not_trained_at_comes_with_a_warning(server):
+    _, _, client = server
+    raw = client.images.with_raw_response.generate(
+        prompt="a red circle", size="32x32", extra_body={"seed": 1, "num_inference_steps": 2}
+    )
+    out = raw.parse()
+    assert out.warnings and "trained at 64x64 only" in out.warnings[0] and "32x32" in out.warnings[0]
+    assert raw.headers["x-triptych-warning"] == out.warnings[0]
+
+
+def test_generate_prints_a_warning_off_the_trained_sizes(tmp_path, capsys):
+    from triptych.cli import main
+
+    argv = ["generate", "--prompt", "a red circle", "--steps", "2", "--out", str(tmp_path / "a.png")]
+    assert main([*argv, "--height", "32", "--width", "32"]) == 0
+    assert "warning: model 'default' was trained at 64x64 only; at 32x32" in capsys.readouterr().err
+    assert main(argv) == 0
+    assert "warning" not in capsys.readouterr().err

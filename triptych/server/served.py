@@ -1,0 +1,97 @@
+"""The models one head serves: ``ServedModel`` (one model: its id, its backend with its own pools, its
+admission counter, the sizes it was trained at) and ``ServedModels`` (a request's ``model`` field and
+the endpoint's job kind → which one).
+
+Routing: a named model must be served (else 404 naming the served ids); a request without ``model``
+goes to the first served model that can do the job (``JOB_KINDS``), or to the first model at all when
+none can (its own family check then says why it cannot). Each model's ``Admission`` counts only its
+own jobs, so a flood of video jobs does not refuse image requests.
+
+NOTE: torch-free (the head imports it); a backend's ``family`` is read, never loaded here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from starlette.exceptions import HTTPException
+
+from triptych.pipelines.geometry import size_warning, trained_sizes
+from triptych.server.admission import Admission, AdmissionLimits
+from triptych.server.api_models import ModelCard
+
+if TYPE_CHECKING:
+    from triptych.pipelines.base import Family
+    from triptych.server.backend import GenerationBackend
+
+#: The job kinds a request can ask for (the endpoint says which).
+JOB_KINDS = ("image", "edit", "video", "chat")
+
+
+@dataclass
+class ServedModel:
+    """One model at the head. Owns nothing but its admission counter; the head starts and closes its
+    backend."""
+
+    name: str
+    backend: GenerationBackend
+    admission: Admission
+    trained: tuple[tuple[int, int], ...] = field(default=())
+    """(width, height) sizes the model was trained at (its ``triptych.json``); empty = unknown."""
+
+    @property
+    def family(self) -> Family:
+        return self.backend.family
+
+    @property
+    def kind(self) -> str:
+        f = self.family
+        return "video" if f.is_video else "image-edit" if f.requires_image else "image"
+
+    def can(self, job_kind: str) -> bool:
+        """Whether this model does ``job_kind`` (one of ``JOB_KINDS``)."""
+        f = self.family
+        return {
+            "image": not f.is_video and not f.requires_image,
+            "edit": not f.is_video and f.accepts_image,
+            "video": f.is_video,
+            "chat": bool(getattr(f, "supports_chat", False)),
+        }[job_kind]
+
+    def card(self) -> ModelCard:
+        return ModelCard(id=self.name, created=0, family=self.family.name, kind=self.kind, chat=self.can("chat"))
+
+    def size_warning(self, width: int, height: int) -> str | None:
+        return size_warning(self.name, self.trained, width, height)
+
+
+class ServedModels:
+    """The head's models, in serving order (the first of a kind is that kind's default)."""
+
+    def __init__(self, backends: Mapping[str, GenerationBackend], limits: AdmissionLimits):
+        if not backends:
+            raise ValueError("a head serves at least one model")
+        self.by_name: dict[str, ServedModel] = {
+            name: ServedModel(name, b, Admission(limits), trained_sizes(b.family.model_dir))
+            for name, b in backends.items()
+        }
+
+    def __iter__(self):
+        return iter(self.by_name.values())
+
+    @property
+    def first(self) -> ServedModel:
+        return next(iter(self.by_name.values()))
+
+    def pick(self, model: str | None, job_kind: str) -> ServedModel:
+        """The model a request names, or the first that can do ``job_kind``; 404 for an unknown name."""
+        assert job_kind in JOB_KINDS, job_kind
+        if model is not None:
+            found = self.by_name.get(model)
+            if found is None:
+                served = ", ".join(repr(n) for n in self.by_name)
+                raise HTTPException(404, f"model {model!r} is not served here; this server serves {served}")
+            return found
+        return next((m for m in self if m.can(job_kind)), self.first)
