@@ -28,7 +28,8 @@ def serve(app):
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    wait_for(lambda: server.started or not thread.is_alive(), what="server start")
+    # the lifespan starts the backend: local workers importing torch on a loaded machine take minutes
+    wait_for(lambda: server.started or not thread.is_alive(), what="server start", deadline_s=300)
     assert server.started, "uvicorn failed to start"
     try:
         yield f"http://127.0.0.1:{port}"

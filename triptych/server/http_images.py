@@ -1,5 +1,6 @@
 """Image routes: ``POST /v1/images/generations`` (JSON) and ``POST /v1/images/edits`` (multipart, one
 image). ``n`` images are ``n`` jobs with consecutive seeds, admitted together and run concurrently.
+``stream=true`` (one image, b64_json) answers with server-sent events (``http_image_stream``).
 """
 
 from __future__ import annotations
@@ -16,11 +17,24 @@ from triptych.server.api_models import ImageData, ImageEditForm, ImageGeneration
 from triptych.server.backend import GenerationJob
 from triptych.server.head import Head
 from triptych.server.http_common import build_params, read_form, read_upload, resolve, run_jobs, text_fields
+from triptych.server.http_image_stream import stream_image
+
+
+def check_stream(req) -> None:
+    """``stream``/``partial_images`` rules: previews only when streaming; a stream is one image as
+    base64 (OpenAI's events have no image index and no url)."""
+    if req.partial_images and not req.stream:
+        raise InvalidParam("partial_images", req.partial_images, "applies to stream=true only")
+    if req.stream and (req.n or 1) != 1:
+        raise InvalidParam("n", req.n, "must be 1 with stream=true")
+    if req.stream and req.response_format == "url":
+        raise InvalidParam("response_format", req.response_format, "stream=true sends b64_json")
 
 
 async def generate_images(head: Head, request: Request, req, image, endpoint: str) -> ImagesResponse:
     t0 = time.perf_counter()
     head.limits.check_n(req.n or 1)
+    check_stream(req)
     if head.family.is_video:
         raise InvalidParam("model", head.model_id, "is a video model; use POST /v1/videos")
     params, size = build_params(head, req, image=image)
@@ -32,9 +46,19 @@ async def generate_images(head: Head, request: Request, req, image, endpoint: st
         )
     rid = f"img-{secrets.token_hex(8)}"
     jobs = [
-        GenerationJob(f"{rid}-{i}", params.replace(seed=params.seed + i), fmt, quality=req.output_compression)
+        GenerationJob(
+            f"{rid}-{i}",
+            params.replace(seed=params.seed + i),
+            fmt,
+            quality=req.output_compression,
+            partial_images=req.partial_images or 0,
+        )
         for i in range(req.n or 1)
     ]
+    if req.stream:
+        prefix = "image_edit" if image is not None else "image_generation"
+        size = f"{params.width}x{params.height}"
+        return await stream_image(head, request, jobs[0], prefix, endpoint, size, t0)
     with head.admission.admit(len(jobs)):
         outputs = await run_jobs(head, request, jobs)
     expires = None
