@@ -30,6 +30,8 @@ from triptych.server.backend import GenerationJob
 from triptych.server.head import ClientGone, Head
 from triptych.server.http_common import wait_disconnect
 
+_CANCELLING: set[asyncio.Task] = set()
+
 
 def _sse(event: str, body: dict) -> bytes:
     return f"event: {event}\ndata: {json.dumps(body, separators=(',', ':'))}\n\n".encode()
@@ -41,6 +43,17 @@ def _error(exc: BaseException) -> bytes:
     else:
         error = {"message": f"generation failed: {exc or type(exc).__name__}", "type": "server_error", "param": None}
     return _sse("error", {"type": "error", "error": error})
+
+
+def _abandon(head: Head, job: GenerationJob, task: asyncio.Task) -> None:
+    """The client is gone (or the request failed): cancel the job in the backend, which frees its
+    slots and ends ``task`` (an in-process job stops at its next step, which cancelling the task
+    alone would not do). Never awaits: it may run inside a cancelled scope."""
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: nobody awaits it
+    if not task.done():
+        cancel = asyncio.get_running_loop().create_task(head.backend.cancel(job.request_id))
+        _CANCELLING.add(cancel)  # the loop keeps only weak references to tasks
+        cancel.add_done_callback(_CANCELLING.discard)
 
 
 async def stream_image(
@@ -61,7 +74,7 @@ async def stream_image(
     except BaseException:
         head.admission.release(1)
         getter.cancel()
-        task.cancel()  # the backend frees what the job holds (its slots on every worker)
+        _abandon(head, job, task)
         raise
     finally:
         watcher.cancel()
@@ -112,6 +125,6 @@ async def stream_image(
             # await here would raise again: nothing below awaits.
             head.admission.release(1)
             getter.cancel()
-            task.cancel()
+            _abandon(head, job, task)
 
     return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
