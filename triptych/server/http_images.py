@@ -84,12 +84,21 @@ def _edit_schema() -> dict:
     return {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": schema}}}}
 
 
+#: the 200 of an image route: JSON, or with stream=true server-sent events (``http_image_stream``)
+STREAMED = {
+    200: {
+        "description": "the images; with stream=true, server-sent events (partial images, then completed)",
+        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+    }
+}
+
+
 def add_image_routes(app: FastAPI, head: Head) -> None:
-    @app.post("/v1/images/generations", response_model=ImagesResponse)
+    @app.post("/v1/images/generations", response_model=ImagesResponse, responses=STREAMED)
     async def generations(req: ImageGenerationRequest, request: Request):
         return await generate_images(head, request, req, None, "/v1/images/generations")
 
-    @app.post("/v1/images/edits", response_model=ImagesResponse, openapi_extra=_edit_schema())
+    @app.post("/v1/images/edits", response_model=ImagesResponse, responses=STREAMED, openapi_extra=_edit_schema())
     async def edits(request: Request):
         if not head.family.accepts_image:
             raise InvalidParam(
