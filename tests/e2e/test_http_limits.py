@@ -220,3 +220,35 @@ def test_stream_failure_after_the_headers_is_an_error_event(tmp_path):
         with pytest.raises(openai.APIError, match="decoder exploded"):
             list(client.images.generate(prompt="x", stream=True, partial_images=1))
         wait_for(lambda: httpx.get(f"{base}/health").json()["in_flight"] == 0, "admission slot released")
+
+
+def test_a_stream_nobody_reads_holds_neither_its_job_nor_the_head(tmp_path):
+    import numpy as np
+
+    from triptych.server.media import encode_image
+
+    backend, server = make_server(tmp_path, requires_image=False)
+    noise = encode_image(np.random.default_rng(0).integers(0, 256, (1024, 1024, 3), dtype=np.uint8), "png")
+    finished: list[str] = []
+
+    async def run(job, on_progress=None, on_preview=None):
+        for index in range(job.partial_images):
+            on_preview(index, noise)  # ~3 MB each: more than the socket buffers take
+        finished.append(job.request_id)
+        return noise
+
+    backend.run = run
+    with server as base:
+        port = int(base.rsplit(":", 1)[1])
+        body = b'{"prompt": "a cat", "stream": true, "partial_images": 3}'
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.sendall(
+                b"POST /v1/images/generations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+            )  # and never read
+            wait_for(lambda: finished, "the job to end while its client reads nothing")
+            assert httpx.get(f"{base}/health").json()["in_flight"] == 1  # the stream still holds its slot
+            plain = httpx.post(f"{base}/v1/images/generations", json={"prompt": "a dog"}, timeout=60)
+            assert plain.status_code == 200 and len(finished) == 2
+        wait_for(lambda: httpx.get(f"{base}/health").json()["in_flight"] == 0, "admission slot released")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from triptych.pipelines.base import GenerationParams
 from triptych.pipelines.registry import load_family
@@ -16,6 +17,9 @@ CASES = {
     "flux": GenerationParams("a red cube", height=32, width=48, steps=4, seed=3),
     "qwen-image": GenerationParams("a red cube", height=32, width=48, steps=4, seed=3),
     "wan-t2v": GenerationParams("a boat", height=32, width=32, frames=5, steps=4, seed=3),
+    "qwen-image-edit": GenerationParams(
+        "make it blue", height=32, width=32, steps=4, seed=3, image=Image.new("RGB", (32, 32), (200, 30, 30))
+    ),
 }
 
 
