@@ -58,7 +58,7 @@ class DenoiserRunner(StageRunner):
             job = self._jobs.get(rid)
             if job is None or not port.owns(job):
                 continue
-            index = sorted(preview_steps(job.task.previews, total)).index(step)
+            index = sorted(preview_steps(_previews(job), total)).index(step)
             handoff = P.PREVIEW_HANDOFFS[index]
             job.previews[handoff] = to_host({"latents": x0.detach().contiguous()})
             specs = specs_of(job.previews[handoff])
@@ -79,7 +79,7 @@ class DenoiserRunner(StageRunner):
 
     def admit(self, job: Job, state) -> None:
         """``job``'s prepared state joins the engine at the next step boundary."""
-        state.preview_steps = preview_steps(job.task.previews, state.total_steps)
+        state.preview_steps = preview_steps(_previews(job), state.total_steps)
         self.engine.add(state)
         self._jobs[job.request_id] = job
 
@@ -88,3 +88,8 @@ class DenoiserRunner(StageRunner):
         if self._jobs.get(job.request_id) is job:
             del self._jobs[job.request_id]
         self.engine.abort(job.request_id)
+
+
+def _previews(job: Job) -> int:
+    """Partial images the head asked for (a job built in process, without a task, asks for none)."""
+    return job.task.previews if isinstance(job.task, P.DenoiseTask) else 0
