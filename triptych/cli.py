@@ -109,6 +109,7 @@ def cmd_generate(args) -> int:
     from triptych.pipelines.base import GenerationParams
     from triptych.pipelines.registry import load_family
     from triptych.pipelines.runner import run_request
+    from triptych.progress import DONE, progress_percent
     from triptych.server.media import decode_image, encode_frames, format_for_path
 
     device = device_config_from_args(args)
@@ -150,24 +151,28 @@ def cmd_generate(args) -> int:
         accel = make_teacache(family)
     if family.is_video != (fmt == "mp4"):
         raise InvalidParam("out", args.out, "video families write .mp4; image families write .png/.jpg/.webp")
-    bar = tqdm(total=params.steps, desc="denoising", unit="step", file=sys.stderr)
+    # the progress a served video job reports (triptych.progress): steps fill 90%, the decode the rest
+    bar = tqdm(total=DONE, desc="denoising", unit="%", file=sys.stderr, bar_format="{l_bar}{bar}| {n}/{total}%")
+
+    def on_step(state) -> None:
+        bar.update(progress_percent(state.step, state.total_steps) - bar.n)
+        if state.done:
+            bar.set_description("decoding")
+
     parallel = _parallel_config(args)
     if parallel.world_size > 1:
         from triptych.server.runners.local import run_parallel_request
 
-        frames, timings = run_parallel_request(
-            family, params, parallel, device=device.device, on_step=lambda s: bar.update(1)
-        )
+        frames, timings = run_parallel_request(family, params, parallel, device=device.device, on_step=on_step)
     else:
-        frames, timings = run_request(
-            family, params, on_step=lambda s: bar.update(1), fuse_cfg=not args.separate_cfg, accel=accel
-        )
-    bar.close()
+        frames, timings = run_request(family, params, on_step=on_step, fuse_cfg=not args.separate_cfg, accel=accel)
     t = time.perf_counter()
     data = encode_frames(frames.to_uint8(), fmt, fps=args.fps)
     with open(args.out, "wb") as f:
         f.write(data)
     timings.seconds["write"] = time.perf_counter() - t
+    bar.update(DONE - bar.n)
+    bar.close()
     stages = "  ".join(f"{k} {v * 1000:.0f} ms" for k, v in {"load": load_s, **timings.seconds}.items())
     print(f"wrote {args.out} ({family.name}, {params.width}x{params.height}, {params.steps} steps, seed {params.seed})")
     print(f"timings: {stages}")

@@ -53,6 +53,8 @@ def wait_for(cond, what: str, deadline_s: float = 30.0, every_s: float = 0.02):
 
 class FakeBackend(GenerationBackend):
     """Returns a constant frame per job (value from the seed); ``gate`` set → jobs block until opened.
+    With ``on_preview``, a job's ``partial_images`` previews (constant frames, value seed + index + 1)
+    are handed over first, before the gate.
 
     Records ``running`` (ids inside ``run``), ``cancelled`` (ids passed to ``cancel``), ``started``.
     """
@@ -81,11 +83,15 @@ class FakeBackend(GenerationBackend):
     def open_gate(self):
         self._loop.call_soon_threadsafe(self._gate.set)
 
-    async def run(self, job, on_progress=None):
+    async def run(self, job, on_progress=None, on_preview=None):
         self.jobs.append(job)
         self.running.add(job.request_id)
         cancel = self._cancel_events.setdefault(job.request_id, asyncio.Event())
         try:
+            p = job.params
+            for index in range(job.partial_images if on_preview else 0):
+                frame = np.full((1, p.height, p.width, 3), (p.seed + index + 1) % 251, dtype=np.uint8)
+                on_preview(index, await asyncio.to_thread(encode_frames, frame, job.output_format, job.fps))
             gate = asyncio.ensure_future(self._gate.wait())
             stop = asyncio.ensure_future(cancel.wait())
             await asyncio.wait({gate, stop}, return_when=asyncio.FIRST_COMPLETED)

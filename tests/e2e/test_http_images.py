@@ -193,3 +193,14 @@ def test_models_health_and_metrics(client, server):
     ):
         assert f"# TYPE {name} " in text, name
     assert _sample(text, success) == before + 1
+
+
+def test_streamed_in_process_previews_leave_the_image_unchanged(client, reference):
+    events = list(
+        client.images.generate(
+            prompt="a red cube", stream=True, partial_images=2, extra_body={"seed": 7, "num_inference_steps": 4}
+        )
+    )
+    assert [getattr(e, "partial_image_index", None) for e in events] == [0, 1, None]
+    np.testing.assert_array_equal(decode_pixels(base64.b64decode(events[-1].b64_json)), reference(7, steps=4))
+    assert not np.array_equal(decode_pixels(base64.b64decode(events[0].b64_json)), reference(7, steps=4))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import socket
 import threading
 
@@ -9,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.http_support import FakeBackend, FakeFamily, png_bytes, serve, wait_for
+from tests.e2e.http_support import FakeBackend, FakeFamily, decode_pixels, png_bytes, serve, wait_for
 from triptych.server.admission import AdmissionLimits
 from triptych.server.backend import StageFailed
 from triptych.server.http import HeadConfig, create_app
@@ -172,3 +174,96 @@ def test_a_size_over_the_token_limit_is_400_before_any_worker(tmp_path):
         assert error["param"] == "size" and "20 transformer tokens" in error["message"]
         assert "limit of 16" in error["message"]
         assert len(backend.jobs) == 1  # only the accepted request reached the backend
+
+
+def sse_events(lines) -> list[tuple[str, dict]]:
+    """(event, data) pairs of a server-sent event stream's lines."""
+    import json
+
+    events, name = [], None
+    for line in lines:
+        if line.startswith("event: "):
+            name = line[len("event: ") :]
+        elif line.startswith("data: "):
+            events.append((name, json.loads(line[len("data: ") :])))
+    return events
+
+
+def test_streamed_edit_sends_image_edit_events(tmp_path):
+    backend, server = make_server(tmp_path)
+    with server as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        stream = client.images.edit(
+            image=("a.png", png_bytes()), prompt="blue", stream=True, partial_images=2, extra_body={"seed": 5}
+        )
+        events = list(stream)
+    assert [e.type for e in events] == ["image_edit.partial_image"] * 2 + ["image_edit.completed"]
+    assert [decode_pixels(base64.b64decode(e.b64_json))[0, 0, 0] for e in events] == [6, 7, 5]
+    assert backend.jobs[0].partial_images == 2
+
+
+def test_stream_disconnect_after_a_partial_cancels_the_job(tmp_path):
+    backend, server = make_server(tmp_path, gated=True, requires_image=False)
+    with server as base:
+        body = {"prompt": "a cat", "seed": 3, "stream": True, "partial_images": 2}
+        with httpx.stream("POST", f"{base}/v1/images/generations", json=body, timeout=60) as resp:
+            assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+            lines = resp.iter_lines()
+            first = sse_events(next(lines) for _ in range(2))  # the first event, then hang up
+        assert first[0][0] == "image_generation.partial_image" and first[0][1]["partial_image_index"] == 0
+        job_id = backend.jobs[0].request_id
+        wait_for(lambda: job_id in backend.cancelled, "cancel after disconnect")
+        wait_for(lambda: httpx.get(f"{base}/health").json()["in_flight"] == 0, "admission slot released")
+
+
+def test_stream_failure_after_the_headers_is_an_error_event(tmp_path):
+    backend, server = make_server(tmp_path, requires_image=False)
+
+    async def fail(job, on_progress=None, on_preview=None):
+        on_preview(0, png_bytes())
+        await asyncio.sleep(0)
+        raise StageFailed("decoder exploded")
+
+    backend.run = fail
+    with server as base:
+        body = {"prompt": "a cat", "stream": True, "partial_images": 1}
+        with httpx.stream("POST", f"{base}/v1/images/generations", json=body, timeout=60) as resp:
+            events = sse_events(resp.iter_lines())
+        assert [name for name, _ in events] == ["image_generation.partial_image", "error"]
+        assert "decoder exploded" in events[1][1]["error"]["message"]
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.APIError, match="decoder exploded"):
+            list(client.images.generate(prompt="x", stream=True, partial_images=1))
+        wait_for(lambda: httpx.get(f"{base}/health").json()["in_flight"] == 0, "admission slot released")
+
+
+def test_a_stream_nobody_reads_holds_neither_its_job_nor_the_head(tmp_path):
+    import numpy as np
+
+    from triptych.server.media import encode_image
+
+    backend, server = make_server(tmp_path, requires_image=False)
+    noise = encode_image(np.random.default_rng(0).integers(0, 256, (1024, 1024, 3), dtype=np.uint8), "png")
+    finished: list[str] = []
+
+    async def run(job, on_progress=None, on_preview=None):
+        for index in range(job.partial_images):
+            on_preview(index, noise)  # ~3 MB each: more than the socket buffers take
+        finished.append(job.request_id)
+        return noise
+
+    backend.run = run
+    with server as base:
+        port = int(base.rsplit(":", 1)[1])
+        body = b'{"prompt": "a cat", "stream": true, "partial_images": 3}'
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.sendall(
+                b"POST /v1/images/generations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+            )  # and never read
+            wait_for(lambda: finished, "the job to end while its client reads nothing")
+            assert httpx.get(f"{base}/health").json()["in_flight"] == 1  # the stream still holds its slot
+            plain = httpx.post(f"{base}/v1/images/generations", json={"prompt": "a dog"}, timeout=60)
+            assert plain.status_code == 200 and len(finished) == 2
+        wait_for(lambda: httpx.get(f"{base}/health").json()["in_flight"] == 0, "admission slot released")

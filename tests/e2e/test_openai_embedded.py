@@ -59,12 +59,16 @@ def test_video_matches_generate(tiny_model_dir, tmp_path, transfer):
         video = client.videos.create(
             prompt="a boat", size="32x32", extra_body={"frames": 5, "num_inference_steps": 2, "seed": 7}
         )
-        done = wait_for(
-            lambda: (v := client.videos.retrieve(video.id)).status in ("completed", "failed") and v,
-            "video done",
-            deadline_s=300,
-        )
+        seen: list[int] = []
+
+        def poll():
+            v = client.videos.retrieve(video.id)
+            seen.append(v.progress)
+            return v.status in ("completed", "failed") and v
+
+        done = wait_for(poll, "video done", deadline_s=300, every_s=0.005)
         assert done.status == "completed", done
+        assert seen == sorted(seen) and seen[-1] == 100, seen  # steps x 90 / total, then the decode
         mp4 = client.videos.download_content(video.id).read()
     frames, _ = run_request(
         load_family(model), GenerationParams(prompt="a boat", seed=7, steps=2, frames=5, height=32, width=32)

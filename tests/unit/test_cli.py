@@ -87,6 +87,8 @@ def test_generate_writes_an_image_in_a_subprocess(tiny_model_dir, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert "timings:" in proc.stdout and "denoise" in proc.stdout
+    # the bar shows a served job's progress: steps to 90%, then the decode to 100%
+    assert "decoding" in proc.stderr and "100/100%" in proc.stderr, proc.stderr
     from PIL import Image
 
     with Image.open(out) as img:

@@ -41,6 +41,9 @@ MESSAGES = [
     P.PushDone("r1", 1, "enc-0", "latents"),
     P.Progress("r1", 1, "den-0", 2, 4),
     P.MediaResult("r1", 1, "dec-0", b"\x89PNG...", "png"),
+    P.PreviewReady("r1", 1, "den-0", 0, 2, 4, SPEC),
+    P.PreviewResult("r1", 1, "dec-0", 1, 3, 4, b"\x89PNG...", "png"),
+    P.SlotsReserved("r1", 1, "dec-0", "preview2", {"latents": REF}),
     P.StageError("r1", 1, "dec-0", "decode", "RuntimeError", "boom", False),
     P.StageError(
         "c1", 0, "enc-0", "chat", "InvalidParam", "too long", False, ("max_tokens", "4096", "fit the context")
@@ -62,6 +65,9 @@ MESSAGES = [
     P.RegisterAck("enc-0", False, "revision differs", 0.5),
     P.EncodeTask("r1", 1, WIRE, "den-0"),
     P.DenoiseTask("r1", 1, WIRE, SPEC, "enc-0", "dec-0", 30.0),
+    P.DenoiseTask("r1", 1, WIRE, SPEC, "enc-0", "dec-0", 30.0, previews=3),
+    P.PreviewTask("r1", 1, WIRE, 1, 3, 4, SPEC, "den-0", "webp", 80, 30.0),
+    P.PushTask("r1", 1, "preview0", {"latents": REF}),
     P.DecodeTask("r1", 1, WIRE, SPEC, "den-0", "png", 16, 30.0),
     P.PushTask("r1", 1, "cond", {"x": REF}),
     P.Cancel("r1", 3, "client disconnected"),
@@ -97,6 +103,12 @@ def test_direction_is_enforced():
 def test_malformed_or_unknown_frames_are_rejected(frame):
     with pytest.raises(P.ProtocolError):
         P.decode_any(frame)
+
+
+def test_a_preview_handoff_past_the_third_is_rejected():
+    frame = P.encode(P.PushTask("r1", 1, "preview2", {}))
+    with pytest.raises(P.ProtocolError):
+        P.decode_from_head(frame.replace(b"preview2", b"preview3"))
 
 
 def test_params_round_trip_including_image():

@@ -129,6 +129,10 @@ class DenoiseState:
     cond: Conditioning
     aux: dict[str, torch.Tensor] = field(default_factory=dict)  # family-specific per-request tensors
     step: int = 0
+    #: steps (1-based counts of steps done) after which a preview of the predicted clean latents is
+    #: kept in ``x0``; empty = none. Previews read the step's prediction and never change ``latents``.
+    preview_steps: frozenset[int] = frozenset()
+    x0: torch.Tensor | None = None  # the last preview's predicted clean latents, until its owner takes it
 
     @property
     def done(self) -> bool:
@@ -306,6 +310,13 @@ class Family(ABC):
     def scheduler_step(self, state: DenoiseState, noise_pred: torch.Tensor) -> torch.Tensor:
         return state.scheduler.step(noise_pred, state.timestep, state.latents, return_dict=False)[0]
 
+    def predict_x0(self, state: DenoiseState, noise_pred: torch.Tensor) -> torch.Tensor:
+        """The clean latents this step predicts (before the scheduler steps): for flow matching, which
+        every family here uses (``x_t = (1 - s) x0 + s noise``, the model predicts ``noise - x0``),
+        ``x0 = x_t - s * pred`` with ``s`` the step's sigma. A new tensor; ``state`` is unchanged."""
+        sigma = state.scheduler.sigmas[state.step].to(noise_pred.device, noise_pred.dtype)
+        return state.latents - sigma * noise_pred
+
     def compat_key(self, state: DenoiseState) -> tuple:
         """Requests with equal keys may share one forward (family, size, frames, dtype)."""
         p = state.params
@@ -341,6 +352,8 @@ class Family(ABC):
                 preds[(id(row.state), row.branch)] = pred
         for s in states:
             noise = self.combine(s, {b: preds[(id(s), b)] for b in s.branches()})
+            if s.step + 1 in s.preview_steps:
+                s.x0 = self.predict_x0(s, noise)
             s.latents = self.scheduler_step(s, noise)
             s.step += 1
         return stats

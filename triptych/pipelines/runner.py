@@ -11,8 +11,10 @@ from dataclasses import dataclass, field
 
 from triptych.cache.mm import tenant_scope
 from triptych.pipelines.base import DenoiseState, Family, Frames, GenerationParams
+from triptych.pipelines.previews import preview_steps
 
 StepCallback = Callable[[DenoiseState], None]
+PreviewCallback = Callable[[int, Frames], None]  # (0-based preview index, the decoded preview)
 
 
 @dataclass
@@ -32,6 +34,8 @@ def run_request(
     on_step: StepCallback | None = None,
     fuse_cfg: bool = True,
     accel=None,
+    previews: int = 0,
+    on_preview: PreviewCallback | None = None,
 ) -> tuple[Frames, StageTimings]:
     """Resolve, encode, prepare, denoise until done, decode. ``params`` may be unresolved.
 
@@ -39,6 +43,8 @@ def run_request(
     so a request served alone equals this; ``False`` runs them as diffusers does (bit-identical).
     ``accel``: an acceleration owning per-request state (``admit``/``bind``/``release``, e.g. a
     ``triptych.cache.teacache.TeaCache``), used when ``params.teacache_threshold`` > 0.
+    ``previews``: how many previews (``pipelines.previews``) to decode and hand to ``on_preview``
+    (their decode time counts as denoising); they do not change the result.
     """
     timings = StageTimings()
     params = family.resolve(params)
@@ -48,6 +54,8 @@ def run_request(
     timings.add("encode", t)
     t = time.perf_counter()
     state = family.prepare(request_id, params, cond)
+    if on_preview is not None:
+        state.preview_steps = preview_steps(previews, state.total_steps)
     forward = None
     if accel is not None and params.teacache_threshold > 0:
         accel.admit(request_id, params.teacache_threshold, state.total_steps)
@@ -55,6 +63,9 @@ def run_request(
     try:
         while not state.done:
             family.denoise_step([state], fuse_cfg=fuse_cfg, forward=forward)
+            if state.x0 is not None:
+                x0, state.x0 = state.x0, None
+                on_preview(sorted(state.preview_steps).index(state.step), family.decode(x0, params))
             if on_step is not None:
                 on_step(state)
     finally:

@@ -60,8 +60,10 @@ class _GenerationFields(BaseModel):
     moderation: str | None = Field(None, max_length=32)
     safety_identifier: str | None = Field(None, max_length=256)
     background: Literal["auto", "opaque"] | None = None
-    stream: Literal[False] | None = Field(None, description="streaming is not supported")
-    partial_images: Literal[0] | None = None
+    stream: bool | None = Field(None, description="server-sent events: partial images, then the final image")
+    partial_images: int | None = Field(
+        None, ge=0, le=3, description="stream=true: previews decoded from intermediate steps before the final image"
+    )
 
 
 class ImageGenerationRequest(_GenerationFields):

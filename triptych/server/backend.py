@@ -28,6 +28,7 @@ from triptych.server.metrics import Metrics
 logger = logging.getLogger(__name__)
 
 ProgressFn = Callable[[int, int], None]  # (steps done, total steps)
+PreviewFn = Callable[[int, bytes], None]  # (0-based partial image index, the preview in the job's format)
 
 
 class Overloaded(TriptychError):
@@ -64,6 +65,7 @@ class GenerationJob:
     output_format: str  # png | jpeg | webp | mp4
     fps: int = 16
     quality: int | None = None  # jpeg/webp quality (OpenAI's output_compression); None: the default
+    partial_images: int = 0  # previews wanted (0..3, ``pipelines.previews``), delivered to ``on_preview``
 
 
 @dataclass(frozen=True)
@@ -96,8 +98,12 @@ class GenerationBackend(ABC):
         """Stop; cancels in-flight jobs and frees what they hold."""
 
     @abstractmethod
-    async def run(self, job: GenerationJob, on_progress: ProgressFn | None = None) -> bytes:
-        """Run ``job`` to completion and return the encoded media bytes."""
+    async def run(
+        self, job: GenerationJob, on_progress: ProgressFn | None = None, on_preview: PreviewFn | None = None
+    ) -> bytes:
+        """Run ``job`` to completion and return the encoded media bytes. ``on_preview`` gets each of
+        ``job.partial_images`` previews (fewer when the job has too few steps), in order, before this
+        returns; it is called on the event loop and must not block."""
 
     @abstractmethod
     async def cancel(self, request_id: str) -> bool:
@@ -143,9 +149,17 @@ class InProcessBackend(GenerationBackend):
             self._active.discard(request_id)
             self._cancelled.discard(request_id)
 
-    async def run(self, job: GenerationJob, on_progress: ProgressFn | None = None) -> bytes:
+    async def run(
+        self, job: GenerationJob, on_progress: ProgressFn | None = None, on_preview: PreviewFn | None = None
+    ) -> bytes:
         from triptych.pipelines.runner import run_request
         from triptych.server.media import encode_frames
+
+        loop = asyncio.get_running_loop()
+
+        def preview(index: int, frames) -> None:
+            data = encode_frames(frames.to_uint8(), job.output_format, job.fps, job.quality)
+            loop.call_soon_threadsafe(on_preview, index, data)
 
         async with self._turn(job.request_id):
 
@@ -156,7 +170,15 @@ class InProcessBackend(GenerationBackend):
                     on_progress(state.step, state.total_steps)
 
             frames, _ = await asyncio.to_thread(
-                run_request, self.family, job.params, job.request_id, on_step, True, self._accel
+                run_request,
+                self.family,
+                job.params,
+                job.request_id,
+                on_step,
+                True,
+                self._accel,
+                job.partial_images if on_preview is not None else 0,
+                preview,
             )
             return await asyncio.to_thread(encode_frames, frames.to_uint8(), job.output_format, job.fps, job.quality)
 

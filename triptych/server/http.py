@@ -10,7 +10,8 @@ and the limit; ``Overloaded`` is a 429 with Retry-After; ``StageFailed`` is a 50
 
 This module only wires: it builds the ``Head`` (``server/head.py``), installs the error handlers and
 the API-key check, and adds the routes: images (``http_images``), videos (``http_videos``), chat
-(``http_chat``), and here models, health, metrics, files. Route modules share their plumbing through
+(``http_chat``), the browser playground at ``/`` (``http_playground``), and here models, health,
+metrics, files. Route modules share their plumbing through
 ``http_common``; none of them imports another, or this module.
 """
 
@@ -38,6 +39,7 @@ from triptych.server.body_limit import BodyLimit
 from triptych.server.head import TENANT, ClientGone, Head, HeadConfig, tenant_of_key
 from triptych.server.http_chat import add_chat_routes
 from triptych.server.http_images import add_image_routes
+from triptych.server.http_playground import add_playground_routes
 from triptych.server.http_videos import add_video_routes
 from triptych.server.metrics import CONTENT_TYPE
 
@@ -214,6 +216,7 @@ def create_app(backends: GenerationBackend | Mapping[str, GenerationBackend], co
     add_image_routes(app, head)
     add_video_routes(app, head)
     add_chat_routes(app, head)
+    add_playground_routes(app)
 
     @app.get("/v1/models", response_model=ModelList)
     async def list_models():

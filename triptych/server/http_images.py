@@ -3,6 +3,7 @@ image). ``n`` images are ``n`` jobs with consecutive seeds, admitted together an
 The request's ``model`` picks the served model (default: the first image model, the first
 edit-capable one for edits). At a size the model was not trained at, the response carries a note in
 ``warnings`` and in the ``X-Triptych-Warning`` header.
+``stream=true`` (one image, b64_json) answers with server-sent events (``http_image_stream``).
 """
 
 from __future__ import annotations
@@ -19,11 +20,24 @@ from triptych.server.api_models import ImageData, ImageEditForm, ImageGeneration
 from triptych.server.backend import GenerationJob
 from triptych.server.head import WARNING_HEADER, Head, ModelHead
 from triptych.server.http_common import build_params, read_form, read_upload, resolve, run_jobs, text_fields
+from triptych.server.http_image_stream import stream_image
+
+
+def check_stream(req) -> None:
+    """``stream``/``partial_images`` rules: previews only when streaming; a stream is one image as
+    base64 (OpenAI's events have no image index and no url)."""
+    if req.partial_images and not req.stream:
+        raise InvalidParam("partial_images", req.partial_images, "applies to stream=true only")
+    if req.stream and (req.n or 1) != 1:
+        raise InvalidParam("n", req.n, "must be 1 with stream=true")
+    if req.stream and req.response_format == "url":
+        raise InvalidParam("response_format", req.response_format, "stream=true sends b64_json")
 
 
 async def generate_images(head: ModelHead, request: Request, req, image, endpoint: str) -> ImagesResponse:
     t0 = time.perf_counter()
     head.limits.check_n(req.n or 1)
+    check_stream(req)
     if head.family.is_video:
         raise InvalidParam("model", head.model_id, "is a video model; use POST /v1/videos")
     params, size = build_params(head, req, image=image)
@@ -35,9 +49,19 @@ async def generate_images(head: ModelHead, request: Request, req, image, endpoin
         )
     rid = f"img-{secrets.token_hex(8)}"
     jobs = [
-        GenerationJob(f"{rid}-{i}", params.replace(seed=params.seed + i), fmt, quality=req.output_compression)
+        GenerationJob(
+            f"{rid}-{i}",
+            params.replace(seed=params.seed + i),
+            fmt,
+            quality=req.output_compression,
+            partial_images=req.partial_images or 0,
+        )
         for i in range(req.n or 1)
     ]
+    if req.stream:
+        prefix = "image_edit" if image is not None else "image_generation"
+        size = f"{params.width}x{params.height}"
+        return await stream_image(head, request, jobs[0], prefix, endpoint, size, t0)
     with head.admission.admit(len(jobs)):
         outputs = await run_jobs(head, request, jobs)
     expires = None
@@ -63,8 +87,9 @@ async def generate_images(head: ModelHead, request: Request, req, image, endpoin
     )
 
 
-def _with_warning(out: ImagesResponse, response: Response) -> ImagesResponse:
-    if out.warnings:
+def _with_warning(out, response: Response):
+    """A JSON answer's size warning, also as a header (a stream answers with its own response)."""
+    if isinstance(out, ImagesResponse) and out.warnings:
         response.headers[WARNING_HEADER] = out.warnings[0]
     return out
 
@@ -76,13 +101,22 @@ def _edit_schema() -> dict:
     return {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": schema}}}}
 
 
+#: the 200 of an image route: JSON, or with stream=true server-sent events (``http_image_stream``)
+STREAMED = {
+    200: {
+        "description": "the images; with stream=true, server-sent events (partial images, then completed)",
+        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+    }
+}
+
+
 def add_image_routes(app: FastAPI, head: Head) -> None:
-    @app.post("/v1/images/generations", response_model=ImagesResponse)
+    @app.post("/v1/images/generations", response_model=ImagesResponse, responses=STREAMED)
     async def generations(req: ImageGenerationRequest, request: Request, response: Response):
         model = head.backend_for(req.model, "image")
         return _with_warning(await generate_images(model, request, req, None, "/v1/images/generations"), response)
 
-    @app.post("/v1/images/edits", response_model=ImagesResponse, openapi_extra=_edit_schema())
+    @app.post("/v1/images/edits", response_model=ImagesResponse, responses=STREAMED, openapi_extra=_edit_schema())
     async def edits(request: Request, response: Response):
         form = await read_form(head, request)
         fields = text_fields(form, skip=("image", "image[]", "mask"))

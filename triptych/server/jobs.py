@@ -2,7 +2,9 @@
 
 ``JobStore`` owns the records (``<data_dir>/jobs.sqlite``, stdlib ``sqlite3``); ``VideoJobs`` owns the
 asyncio task of each live job and its output file (``<data_dir>/videos/<id>.mp4``). A job is
-``queued`` → ``in_progress`` (first progress report) → ``completed`` | ``failed`` | ``cancelled``.
+``queued`` → ``in_progress`` (first progress report) → ``completed`` | ``failed`` | ``cancelled``;
+``progress`` is ``triptych.progress``: steps done / total x 90 while denoising, 90 while decoding,
+100 when completed, and never goes back (a retried job is not shown restarting).
 Records survive restarts: opening a store marks jobs that were queued or running when the previous
 head died as ``failed`` (their tasks died with it). Completed jobs are served until ``expires_at``;
 ``sweep`` removes expired records and files. Deleting a job cancels it in the backend and removes
@@ -21,6 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from triptych.errors import InvalidParam
+from triptych.progress import DONE, progress_percent
 from triptych.server.admission import Admission
 from triptych.server.backend import Cancelled, GenerationBackend, GenerationJob, Overloaded, StageFailed
 
@@ -169,8 +172,9 @@ class VideoJobs:
         last = [-1]
 
         def on_progress(done: int, total: int) -> None:
-            pct = min(99, done * 100 // max(total, 1))
-            if pct != last[0]:
+            # NOTE: a retried job steps again from 0; its record never goes back
+            pct = progress_percent(done, total)
+            if pct > last[0]:
                 last[0] = pct
                 self.store.update(job_id, status="in_progress", progress=pct)
 
@@ -181,7 +185,7 @@ class VideoJobs:
             await asyncio.to_thread(self._write, job_id, data)
             now = int(time.time())
             expires = now + int(self.ttl_s) if self.ttl_s else None
-            if not self.store.update(job_id, status="completed", progress=100, completed_at=now, expires_at=expires):
+            if not self.store.update(job_id, status="completed", progress=DONE, completed_at=now, expires_at=expires):
                 self.path(job_id).unlink(missing_ok=True)  # deleted while running
                 outcome = "cancelled"
             else:

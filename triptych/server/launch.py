@@ -18,7 +18,7 @@ from pathlib import Path
 from triptych.devices import DeviceConfig
 from triptych.parallel import ParallelConfig
 from triptych.pipelines.vlm import ChatResult
-from triptych.server.backend import ChatJob, GenerationBackend, GenerationJob, ProgressFn, TextFn
+from triptych.server.backend import ChatJob, GenerationBackend, GenerationJob, PreviewFn, ProgressFn, TextFn
 from triptych.server.orchestrator import Orchestrator, OrchestratorConfig
 from triptych.server.supervisor import LocalWorkers
 
@@ -169,8 +169,10 @@ class EmbeddedBackend(GenerationBackend):
         await self.orchestrator.close()
         await self.workers.reap()
 
-    async def run(self, job: GenerationJob, on_progress: ProgressFn | None = None) -> bytes:
-        return await self.orchestrator.run(job, on_progress)
+    async def run(
+        self, job: GenerationJob, on_progress: ProgressFn | None = None, on_preview: PreviewFn | None = None
+    ) -> bytes:
+        return await self.orchestrator.run(job, on_progress, on_preview)
 
     async def chat(self, job: ChatJob, on_text: TextFn | None = None) -> ChatResult:
         return await self.orchestrator.chat(job, on_text)

@@ -31,6 +31,7 @@ from triptych.server.backend import (
     ChatJob,
     GenerationBackend,
     GenerationJob,
+    PreviewFn,
     ProgressFn,
     TextFn,
     Unavailable,
@@ -156,11 +157,13 @@ class Orchestrator(GenerationBackend):
             raise TimeoutError(f"workers missing after {timeout_s}s: {missing} (have {self.describe()['instances']})")
 
     # ---- GenerationBackend --------------------------------------------------------------------
-    async def run(self, job: GenerationJob, on_progress: ProgressFn | None = None) -> bytes:
+    async def run(
+        self, job: GenerationJob, on_progress: ProgressFn | None = None, on_preview: PreviewFn | None = None
+    ) -> bytes:
         assert self.control.open, "Orchestrator.start() was not called"
         self._check_new(job.request_id)
         self._check_available(("encoder", "denoiser", "decoder"))
-        future = self.generations.submit(job, on_progress)
+        future = self.generations.submit(job, on_progress, on_preview)
         return await self._await(job.request_id, future)
 
     async def chat(self, job: ChatJob, on_text: TextFn | None = None) -> ChatResult:

@@ -16,6 +16,11 @@ denoiser → decoder) is the same five messages each time::
     downstream reserves a bundle ──SlotsReserved(refs)──▶ head ──PushTask(refs)──▶ upstream
     upstream pushes P2P, frees its copy ──PushDone──▶ head; downstream waits ready and runs
 
+Previews (``partial_images``) are one more handoff of the same shape, denoiser → decoder, per
+preview: ``PreviewReady(specs)`` → head ``PreviewTask`` → ``SlotsReserved`` → ``PushTask`` → the
+decoder decodes and answers ``PreviewResult`` (media bytes). A preview that cannot move is dropped;
+it never fails its request.
+
 A chat is one encoder's work and moves no tensors: ``ChatTask`` (messages, images as PNG) →
 ``ChatDelta`` per decoded piece (when streaming) → ``ChatDone`` or ``StageError``.
 """
@@ -34,7 +39,9 @@ from triptych.server.transfer.stats import TransferStats
 
 RoleName = Literal["encoder", "denoiser", "decoder"]
 StageName = Literal["encode", "denoise", "decode", "chat"]
-HandoffName = Literal["cond", "latents"]  # which tensors a handoff moves
+#: which tensors a handoff moves: conditioning, final latents, or the k-th preview's predicted latents
+HandoffName = Literal["cond", "latents", "preview0", "preview1", "preview2"]
+PREVIEW_HANDOFFS = ("preview0", "preview1", "preview2")  # index k → its handoff name
 
 
 class ProtocolError(TriptychError):
@@ -114,6 +121,16 @@ class DenoiseDone(WorkerReply, frozen=True, tag="denoise_done"):
     specs: dict[str, TensorSpec]  # {"latents": spec}
 
 
+class PreviewReady(WorkerReply, frozen=True, tag="preview_ready"):
+    """A preview's predicted clean latents are ready on the denoiser, held there until ``PushTask``
+    (handoff ``PREVIEW_HANDOFFS[index]``) or until the request leaves the denoiser."""
+
+    index: int  # 0-based preview number (OpenAI's partial_image_index)
+    step: int  # steps done when it was taken
+    total: int  # total steps
+    specs: dict[str, TensorSpec]  # {"latents": spec}
+
+
 class SlotsReserved(WorkerReply, frozen=True, tag="slots_reserved"):
     """The downstream worker reserved receiver slots for a handoff; the head forwards the refs."""
 
@@ -138,6 +155,17 @@ class MediaResult(WorkerReply, frozen=True, tag="media_result"):
     """The decoder's encoded output (media bytes may pass through the head; tensors never do)."""
 
     data: bytes  # PNG/JPEG/WebP/MP4 bytes
+    output_format: str
+
+
+class PreviewResult(WorkerReply, frozen=True, tag="preview_result"):
+    """A decoded preview (media bytes, like ``MediaResult``); always sent before the request's
+    ``MediaResult`` by the decoder that holds the request."""
+
+    index: int  # 0-based preview number
+    step: int  # steps done when it was taken
+    total: int
+    data: bytes  # PNG/JPEG/WebP bytes at the output size
     output_format: str
 
 
@@ -197,6 +225,7 @@ class DenoiseTask(msgspec.Struct, frozen=True, tag="denoise_task"):
     source: str  # encoder instance id (the only peer allowed to push into the slots)
     decoder: str  # decoder instance id already holding a slot for this request
     reserve_timeout_s: float  # how long the reserved slots wait for the push
+    previews: int = 0  # partial images wanted: x0 previews at evenly spaced steps (``preview_steps``)
 
 
 class DecodeTask(msgspec.Struct, frozen=True, tag="decode_task"):
@@ -211,6 +240,24 @@ class DecodeTask(msgspec.Struct, frozen=True, tag="decode_task"):
     fps: int
     reserve_timeout_s: float
     quality: int | None = None  # jpeg/webp quality; None: the encoder's default
+
+
+class PreviewTask(msgspec.Struct, frozen=True, tag="preview_task"):
+    """Receive a preview's latents from ``source`` (the request's denoiser) into slots for
+    ``handoff``, decode them like final latents, answer ``PreviewResult``. Sent to the decoder already
+    charged for the request, before its ``DecodeTask``."""
+
+    request_id: str
+    generation: int
+    params: WireParams
+    index: int  # 0-based preview number; ``handoff`` is ``PREVIEW_HANDOFFS[index]``
+    step: int
+    total: int
+    specs: dict[str, TensorSpec]
+    source: str  # denoiser instance id
+    output_format: str  # png | jpeg | webp
+    quality: int | None  # jpeg/webp quality; None: the encoder's default
+    reserve_timeout_s: float
 
 
 class ChatPart(msgspec.Struct, frozen=True):
@@ -286,13 +333,25 @@ WorkerMessage = (
     | SlotsReserved
     | PushDone
     | Progress
+    | PreviewReady
+    | PreviewResult
     | MediaResult
     | ChatDelta
     | ChatDone
     | StageError
 )
 HeadMessage = (
-    RegisterAck | EncodeTask | DenoiseTask | DecodeTask | ChatTask | PushTask | Cancel | PeerDown | Shutdown | Rejoin
+    RegisterAck
+    | EncodeTask
+    | DenoiseTask
+    | DecodeTask
+    | PreviewTask
+    | ChatTask
+    | PushTask
+    | Cancel
+    | PeerDown
+    | Shutdown
+    | Rejoin
 )
 Message = WorkerMessage | HeadMessage
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from triptych.server import protocol as P
 from triptych.server import wire
 from triptych.server.attempts import Attempts
-from triptych.server.backend import Cancelled, GenerationJob, Overloaded, ProgressFn, StageFailed
+from triptych.server.backend import Cancelled, GenerationJob, Overloaded, PreviewFn, ProgressFn, StageFailed
 from triptych.server.dispatch import Instance
 from triptych.server.metrics import Metrics, StageStats
 from triptych.server.registry import InstanceRegistry
@@ -52,6 +52,7 @@ class Tracked:
     attempts: Attempts = field(default_factory=Attempts)
     waited_s: float = 0.0  # queue wait of the current stage (reported with its run time at its end)
     encoded_at: float = 0.0  # monotonic time of EncodeDone: the wait for a decoder slot starts
+    on_preview: PreviewFn | None = None  # set: the job's previews are decoded and handed here
 
 
 class GenerationRouter:
@@ -82,18 +83,24 @@ class GenerationRouter:
             P.SlotsReserved: self._on_slots_reserved,
             P.PushDone: self._on_push_done,
             P.Progress: self._on_progress,
+            P.PreviewReady: self._on_preview_ready,
+            P.PreviewResult: self._on_preview_result,
             P.DenoiseDone: self._on_denoise_done,
             P.MediaResult: self._on_media,
             P.StageError: self._on_stage_error,
         }
 
-    def submit(self, job: GenerationJob, on_progress: ProgressFn | None) -> asyncio.Future:
+    def submit(
+        self, job: GenerationJob, on_progress: ProgressFn | None, on_preview: PreviewFn | None = None
+    ) -> asyncio.Future:
         rid = job.request_id
         if len(self.wait_encode) >= self.max_queued:
             raise Overloaded(f"queue is full ({self.max_queued} requests)", retry_after=1.0)
         future = asyncio.get_running_loop().create_future()
         wire_params = wire.params_to_wire(job.params)
-        self.requests[rid] = Tracked(job, RequestMachine(rid, self.timeouts), future, on_progress, wire_params)
+        tracked = Tracked(job, RequestMachine(rid, self.timeouts), future, on_progress, wire_params)
+        tracked.on_preview = on_preview
+        self.requests[rid] = tracked
         self.wait_encode.append(rid)
         return future
 
@@ -171,6 +178,7 @@ class GenerationRouter:
                 tr.assigned["encoder"],
                 dec.instance_id,
                 self.reserve_timeout_s,
+                tr.job.partial_images if tr.on_preview is not None else 0,
             )
             self.send(tr.assigned["denoiser"], task)
 
@@ -231,6 +239,8 @@ class GenerationRouter:
             self.send(tr.assigned[sender], P.PushTask(m.request_id, m.generation, m.handoff, m.refs))
 
     def _on_push_done(self, tr: Tracked, m: P.PushDone) -> None:
+        if m.handoff in P.PREVIEW_HANDOFFS:
+            return  # a preview's push frees nothing the head charged
         sender = "encoder" if m.handoff == "cond" else "denoiser"
         if self._from(tr, sender, m):
             self._uncharge(tr, sender)
@@ -238,6 +248,23 @@ class GenerationRouter:
     def _on_progress(self, tr: Tracked, m: P.Progress) -> None:
         if tr.on_progress is not None and self._from(tr, "denoiser", m):
             tr.on_progress(m.step, m.total)
+
+    def _on_preview_ready(self, tr: Tracked, m: P.PreviewReady) -> None:
+        """Send the preview to the request's decoder; without a listener, the denoiser's copy is
+        freed when the request leaves it."""
+        if tr.on_preview is None or "decoder" not in tr.assigned or tr.machine.state is not S.DENOISING:
+            return
+        if self._from(tr, "denoiser", m) and 0 <= m.index < len(P.PREVIEW_HANDOFFS):
+            job = tr.job
+            task = P.PreviewTask(
+                job.request_id, m.generation, tr.wire, m.index, m.step, m.total, m.specs, m.instance_id,
+                job.output_format, job.quality, self.reserve_timeout_s,
+            )  # fmt: skip
+            self.send(tr.assigned["decoder"], task)
+
+    def _on_preview_result(self, tr: Tracked, m: P.PreviewResult) -> None:
+        if tr.on_preview is not None and self._from(tr, "decoder", m):
+            tr.on_preview(m.index, m.data)
 
     def _on_denoise_done(self, tr: Tracked, m: P.DenoiseDone) -> None:
         if self._from(tr, "denoiser", m) and tr.machine.state is S.DENOISING:

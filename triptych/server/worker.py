@@ -129,6 +129,7 @@ class Worker:
         self.port.stage = self.runner.stage
         self.port.on_drop = self.runner.abort
         self.port.on_arrived = self.runner.arrived
+        self.port.on_preview = self.runner.preview_arrived
         self._hb_interval = 1.0
         self._hb_thread: threading.Thread | None = None
         self._started = time.monotonic()

@@ -39,6 +39,8 @@ class JobPort:
         self.jobs: dict[str, Job] = {}
         self.on_drop: Callable[[Job], None] = lambda job: None
         self.on_arrived: Callable[[Job, dict], None] = lambda job, tensors: None
+        #: a preview's tensors landed (None: they never will, the transfer failed)
+        self.on_preview: Callable[[Job, str, dict | None], None] = lambda job, handoff, tensors: None
         self.stage = ""
         self._stop = stop
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"xfer-{instance_id}")
@@ -57,6 +59,9 @@ class JobPort:
     def finish(self, job: Job) -> None:
         if self.owns(job):
             del self.jobs[job.request_id]
+            for transfer_id in job.reserved:  # previews still on their way: nobody will decode them
+                self.endpoint.cancel(transfer_id)
+            job.reserved = []
 
     def stopping(self) -> bool:
         return self._stop.is_set()
@@ -65,9 +70,9 @@ class JobPort:
         """Reserve receiver slots for a handoff, tell the head, and wait for the push off-loop."""
         prefix = f"{job.request_id}/g{job.generation}/{handoff}"
         refs = self.endpoint.reserve_bundle(prefix, specs, peer=source, timeout_s=timeout_s)
-        job.reserved = [r.transfer_id for r in refs.values()]
+        job.reserved += [r.transfer_id for r in refs.values()]
         self.send(P.SlotsReserved(job.request_id, job.generation, self.instance_id, handoff, refs))
-        self._submit(job.request_id, job.generation, "arrived", self.endpoint.wait_bundle, refs)
+        self._submit(job.request_id, job.generation, f"arrived:{handoff}", self.endpoint.wait_bundle, refs)
 
     def fail(self, job: Job, error: Exception, retryable: bool) -> None:
         logger.warning("%s: %s g%d failed: %s", self.instance_id, job.request_id, job.generation, error)
@@ -99,10 +104,15 @@ class JobPort:
 
     def push(self, msg: P.PushTask) -> None:
         job = self.jobs.get(msg.request_id)
-        if job is None or job.generation != msg.generation or job.outgoing is None:
+        tensors = None
+        if job is not None and job.generation == msg.generation:
+            if msg.handoff in P.PREVIEW_HANDOFFS:
+                tensors = job.previews.pop(msg.handoff, None)
+            else:
+                tensors, job.outgoing = job.outgoing, None
+        if tensors is None:
             logger.debug("%s: stale PushTask %s g%d", self.instance_id, msg.request_id, msg.generation)
             return
-        tensors, job.outgoing = job.outgoing, None
         self._submit(
             msg.request_id, msg.generation, f"pushed:{msg.handoff}", self.endpoint.push_bundle, msg.refs, tensors
         )
@@ -114,20 +124,30 @@ class JobPort:
         for future, rid, gen, what in done:
             job = self.jobs.get(rid)
             current = job is not None and job.generation == gen
+            verb, handoff = what.split(":", 1)
+            preview = handoff in P.PREVIEW_HANDOFFS
+            if current and verb == "arrived":
+                prefix = f"{rid}/g{gen}/{handoff}/"
+                job.reserved = [t for t in job.reserved if not t.startswith(prefix)]
             try:
                 result = future.result()
             except TransferError as e:
-                if current:
+                if current and preview:  # a lost preview costs the client one partial image, no more
+                    logger.info("%s: %s of %s g%d dropped: %s", self.instance_id, handoff, rid, gen, e)
+                    if verb == "arrived":
+                        self.on_preview(job, handoff, None)
+                elif current:
                     self.fail(job, e, retryable=True)
                 continue
             if not current:
                 continue
-            if what == "arrived":
-                job.reserved = []
+            if verb == "arrived" and preview:
+                self.on_preview(job, handoff, result)
+            elif verb == "arrived":
                 self.on_arrived(job, result)
-            else:
+            elif not preview:  # a pushed preview leaves the job as it was
                 del self.jobs[rid]
-                self.send(P.PushDone(rid, gen, self.instance_id, what.split(":", 1)[1]))
+                self.send(P.PushDone(rid, gen, self.instance_id, handoff))
 
     def settle(self, timeout_s: float) -> None:
         """Wait for the transfers already running to end (a rejoin), then forget them."""

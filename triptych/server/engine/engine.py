@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass, field
 from itertools import count
 
+import torch
+
 from triptych.errors import InvalidParam
 from triptych.pipelines.base import DenoiseState, Family
 from triptych.server.engine.config import EngineConfig
@@ -30,6 +32,9 @@ class EngineStepOutput:
     progress: list[tuple[str, int, int]] = field(default_factory=list)  # (request_id, step, total)
     batch: list[str] = field(default_factory=list)  # request ids that advanced
     failed: list[tuple[str, Exception]] = field(default_factory=list)  # (request_id, error): left the engine
+    #: (request_id, steps done, total, predicted clean latents) for requests that asked for a preview at
+    #: this step (``DenoiseState.preview_steps``); the tensors are handed over, the engine keeps none
+    previews: list[tuple[str, int, int, torch.Tensor]] = field(default_factory=list)
 
 
 class DenoiserEngine:
@@ -140,6 +145,9 @@ class DenoiserEngine:
             rid = r.state.request_id
             out.batch.append(rid)
             out.progress.append((rid, r.state.step, r.state.total_steps))
+            if r.state.x0 is not None:
+                out.previews.append((rid, r.state.step, r.state.total_steps, r.state.x0))
+                r.state.x0 = None
             if r.state.done:
                 del self._running[rid]
                 self._release(rid)

@@ -4,7 +4,8 @@ A runner is one role's stage work inside a worker process. It never sees the wor
 ``WorkerPort`` (send a message to the head, reserve slots for an incoming handoff, report a
 failure, adopt or finish a job) and answers the worker loop's calls: ``accept(task)`` (a new task
 from the head), ``has_work()`` / ``execute()`` (one unit of compute on the loop thread),
-``arrived(job, tensors)`` (an incoming handoff landed in our slots), ``abort(job)`` (free what the
+``arrived(job, tensors)`` (an incoming handoff landed in our slots; ``preview_arrived`` for a
+preview's), ``abort(job)`` (free what the
 stage holds for a job the worker dropped), and ``stats()`` / ``load()`` for its reports.
 """
 
@@ -43,6 +44,8 @@ class Job:
     task: Task
     reserved: list[str] = field(default_factory=list)  # transfer ids of our slots still waiting for a push
     outgoing: dict[str, torch.Tensor] | None = None  # produced tensors held until PushTask
+    #: denoiser: preview tensors held until their PushTask, by handoff name (``PREVIEW_HANDOFFS``)
+    previews: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
 
 
 class WorkerPort(Protocol):
@@ -119,10 +122,14 @@ class StageRunner:
         job.outgoing = tensors  # consumed by compute
         self.ready.append(job)
 
+    def preview_arrived(self, job: Job, handoff: str, tensors: dict[str, torch.Tensor]) -> None:
+        """A preview's latents landed (decoder); other stages take none."""
+
     def abort(self, job: Job) -> None:
         if job in self.ready:
             self.ready.remove(job)
         job.outgoing = None
+        job.previews.clear()
 
     def close(self) -> None:
         """The worker is closing: stop anything that runs beside the loop."""

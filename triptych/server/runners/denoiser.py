@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from triptych.pipelines.base import Conditioning
+from triptych.pipelines.previews import preview_steps
 from triptych.server import protocol as P
 from triptych.server import wire
 from triptych.server.engine import DenoiserEngine, EngineConfig
@@ -53,6 +54,15 @@ class DenoiserRunner(StageRunner):
             job = self._jobs.get(rid)
             if job is not None:
                 port.send(P.Progress(rid, job.generation, port.instance_id, step, total))
+        for rid, step, total, x0 in out.previews:
+            job = self._jobs.get(rid)
+            if job is None or not port.owns(job):
+                continue
+            index = sorted(preview_steps(_previews(job), total)).index(step)
+            handoff = P.PREVIEW_HANDOFFS[index]
+            job.previews[handoff] = to_host({"latents": x0.detach().contiguous()})
+            specs = specs_of(job.previews[handoff])
+            port.send(P.PreviewReady(rid, job.generation, port.instance_id, index, step, total, specs))
         for state in out.finished:
             job = self._jobs.pop(state.request_id, None)
             if job is None or not port.owns(job):
@@ -69,6 +79,7 @@ class DenoiserRunner(StageRunner):
 
     def admit(self, job: Job, state) -> None:
         """``job``'s prepared state joins the engine at the next step boundary."""
+        state.preview_steps = preview_steps(_previews(job), state.total_steps)
         self.engine.add(state)
         self._jobs[job.request_id] = job
 
@@ -77,3 +88,8 @@ class DenoiserRunner(StageRunner):
         if self._jobs.get(job.request_id) is job:
             del self._jobs[job.request_id]
         self.engine.abort(job.request_id)
+
+
+def _previews(job: Job) -> int:
+    """Partial images the head asked for (a job built in process, without a task, asks for none)."""
+    return job.task.previews if isinstance(job.task, P.DenoiseTask) else 0
