@@ -40,7 +40,8 @@ def _headline(report: dict) -> list[str]:
     b, c, s = report["baseline"], report["current"], report["summary"]
     verdict = "PASSED" if report["passed"] else "FAILED"
     conf = c["configuration"]
-    what = _what(conf, b["configuration"]) + f", gate {report['kind']}"
+    gate = "target" if report["kind"] == "acceleration" else f"{report['kind']} (max abs)"
+    what = f"{_what(conf, b['configuration'])}, gate {gate}"
     lines = [
         f"Gates {verdict}: {what} against the baseline of {b['created']} "
         f"(triptych {b['triptych_version']}, commit {b['git_commit'] or 'n/a'}); current: triptych "
