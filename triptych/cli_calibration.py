@@ -194,9 +194,24 @@ def add_quality(sub) -> None:
         "--exact-tolerance",
         type=float,
         default=None,
-        help="--baseline, exact configurations: largest allowed max abs pixel difference (default 0: identical)",
+        help="--baseline, max-abs gates: largest allowed max abs pixel difference (default 0: identical; "
+        "--served and parallel: their measured rounding tolerance)",
     )
     p.add_argument("--report", metavar="DIR", help="--baseline: write report.html/.json/.md into DIR")
+    g = p.add_argument_group("--baseline: the configuration under test (one change at a time; gates in README)")
+    g.add_argument(
+        "--served", type=int, default=0, metavar="N", help="all cases at once through the serving engine, N per batch"
+    )
+    g.add_argument("--cfg-parallel", type=int, default=1, help="CFG-parallel degree: 1 or 2 (spawned ranks)")
+    g.add_argument("--ulysses", type=int, default=1, help="Ulysses sequence-parallel degree (spawned ranks)")
+    g.add_argument("--ring", type=int, default=1, help="ring-attention sequence-parallel degree (spawned ranks)")
+    g.add_argument(
+        "--gate",
+        choices=["auto", "exact", "target"],
+        default="auto",
+        help="auto: exact for this code/dtype, a rounding tolerance for --served/parallel, the target for "
+        "TeaCache; exact: max abs <= --exact-tolerance; target: --min-psnr/--min-ssim/--max-adherence-drop",
+    )
     add_device_flags(p)
     p.set_defaults(func=cmd_quality)
 
@@ -234,6 +249,19 @@ def cmd_quality(args) -> int:
     return 0 if report["passed"] else 1
 
 
+def _parallel(args):
+    """The ``--cfg-parallel/--ulysses/--ring`` degrees as a ``ParallelConfig``, or None for one rank."""
+    from triptych.parallel import ParallelConfig
+
+    try:
+        config = ParallelConfig(cfg=args.cfg_parallel, ulysses=args.ulysses, ring=args.ring)
+    except ValueError as e:
+        raise InvalidParam(
+            "--cfg-parallel/--ulysses/--ring", (args.cfg_parallel, args.ulysses, args.ring), str(e)
+        ) from None
+    return config if config.world_size > 1 else None
+
+
 def _baseline_command(args, model, target: Target) -> int:
     from tqdm import tqdm
 
@@ -249,6 +277,8 @@ def _baseline_command(args, model, target: Target) -> int:
     if args.save_baseline:
         if thresholds[0]:
             raise InvalidParam("teacache_threshold", thresholds[0], "a baseline is the plain path; omit it")
+        if args.served or max(args.cfg_parallel, args.ulysses, args.ring) > 1:
+            raise InvalidParam("served/parallel", args.served, "a baseline is the plain path: give them to --baseline")
         matrix = baseline.load_matrix(args.matrix) if args.matrix else None
         bar = tqdm(desc="baseline", unit="case", file=sys.stderr)
         meta = baseline.save_baseline(args.save_baseline, model, family, matrix, progress=bar.update)
@@ -257,12 +287,22 @@ def _baseline_command(args, model, target: Target) -> int:
         return 0
     from triptych.calibration.baseline_report import markdown, write_reports
 
-    tolerance = 0.0 if args.exact_tolerance is None else args.exact_tolerance
-    if not tolerance >= 0:
+    tolerance = args.exact_tolerance
+    if tolerance is not None and not tolerance >= 0:
         raise InvalidParam("exact_tolerance", tolerance, "must be >= 0")
+    parallel = _parallel(args)
     bar = tqdm(desc="compare", unit="case", file=sys.stderr)
     report, outputs, tensors = baseline.compare_baseline(
-        args.baseline, model, family, thresholds[0], target, tolerance, progress=bar.update
+        args.baseline,
+        model,
+        family,
+        thresholds[0],
+        target,
+        tolerance,
+        progress=bar.update,
+        served=args.served,
+        parallel=parallel,
+        gate=args.gate,
     )
     bar.close()
     if args.no_gates:

@@ -7,15 +7,20 @@ and ``<i>.latents``, the final latents), ``case_<i>.png`` for people, and ``base
 the model's identity and revision (:mod:`triptych.identity`), the configuration it ran (TeaCache
 off, dtype, device, each request alone with CFG fused, as the serving engine runs it) and the cases.
 
-Comparing runs the same cases under the configuration being tested (this code, a TeaCache threshold
-or ``auto``) and measures per case: max abs pixel difference, PSNR, SSIM, latent max abs and
-relative L2 error, and shape-world adherence (the prompt read back from the pixels: shape, colour,
-background) for world models. Gates, on by default:
+Comparing runs the same cases under the configuration being tested (this code, a dtype, a TeaCache
+threshold or ``auto``, the serving engine's batching, a parallel degree:
+:mod:`triptych.calibration.baseline_run`, which also states each one's gate) and measures per case:
+max abs pixel difference, PSNR, SSIM (all frames), latent max abs and relative L2 error, shape-world
+adherence (the prompt read back from the pixels: shape, colour, background) for world models, and for
+video the frame-to-frame consistency (mean PSNR between consecutive frames) of the current output
+beside the baseline's. Gates, on by default:
 
-- an *exact* configuration (TeaCache off) must match within ``exact_tolerance`` max abs on the
-  frames (default 0: identical; CPU float32 is bit-reproducible, ARCHITECTURE.md contract 1);
+- an *exact* configuration must match within ``exact_tolerance`` max abs on the frames (default 0:
+  identical; CPU float32 is bit-reproducible, ARCHITECTURE.md contract 1); *served* and *parallel*
+  ones within their stated rounding tolerance;
 - an *acceleration* must meet the calibration :class:`~triptych.calibration.sweep.Target` (worst
-  PSNR 30 dB, worst SSIM 0.92, adherence drop at most 2 points).
+  PSNR 30 dB, worst SSIM 0.92, adherence drop at most 2 points) and, for video, keep the
+  frame-to-frame consistency within ``max_temporal_drop`` dB of the baseline's.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from triptych.calibration.baseline_run import Configuration, run_configuration
 from triptych.calibration.batch import Cases, Output, run_cases
 from triptych.calibration.metrics import psnr, ssim
 from triptych.calibration.sweep import WORLD_KEYS
@@ -38,6 +44,10 @@ from triptych.calibration.target import Target
 from triptych.errors import InvalidParam
 
 FORMAT = "triptych.quality.baseline/1"
+#: An acceleration may lower a video's frame-to-frame consistency (mean PSNR between consecutive
+#: frames) by at most this many dB against the baseline's (SGLang's video gate is PSNR 24 dB against
+#: ground truth; this bounds the temporal side, which a per-frame PSNR does not see).
+MAX_TEMPORAL_DROP = 3.0
 MATRIX_KEYS = ("prompts", "sizes", "steps", "guidance", "frames", "seeds")
 
 
@@ -167,6 +177,7 @@ def save_baseline(
         tensors[f"{i}.frames"] = torch.from_numpy(np.ascontiguousarray(o.frames, dtype=np.float32))
         tensors[f"{i}.latents"] = o.latents.contiguous()
         case["adheres"] = adheres(o.frames, case["prompt"]) if world else None
+        case["temporal_psnr"] = temporal_psnr(o.frames)
         from PIL import Image
 
         Image.fromarray(to_uint8(o.frames)).save(out / f"case_{i}.png")
@@ -184,7 +195,7 @@ def save_baseline(
         },
         "family": family.name,
         "world": world,
-        "configuration": _configuration(family, 0.0, None),
+        "configuration": Configuration().describe(family),
         "matrix": matrix,
         "cases": cases,
     }
@@ -192,15 +203,12 @@ def save_baseline(
     return meta
 
 
-def _configuration(family, threshold: float, requested) -> dict:
-    return {
-        "teacache_threshold": threshold,
-        "teacache_requested": requested,
-        "dtype": str(family.dtype),
-        "device": str(family.device),
-        "batch": 1,
-        "fuse_cfg": True,
-    }
+def temporal_psnr(frames: np.ndarray) -> float | None:
+    """Frame-to-frame consistency of a video: mean PSNR (dB) between consecutive frames (a static
+    video is inf); None for a single image. A cache that makes frames drift apart lowers it."""
+    if frames.shape[0] < 2:
+        return None
+    return float(np.mean([min(psnr(a, b), 100.0) for a, b in zip(frames[1:], frames[:-1])]))
 
 
 def load_baseline(directory: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -223,11 +231,18 @@ def compare_baseline(
     family,
     threshold: float = 0.0,
     target: Target | None = None,
-    exact_tolerance: float = 0.0,
+    exact_tolerance: float | None = None,
     progress=None,
+    served: int = 0,
+    parallel=None,
+    gate: str = "auto",
+    max_temporal_drop: float = MAX_TEMPORAL_DROP,
 ) -> tuple[dict, list[Output], dict]:
-    """Run the baseline's cases under ``threshold`` (0, a number or ``AUTO_THRESHOLD``) and gate them;
-    returns (report, current outputs, baseline tensors)."""
+    """Run the baseline's cases under the configuration (``threshold``: 0, a number or
+    ``AUTO_THRESHOLD``; ``served``: engine batch size or 0; ``parallel``: a ``ParallelConfig`` or
+    None; ``gate``: auto/exact/target, see :mod:`~triptych.calibration.baseline_run`) and gate them;
+    ``exact_tolerance`` None takes the configuration's default. Returns (report, current outputs,
+    baseline tensors)."""
     from triptych.cache.teacache_profile import AUTO_THRESHOLD
     from triptych.identity import model_identity, model_revision
     from triptych.pipelines.teacache import check_teacache, make_teacache
@@ -241,24 +256,30 @@ def compare_baseline(
         check_teacache(family, run.params[0].replace(teacache_threshold=threshold))
         cache = make_teacache(family)
         value = cache.resolve(threshold, run.params[0].steps).threshold
-    outputs, seconds = run_cases(run, value, cache, batch_size=1, tag="compare", on_request=progress)
+    requested = "auto" if threshold == AUTO_THRESHOLD else (threshold or None)
+    config = Configuration(value, requested, served, parallel, gate)
+    outputs, seconds = run_configuration(run, config, cache, progress)
     rows = [_case_row(i, c, o, tensors, meta["world"]) for i, (c, o) in enumerate(zip(cases, outputs))]
-    exact = value == 0
+    kind = config.kind()
+    exact = kind != "acceleration"
+    tolerance = config.default_tolerance() if exact_tolerance is None else exact_tolerance
     report = {
         "baseline": {k: meta[k] for k in ("created", "triptych_version", "git_commit", "model", "configuration")},
         "current": {
             "triptych_version": package_version(),
             "git_commit": git_commit(),
             "model": {"identity": model_identity(model_dir), "revision": model_revision(model_dir)},
-            "configuration": _configuration(family, value, "auto" if threshold == AUTO_THRESHOLD else threshold),
+            "configuration": config.describe(family),
         },
-        "kind": "exact" if exact else "acceleration",
-        "gates": {"exact_tolerance": exact_tolerance} if exact else dataclasses.asdict(target),
+        "kind": kind,
+        "gates": {"exact_tolerance": tolerance}
+        if exact
+        else {**dataclasses.asdict(target), "max_temporal_drop": max_temporal_drop},
         "denoise_seconds": seconds,
         "cases": rows,
         "summary": _summary(rows),
     }
-    report["failures"] = _gate(report, target, exact_tolerance)
+    report["failures"] = _gate(report, target, tolerance, max_temporal_drop)
     report["passed"] = not report["failures"]
     return report, outputs, tensors
 
@@ -285,11 +306,15 @@ def _case_row(i: int, case: dict, out: Output, tensors: dict, world: bool) -> di
         "skipped_fraction": out.skipped / max(1, out.skipped + out.computed),
         "baseline_adheres": case.get("adheres"),
         "adheres": adheres(out.frames, case["prompt"]) if world else None,
+        "frames": int(out.frames.shape[0]),
+        "baseline_temporal_psnr": temporal_psnr(want),
+        "temporal_psnr": temporal_psnr(out.frames),
     }
 
 
 def _summary(rows: list[dict]) -> dict:
     scored = [r for r in rows if r["adheres"] is not None and r["baseline_adheres"] is not None]
+    drops = [r["baseline_temporal_psnr"] - r["temporal_psnr"] for r in rows if r["temporal_psnr"] is not None]
     return {
         "cases": len(rows),
         "identical": sum(r["max_abs"] == 0 for r in rows),
@@ -300,14 +325,22 @@ def _summary(rows: list[dict]) -> dict:
         "skipped_fraction": float(np.mean([r["skipped_fraction"] for r in rows])),
         "baseline_adherence": sum(r["baseline_adheres"] for r in scored) / len(scored) if scored else None,
         "adherence": sum(r["adheres"] for r in scored) / len(scored) if scored else None,
+        "temporal_drop_max": max(drops) if drops else None,  # dB, baseline's consistency - current's
     }
 
 
-def _gate(report: dict, target: Target, exact_tolerance: float) -> list[str]:
+def _gate(report: dict, target: Target, exact_tolerance: float, max_temporal_drop: float) -> list[str]:
     s = report["summary"]
-    if report["kind"] == "exact":
+    if report["kind"] != "acceleration":
         bad = [r for r in report["cases"] if r["max_abs"] > exact_tolerance]
-        return [f"case {r['index']}: max abs {r['max_abs']:.3g} > exact tolerance {exact_tolerance:g}" for r in bad]
+        return [f"case {r['index']}: max abs {r['max_abs']:.3g} > tolerance {exact_tolerance:g}" for r in bad]
     row = {"psnr_min": s["psnr_min"], "ssim_min": s["ssim_min"], "adherence": s["adherence"]}
     row["plain_adherence"] = s["baseline_adherence"]
-    return target.failures(row)
+    out = target.failures(row)
+    for r in report["cases"]:
+        if r["temporal_psnr"] is not None and r["baseline_temporal_psnr"] - r["temporal_psnr"] > max_temporal_drop:
+            out.append(
+                f"case {r['index']}: frame-to-frame PSNR {r['temporal_psnr']:.2f} dB is more than "
+                f"{max_temporal_drop:g} dB below the baseline's {r['baseline_temporal_psnr']:.2f} dB"
+            )
+    return out

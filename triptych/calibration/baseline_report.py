@@ -7,14 +7,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+
 from triptych.calibration.report_html import Page, fmt, heatmap, pyplot, to_uint8
 
 CASE_COLUMNS = ("case", "prompt", "size", "steps", "guidance", "seed", "max abs", "PSNR dB", "SSIM")
-CASE_COLUMNS += ("latent rel L2", "skipped", "adheres (baseline → current)")
+CASE_COLUMNS += ("latent rel L2", "skipped", "adheres (baseline → current)", "frame→frame dB (baseline → current)")
 
 
 def _cells(r: dict) -> tuple:
     adh = "n/a" if r["adheres"] is None else f"{r['baseline_adheres']} → {r['adheres']}"
+    tmp = r.get("temporal_psnr")
+    tmp = "n/a" if tmp is None else f"{fmt(r['baseline_temporal_psnr'], '.1f')} → {fmt(tmp, '.1f')}"
     return (
         r["index"],
         r["prompt"],
@@ -28,6 +32,7 @@ def _cells(r: dict) -> tuple:
         fmt(r["latent_rel_l2"], ".3g"),
         fmt(r["skipped_fraction"], ".0%"),
         adh,
+        tmp,
     )
 
 
@@ -35,12 +40,8 @@ def _headline(report: dict) -> list[str]:
     b, c, s = report["baseline"], report["current"], report["summary"]
     verdict = "PASSED" if report["passed"] else "FAILED"
     conf = c["configuration"]
-    what = (
-        "exact (TeaCache off)"
-        if report["kind"] == "exact"
-        else f"TeaCache threshold {conf['teacache_threshold']:g}"
-        + (" (auto)" if conf["teacache_requested"] == "auto" else "")
-    )
+    gate = "target" if report["kind"] == "acceleration" else f"{report['kind']} (max abs)"
+    what = f"{_what(conf, b['configuration'])}, gate {gate}"
     lines = [
         f"Gates {verdict}: {what} against the baseline of {b['created']} "
         f"(triptych {b['triptych_version']}, commit {b['git_commit'] or 'n/a'}); current: triptych "
@@ -52,10 +53,30 @@ def _headline(report: dict) -> list[str]:
         f"{s['cases']} cases, {s['identical']} identical; worst max abs {s['max_abs']:.3g}, worst PSNR "
         f"{fmt(s['psnr_min'], '.1f')} dB, worst SSIM {s['ssim_min']:.4f}, worst latent rel L2 "
         f"{s['latent_rel_l2_max']:.3g}, skipped {s['skipped_fraction']:.0%}, adherence "
-        f"{fmt(s['baseline_adherence'], '.0%')} → {fmt(s['adherence'], '.0%')}.",
+        f"{fmt(s['baseline_adherence'], '.0%')} → {fmt(s['adherence'], '.0%')}"
+        + (
+            ""
+            if s.get("temporal_drop_max") is None
+            else f", frame-to-frame consistency worst drop {s['temporal_drop_max']:.2f} dB"
+        )
+        + ".",
     ]
     lines += [f"FAIL: {f}" for f in report["failures"]]
     return lines
+
+
+def _what(conf: dict, base: dict) -> str:
+    parts = []
+    if conf["teacache_threshold"]:
+        auto = " (auto)" if conf["teacache_requested"] == "auto" else ""
+        parts.append(f"TeaCache threshold {conf['teacache_threshold']:g}{auto}")
+    if conf.get("served"):
+        parts.append(f"served, engine batch {conf['batch']}")
+    if conf.get("parallel"):
+        parts.append("parallel " + ", ".join(f"{k} {v}" for k, v in conf["parallel"].items() if v not in (1, True)))
+    if conf["dtype"] != base["dtype"]:
+        parts.append(f"dtype {conf['dtype']} (baseline {base['dtype']})")
+    return "; ".join(parts) or "this code, as the baseline ran"
 
 
 def markdown(report: dict) -> str:
@@ -77,9 +98,17 @@ def write_reports(out_dir: str | Path, report: dict, outputs, tensors) -> Path:
     page.table(CASE_COLUMNS, [_cells(r) for r in report["cases"]], _classes(report))
     page.heading("Cases: baseline | current | |difference| (heatmap, scale 0 → largest difference)")
     vmax = max(report["summary"]["max_abs"], 1 / 255)
-    rows = []
+    rows, videos = [], []
     for r, o in zip(report["cases"], outputs):
         want = tensors[f"{r['index']}.frames"].numpy()
+        if want.shape[0] > 1:  # video: every frame, side by side (rows: baseline, current)
+            strip = np.concatenate([np.concatenate(list(f), axis=1) for f in (want, o.frames)], axis=0)
+            videos.append(
+                [
+                    f"{r['index']}: frames 0..{want.shape[0] - 1}",
+                    page.image(f"frames_{r['index']}", _u8(strip)).replace("<img ", '<img class="strip" '),
+                ]
+            )
         rows.append(
             [
                 f"{r['index']}: {r['prompt']}<br>PSNR {fmt(r['psnr'], '.1f')} dB, max abs {r['max_abs']:.3g}",
@@ -89,11 +118,18 @@ def write_reports(out_dir: str | Path, report: dict, outputs, tensors) -> Path:
             ]
         )
     page.grid(("case", "baseline", "current", f"|difference| (0 → {vmax:.3g})"), rows)
+    if videos:
+        page.heading("Video cases: all frames (top: baseline, bottom: current)")
+        page.grid(("case", "frames"), videos)
     return page.write()
 
 
+def _u8(frames) -> np.ndarray:
+    return (np.clip(frames, 0, 1) * 255).round().astype("uint8")
+
+
 def _classes(report: dict) -> list[str]:
-    if report["kind"] == "exact":
+    if report["kind"] != "acceleration":
         tol = report["gates"]["exact_tolerance"]
         return ["fail" if r["max_abs"] > tol else "pass" for r in report["cases"]]
     g = report["gates"]
@@ -106,7 +142,7 @@ def _psnr_figure(report: dict):
     rows = report["cases"]
     values = [min(r["psnr"], 100) for r in rows]
     ax.bar([str(r["index"]) for r in rows], values, color=["tab:green" if v >= 100 else "tab:blue" for v in values])
-    if report["kind"] != "exact":
+    if report["kind"] == "acceleration":
         ax.axhline(report["gates"]["min_psnr"], color="r", lw=1, label="gate")
         ax.legend()
     ax.set_xlabel("case")

@@ -19,6 +19,7 @@ th { background: #eee; }
 .fail { background: #fdd; } .pass { background: #dfd; }
 .grid td { text-align: center; vertical-align: top; font-size: 0.8em; }
 .grid img { image-rendering: pixelated; width: 128px; height: 128px; }
+.grid img.strip { width: auto; height: 256px; }
 img.plot { max-width: 900px; }
 """
 
