@@ -19,7 +19,7 @@ from triptych.server.media import encode_frames
 
 
 @contextlib.contextmanager
-def serve(app):
+def serve(app, start_timeout_s: float = 30.0):
     """Run ``app`` under uvicorn in a thread on 127.0.0.1:<free port>; yields the base URL."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -28,7 +28,7 @@ def serve(app):
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    wait_for(lambda: server.started or not thread.is_alive(), what="server start")
+    wait_for(lambda: server.started or not thread.is_alive(), what="server start", deadline_s=start_timeout_s)
     assert server.started, "uvicorn failed to start"
     try:
         yield f"http://127.0.0.1:{port}"

@@ -105,9 +105,13 @@ class ServeFlags:
     orchestrator: ConfigFlags
     timeouts: ConfigFlags
     workers: WorkerFlags
+    cluster: ConfigFlags
+    roles: dict[str, ConfigFlags]  # role -> its RoleResources flags (--denoiser-cpus, ...)
+    autoscale: ConfigFlags
 
     @classmethod
     def add(cls, parser: argparse.ArgumentParser) -> ServeFlags:
+        from triptych.cluster.config import ROLES, AutoscaleConfig, ClusterConfig, RoleResources
         from triptych.server.admission import AdmissionLimits
         from triptych.server.head import HeadConfig
         from triptych.server.launch import TopologyConfig
@@ -138,7 +142,35 @@ class ServeFlags:
             ),
             timeouts=ConfigFlags(group("request state timeouts (StateTimeouts)"), StateTimeouts, prefix="timeout-"),
             workers=WorkerFlags.add(parser),
+            cluster=ConfigFlags(
+                group("cluster placement (ClusterConfig)"),
+                ClusterConfig,
+                explicit={role: None for role in ROLES},
+                rename={"ray_max_restarts": "ray-max-restarts"},
+            ),
+            roles={
+                role: ConfigFlags(
+                    group(f"Ray resources of each {role} (RoleResources)"),
+                    RoleResources,
+                    prefix=f"{role}-",
+                    rename={"resources": f"{role}-resource"},
+                )
+                for role in ROLES
+            },
+            autoscale=ConfigFlags(
+                group("autoscaling (AutoscaleConfig)"),
+                AutoscaleConfig,
+                prefix="autoscale-",
+                rename={"pools": "autoscale"},
+            ),
         )
+
+    def cluster_config(self, args: argparse.Namespace):
+        roles = {role: flags.build(args, self.parser) for role, flags in self.roles.items()}
+        return self.cluster.build(args, self.parser, **roles)
+
+    def autoscale_config(self, args: argparse.Namespace):
+        return self.autoscale.build(args, self.parser)
 
     def head_config(self, args: argparse.Namespace, default_data_dir: Path) -> HeadConfig:
         env_keys = os.environ.get("TRIPTYCH_API_KEYS", "").split(",")
@@ -256,9 +288,19 @@ def cmd_serve(args) -> int:
     flags: ServeFlags = args.serve_flags
     head_config = flags.head_config(args, default_data_dir=cache_dir(os.environ.get("TRIPTYCH_CACHE")) / "head")
     orchestrator = flags.orchestrator_config(args)
-    backend = EmbeddedBackend(
-        resolve_model(args.model, os.environ.get("TRIPTYCH_CACHE")), orchestrator, flags.topology_config(args)
-    )
+    topology, cluster, autoscale = flags.topology_config(args), flags.cluster_config(args), flags.autoscale_config(args)
+    pool = None
+    if cluster.cluster == "ray":
+        import importlib.util
+
+        if importlib.util.find_spec("ray") is None:
+            print("triptych serve: --cluster ray needs Ray: pip install 'triptych[ray]'", file=sys.stderr)
+            return 2
+        from triptych.cluster.ray_backend import ray_pool
+
+        pool = ray_pool(cluster, topology, autoscale)
+    model = resolve_model(args.model, os.environ.get("TRIPTYCH_CACHE"))
+    backend = EmbeddedBackend(model, orchestrator, topology, **({"pool": pool} if pool else {}), autoscale=autoscale)
     write_token(head_config.data_dir, backend.orchestrator.token)
     try:
         from triptych.server.http import create_app
