@@ -239,7 +239,7 @@ class RayWorkers:
             await asyncio.gather(*(self._check(a, interval_s * 8) for a in live))
 
     async def _check(self, a: _Actor, timeout_s: float) -> None:
-        from ray.exceptions import RayActorError
+        from ray.exceptions import ActorDiedError, RayActorError
 
         try:
             info = await self._call(a, "info", timeout_s)
@@ -247,6 +247,10 @@ class RayWorkers:
             return  # restarting (its calls wait for it) or slow
         except RayActorError as e:
             self._ended(a, -9, f"actor died: {type(e).__name__}")
+            if isinstance(e, ActorDiedError) and a.restarts >= self.cluster.ray_max_restarts >= 0:
+                logger.error("%s: Ray will not restart it again (%d restarts)", a.base_id, a.restarts)
+                a.given_up = True  # out of current(): the autoscaler may replace it
+                self._release(a)
             return
         if info["instance_id"] != a.instance_id:  # Ray restarted it since the last look
             self._ended(a, -9, "actor restarted")
@@ -254,8 +258,6 @@ class RayWorkers:
             a.restarts += 1
             self.restarts_total += 1
             self.on_start(a.role)
-            if a.restarts >= self.cluster.ray_max_restarts >= 0:
-                logger.warning("%s: Ray restarted it %d times (its limit)", a.base_id, a.restarts)
         a.info = info
         if a.retired and info["exit_code"] is not None:
             self._ended(a, info["exit_code"], "retired")
