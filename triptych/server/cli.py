@@ -289,7 +289,9 @@ def cmd_serve(args) -> int:
     head_config = flags.head_config(args, default_data_dir=cache_dir(os.environ.get("TRIPTYCH_CACHE")) / "head")
     orchestrator = flags.orchestrator_config(args)
     topology, cluster, autoscale = flags.topology_config(args), flags.cluster_config(args), flags.autoscale_config(args)
-    pool = None
+    from triptych.server.supervisor import LocalWorkers
+
+    pool = LocalWorkers
     if cluster.cluster == "ray":
         import importlib.util
 
@@ -300,7 +302,7 @@ def cmd_serve(args) -> int:
 
         pool = ray_pool(cluster, topology, autoscale)
     model = resolve_model(args.model, os.environ.get("TRIPTYCH_CACHE"))
-    backend = EmbeddedBackend(model, orchestrator, topology, **({"pool": pool} if pool else {}), autoscale=autoscale)
+    backend = EmbeddedBackend(model, orchestrator, topology, pool=pool, autoscale=autoscale)
     write_token(head_config.data_dir, backend.orchestrator.token)
     try:
         from triptych.server.http import create_app
