@@ -250,7 +250,7 @@ class RayWorkers:
             if isinstance(e, ActorDiedError) and a.restarts >= self.cluster.ray_max_restarts >= 0:
                 logger.error("%s: Ray will not restart it again (%d restarts)", a.base_id, a.restarts)
                 a.given_up = True  # out of current(): the autoscaler may replace it
-                self._release(a)
+                await self._release(a)
             return
         if info["instance_id"] != a.instance_id:  # Ray restarted it since the last look
             self._ended(a, -9, "actor restarted")
@@ -262,7 +262,7 @@ class RayWorkers:
         if a.retired and info["exit_code"] is not None:
             self._ended(a, info["exit_code"], "retired")
             a.given_up = True
-            self._release(a)
+            await self._release(a)
 
     def _ended(self, a: _Actor, code: int, why: str) -> None:
         if not a.reported:
@@ -270,11 +270,16 @@ class RayWorkers:
             logger.warning("%s (%s) ended: %s", a.instance_id, a.role, why)
             self.on_exit(a.instance_id, code)
 
-    def _release(self, a: _Actor) -> None:
+    async def _release(self, a: _Actor, timeout_s: float = 10.0) -> None:
+        """Kill the actor for good and free its placement group (off the loop: the removal waits on
+        the GCS, which may wait on a node that is gone)."""
         self.ray.kill(a.actor, no_restart=True)
-        if a.group is not None:
-            self.ray.util.remove_placement_group(a.group)
-            a.group = None
+        group, a.group = a.group, None
+        if group is not None:
+            try:
+                await asyncio.wait_for(asyncio.to_thread(self.ray.util.remove_placement_group, group), timeout_s)
+            except TimeoutError:
+                logger.warning("placement group of %s not removed within %.0fs", a.base_id, timeout_s)
 
     def describe(self) -> dict:
         return {
@@ -318,4 +323,4 @@ class RayWorkers:
             await asyncio.sleep(0.1)
         else:
             logger.warning("worker %s did not stop in %.0fs; killing its actor", a.instance_id, timeout_s)
-        self._release(a)
+        await self._release(a)
