@@ -6,7 +6,8 @@ Systems, all on the same seeded weights (tiny FLUX by default, 64x64), one torch
 - ``naive``: a minimal FastAPI + diffusers server (one pipeline behind an asyncio lock, the same
   OpenAI-style route), started from this script in a subprocess;
 - ``t111`` / ``t121``: ``triptych serve`` with 1 encoder, 1 (or 2) denoisers, 1 decoder as local
-  worker processes (ZMQ transfer).
+  worker processes (ZMQ transfer); ``r121``: the same 1:2:1 as Ray actors (``--cluster ray``, a Ray
+  instance started by the server on loopback; its CPU counts Ray's own processes too).
 
 Per repeat the systems alternate (order rotated), each warmed up first: single requests one at a
 time (latency vs ``inproc``: target 1:1:1 <= 1.10x), single requests at larger sizes (cost vs image
@@ -43,6 +44,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import httpx  # noqa: E402
 
 ROUTE = "/v1/images/generations"
+TRIPTYCH = ("t111", "t121", "r121")  # the systems that are triptych serve (their /metrics split the latency)
+ROLES = ("encoder", "denoiser", "decoder")
 
 
 # ---- the naive baseline: one pipeline, one lock -------------------------------------------------
@@ -106,7 +109,7 @@ class Server:
     def stop(self) -> None:
         self.proc.terminate()
         try:
-            self.proc.wait(30)
+            self.proc.wait(60)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
@@ -245,7 +248,7 @@ async def measure(systems, args) -> list[dict]:
         for s in order:
             await singles(s, 2, 64, args.steps, 900)  # warm-up
             for size in args.sizes:
-                m0 = s.metrics() if s.name.startswith("t") else None
+                m0 = s.metrics() if s.name in TRIPTYCH else None
                 c0 = s.cpu()
                 lat = await singles(s, args.singles, size, args.steps, 1000 + rep)
                 row = {
@@ -261,7 +264,7 @@ async def measure(systems, args) -> list[dict]:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             for rate in args.rates:
-                m0 = s.metrics() if s.name.startswith("t") else None
+                m0 = s.metrics() if s.name in TRIPTYCH else None
                 r = await open_loop(s, rate, args.duration, 64, args.steps, seed=rep * 100 + int(rate * 10))
                 row = {"system": s.name, "repeat": rep, "kind": "rate", **r}
                 if m0 is not None:
@@ -355,6 +358,7 @@ def main() -> None:
         "naive": [*py, __file__, "--naive-server", model],
         "t111": serve,
         "t121": [*serve, "--denoisers", "2"],
+        "r121": [*serve, "--denoisers", "2", "--cluster", "ray", *(f"--{r}-cpus=0.5" for r in ROLES)],
     }
     for name in args.systems:
         if name in specs:
