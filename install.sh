@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs Triptych into ./.venv: torch 2.13.0 (CPU wheel) first and on its own, then the package
-# with its test and Mooncake extras. Mooncake's engine needs libibverbs1 from Debian (root only).
+# with its test, Mooncake and Ray extras (so CI runs the Ray tests, which skip without Ray).
+# Mooncake's engine needs libibverbs1 from Debian (root only).
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
@@ -13,6 +14,6 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && [ ! -x /usr/bin/chromi
 fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/pip install -q torch==2.13.0
-.venv/bin/pip install -q -e ".[test,mooncake]"
+.venv/bin/pip install -q -e ".[test,mooncake,ray]"
 .venv/bin/python -c "import torch, triptych; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 echo "install.sh: Triptych installed in $(pwd)/.venv"

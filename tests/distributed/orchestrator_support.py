@@ -20,11 +20,11 @@ FAST_HEARTBEATS = OrchestratorConfig(heartbeat_interval_s=0.2, heartbeat_timeout
 
 
 class Cluster:
-    def __init__(self, model_dir, topology: TopologyConfig, config: OrchestratorConfig = FAST_HEARTBEATS):
+    def __init__(self, model_dir, topology: TopologyConfig, config: OrchestratorConfig = FAST_HEARTBEATS, **backend):
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="cluster-loop", daemon=True)
         self.thread.start()
-        self.backend = EmbeddedBackend(model_dir, config, topology)
+        self.backend = EmbeddedBackend(model_dir, config, topology, **backend)
         self.call(self.backend.start(), timeout=600)
 
     def call(self, coro, timeout: float = 300):

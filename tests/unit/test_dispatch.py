@@ -61,3 +61,13 @@ def test_hold_and_unhold_track_free_slots():
 def test_unknown_policy_is_rejected():
     with pytest.raises(ValueError, match="round_robin"):
         make_policy("random")
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "max_free_slots"])
+def test_no_policy_picks_a_draining_instance(policy):
+    draining = inst("a", capacity=8)
+    draining.draining = True
+    pool = [draining, inst("b", held=2)]
+    assert make_policy(policy).pick(pool) is None  # the only free slots are on the draining one
+    pool.append(inst("c"))
+    assert make_policy(policy).pick(pool).instance_id == "c"

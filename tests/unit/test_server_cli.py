@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from triptych.cli import build_parser
+from triptych.cluster.config import AutoscaleConfig, ClusterConfig, RoleResources
 from triptych.devices import DeviceConfig
 from triptych.parallel import ParallelConfig
 from triptych.server.admission import AdmissionLimits
@@ -32,6 +33,10 @@ SERVE_CONFIGS = [
     (DeviceConfig, "", {}),
     (OrchestratorConfig, "", {"host": "--control-host", "max_queued": "--orchestrator-max-queued", "timeouts": None}),
     (StateTimeouts, "timeout-", {}),
+    (ClusterConfig, "", {"encoder": None, "denoiser": None, "decoder": None}),
+    (RoleResources, "denoiser-", {"resources": "--denoiser-resource"}),
+    (RoleResources, "encoder-", {"resources": "--encoder-resource"}),
+    (AutoscaleConfig, "autoscale-", {"pools": "--autoscale"}),
 ]
 
 
@@ -112,6 +117,25 @@ def test_serve_flags_build_the_topology_and_control_plane():
     assert args.serve_flags.orchestrator_config(args) == orchestrator
 
 
+def test_serve_flags_build_the_cluster_and_autoscale_configs():
+    args = serve_args()
+    assert args.serve_flags.cluster_config(args) == ClusterConfig()
+    assert args.serve_flags.autoscale_config(args) == AutoscaleConfig()
+    args = serve_args(
+        *("--cluster", "ray", "--ray-address", "127.0.0.1:6379", "--ray-max-restarts", "5"),
+        *("--denoiser-cpus", "2", "--denoiser-gpus", "1", "--denoiser-resource", "a=1", "--denoiser-resource", "b=2"),
+        *("--encoder-memory-mb", "256", "--autoscale", "denoiser=1:4", "--autoscale-down-idle-s", "3"),
+    )
+    assert args.serve_flags.cluster_config(args) == ClusterConfig(
+        cluster="ray",
+        ray_address="127.0.0.1:6379",
+        ray_max_restarts=5,
+        denoiser=RoleResources(cpus=2, gpus=1, resources=("a=1", "b=2")),
+        encoder=RoleResources(memory_mb=256),
+    )
+    assert args.serve_flags.autoscale_config(args) == AutoscaleConfig(pools=("denoiser=1:4",), down_idle_s=3.0)
+
+
 @pytest.mark.parametrize(
     "argv, named",
     [
@@ -122,6 +146,9 @@ def test_serve_flags_build_the_topology_and_control_plane():
         (["--heartbeat-timeout-s", "0.5"], "--heartbeat-timeout-s"),
         (["--encoders", "-1"], "--encoders"),
         (["--timeout-decoding-s", "0"], "--timeout-decoding-s"),
+        (["--autoscale", "denoiser=4:1"], "--autoscale"),
+        (["--ray-node-ip", "somewhere"], "--ray-node-ip"),
+        (["--decoder-resource", "x"], "--decoder-resource"),
     ],
 )
 def test_a_bad_serve_setting_exits_2_naming_its_flag(tmp_path, monkeypatch, capsys, argv, named):
@@ -131,6 +158,8 @@ def test_a_bad_serve_setting_exits_2_naming_its_flag(tmp_path, monkeypatch, caps
         args.serve_flags.head_config(args, tmp_path)
         args.serve_flags.topology_config(args)
         args.serve_flags.orchestrator_config(args)
+        args.serve_flags.cluster_config(args)
+        args.serve_flags.autoscale_config(args)
     assert exit_.value.code == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith(f"triptych serve: error: argument {named}: ")

@@ -107,3 +107,14 @@ def test_gpus_are_laid_out_denoisers_first_and_a_worker_sees_only_its_own(monkey
         TopologyConfig(denoisers=2, device=cuda, gpus=(0, 1, 2), parallel=ParallelConfig(cfg=2)).layout()
     with pytest.raises(ValueError, match="use device cuda"):
         TopologyConfig(gpus=(0,))
+
+
+def test_a_retired_worker_is_reported_once_and_not_restarted():
+    w, exits = workers(restart_backoff_s=1.0)
+    w.retire("denoiser-0")
+    assert w.current("denoiser") == []
+    w.procs["denoiser-0"].code = 0
+    w.check(100.0)
+    w.check(200.0)
+    assert exits == [("denoiser-0", 0)] and w.restarts_total == 0
+    assert w.spawn("denoiser", "tcp://127.0.0.1:1") == "denoiser-1"  # a retired id is not reused

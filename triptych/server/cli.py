@@ -110,9 +110,13 @@ class ServeFlags:
     orchestrator: ConfigFlags
     timeouts: ConfigFlags
     workers: WorkerFlags
+    cluster: ConfigFlags
+    roles: dict[str, ConfigFlags]  # role -> its RoleResources flags (--denoiser-cpus, ...)
+    autoscale: ConfigFlags
 
     @classmethod
     def add(cls, parser: argparse.ArgumentParser) -> ServeFlags:
+        from triptych.cluster.config import ROLES, AutoscaleConfig, ClusterConfig, RoleResources
         from triptych.server.admission import AdmissionLimits
         from triptych.server.head import HeadConfig
         from triptych.server.launch import MOONCAKE_LOG_LEVELS, TopologyConfig
@@ -143,7 +147,35 @@ class ServeFlags:
             ),
             timeouts=ConfigFlags(group("request state timeouts (StateTimeouts)"), StateTimeouts, prefix="timeout-"),
             workers=WorkerFlags.add(parser),
+            cluster=ConfigFlags(
+                group("cluster placement (ClusterConfig)"),
+                ClusterConfig,
+                explicit={role: None for role in ROLES},
+                rename={"ray_max_restarts": "ray-max-restarts"},
+            ),
+            roles={
+                role: ConfigFlags(
+                    group(f"Ray resources of each {role} (RoleResources)"),
+                    RoleResources,
+                    prefix=f"{role}-",
+                    rename={"resources": f"{role}-resource"},
+                )
+                for role in ROLES
+            },
+            autoscale=ConfigFlags(
+                group("autoscaling (AutoscaleConfig)"),
+                AutoscaleConfig,
+                prefix="autoscale-",
+                rename={"pools": "autoscale"},
+            ),
         )
+
+    def cluster_config(self, args: argparse.Namespace):
+        roles = {role: flags.build(args, self.parser) for role, flags in self.roles.items()}
+        return self.cluster.build(args, self.parser, **roles)
+
+    def autoscale_config(self, args: argparse.Namespace):
+        return self.autoscale.build(args, self.parser)
 
     def head_config(self, args: argparse.Namespace, default_data_dir: Path) -> HeadConfig:
         env_keys = os.environ.get("TRIPTYCH_API_KEYS", "").split(",")
@@ -282,9 +314,12 @@ def served_models(specs: list[str], cache_root: str | None = None) -> dict[str, 
     return out
 
 
-def build_backends(models: dict[str, Path], orchestrator: OrchestratorConfig, topology: TopologyConfig) -> dict:
-    """One ``EmbeddedBackend`` (orchestrator + local pools) per model. They share one control-plane
-    token; a fixed ``control_port`` P gives the models P, P+1, ... in order (0: each a free port)."""
+def build_backends(
+    models: dict[str, Path], orchestrator: OrchestratorConfig, topology: TopologyConfig, pool=None, autoscale=None
+) -> dict:
+    """One ``EmbeddedBackend`` (orchestrator + its pools: local processes, or ``pool``'s Ray actors) per
+    model. They share one control-plane token; a fixed ``control_port`` P gives the models P, P+1, ...
+    in order (0: each a free port)."""
     from triptych.server.auth import new_token
     from triptych.server.launch import EmbeddedBackend
 
@@ -292,7 +327,9 @@ def build_backends(models: dict[str, Path], orchestrator: OrchestratorConfig, to
     backends = {}
     for i, (name, model_dir) in enumerate(models.items()):
         port = shared.control_port + i if shared.control_port else 0
-        backends[name] = EmbeddedBackend(model_dir, dataclasses.replace(shared, control_port=port), topology)
+        config = dataclasses.replace(shared, control_port=port)
+        extra = {} if pool is None else {"pool": pool}
+        backends[name] = EmbeddedBackend(model_dir, config, topology, autoscale=autoscale, **extra)
     return backends
 
 
@@ -306,10 +343,29 @@ def cmd_serve(args) -> int:
     if len(models) > 1 and head_config.served_model_name:
         print("triptych serve: --served-model-name names one model; with several use --model NAME=DIR", file=sys.stderr)
         return 2
-    backends = build_backends(models, flags.orchestrator_config(args), flags.topology_config(args))
+    topology, cluster, autoscale = flags.topology_config(args), flags.cluster_config(args), flags.autoscale_config(args)
+    pool, stop_ray = None, None
+    if cluster.cluster == "ray":
+        import importlib.util
+
+        if importlib.util.find_spec("ray") is None:
+            print("triptych serve: --cluster ray needs Ray: pip install 'triptych[ray]'", file=sys.stderr)
+            return 2
+        from triptych.cluster.ray_backend import ray_pool
+
+        pool, stop_ray = ray_pool(cluster, topology, autoscale, copies=len(models))
+    backends = build_backends(models, flags.orchestrator_config(args), topology, pool=pool, autoscale=autoscale)
     for name, model_dir in models.items():
         logger.info("serving %s from %s", name, model_dir)
     write_token(head_config.data_dir, next(iter(backends.values())).orchestrator.token)
+    try:
+        return _serve_http(args, backends, head_config)
+    finally:
+        if stop_ray is not None:
+            stop_ray()
+
+
+def _serve_http(args, backends: dict, head_config) -> int:
     try:
         from triptych.server.http import create_app
     except ImportError:

@@ -3,7 +3,7 @@
 A registered instance has a fixed ``capacity`` (slots): the head charges one slot per request it
 routes there from the moment it reserves the instance (before any upstream work starts) until the
 request's tensors left it (or the request ended). A policy only ever picks an instance with a free
-slot; when none has one the request waits in its role's queue.
+slot that is not draining; when none has one the request waits in its role's queue.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ class Instance:
     report: dict = field(default_factory=dict)  # last heartbeat's load report
     stats: StatsReport | None = None  # last cumulative stats report (the base of the next window)
     chat: bool = False  # an encoder that answers chats (its text encoder is a VLM)
+    draining: bool = False  # being scaled in: no new request is routed here; it finishes what it holds
 
     @property
     def free(self) -> int:
@@ -59,7 +60,8 @@ class DispatchPolicy(ABC):
 
     def pick(self, instances: Iterable[Instance], exclude: frozenset[str] = frozenset()) -> Instance | None:
         candidates = sorted(
-            (i for i in instances if i.free > 0 and i.instance_id not in exclude), key=lambda i: i.instance_id
+            (i for i in instances if i.free > 0 and not i.draining and i.instance_id not in exclude),
+            key=lambda i: i.instance_id,
         )
         return self._choose(candidates) if candidates else None
 

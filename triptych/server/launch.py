@@ -2,9 +2,11 @@
 
 ``supervisor.LocalWorkers`` is the supervision component: it spawns worker processes (connected over
 loopback to the orchestrator's control port), restarts the ones that exit, and reaps them.
-``EmbeddedBackend`` composes an ``Orchestrator`` and a ``LocalWorkers``: ``start`` spawns the
-topology and waits until every worker registered; a worker that exits is declared dead at once (its
-requests are retried) and restarted; ``close`` shuts them down.
+``EmbeddedBackend`` composes an ``Orchestrator`` and a ``supervisor.WorkerPool`` (``LocalWorkers``
+by default; ``triptych.cluster.ray_backend.RayWorkers`` places them as Ray actors): ``start`` spawns
+the topology and waits until every worker registered; a worker that exits is declared dead at once
+(its requests are retried) and restarted; ``close`` shuts them down. With an ``AutoscaleConfig`` a
+``cluster.autoscale.Autoscaler`` grows and drains pools while it runs.
 """
 
 from __future__ import annotations
@@ -12,15 +14,20 @@ from __future__ import annotations
 import dataclasses
 import logging
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from triptych.devices import DeviceConfig
 from triptych.parallel import ParallelConfig
 from triptych.pipelines.vlm import ChatResult
 from triptych.server.backend import ChatJob, GenerationBackend, GenerationJob, PreviewFn, ProgressFn, TextFn
 from triptych.server.orchestrator import Orchestrator, OrchestratorConfig
-from triptych.server.supervisor import LocalWorkers
+from triptych.server.supervisor import LocalWorkers, WorkerPool
+
+if TYPE_CHECKING:
+    from triptych.cluster.config import AutoscaleConfig
 
 logger = logging.getLogger(__name__)
 
@@ -122,11 +129,18 @@ class EmbeddedBackend(GenerationBackend):
     """An ``Orchestrator`` and its ``LocalWorkers`` (see the module docstring)."""
 
     def __init__(
-        self, model_dir: str | Path, config: OrchestratorConfig | None = None, topology: TopologyConfig | None = None
+        self,
+        model_dir: str | Path,
+        config: OrchestratorConfig | None = None,
+        topology: TopologyConfig | None = None,
+        pool: Callable[..., WorkerPool] = LocalWorkers,
+        autoscale: AutoscaleConfig | None = None,
     ):
         self.orchestrator = Orchestrator(model_dir, config)
         self.topology = topology or TopologyConfig()
-        self.workers = LocalWorkers(
+        self.autoscale = autoscale
+        self.autoscaler = None
+        self.workers: WorkerPool = pool(
             self.orchestrator.model_dir,
             self.topology,
             self.orchestrator.token,
@@ -149,6 +163,12 @@ class EmbeddedBackend(GenerationBackend):
                     self.spawn(role)
             await self.orchestrator.wait_for_instances(counts, t.start_timeout_s)
             self.workers.watch(self.orchestrator.control_address)
+            if self.autoscale is not None and self.autoscale.pools:
+                from triptych.cluster.autoscale import Autoscaler
+
+                head = self.orchestrator.control_address
+                self.autoscaler = Autoscaler(self.orchestrator, self.workers, head, self.autoscale)
+                self.autoscaler.start()
         except BaseException:
             await self.close()
             raise
@@ -163,6 +183,8 @@ class EmbeddedBackend(GenerationBackend):
         self.workers.kill(instance_id, sig)
 
     async def close(self) -> None:
+        if self.autoscaler is not None:
+            await self.autoscaler.stop()
         await self.workers.stop_watching()
         if self.orchestrator.control.open:
             self.orchestrator.shutdown_workers()
@@ -181,4 +203,7 @@ class EmbeddedBackend(GenerationBackend):
         return await self.orchestrator.cancel(request_id)
 
     def describe(self) -> dict:
-        return {**self.orchestrator.describe(), "local_workers": self.workers.describe()}
+        out = {**self.orchestrator.describe(), "local_workers": self.workers.describe()}
+        if self.autoscaler is not None:
+            out["autoscale"] = self.autoscaler.describe()
+        return out

@@ -92,6 +92,17 @@ class OrchestratorConfig:
         make_policy(self.dispatch)  # raises on an unknown name
 
 
+@dataclass(frozen=True)
+class PoolLoad:
+    """One role's pool as a scaler sees it (``Orchestrator.load``)."""
+
+    queue_depth: int  # requests waiting for a slot of this role (0 while a live instance has a free one)
+    oldest_wait_s: float  # how long the first of those has waited (0 when none waits)
+    live: tuple[str, ...]  # registered instances taking new work (not draining)
+    idle: tuple[str, ...]  # of ``live``, those holding no request
+    draining: dict[str, int]  # draining instance -> requests it still holds
+
+
 class Orchestrator(GenerationBackend):
     """``GenerationBackend`` over registered worker pools (see the module docstring)."""
 
@@ -148,6 +159,10 @@ class Orchestrator(GenerationBackend):
         for iid in list(self.registry.instances):
             self.control.send(iid, P.Shutdown(reason))
 
+    def stop(self, instance_id: str, reason: str) -> None:
+        """Tell one worker to shut down (a drained instance being scaled in)."""
+        self.control.send(instance_id, P.Shutdown(reason))
+
     async def wait_for_instances(self, counts: dict[str, int], timeout_s: float) -> None:
         """Block until at least ``counts[role]`` instances of each role registered."""
         end = time.monotonic() + timeout_s
@@ -177,6 +192,30 @@ class Orchestrator(GenerationBackend):
 
     async def cancel(self, request_id: str) -> bool:
         return self.chats.cancel(request_id) or self.generations.cancel(request_id)
+
+    def load(self, role: str, now: float) -> PoolLoad:
+        """The pool of ``role`` and the requests waiting for it (see ``PoolLoad``)."""
+        pool = self.registry.pool(role)
+        live = [i for i in pool if not i.draining]
+        depth, wait = self.generations.backlog(now)["decoder" if role == "decoder" else "encode"]
+        if any(i.free > 0 for i in live):
+            depth, wait = 0, 0.0
+        return PoolLoad(
+            depth,
+            wait if depth else 0.0,
+            tuple(sorted(i.instance_id for i in live)),
+            tuple(sorted(i.instance_id for i in live if not i.held)),
+            {i.instance_id: len(i.held) for i in pool if i.draining},
+        )
+
+    def drain(self, instance_id: str) -> bool:
+        """Route no new request to ``instance_id``; what it holds runs to the end. False if unknown."""
+        inst = self.registry.instances.get(instance_id)
+        if inst is None:
+            return False
+        inst.draining = True
+        logger.info("%s %s draining (%d requests held)", inst.role, instance_id, len(inst.held))
+        return True
 
     def describe(self) -> dict:
         gen, chats = self.generations.describe(), self.chats.describe()

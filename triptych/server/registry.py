@@ -143,7 +143,7 @@ class InstanceRegistry:
             {
                 "id": i.instance_id,
                 "role": i.role,
-                "state": "busy" if i.held else "idle",
+                "state": "draining" if i.draining else "busy" if i.held else "idle",
                 "capacity": i.capacity,
                 "free": i.free,
                 "held": sorted(i.held),

@@ -145,6 +145,13 @@ class GenerationRouter:
             "queues": {"encode": len(self.wait_encode), "decoder": len(self.wait_decoder)},
         }
 
+    def backlog(self, now: float) -> dict[str, tuple[int, float]]:
+        """Per queue, the requests waiting and how long the first has waited: ``encode`` (waiting for
+        an encoder and a denoiser slot) and ``decoder`` (encoded, waiting for a decoder slot)."""
+        first = self.requests[self.wait_encode[0]].machine.entered_at if self.wait_encode else now
+        first_dec = self.requests[self.wait_decoder[0]].encoded_at if self.wait_decoder else now
+        return {"encode": (len(self.wait_encode), now - first), "decoder": (len(self.wait_decoder), now - first_dec)}
+
     # ---- placement ----------------------------------------------------------------------------
     def pump(self) -> None:
         """Start whatever the free slots allow: encodes (encoder + denoiser slot), then denoises

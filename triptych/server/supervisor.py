@@ -5,7 +5,11 @@ tests and operators). While ``watch`` runs, a process that exited is reaped at o
 ``on_exit`` (the backend declares the instance dead, so its requests are retried without waiting
 for the heartbeat timeout), and started again under the same instance id after a backoff that
 doubles with each restart inside the crash-loop window; a worker that crashes ``crash_loop_limit``
-times inside that window is given up on (logged; ``/health`` shows it).
+times inside that window is given up on (logged; ``/health`` shows it). A worker that is ``retire``d
+(scaled in after draining) is reported once when it exits and never restarted.
+
+``WorkerPool`` is what ``launch.EmbeddedBackend`` needs from a supervisor; ``LocalWorkers`` is the
+local one, ``triptych.cluster.ray_backend.RayWorkers`` places the same worker command as Ray actors.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +38,49 @@ class _Worker:
     restarts: list[float] = field(default_factory=list)  # monotonic times of restarts in the window
     restart_at: float | None = None  # when a dead one starts again
     given_up: bool = False
+    retired: bool = False  # scaled in: reported when it exits, never restarted
+
+
+class WorkerPool(Protocol):
+    """Spawns, supervises and stops a head's workers. ``on_exit(instance_id, code)`` is called once per
+    exit of a worker (the head declares it dead); ``on_start(role)`` when one starts."""
+
+    def spawn(self, role: str, head: str, instance_id: str | None = None) -> str:
+        """Start one worker of ``role`` registering with ``head``; returns its instance id."""
+
+    def watch(self, head: str) -> None:
+        """Start supervising (restarts) on the running event loop."""
+
+    async def stop_watching(self) -> None: ...
+
+    def current(self, role: str) -> list[str]:
+        """Instance ids of the running (or starting, or restarting) workers of ``role``, retired ones
+        excluded."""
+
+    def retire(self, instance_id: str) -> None:
+        """Do not restart ``instance_id`` when it exits (it was drained and told to shut down)."""
+
+    def kill(self, instance_id: str, sig: int = signal.SIGKILL) -> None: ...
+
+    def describe(self) -> dict: ...
+
+    async def reap(self, timeout_s: float = 15.0) -> None:
+        """Wait for every worker to exit after a shutdown was sent; kill what does not."""
+
+
+def worker_command(topology, model_dir: Path, role: str, head: str, instance_id: str, threads: int) -> list[str]:
+    """The ``triptych worker`` command line of one worker of ``topology`` (no parent pid, no host)."""
+    t = topology
+    cmd = [sys.executable, "-m", "triptych.cli", "worker", "--role", role, "--head", head]
+    cmd += ["--model", str(model_dir), "--instance-id", instance_id, "--transfer", t.transfer]
+    cmd += ["--capacity", str(t.capacity), "--threads", str(threads)]
+    cmd += [*t.device_for(role, instance_id).to_args(), *t.extra_args]
+    if role == "denoiser" and t.parallel.world_size > 1:
+        p = t.parallel
+        cmd += ["--cfg-parallel", str(p.cfg), "--ulysses", str(p.ulysses), "--ring", str(p.ring)]
+    if logger.isEnabledFor(logging.DEBUG):
+        cmd.insert(3, "-v")
+    return cmd
 
 
 class LocalWorkers:
@@ -60,22 +108,17 @@ class LocalWorkers:
 
     def spawn(self, role: str, head: str, instance_id: str | None = None) -> str:
         """Start one local worker process of ``role`` that registers with ``head``; returns its id."""
-        n = sum(1 for i in self.workers if i.startswith(f"{role}-"))
+        n = 0
+        while f"{role}-{n}" in self.workers:  # retired workers stay listed, so an id is never reused
+            n += 1
         instance_id = instance_id or f"{role}-{n}"
         self.workers[instance_id] = _Worker(role, self._start(role, head, instance_id))
         return instance_id
 
     def _start(self, role: str, head: str, instance_id: str) -> subprocess.Popen:
         t = self.topology
-        cmd = [sys.executable, "-m", "triptych.cli", "worker", "--role", role, "--head", head]
-        cmd += ["--model", str(self.model_dir), "--instance-id", instance_id, "--transfer", t.transfer]
-        cmd += ["--capacity", str(t.capacity), "--threads", str(self.threads())]
-        cmd += ["--exit-with-parent", str(os.getpid()), *t.device_for(role, instance_id).to_args(), *t.extra_args]
-        if role == "denoiser" and t.parallel.world_size > 1:
-            p = t.parallel
-            cmd += ["--cfg-parallel", str(p.cfg), "--ulysses", str(p.ulysses), "--ring", str(p.ring)]
-        if logger.isEnabledFor(logging.DEBUG):
-            cmd.insert(3, "-v")
+        cmd = worker_command(t, self.model_dir, role, head, instance_id, self.threads())
+        cmd += ["--exit-with-parent", str(os.getpid())]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRIPTYCH_TOKEN": self.token}
         env["MC_LOG_LEVEL"] = t.mooncake_log_level  # read by Mooncake when a transfer engine starts
         gpus = t.layout().get(instance_id)
@@ -98,6 +141,12 @@ class LocalWorkers:
     def kill(self, instance_id: str, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` to a local worker (tests: kill -9 mid-request)."""
         self.workers[instance_id].proc.send_signal(sig)
+
+    def current(self, role: str) -> list[str]:
+        return sorted(i for i, w in self.workers.items() if w.role == role and not (w.given_up or w.retired))
+
+    def retire(self, instance_id: str) -> None:
+        self.workers[instance_id].retired = True
 
     # ---- supervision ----------------------------------------------------------------------------
     def watch(self, head: str, interval_s: float = 0.25) -> None:
@@ -127,6 +176,10 @@ class LocalWorkers:
                 if code is None:
                     continue
                 self.on_exit(iid, code)
+                if w.retired:
+                    w.given_up = True
+                    logger.info("%s retired (exit code %d)", iid, code)
+                    continue
                 if not t.restart:
                     w.given_up = True
                     continue
@@ -161,6 +214,7 @@ class LocalWorkers:
                     "running": w.proc.poll() is None,
                     "restarts_in_window": len(w.restarts),
                     "given_up": w.given_up,
+                    "retired": w.retired,
                 }
                 for iid, w in sorted(self.workers.items())
             },

@@ -1,0 +1,173 @@
+"""``--cluster ray`` on a simulated 2-node Ray cluster (``ray.cluster_utils.Cluster``), on loopback.
+
+Node A advertises ``{"enc_dec": 2}``, node B ``{"denoise": 2}``; the server asks for
+``--encoder-resource enc_dec=1 --decoder-resource enc_dec=1 --denoiser-resource denoise=1`` and
+runs 1 encoder, 2 denoisers, 1 decoder (tiny FLUX) as Ray actors. Checked: the openai SDK gets
+images equal to ``run_request`` within the batching tolerance of ``tests/e2e/test_server_batching.py``
+(concurrent requests may share a denoiser's forward); each actor sits on the node its resources
+name; every listener of the Ray processes is on 127.0.0.1; a kill -9 of a denoiser actor's process
+is restarted by Ray (a new instance to the head) and the requests in flight complete through retry.
+Skipped without Ray (``pip install 'triptych[ray]'``).
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import os
+import socket
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray")
+
+import openai  # noqa: E402
+from ray_support import is_loopback, listeners  # noqa: E402
+
+from tests.e2e.http_support import decode_pixels, serve, wait_for  # noqa: E402
+from triptych.calibration.metrics import psnr  # noqa: E402
+from triptych.cluster.config import ClusterConfig, RoleResources  # noqa: E402
+from triptych.cluster.ray_backend import LOOPBACK_SWITCH, RayWorkers, init_ray  # noqa: E402
+from triptych.pipelines.base import GenerationParams  # noqa: E402
+from triptych.pipelines.registry import load_family  # noqa: E402
+from triptych.pipelines.runner import run_request  # noqa: E402
+from triptych.server.http import HeadConfig, create_app  # noqa: E402
+from triptych.server.launch import EmbeddedBackend, TopologyConfig  # noqa: E402
+from triptych.server.orchestrator import OrchestratorConfig  # noqa: E402
+
+SIZE, STEPS = 64, 6
+MAX_DIFF = 2  # uint8 levels, as tests/e2e/test_server_batching.py (measured 1 there)
+MIN_PSNR = 65.0  # dB, same source
+
+
+@pytest.fixture(scope="module")
+def nodes():
+    """Two Ray nodes on loopback: (cluster, node id of A, node id of B)."""
+    os.environ[LOOPBACK_SWITCH] = "0"  # inherited by the nodes' processes
+    from ray.cluster_utils import Cluster
+
+    common = {"num_cpus": 2, "node_ip_address": "127.0.0.1", "object_store_memory": 80 << 20}
+    cluster = Cluster(
+        initialize_head=True, head_node_args={**common, "include_dashboard": False, "resources": {"enc_dec": 2}}
+    )
+    try:
+        cluster.add_node(**common, resources={"denoise": 2})
+        init_ray(ClusterConfig(cluster="ray", ray_address=cluster.address), 0)
+        by_resource = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
+        a = next(i for i, r in by_resource.items() if "enc_dec" in r)
+        b = next(i for i, r in by_resource.items() if "denoise" in r)
+        yield cluster, a, b
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(nodes, tiny_model_dir, tmp_path_factory):
+    model = tiny_model_dir("flux")
+    config = ClusterConfig(
+        cluster="ray",
+        ray_max_restarts=2,
+        encoder=RoleResources(cpus=1, resources=("enc_dec=1",)),
+        denoiser=RoleResources(cpus=1, resources=("denoise=1",)),
+        decoder=RoleResources(cpus=1, resources=("enc_dec=1",)),
+    )
+    backend = EmbeddedBackend(
+        model,
+        OrchestratorConfig(heartbeat_interval_s=0.2, heartbeat_timeout_s=5.0),
+        TopologyConfig(denoisers=2, transfer="zmq", capacity=4, torch_threads=1, start_timeout_s=240),
+        pool=functools.partial(RayWorkers, config),
+    )
+    with serve(create_app(backend, HeadConfig(data_dir=tmp_path_factory.mktemp("head"))), 240) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
+        yield model, backend, client
+
+
+def generate(client, seed: int) -> np.ndarray:
+    out = client.images.generate(
+        prompt=f"object {seed}", size=f"{SIZE}x{SIZE}", extra_body={"seed": seed, "num_inference_steps": STEPS}
+    )
+    return decode_pixels(base64.b64decode(out.data[0].b64_json))
+
+
+def reference(model, seed: int) -> np.ndarray:
+    params = GenerationParams(prompt=f"object {seed}", seed=seed, steps=STEPS, height=SIZE, width=SIZE)
+    return run_request(load_family(model), params)[0].to_uint8()[0]
+
+
+def assert_close(got: np.ndarray, want: np.ndarray) -> None:
+    diff = np.abs(got.astype(np.int16) - want.astype(np.int16)).max()
+    db = psnr(got, want, data_range=255.0)
+    assert diff <= MAX_DIFF and db >= MIN_PSNR, (diff, db)
+
+
+def nodes_of(backend) -> dict[str, str]:
+    return {iid: w["node"] for iid, w in backend.workers.describe()["workers"].items() if not w["retired"]}
+
+
+def test_no_ray_listener_binds_a_non_loopback_address(server):
+    found = listeners()
+    names = {name for _, name, _, _ in found}
+    assert {"gcs_server", "raylet"} <= names, names  # the Ray processes were looked at
+    assert [f for f in found if not is_loopback(f[2])] == []
+
+
+def test_the_listener_check_can_fail():
+    sock = socket.socket()
+    sock.bind(("0.0.0.0", 0))
+    sock.listen()
+    try:
+        mine = [f for f in listeners(pids=[os.getpid()]) if f[3] == sock.getsockname()[1]]
+        assert len(mine) == 1 and not is_loopback(mine[0][2])
+    finally:
+        sock.close()
+
+
+def test_121_on_two_nodes_matches_generate_and_sits_where_asked(server, nodes):
+    model, backend, client = server
+    _, node_a, node_b = nodes
+    seeds = [1, 2, 3, 4]
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda s: generate(client, s), seeds))
+    for seed, image in zip(seeds, got):
+        assert_close(image, reference(model, seed))
+    placed = wait_for(lambda: len(n := nodes_of(backend)) == 4 and all(n.values()) and n, "actor infos")
+    assert {i: n for i, n in placed.items() if i.startswith("denoiser")} == {
+        "denoiser-0": node_b,
+        "denoiser-1": node_b,
+    }
+    assert placed["encoder-0"] == node_a and placed["decoder-0"] == node_a
+    served = {i["id"]: i["assigned"] for i in backend.describe()["instances"]}
+    assert served["denoiser-0"] > 0 and served["denoiser-1"] > 0  # both denoisers took work
+
+
+def test_a_killed_denoiser_actor_is_restarted_and_requests_complete(server, nodes):
+    model, backend, client = server
+    _, _, node_b = nodes
+    before = backend.describe()["stats"].get("retries", 0)
+    seeds = list(range(10, 18))
+    with ThreadPoolExecutor(len(seeds)) as pool:
+        futures = [pool.submit(generate, client, s) for s in seeds]
+        victim = wait_for(
+            lambda: next(
+                (i["id"] for i in backend.describe()["instances"] if i["role"] == "denoiser" and i["held"]), None
+            ),
+            "a denoiser holding a request",
+        )
+        actor_pid = backend.workers.node_info(victim)["pid"]
+        backend.workers.kill(victim)
+        got = [f.result(300) for f in futures]
+    for seed, image in zip(seeds, got):
+        assert_close(image, reference(model, seed))
+    desc = backend.describe()
+    assert desc["stats"].get("retries", 0) > before  # the killed one's requests went elsewhere
+    assert victim not in {i["id"] for i in desc["instances"]}
+    restarted = wait_for(
+        lambda: [i for i in backend.describe()["instances"] if i["id"].startswith(f"{victim}.")], "restarted actor", 120
+    )
+    info = backend.workers.node_info(victim)
+    assert info["pid"] != actor_pid and info["node_id"] == node_b and info["instance_id"] == restarted[0]["id"]
+    assert backend.describe()["local_workers"]["restarts"] >= 1
+    assert_close(generate(client, 42), reference(model, 42))  # the pool serves again
