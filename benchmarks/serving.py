@@ -207,8 +207,9 @@ def split(before: dict, after: dict, n: int, client_mean: float) -> dict:
 
 
 def pct(xs: list[float], q: float) -> float:
+    """The ``q`` quantile (nearest rank); NaN when nothing arrived in the window (a short run at a low rate)."""
     xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
 
 
 async def singles(system, n: int, size: int, steps: int, seed0: int) -> list[float]:

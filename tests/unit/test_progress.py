@@ -40,10 +40,10 @@ def test_video_job_progress_is_monotonic_and_ends_at_100(tmp_path):
     backend = ReplayBackend([1, 2, 3, 1, 2, 3, 4], 4, ref)
 
     async def main():
-        jobs = VideoJobs(tmp_path, backend, Admission(AdmissionLimits()), ttl_s=None)
+        jobs = VideoJobs(tmp_path, ttl_s=None)
         ref.append(jobs)
         rec = VideoRecord("v1", 0, "queued", 0, "m", "p", "32x32", "1", 5)
-        jobs.submit(rec, GenerationJob("v1", None, "mp4"))
+        jobs.submit(rec, GenerationJob("v1", None, "mp4"), backend, Admission(AdmissionLimits()))
         while jobs._tasks:
             await asyncio.sleep(0.01)
         final = jobs.store.get("v1")

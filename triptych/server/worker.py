@@ -124,7 +124,15 @@ class Worker:
         self._key = ControlKey(config.token)
         self._ctx = zmq.Context()
         self._sock = self._dealer("control")
-        self.port = JobPort(self.instance_id, self.send, self.endpoint, self._stop)
+        # A transfer that ends on the port's threads wakes the loop's poll at once (an idle loop would
+        # otherwise see it only at its next 20 ms poll timeout: up to 20 ms per stage hop).
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._wake_r, zmq.POLLIN)
+        self.port = JobPort(self.instance_id, self.send, self.endpoint, self._stop, wake=self._wake)
         self.runner: StageRunner = make_runner(self.role, self.family, self.port, config)
         self.port.stage = self.runner.stage
         self.port.on_drop = self.runner.abort
@@ -260,9 +268,23 @@ class Worker:
             P.StatsReport(self.instance_id, now - self._started, runner.engine_stats(), transfer, runner.cache_stats())
         )
 
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"\0")
+        except (BlockingIOError, OSError):  # the pipe is full (a wake is pending anyway) or closed
+            pass
+
     def receive(self, timeout_ms: int) -> None:
-        while self._sock.poll(timeout_ms):
-            timeout_ms = 0
+        """Handle every control message that is there, waiting up to ``timeout_ms`` for the first one
+        or for a transfer to end (the port's wake pipe)."""
+        events = dict(self._poller.poll(timeout_ms))
+        if self._wake_r in events:
+            try:
+                while os.read(self._wake_r, 4096):
+                    pass
+            except BlockingIOError:
+                pass
+        while self._sock.poll(0):
             try:
                 msg = self._recv()
             except P.ProtocolError as e:
@@ -317,6 +339,8 @@ class Worker:
         self.endpoint.close()
         self._sock.close(linger=0)
         self._ctx.term()
+        for fd in (self._wake_r, self._wake_w):
+            os.close(fd)
 
 
 def run_worker(config: WorkerConfig) -> int:

@@ -31,9 +31,16 @@ logger = logging.getLogger(__name__)
 
 class JobPort:
     def __init__(
-        self, instance_id: str, send: Callable[[P.Message], None], endpoint: TransferEndpoint, stop: threading.Event
+        self,
+        instance_id: str,
+        send: Callable[[P.Message], None],
+        endpoint: TransferEndpoint,
+        stop: threading.Event,
+        wake: Callable[[], None] = lambda: None,
     ):
+        """``wake``: called (from a transfer thread) when a transfer ends, so the loop collects it now."""
         self.instance_id = instance_id
+        self.wake = wake
         self.send = send
         self.endpoint = endpoint
         self.jobs: dict[str, Job] = {}
@@ -158,4 +165,6 @@ class JobPort:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _submit(self, request_id: str, generation: int, what: str, fn, *args) -> None:
-        self._pending.append((self._pool.submit(fn, *args), request_id, generation, what))
+        future = self._pool.submit(fn, *args)
+        future.add_done_callback(lambda _: self.wake())
+        self._pending.append((future, request_id, generation, what))
