@@ -17,6 +17,8 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 PACKAGED_DEFAULT = Path(__file__).parent / "assets" / "default"
+#: The shape world's tiny Wan 2.1 text-to-video model (``assets/video/MODEL_CARD.md``).
+PACKAGED_VIDEO = Path(__file__).parent / "assets" / "video"
 DEFAULT_TINY_FAMILY = "flux"
 
 
@@ -29,6 +31,11 @@ def default_model_dir(cache_root: str | os.PathLike | None = None) -> Path:
     if (PACKAGED_DEFAULT / "model_index.json").is_file():
         return PACKAGED_DEFAULT
     return ensure_tiny(DEFAULT_TINY_FAMILY, cache_root=cache_root)
+
+
+def default_video_model_dir() -> Path | None:
+    """The packaged text-to-video model, or None when the package ships none."""
+    return PACKAGED_VIDEO if (PACKAGED_VIDEO / "model_index.json").is_file() else None
 
 
 def ensure_tiny(family: str, seed: int = 0, size: str = "tiny", cache_root: str | os.PathLike | None = None) -> Path:
