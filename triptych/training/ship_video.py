@@ -17,18 +17,18 @@ from triptych.models import PACKAGED_VIDEO
 from triptych.training.common import tree_sha256
 
 
-def ship(run: Path, eval_dir: Path) -> Path:
+def ship(run: Path, eval_dir: Path, notes: str = "") -> Path:
     if PACKAGED_VIDEO.exists():
         shutil.rmtree(PACKAGED_VIDEO)
     shutil.copytree(run / "model", PACKAGED_VIDEO)
     shutil.copy(eval_dir / "gallery.png", PACKAGED_VIDEO / "gallery.png")
     results = json.loads((eval_dir / "results.json").read_text())
     training = json.loads((run / "training.json").read_text()) if (run / "training.json").is_file() else {}
-    (PACKAGED_VIDEO / "MODEL_CARD.md").write_text(card(results, training))
+    (PACKAGED_VIDEO / "MODEL_CARD.md").write_text(card(results, training, notes))
     return PACKAGED_VIDEO
 
 
-def card(results: dict, training: dict) -> str:
+def card(results: dict, training: dict, notes: str = "") -> str:
     from triptych.training.evaluate_video import table
 
     size = sum(p.stat().st_size for p in PACKAGED_VIDEO.rglob("*") if p.is_file())
@@ -41,6 +41,7 @@ def card(results: dict, training: dict) -> str:
     template = (Path(__file__).parent / "MODEL_CARD_VIDEO.template.md").read_text()
     return template.format(
         table=table(results),
+        notes=notes,
         separation=separation,
         seconds=results.get("seconds", float("nan")),
         n=results["n"],
@@ -55,8 +56,9 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m triptych.training.ship_video")
     p.add_argument("--run", type=Path, required=True)
     p.add_argument("--eval", type=Path)
+    p.add_argument("--notes", default="", help="the card's status paragraph")
     args = p.parse_args(argv)
-    ship(args.run, args.eval or args.run / "eval")
+    ship(args.run, args.eval or args.run / "eval", args.notes)
 
 
 if __name__ == "__main__":
