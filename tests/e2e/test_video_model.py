@@ -104,7 +104,7 @@ def test_generate_is_bit_identical_to_the_pristine_pipeline(family, pristine):
 
 HELDOUT = 4  # evaluate_video's first 4 held-out prompts and seeds
 COLOUR_AND_BACKGROUND_AT_LEAST = 3  # measured: 4 of 4 (50 of 50 in the card)
-# NOTE: shape kind and direction are not asserted: the shipped model gets them on 0 of 50 (MODEL_CARD.md).
+# NOTE: shape kind and direction are not asserted: the shipped model gets them on 1 and 6 of 50 (MODEL_CARD.md).
 
 
 def test_heldout_prompts_draw_colour_and_background(family):
