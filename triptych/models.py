@@ -20,6 +20,7 @@ logger = logging.getLogger(__name__)
 
 PACKAGED_DEFAULT = Path(__file__).parent / "assets" / "default"
 PACKAGED_EDIT = Path(__file__).parent / "assets" / "default_edit"
+#: The shape world's tiny Wan 2.1 text-to-video model (``assets/video/MODEL_CARD.md``).
 PACKAGED_VIDEO = Path(__file__).parent / "assets" / "video"
 DEFAULT_TINY_FAMILY = "flux"
 
@@ -43,9 +44,15 @@ def builtin_models(cache_root: str | os.PathLike | None = None) -> dict[str, Pat
     found = [default]
     if default == PACKAGED_DEFAULT and (PACKAGED_EDIT / "model_index.json").is_file():
         found.append(PACKAGED_EDIT)
-    if (PACKAGED_VIDEO / "model_index.json").is_file():
-        found.append(PACKAGED_VIDEO)
+    video = default_video_model_dir()
+    if video is not None:
+        found.append(video)
     return {d.name: d for d in found}
+
+
+def default_video_model_dir() -> Path | None:
+    """The packaged text-to-video model, or None when the package ships none."""
+    return PACKAGED_VIDEO if (PACKAGED_VIDEO / "model_index.json").is_file() else None
 
 
 def ensure_tiny(family: str, seed: int = 0, size: str = "tiny", cache_root: str | os.PathLike | None = None) -> Path:

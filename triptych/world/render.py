@@ -65,13 +65,17 @@ def shape_polygon(shape: str, cx: float, cy: float, r: float) -> list[Point]:
     raise ValueError(f"unknown shape {shape!r}")
 
 
-def render(scene: Scene, size: int = 64, supersample: int = 4) -> Image.Image:
+def render(
+    scene: Scene, size: int = 64, supersample: int = 4, centre: tuple[float, float] | None = None
+) -> Image.Image:
     """Render ``scene`` as an RGB image of ``size`` x ``size`` pixels.
 
     Args:
         scene: the scene to draw.
         size: output side in pixels (32, 64 and 128 are tested; >= 16 works).
         supersample: anti-aliasing factor; ``1`` gives hard edges.
+        centre: the shape's centre (x, y) as fractions of the side, instead of the anchor of
+            ``scene.position`` (video frames draw the shape along a path).
 
     Returns:
         A new ``PIL.Image.Image`` in mode ``"RGB"``; identical bytes for
@@ -84,7 +88,7 @@ def render(scene: Scene, size: int = 64, supersample: int = 4) -> Image.Image:
     big = size * supersample
     image = Image.new("RGB", (big, big), COLORS[scene.background])
     draw = ImageDraw.Draw(image)
-    ax, ay = POSITION_ANCHORS[scene.position]
+    ax, ay = centre if centre is not None else POSITION_ANCHORS[scene.position]
     # Pixel centres sit at integer + 0.5 in PIL's polygon coordinates.
     cx, cy, r = ax * big - 0.5, ay * big - 0.5, SIZE_RADII[scene.size] * big
     fill = COLORS[scene.color]

@@ -151,13 +151,20 @@ class WanFamily(Family):
             negative_prompt=params.negative_prompt,
             height=params.height,
             width=params.width,
-            num_frames=params.frames,
+            num_frames=self._pipeline_num_frames(params.frames),
             num_inference_steps=params.steps,
             guidance_scale=params.guidance,
             generator=self.generator(params.seed),
             max_sequence_length=self.max_sequence_length,
             output_type=output_type,
         )
+
+    def _pipeline_num_frames(self, frames: int) -> int:
+        """The ``num_frames`` for which the pipeline makes ``frames`` frames. NOTE: WanPipeline
+        rounds ``num_frames`` to ``k * temporal + 1`` whenever ``num_frames % temporal != 1``; with a
+        VAE that does not compress time (temporal 1, the shape world's video model) every count is
+        0 mod 1, so it adds one frame to every request."""
+        return frames - 1 if self.pipe.vae_scale_factor_temporal == 1 else frames
 
     @torch.no_grad()
     def reference_call(self, params: GenerationParams, output_type: str = "np"):
