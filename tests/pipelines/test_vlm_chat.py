@@ -78,6 +78,13 @@ def test_sampling_is_reproducible_from_the_seed(family):
     assert len(set(answers)) > 1  # it does sample (greedy would give one answer)
 
 
+def test_a_vanishing_temperature_is_greedy_not_an_overflow(family):
+    """temperature 5e-324 (what the schema fuzzer sent) used to overflow the logits and raise in sampling."""
+    chat = family.chat_model()
+    greedy = chat.run(ask(question="hello", temperature=0.0, max_tokens=6)).text
+    assert chat.run(ask(question="hello", temperature=5e-324, max_tokens=6)).text == greedy
+
+
 def test_prompt_past_the_context_is_refused_naming_max_tokens(family):
     chat = family.chat_model()
     with pytest.raises(InvalidParam) as e:

@@ -36,12 +36,16 @@ class ChatTurn:
     parts: tuple[str | int, ...]
 
 
+#: Temperatures below this decode greedily (``generation_config``).
+GREEDY_BELOW = 1e-5
+
+
 @dataclass(frozen=True)
 class ChatParams:
     turns: tuple[ChatTurn, ...]
     images: tuple[Any, ...] = ()  # PIL images, referenced by index from the turns
     max_tokens: int = 256
-    temperature: float = 0.0  # 0: greedy
+    temperature: float = 0.0  # 0 (or below GREEDY_BELOW): greedy
     top_p: float = 1.0
     seed: int = 0
     ignore_eos: bool = False  # generate exactly max_tokens (load tests, benchmarks)
@@ -149,7 +153,9 @@ class ChatModel:
 
     def generation_config(self, params: ChatParams):
         config = copy.deepcopy(self.model.generation_config)
-        sample = params.temperature > 0
+        # NOTE: below GREEDY_BELOW the answer is greedy (as vLLM does): logits / 5e-324 overflow to inf
+        # and sampling would raise (found by the schema fuzzer); the distribution is one-hot anyway.
+        sample = params.temperature >= GREEDY_BELOW
         config.update(
             max_new_tokens=params.max_tokens,
             min_new_tokens=params.max_tokens if params.ignore_eos else None,
