@@ -71,7 +71,7 @@ def ray_pool(
 
             ray.shutdown()
 
-    return functools.partial(RayWorkers, cluster, owns_ray=False), stop
+    return functools.partial(RayWorkers, cluster), stop
 
 
 def init_ray(config: ClusterConfig, num_cpus: float, resources: dict[str, float] | None = None) -> bool:
@@ -154,7 +154,8 @@ class _Actor:
 
 
 class RayWorkers:
-    """``WorkerPool`` of Ray actors (module docstring). ``owns_ray``: shut Ray down in ``reap``."""
+    """``WorkerPool`` of Ray actors (module docstring). Ray itself is started and stopped by whoever
+    joined it (``ray_pool``'s stop function), not by a pool: several models' pools share it."""
 
     def __init__(
         self,
@@ -164,7 +165,6 @@ class RayWorkers:
         token: str,
         on_exit: Callable[[str, int], None],
         on_start: Callable[[str], None] = lambda role: None,
-        owns_ray: bool = False,
     ):
         import ray
 
@@ -175,7 +175,6 @@ class RayWorkers:
         self.token = token
         self.on_exit = on_exit
         self.on_start = on_start
-        self.owns_ray = owns_ray
         self.actors: dict[str, _Actor] = {}  # base id -> actor
         self.restarts_total = 0
         self._remote = ray.remote(WorkerActor)
@@ -318,8 +317,6 @@ class RayWorkers:
         """Wait for the workers to exit (a shutdown was sent), then kill every actor and free its group."""
         await asyncio.gather(*(self._await_exit(a, timeout_s) for a in self.actors.values() if not a.given_up))
         self.actors.clear()
-        if self.owns_ray:
-            self.ray.shutdown()
 
     async def _await_exit(self, a: _Actor, timeout_s: float) -> None:
         from ray.exceptions import RayActorError

@@ -16,15 +16,12 @@ import numpy as np
 
 from triptych.world.render import render
 from triptych.world.scene import (
-    COLOR_NAMES,
     POSITION_ANCHORS,
-    SHAPES,
     SIZES,
     Scene,
     Split,
     _check,
     _combinations,
-    combination_split,
     combinations,
     make_rng,
 )
@@ -51,21 +48,16 @@ class Clip:
     size: str = "large"
 
     def __post_init__(self) -> None:
-        _check("shape", self.shape, SHAPES)
-        _check("color", self.color, COLOR_NAMES)
-        _check("background", self.background, COLOR_NAMES)
         _check("direction", self.direction, tuple(DIRECTIONS))
-        _check("size", self.size, SIZES)
-        if self.color == self.background:
-            raise ValueError(f"shape colour equals background colour: {self.color}")
+        self.scene()  # the still scene's own checks: shape, colours, size
 
     @property
     def combination(self) -> tuple[str, str, str]:
-        return (self.shape, self.color, self.background)
+        return self.scene().combination
 
     @property
     def split(self) -> str:
-        return combination_split(*self.combination)
+        return self.scene().split
 
     def scene(self) -> Scene:
         """The still scene of any one frame (position left at ``centre``: it moves)."""
