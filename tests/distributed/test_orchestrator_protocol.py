@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 import zmq
@@ -185,4 +186,31 @@ def test_a_second_worker_reusing_an_instance_id_is_refused_at_once(head):
     ack = second.recv(timeout_s=10)
     assert ack.accepted is False and "already registered" in ack.reason
     assert [i["pid"] for i in on_loop(loop, orch.describe)["instances"]] == [1]
+    ctx.destroy(linger=0)
+
+
+@pytest.mark.parametrize("follow", [False, True])
+def test_a_denoiser_is_asked_for_step_progress_only_when_someone_follows_it(head, model, follow):
+    """Per-step ``Progress`` is asked for (``DenoiseTask.progress``) only when the caller passed
+    ``on_progress`` (a video job, the CLI's bar); when asked, each step reaches the caller."""
+    orch, loop = head
+    ctx = zmq.Context()
+    enc, den, dec = (FakeWorker(ctx, orch, f"{r}-0", r) for r in ("encoder", "denoiser", "decoder"))
+    seen = []
+    on_progress = (lambda step, total: seen.append((step, total))) if follow else None
+    pending = asyncio.run_coroutine_threadsafe(orch.run(job(model[1], "p-2"), on_progress), loop)
+    assert isinstance(enc.recv(), P.EncodeTask)
+    enc.send(P.EncodeDone("p-2", 1, "encoder-0", SPEC))
+    denoise = _next(den, P.DenoiseTask)
+    assert denoise.progress is follow
+    den.send(P.Progress("p-2", 1, "denoiser-0", 1, 2))
+    den.send(P.Progress("p-2", 1, "denoiser-0", 2, 2))
+    den.send(P.EncodeDone("p-2", 1, "denoiser-0", SPEC))  # wrong sender: dropped and counted, and sent last,
+    deadline = time.monotonic() + 30  # once it is counted, both Progress messages were handled
+    while on_loop(loop, orch.describe)["stats"].get("dropped_misrouted", 0) < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    asyncio.run_coroutine_threadsafe(orch.cancel("p-2"), loop).result(30)
+    with pytest.raises(Cancelled):
+        pending.result(30)
+    assert seen == ([(1, 2), (2, 2)] if follow else [])
     ctx.destroy(linger=0)

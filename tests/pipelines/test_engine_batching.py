@@ -144,10 +144,13 @@ def test_the_denoiser_worker_fails_an_evicted_request_as_retryable_and_keeps_ser
         def fail(self, job, error, retryable):
             failures.append((job.request_id, retryable))
 
+    from triptych.server.wire import params_to_wire
+
     runner = DenoiserRunner(family, Port(), EngineConfig(max_batch_requests=1))
     for rid in ("bad", "good"):
         p = _params(family, 0)
-        runner.admit(Job(rid, 1, p, task=None), family.prepare(rid, p, family.encode(p)))
+        task = P.DenoiseTask(rid, 1, params_to_wire(p), {}, "e0", "dec0", 30.0, progress=True)
+        runner.admit(Job(rid, 1, p, task=task), family.prepare(rid, p, family.encode(p)))
     real = family.forward
     monkeypatch.setattr(
         family,
@@ -158,7 +161,8 @@ def test_the_denoiser_worker_fails_an_evicted_request_as_retryable_and_keeps_ser
         runner.execute()
     assert failures == [("bad", True)]
     assert [m.request_id for m in sent if isinstance(m, P.DenoiseDone)] == ["good"]
-    assert not any(m.request_id == "bad" for m in sent if isinstance(m, P.Progress))
+    progress = [m.request_id for m in sent if isinstance(m, P.Progress)]
+    assert "bad" not in progress and progress.count("good") == _params(family, 0).steps
 
 
 def test_a_failed_tick_frees_its_memory_at_once(family, monkeypatch):

@@ -66,6 +66,7 @@ MESSAGES = [
     P.EncodeTask("r1", 1, WIRE, "den-0"),
     P.DenoiseTask("r1", 1, WIRE, SPEC, "enc-0", "dec-0", 30.0),
     P.DenoiseTask("r1", 1, WIRE, SPEC, "enc-0", "dec-0", 30.0, previews=3),
+    P.DenoiseTask("r1", 1, WIRE, SPEC, "enc-0", "dec-0", 30.0, progress=True),
     P.PreviewTask("r1", 1, WIRE, 1, 3, 4, SPEC, "den-0", "webp", 80, 30.0),
     P.PushTask("r1", 1, "preview0", {"latents": REF}),
     P.DecodeTask("r1", 1, WIRE, SPEC, "den-0", "png", 16, 30.0),

@@ -226,6 +226,7 @@ class DenoiseTask(msgspec.Struct, frozen=True, tag="denoise_task"):
     decoder: str  # decoder instance id already holding a slot for this request
     reserve_timeout_s: float  # how long the reserved slots wait for the push
     previews: int = 0  # partial images wanted: x0 previews at evenly spaced steps (``preview_steps``)
+    progress: bool = False  # send a ``Progress`` after every step (someone follows this request's steps)
 
 
 class DecodeTask(msgspec.Struct, frozen=True, tag="decode_task"):

@@ -186,6 +186,7 @@ class GenerationRouter:
                 dec.instance_id,
                 self.reserve_timeout_s,
                 tr.job.partial_images if tr.on_preview is not None else 0,
+                tr.on_progress is not None,
             )
             self.send(tr.assigned["denoiser"], task)
 

@@ -52,7 +52,7 @@ class DenoiserRunner(StageRunner):
                 port.fail(job, error, retryable=True)
         for rid, step, total in out.progress:
             job = self._jobs.get(rid)
-            if job is not None:
+            if job is not None and _follows(job):
                 port.send(P.Progress(rid, job.generation, port.instance_id, step, total))
         for rid, step, total, x0 in out.previews:
             job = self._jobs.get(rid)
@@ -88,6 +88,12 @@ class DenoiserRunner(StageRunner):
         if self._jobs.get(job.request_id) is job:
             del self._jobs[job.request_id]
         self.engine.abort(job.request_id)
+
+
+def _follows(job: Job) -> bool:
+    """Whether the head follows ``job``'s steps (a video job's progress, the CLI's bar): a step's
+    ``Progress`` is a signed control message through the head, ~20 per image nobody reads otherwise."""
+    return isinstance(job.task, P.DenoiseTask) and job.task.progress
 
 
 def _previews(job: Job) -> int:
