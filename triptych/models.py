@@ -1,8 +1,11 @@
 """Where the built-in models come from.
 
 ``builtin_models`` names every built-in model present (what a bare ``triptych serve`` serves): the
-default image model, its edit variant (``assets/default_edit``, linking the default's weights) and
-the video model (``assets/video``) when it is shipped. The default image model's order: a trained default shipped inside the package (``triptych/assets/default``) when present;
+default image model, which also edits, and the video model (``assets/video``) when it is shipped.
+The packaged default's ``triptych.json`` says ``"edits": true``: it loads as one family that
+generates and edits over one set of weights (``pipelines.qwenimage.generate_edit``), so it is served
+once, with one set of pools. Its edit-only directory (``assets/default_edit``, linking the same
+weights as a plain ``QwenImageEditPipeline``) is for diffusers users and ``--model default_edit``. The default image model's order: a trained default shipped inside the package (``triptych/assets/default``) when present;
 otherwise a tiny seeded model of ``DEFAULT_TINY_FAMILY`` created on first use under the per-user
 cache directory (``cache_root``; the CLIs pass ``$TRIPTYCH_CACHE``, default ``~/.cache/triptych``). Creation writes to a temporary
 directory and renames it into place, so concurrent first uses never see a half-written model.
@@ -38,12 +41,8 @@ def default_model_dir(cache_root: str | os.PathLike | None = None) -> Path:
 
 def builtin_models(cache_root: str | os.PathLike | None = None) -> dict[str, Path]:
     """Model id → directory of each built-in model present, image model first: the default image
-    model, its edit variant (only beside the packaged default, whose weights it links) and the video
-    model. The id is the directory's name."""
-    default = default_model_dir(cache_root)
-    found = [default]
-    if default == PACKAGED_DEFAULT and (PACKAGED_EDIT / "model_index.json").is_file():
-        found.append(PACKAGED_EDIT)
+    model (the packaged one also edits) and the video model. The id is the directory's name."""
+    found = [default_model_dir(cache_root)]
     video = default_video_model_dir()
     if video is not None:
         found.append(video)

@@ -52,6 +52,15 @@ def test_an_unknown_model_is_a_404_naming_the_served_ids(models):
     assert "'nope'" in err.value.detail and all(f"'{n}'" in err.value.detail for n in ("video", "t2i", "edit"))
 
 
+def test_a_model_that_generates_and_edits_takes_both_jobs_and_says_so(tmp_path):
+    both = ServedModels(
+        {"vid": Backend(Fam(tmp_path, video=True)), "both": Backend(Fam(tmp_path, accepts=True))}, AdmissionLimits()
+    )
+    assert both.pick(None, "image").name == both.pick(None, "edit").name == "both"
+    assert [m.kind for m in both] == ["video", "image+edit"]
+    assert both.by_name["both"].card().kind == "image+edit"
+
+
 def test_no_model_of_the_kind_falls_back_to_the_first(tmp_path):
     only = ServedModels({"t2i": Backend(Fam(tmp_path))}, AdmissionLimits())
     assert only.pick(None, "edit").name == "t2i"  # whose own check says it is text-only
@@ -102,13 +111,18 @@ def test_serve_model_flags_name_each_model(tmp_path):
         served_models([str(a), f"flux-a={b}"])
 
 
-def test_builtin_models_are_the_packaged_image_edit_and_video_models_present(tmp_path, monkeypatch):
+def test_builtin_models_are_the_packaged_image_and_edit_model_and_the_video_model_present(tmp_path, monkeypatch):
+    """The packaged default generates and edits (one model, one set of pools): its edit-only
+    directory, which links the same weights, is not served beside it."""
     from triptych import models
+    from triptych.pipelines.qwenimage.generate_edit import QwenImageGenerateEditFamily
+    from triptych.pipelines.registry import family_class
 
     if not (models.PACKAGED_DEFAULT / "model_index.json").is_file():
         pytest.skip("no packaged default model")
     monkeypatch.setattr(models, "PACKAGED_VIDEO", tmp_path / "video")
-    assert models.builtin_models() == {"default": models.PACKAGED_DEFAULT, "default_edit": models.PACKAGED_EDIT}
+    assert models.builtin_models() == {"default": models.PACKAGED_DEFAULT}
+    assert family_class(models.PACKAGED_DEFAULT) is QwenImageGenerateEditFamily
     (tmp_path / "video").mkdir()
     (tmp_path / "video" / "model_index.json").write_text("{}")
-    assert list(models.builtin_models()) == ["default", "default_edit", "video"]
+    assert list(models.builtin_models()) == ["default", "video"]

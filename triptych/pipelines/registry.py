@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from triptych.errors import UnknownModel
+from triptych.pipelines.geometry import model_defaults
 
 # Pipeline class name → "module:Class" of its adapter; imported lazily.
 FAMILIES: dict[str, str] = {
@@ -15,6 +16,12 @@ FAMILIES: dict[str, str] = {
     "QwenImageEditPipeline": "triptych.pipelines.qwenimage.family:QwenImageEditFamily",
     "WanPipeline": "triptych.pipelines.wan.family:WanFamily",
     "WanImageToVideoPipeline": "triptych.pipelines.wan.family:WanImageToVideoFamily",
+}
+
+# (pipeline class, ``triptych.json`` key) → the adapter of a checkpoint of that class whose
+# ``triptych.json`` sets the key true: one checkpoint trained for more than its class's job.
+VARIANTS: dict[tuple[str, str], str] = {
+    ("QwenImagePipeline", "edits"): "triptych.pipelines.qwenimage.generate_edit:QwenImageGenerateEditFamily",
 }
 
 # make-tiny --family NAME → "module:function(out, seed, size)".
@@ -54,7 +61,12 @@ def architecture(model_dir: str | Path) -> str:
 
 
 def family_class(model_dir: str | Path):
-    return _load(FAMILIES[architecture(model_dir)])
+    name = architecture(model_dir)
+    declared = model_defaults(Path(model_dir))
+    for (arch, key), target in VARIANTS.items():
+        if arch == name and declared.get(key) is True:
+            return _load(target)
+    return _load(FAMILIES[name])
 
 
 def load_family(model_dir: str | Path, roles=None, device="cpu", dtype=None, mm_cache_config=None):

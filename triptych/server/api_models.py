@@ -264,7 +264,10 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "triptych"
     family: str = Field(description="Triptych family adapter name (extra)")
-    kind: Literal["image", "video", "image-edit"] = Field(description="what the model generates (extra)")
+    kind: Literal["image", "image+edit", "image-edit", "video"] = Field(
+        description="what the model does (extra): image (generates), image+edit (generates and edits), "
+        "image-edit (edits only), video"
+    )
     chat: bool = Field(False, description="answers POST /v1/chat/completions with its VLM (extra)")
 
 

@@ -48,7 +48,9 @@ class ServedModel:
     @property
     def kind(self) -> str:
         f = self.family
-        return "video" if f.is_video else "image-edit" if f.requires_image else "image"
+        if f.is_video:
+            return "video"
+        return "image-edit" if f.requires_image else "image+edit" if f.accepts_image else "image"
 
     def can(self, job_kind: str) -> bool:
         """Whether this model does ``job_kind`` (one of ``JOB_KINDS``)."""

@@ -15,6 +15,9 @@ from triptych.training.common import CONDITION_AREA
 DEFAULTS = {"height": 64, "width": 64, "steps": 20, "guidance": 4.0, "world": "shapes", "trained_sizes": ["64x64"]}
 #: The edit model also records the condition image's area it was trained with (the family reads it).
 EDIT_DEFAULTS = {"condition_area": CONDITION_AREA}
+#: The text-to-image directory of a run that trained edits too (the same transformer, and the
+#: processor edits need): one model that generates and edits (``pipelines.qwenimage.generate_edit``).
+GENERATE_EDIT_DEFAULTS = {"edits": True, **EDIT_DEFAULTS}
 
 
 def write_model(parts: dict, out: Path, edit: bool, defaults: dict | None = None) -> Path:
@@ -33,7 +36,8 @@ def write_model(parts: dict, out: Path, edit: bool, defaults: dict | None = None
         if "processor" in parts:  # not a QwenImagePipeline component: the family loads it for chat
             # a copy: saving a processor marks its tokenizer, which the edit directory saves next
             copy.deepcopy(parts["processor"]).save_pretrained(out / "processor")
-    settings = dict(defaults or DEFAULTS, **(EDIT_DEFAULTS if edit else {}))
+    extra = EDIT_DEFAULTS if edit else GENERATE_EDIT_DEFAULTS if "processor" in parts else {}
+    settings = dict(defaults or DEFAULTS, **extra)
     (out / "triptych.json").write_text(json.dumps(settings, indent=2) + "\n")
     return out
 
