@@ -49,7 +49,7 @@ ROLES = ("encoder", "denoiser", "decoder")
 
 
 # ---- the naive baseline: one pipeline, one lock -------------------------------------------------
-def naive_app(model: str):
+def naive_app(model: str, extra: dict):
     import torch
     from diffusers import DiffusionPipeline
     from fastapi import FastAPI
@@ -68,7 +68,7 @@ def naive_app(model: str):
     async def generate(body: dict):
         width, height = (int(x) for x in body.get("size", "64x64").split("x"))
         gen = torch.Generator("cpu").manual_seed(int(body.get("seed", 0)))
-        kwargs = {"height": height, "width": width, "num_inference_steps": int(body["num_inference_steps"])}
+        kwargs = {"height": height, "width": width, "num_inference_steps": int(body["num_inference_steps"]), **extra}
         async with lock:
             out = await asyncio.to_thread(pipe, prompt=body["prompt"], generator=gen, **kwargs)
         buf = io.BytesIO()
@@ -125,7 +125,7 @@ class InProc:
 
     name = "inproc"
 
-    def __init__(self, model: str):
+    def __init__(self, model: str, extra: dict):
         import torch
         from diffusers import DiffusionPipeline
 
@@ -134,13 +134,19 @@ class InProc:
         self.pipe = DiffusionPipeline.from_pretrained(model, dtype=torch.float32)
         self.pipe.set_progress_bar_config(disable=True)
         self.lock = threading.Lock()
+        self.extra = extra
 
     def _run(self, b: dict) -> None:
         size = int(b["size"].split("x")[0])
         gen = self.torch.Generator("cpu").manual_seed(b["seed"])
         with self.lock:
             self.pipe(
-                prompt=b["prompt"], generator=gen, height=size, width=size, num_inference_steps=b["num_inference_steps"]
+                prompt=b["prompt"],
+                generator=gen,
+                height=size,
+                width=size,
+                num_inference_steps=b["num_inference_steps"],
+                **self.extra,
             )
 
     async def request(self, b: dict) -> float:
@@ -332,13 +338,24 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--systems", nargs="+", default=["inproc", "naive", "t111", "t121"])
     ap.add_argument("--out", default="benchmarks/serving.json")
+    ap.add_argument(
+        "--call-kwargs",
+        default="{}",
+        help="JSON of extra pipeline call arguments for inproc and naive, so they run the math the served model "
+        'runs (the default model\'s CFG: \'{"negative_prompt": " ", "true_cfg_scale": 4.0}\')',
+    )
     ap.add_argument("--naive-server", help=argparse.SUPPRESS)  # internal: run the naive server on --port
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.naive_server:
         import uvicorn
 
-        uvicorn.run(naive_app(args.naive_server), host="127.0.0.1", port=args.port, log_level="warning")
+        uvicorn.run(
+            naive_app(args.naive_server, json.loads(args.call_kwargs)),
+            host="127.0.0.1",
+            port=args.port,
+            log_level="warning",
+        )
         return
     from triptych.pipelines.registry import make_tiny
 
@@ -356,7 +373,7 @@ def main() -> None:
         "4096",
     ]
     specs = {
-        "naive": [*py, __file__, "--naive-server", model],
+        "naive": [*py, __file__, "--naive-server", model, "--call-kwargs", args.call_kwargs],
         "t111": serve,
         "t121": [*serve, "--denoisers", "2"],
         "r121": [*serve, "--denoisers", "2", "--cluster", "ray", *(f"--{r}-cpus=0.5" for r in ROLES)],
@@ -368,7 +385,11 @@ def main() -> None:
         for s in servers:
             s.wait()
         for name in args.systems:
-            systems.append(InProc(model) if name == "inproc" else Http(next(s for s in servers if s.name == name)))
+            systems.append(
+                InProc(model, json.loads(args.call_kwargs))
+                if name == "inproc"
+                else Http(next(s for s in servers if s.name == name))
+            )
         rows = asyncio.run(measure(systems, args))
     finally:
         for s in servers:
