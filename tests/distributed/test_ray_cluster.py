@@ -29,6 +29,7 @@ from ray_support import is_loopback, listeners  # noqa: E402
 from tests.e2e.http_support import decode_pixels, serve, wait_for  # noqa: E402
 from triptych.calibration.metrics import psnr  # noqa: E402
 from triptych.cluster.config import ClusterConfig, RoleResources  # noqa: E402
+from triptych.cluster.placement import actor_options, bundles, group_strategy  # noqa: E402
 from triptych.cluster.ray_backend import LOOPBACK_SWITCH, RayWorkers, init_ray  # noqa: E402
 from triptych.pipelines.base import GenerationParams  # noqa: E402
 from triptych.pipelines.registry import load_family  # noqa: E402
@@ -53,7 +54,7 @@ def nodes():
         initialize_head=True, head_node_args={**common, "include_dashboard": False, "resources": {"enc_dec": 2}}
     )
     try:
-        cluster.add_node(**common, resources={"denoise": 2})
+        cluster.add_node(**common, num_gpus=2, resources={"denoise": 2})  # GPUs: declared, not real
         init_ray(ClusterConfig(cluster="ray", ray_address=cluster.address), 0)
         by_resource = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
         a = next(i for i, r in by_resource.items() if "enc_dec" in r)
@@ -171,3 +172,28 @@ def test_a_killed_denoiser_actor_is_restarted_and_requests_complete(server, node
     assert info["pid"] != actor_pid and info["node_id"] == node_b and info["instance_id"] == restarted[0]["id"]
     assert backend.describe()["local_workers"]["restarts"] >= 1
     assert_close(generate(client, 42), reference(model, 42))  # the pool serves again
+
+
+def test_rank_zero_of_a_multi_rank_instance_sees_the_gpus_of_every_rank(nodes):
+    """A 2-rank denoiser with ``--denoiser-gpus 1``: placed as ``RayWorkers.spawn`` places it (the
+    placement helpers, bundle 0), its actor is handed both GPUs of node B, so the follower rank it
+    spawns (a child process, inheriting ``CUDA_VISIBLE_DEVICES``) gets its own. With a bundle per
+    rank it would see one, and both ranks would share it (NCCL refuses that)."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    @ray.remote
+    class Probe:
+        def seen(self):
+            return ray.get_runtime_context().get_node_id(), ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES")
+
+    res = RoleResources(gpus=1)
+    group = ray.util.placement_group(bundles(res, 2), strategy=group_strategy(2))
+    try:
+        ray.get(group.ready(), timeout=60)
+        strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
+        probe = Probe.options(**actor_options(res, 0, ranks=2), scheduling_strategy=strategy).remote()
+        node, ids, visible = ray.get(probe.seen.remote(), timeout=60)
+        ray.kill(probe)
+    finally:
+        ray.util.remove_placement_group(group)
+    assert node == nodes[2] and len(ids) == 2 and sorted(visible.split(",")) == sorted(str(i) for i in ids)

@@ -23,9 +23,12 @@ def test_role_resources_become_actor_options():
     }
 
 
-def test_a_multi_rank_instance_is_one_strict_pack_group_of_a_bundle_per_rank():
-    res = RoleResources(cpus=2, resources=("denoise=1",))
-    assert bundles(res, 2) == [{"CPU": 2, "denoise": 1.0}, {"CPU": 2, "denoise": 1.0}]
+def test_a_multi_rank_instance_is_one_strict_pack_group_of_one_bundle_with_every_rank():
+    """Rank 0's actor holds the whole instance's resources (its followers are its child processes)."""
+    res = RoleResources(cpus=2, gpus=1, resources=("denoise=1",))
+    assert bundles(res, 2) == [{"CPU": 4, "GPU": 2, "denoise": 2.0}]
+    opts = actor_options(res, max_restarts=0, ranks=2)
+    assert (opts["num_cpus"], opts["num_gpus"], opts["resources"]) == (4, 2, {"denoise": 2.0})
     assert group_strategy(2) == "STRICT_PACK" and group_strategy(1) is None
 
 

@@ -189,7 +189,7 @@ class RayWorkers:
         ranks = self.topology.parallel.world_size if role == "denoiser" else 1
         threads = self.topology.torch_threads or max(1, int(res.cpus))
         cmd = worker_command(self.topology, self.model_dir, role, head, iid, threads)
-        options = actor_options(res, self.cluster.ray_max_restarts)
+        options = actor_options(res, self.cluster.ray_max_restarts, ranks)
         group = None
         if (strategy := group_strategy(ranks)) is not None:
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
