@@ -19,6 +19,7 @@ import socket
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import psutil
 import pytest
 
 ray = pytest.importorskip("ray")
@@ -197,3 +198,32 @@ def test_rank_zero_of_a_multi_rank_instance_sees_the_gpus_of_every_rank(nodes):
     finally:
         ray.util.remove_placement_group(group)
     assert node == nodes[2] and len(ids) == 2 and sorted(visible.split(",")) == sorted(str(i) for i in ids)
+
+
+def test_a_two_rank_ulysses_denoiser_served_as_a_ray_placement_group_matches_generate(nodes, tiny_model_dir, tmp_path):
+    """The whole multi-rank path under Ray on CPU (gloo): rank 0's actor in a STRICT_PACK group on
+    node B spawns its follower rank, and the 1:1:1 server's image equals the single-rank
+    ``run_request`` within the module's tolerance. Resources: none beyond the node (cpus=0), so it
+    fits beside the module's other server."""
+    from triptych.parallel import ParallelConfig
+
+    model = tiny_model_dir("flux")
+    none = RoleResources(cpus=0)
+    config = ClusterConfig(cluster="ray", ray_max_restarts=0, encoder=none, decoder=none,
+                           denoiser=RoleResources(cpus=0, gpus=1))  # fmt: skip
+    backend = EmbeddedBackend(
+        model,
+        OrchestratorConfig(heartbeat_interval_s=0.2, heartbeat_timeout_s=10.0),
+        TopologyConfig(
+            transfer="zmq", capacity=2, torch_threads=1, start_timeout_s=240, parallel=ParallelConfig(ulysses=2)
+        ),
+        pool=functools.partial(RayWorkers, config),
+    )
+    with serve(create_app(backend, HeadConfig(data_dir=tmp_path / "head")), 240) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
+        got = generate(client, 11)
+        assert nodes_of(backend)["denoiser-0"] == nodes[2]  # the only node with GPUs
+        worker = psutil.Process(backend.workers.node_info("denoiser-0")["worker_pid"])
+        followers = [p for p in worker.children() if "triptych.server.rank" in " ".join(p.cmdline())]
+        assert len(followers) == 1  # rank 1, spawned by rank 0 inside the actor
+    assert_close(got, reference(model, 11))
