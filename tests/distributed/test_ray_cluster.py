@@ -7,6 +7,8 @@ images equal to ``run_request`` within the batching tolerance of ``tests/e2e/tes
 (concurrent requests may share a denoiser's forward); each actor sits on the node its resources
 name; every listener of the Ray processes is on 127.0.0.1; a kill -9 of a denoiser actor's process
 is restarted by Ray (a new instance to the head) and the requests in flight complete through retry.
+Node B also declares 2 GPUs (none are real): a 2-rank denoiser's actor is handed both, and a 2-rank
+Ulysses denoiser served as a Ray placement group (CPU, gloo) matches the single-rank image.
 Skipped without Ray (``pip install 'triptych[ray]'``).
 """
 
