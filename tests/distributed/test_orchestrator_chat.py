@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 import zmq
@@ -182,3 +183,30 @@ def test_a_model_without_a_vlm_refuses_chat(tiny_model_dir):
     with pytest.raises(InvalidParam) as e:
         asyncio.run(go())
     assert e.value.field == "model"
+
+
+def test_chats_waiting_for_an_encoder_count_in_the_encoder_pools_load(head):
+    """The autoscaler grows the encoder pool from ``Orchestrator.load("encoder")``: chats queued for
+    a chat-capable encoder slot count there (a plain encoder's free slots do not serve them)."""
+    orch, loop, ctx = head
+    plain, vlm = Encoder(ctx, orch, "enc-a", chat=False), Encoder(ctx, orch, "enc-b", chat=True)
+    futures = [start_chat(loop, orch, f"c{i}", []) for i in range(3)]  # capacity 2: one waits
+    tasks = [vlm.next(P.ChatTask) for _ in range(2)]
+    load = asyncio.run_coroutine_threadsafe(_load(orch), loop).result(10)
+    assert (load.queue_depth, load.live) == (1, ("enc-a", "enc-b")) and 0 <= load.oldest_wait_s < 30
+    for task in tasks:
+        vlm.send(P.ChatDone(task.request_id, task.generation, "enc-b", "ok", 1, 1, "stop"))
+    third = vlm.next(P.ChatTask)
+    deadline = time.monotonic() + 30
+    while (
+        load := asyncio.run_coroutine_threadsafe(_load(orch), loop).result(10)
+    ).queue_depth and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert load.queue_depth == 0 and load.oldest_wait_s == 0.0
+    vlm.send(P.ChatDone(third.request_id, third.generation, "enc-b", "ok", 1, 1, "stop"))
+    assert [f.result(30).text for f in futures] == ["ok"] * 3
+    plain.close()
+
+
+async def _load(orch):
+    return orch.load("encoder", time.monotonic())

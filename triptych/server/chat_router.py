@@ -98,6 +98,11 @@ class ChatRouter:
     def describe(self) -> dict:
         return {"chats": len(self.chats), "queue": len(self.waiting)}
 
+    def backlog(self, now: float) -> tuple[int, float]:
+        """The chats waiting for a chat-capable encoder slot, and how long the first has waited."""
+        first = self.chats[self.waiting[0]].machine.entered_at if self.waiting else now
+        return len(self.waiting), now - first
+
     def pump(self) -> None:
         while self.waiting:
             ct = self.chats[self.waiting[0]]
