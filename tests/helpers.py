@@ -1,5 +1,5 @@
-"""Small helpers shared by tests: transformer call counting, pristine reference pipelines, the
-Mooncake skip marker."""
+"""Small helpers shared by tests: transformer call counting, pristine reference pipelines (and a
+Qwen-Image call of one), a staged single-request run, the Mooncake skip marker."""
 
 from __future__ import annotations
 
@@ -50,3 +50,28 @@ def seeded(seed: int):
     import torch
 
     return torch.Generator("cpu").manual_seed(seed)
+
+
+def qwen_reference(pipe, p, **extra):
+    """A Qwen-Image(-Edit) pipeline's ``__call__`` with a request's arguments (guidance is Qwen's
+    ``true_cfg_scale``), as numpy images."""
+    return pipe(
+        prompt=p.prompt,
+        negative_prompt=p.negative_prompt,
+        true_cfg_scale=p.guidance,
+        height=p.height,
+        width=p.width,
+        num_inference_steps=p.steps,
+        generator=seeded(p.seed),
+        output_type="np",
+        **extra,
+    ).images
+
+
+def staged(family, params, fuse_cfg=False):
+    """One request through a family's stages in this process: (final state, decoded frames)."""
+    cond = family.encode(params)
+    state = family.prepare("r", params, cond)
+    while not state.done:
+        family.denoise_step([state], fuse_cfg=fuse_cfg)
+    return state, family.decode(state.latents, params)

@@ -29,7 +29,8 @@ import torch
 from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
 from PIL import Image
 
-from tests.helpers import pristine_pipeline, seeded
+from tests.helpers import pristine_pipeline, staged
+from tests.helpers import qwen_reference as reference
 from triptych.calibration.metrics import psnr
 from triptych.errors import InvalidParam
 from triptych.pipelines.base import GenerationParams, Role
@@ -95,32 +96,9 @@ def pristine_edit(model_dirs):
     return pristine_edit_pipeline(model_dirs["edit"])
 
 
-def reference(pipe, p, **extra):
-    """The pipeline's ``__call__`` with the request's arguments (guidance is Qwen's ``true_cfg_scale``)."""
-    return pipe(
-        prompt=p.prompt,
-        negative_prompt=p.negative_prompt,
-        true_cfg_scale=p.guidance,
-        height=p.height,
-        width=p.width,
-        num_inference_steps=p.steps,
-        generator=seeded(p.seed),
-        output_type="np",
-        **extra,
-    ).images
-
-
 def condition_image(width=48, height=40):
     rng = np.random.RandomState(7)
     return Image.fromarray((rng.rand(height, width, 3) * 255).astype("uint8"))
-
-
-def staged(family, params, fuse_cfg=False):
-    cond = family.encode(params)
-    state = family.prepare("r", params, cond)
-    while not state.done:
-        family.denoise_step([state], fuse_cfg=fuse_cfg)
-    return state, family.decode(state.latents, params)
 
 
 class ForwardCounter:

@@ -15,7 +15,8 @@ import pytest
 import torch
 from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
 
-from tests.helpers import pristine_pipeline, seeded
+from tests.helpers import pristine_pipeline, staged
+from tests.helpers import qwen_reference as reference
 from triptych.errors import InvalidParam
 from triptych.models import PACKAGED_DEFAULT, PACKAGED_EDIT
 from triptych.pipelines.base import GenerationParams, Role
@@ -50,28 +51,6 @@ def condition_image():
     from triptych.world import render, sample_scenes
 
     return render(sample_scenes(1, "generate-edit", "heldout")[0], 64)
-
-
-def staged(family, params, fuse_cfg=False):
-    cond = family.encode(params)
-    state = family.prepare("r", params, cond)
-    while not state.done:
-        family.denoise_step([state], fuse_cfg=fuse_cfg)
-    return state, family.decode(state.latents, params)
-
-
-def reference(pipe, p, **extra):
-    return pipe(
-        prompt=p.prompt,
-        negative_prompt=p.negative_prompt,
-        true_cfg_scale=p.guidance,
-        height=p.height,
-        width=p.width,
-        num_inference_steps=p.steps,
-        generator=seeded(p.seed),
-        output_type="np",
-        **extra,
-    ).images
 
 
 def test_the_default_loads_as_one_family_that_generates_and_edits(family):
