@@ -189,7 +189,7 @@ def test_rank_zero_of_a_multi_rank_instance_sees_the_gpus_of_every_rank(nodes):
         def seen(self):
             return ray.get_runtime_context().get_node_id(), ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES")
 
-    res = RoleResources(gpus=1)
+    res = RoleResources(cpus=0, gpus=1)  # no CPU: node B's are held by the module's server
     group = ray.util.placement_group(bundles(res, 2), strategy=group_strategy(2))
     try:
         ray.get(group.ready(), timeout=60)
