@@ -152,6 +152,29 @@ def components(seed: int) -> dict:
     )
 
 
+def warm_start(parts: dict, init: Path) -> int:
+    """Load a trained video model's transformer and text encoder (directory ``init``) into ``parts``.
+    The tokenizers may differ (the captions changed): the token embedding rows are copied piece by
+    piece for the pieces both vocabularies hold, the other rows keep their fresh initialisation.
+    Returns how many rows were copied."""
+    from diffusers import WanTransformer3DModel
+    from transformers import AutoTokenizer, UMT5EncoderModel
+
+    init = Path(init)
+    parts["transformer"].load_state_dict(WanTransformer3DModel.from_pretrained(init / "transformer").state_dict())
+    old = UMT5EncoderModel.from_pretrained(init / "text_encoder").state_dict()
+    old_vocab = AutoTokenizer.from_pretrained(init / "tokenizer").get_vocab()
+    state = parts["text_encoder"].state_dict()
+    table = state["shared.weight"].clone()
+    pairs = [(i, old_vocab[piece]) for piece, i in parts["tokenizer"].get_vocab().items() if piece in old_vocab]
+    for new, was in pairs:
+        table[new] = old["shared.weight"][was]
+    state.update({k: v for k, v in old.items() if k in state and v.shape == state[k].shape})
+    state["shared.weight"] = state["encoder.embed_tokens.weight"] = table
+    parts["text_encoder"].load_state_dict(state)
+    return len(pairs)
+
+
 def pipeline(parts: dict):
     from diffusers import WanPipeline
 
