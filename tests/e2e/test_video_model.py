@@ -82,9 +82,7 @@ def test_generate_is_bit_identical_to_the_pristine_pipeline(family, pristine):
     from triptych.pipelines.base import GenerationParams
     from triptych.pipelines.runner import run_request
 
-    params = family.resolve(
-        GenerationParams(prompt="a red circle moving from left to right on a blue background", seed=3)
-    )
+    params = family.resolve(GenerationParams(prompt="a red circle moving rightwards on a blue background", seed=3))
     frames, _ = run_request(family, params, fuse_cfg=False)
     # NOTE: WanPipeline adds a frame to every count when the VAE does not compress time (family.py).
     ref = pristine(
@@ -104,10 +102,11 @@ def test_generate_is_bit_identical_to_the_pristine_pipeline(family, pristine):
 
 HELDOUT = 4  # evaluate_video's first 4 held-out prompts and seeds
 COLOUR_AND_BACKGROUND_AT_LEAST = 3  # measured: 4 of 4 (50 of 50 in the card)
-# NOTE: shape kind and direction are not asserted: the shipped model gets them on 1 and 6 of 50 (MODEL_CARD.md).
+DIRECTION_AT_LEAST = 3  # measured: 4 of 4 (50 of 50 in the card)
+# NOTE: the shape kind is not asserted: the shipped model gets it on 23 of 50 (1 of these 4; MODEL_CARD.md).
 
 
-def test_heldout_prompts_draw_colour_and_background(family):
+def test_heldout_prompts_draw_colour_background_and_direction(family):
     from triptych.pipelines.base import GenerationParams
     from triptych.pipelines.runner import run_request
     from triptych.world.video import clip_caption, sample_clips
@@ -121,3 +120,4 @@ def test_heldout_prompts_draw_colour_and_background(family):
         rows.append(score_clip(frames.to_uint8(), clip))
     right = sum(r["color"] >= 0.8 and r["background"] >= 0.8 for r in rows)
     assert right >= COLOUR_AND_BACKGROUND_AT_LEAST, rows
+    assert sum(bool(r["direction"]) for r in rows) >= DIRECTION_AT_LEAST, rows

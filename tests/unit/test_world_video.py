@@ -51,11 +51,10 @@ def test_direction_needs_half_the_frames():
 
 def test_captions_and_splits():
     clip = Clip("circle", "red", "blue", "rightwards", "small")
-    assert clip_caption(clip) == "a red circle moving from left to right on a blue background"
-    assert clip_caption(clip, "long") == "a small red circle moving from left to right on a blue background"
-    assert clip_caption(Clip("cross", "green", "black", "upwards"), "short").endswith(
-        "from bottom to top on a black background"
-    )
+    assert clip_caption(clip) == "a red circle moving rightwards on a blue background"
+    assert clip_caption(clip, "long") == "a small red circle moving rightwards on a blue background"
+    assert clip_caption(clip, "tag") == "small, red, circle, rightwards, blue background"
+    assert clip_caption(Clip("cross", "green", "black", "upwards"), "tag").endswith(", upwards, black background")
     assert all(c.split == "train" for c in iter_all_clips("train"))
     held = sample_clips(50, "eval", "heldout")
     assert held == sample_clips(50, "eval", "heldout")

@@ -1,6 +1,6 @@
 """Score the shape world's video model from pixels on held-out clips, beside a random-weight twin.
 
-``python -m triptych.training.evaluate_video --model DIR --out EVAL_DIR [--n 50]``
+``python -m triptych.training.evaluate_video --model DIR --out EVAL_DIR [--n 50] [--split train]``
 
 Held-out prompts: ``clip_caption(clip, "short")`` of ``sample_clips(n, "eval", "heldout")`` (the
 world's held-out (shape, colour, background) combinations, never seen in training; any direction,
@@ -10,6 +10,9 @@ generate`` (the model's ``triptych.json`` defaults). Each video is read back by
 motion from the shape centroid's trajectory. A video counts for an attribute when it is right on at
 least 80% of its frames. The random-weight twin (same architecture, tokenizer, VAE and settings;
 text encoder and transformer untrained) runs on the same prompts and seeds.
+
+``--split train`` scores ``sample_clips(n, "validation", "train")`` instead: clips of train
+combinations, for choosing settings such as the guidance scale without looking at held-out prompts.
 
 Writes ``EVAL_DIR/results.json``, ``EVAL_DIR/gallery.png`` (frame strips of the first held-out
 prompts) and prints a table.
@@ -31,6 +34,8 @@ from triptych.world.video_scorer import FRAME_KEYS, clip_accuracy, score_clip
 
 logger = logging.getLogger("triptych.training.evaluate_video")
 MEASURES = (*FRAME_KEYS, "frames_all", "direction", "all")
+#: ``sample_clips`` seed per split: held-out prompts for the figures, train ones for choosing settings.
+SAMPLE_SEEDS = {"heldout": "eval", "train": "validation"}
 
 
 def generate(model_dir: Path, clips, steps: int | None = None, guidance: float | None = None):
@@ -112,11 +117,12 @@ def evaluate(
     guidance: float | None = None,
     random_twin: bool = True,
     gallery_rows: int = 8,
+    split: str = "heldout",
 ) -> dict:
     out.mkdir(parents=True, exist_ok=True)
-    clips = sample_clips(n, "eval", "heldout")
-    assert all(c.split == "heldout" for c in clips)
-    results: dict = {"n": n, "prompts": [clip_caption(c, "short") for c in clips]}
+    clips = sample_clips(n, SAMPLE_SEEDS[split], split)
+    assert all(c.split == split for c in clips)
+    results: dict = {"n": n, "split": split, "prompts": [clip_caption(c, "short") for c in clips]}
     t = time.time()
     videos, rows = generate(model, clips, steps, guidance)
     results["seconds"] = time.time() - t
@@ -150,7 +156,8 @@ def table(r: dict) -> str:
         "all": "all three on >= 80% of frames and direction",
     }
     rnd = r.get("random", {})
-    lines = [f"| held-out videos ({r['n']}) | trained | random weights |", "|---|---|---|"]
+    split = {"heldout": "held-out", "train": "train-combination"}[r.get("split", "heldout")]
+    lines = [f"| {split} videos ({r['n']}) | trained | random weights |", "|---|---|---|"]
     for k in MEASURES:
         lines.append(
             f"| {names[k]} | {r['trained'][k]:.0%} | {rnd[k]:.0%} |"
@@ -169,12 +176,15 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int)
     p.add_argument("--guidance", type=float)
     p.add_argument("--no-random", action="store_true", help="skip the random-weight twin")
+    p.add_argument("--split", choices=sorted(SAMPLE_SEEDS), default="heldout", help="train: for choosing settings")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     import torch
 
     torch.set_num_threads(1)
-    results = evaluate(args.model, args.out, args.n, args.seed, args.steps, args.guidance, not args.no_random)
+    results = evaluate(
+        args.model, args.out, args.n, args.seed, args.steps, args.guidance, not args.no_random, split=args.split
+    )
     logger.info("results\n%s", table(results))
     return results
 

@@ -71,15 +71,17 @@ class Clip:
 
 
 def clip_caption(clip: Clip, style: str = "short") -> str:
-    """``"a red circle moving from left to right on a blue background"`` (short); ``"long"`` adds the
-    size; ``"tag"`` is ``"small, red, circle, left to right, blue background"``."""
-    start, end = DIRECTIONS[clip.direction]
+    """``"a red circle moving rightwards on a blue background"`` (short); ``"long"`` adds the size;
+    ``"tag"`` is ``"small, red, circle, rightwards, blue background"``. Every style names the direction
+    with its own word (the direction key): in ``"from left to right"`` and ``"from right to left"`` the
+    two directions differ only in word order, which the video model's tiny text encoder did not learn
+    to tell apart (``triptych/assets/video/MODEL_CARD.md``)."""
     if style == "short":
-        return f"a {clip.color} {clip.shape} moving from {start} to {end} on a {clip.background} background"
+        return f"a {clip.color} {clip.shape} moving {clip.direction} on a {clip.background} background"
     if style == "long":
-        return f"a {clip.size} {clip.color} {clip.shape} moving from {start} to {end} on a {clip.background} background"
+        return f"a {clip.size} {clip.color} {clip.shape} moving {clip.direction} on a {clip.background} background"
     if style == "tag":
-        return f"{clip.size}, {clip.color}, {clip.shape}, {start} to {end}, {clip.background} background"
+        return f"{clip.size}, {clip.color}, {clip.shape}, {clip.direction}, {clip.background} background"
     raise ValueError(f"unknown caption style {style!r}; expected one of {CLIP_CAPTION_STYLES}")
 
 
