@@ -34,11 +34,12 @@ pytestmark = pytest.mark.skipif(
     reason="no trained default or video model shipped",
 )
 FPS = 8
-#: What the served video is held to, read back by the video scorer (assets/video/MODEL_CARD.md has
-#: the 50-prompt figures): per-frame attributes right on at least MIN_FRAME_SHARE of the frames, and
-#: per-clip checks right.
+#: What the served video is held to, read back by the video scorer: the attributes the model gets
+#: right on every one of 50 held-out prompts (assets/video/MODEL_CARD.md) on at least
+#: MIN_FRAME_SHARE of the frames, and the direction of motion. Not the shape kind: the model draws
+#: it on >= 80% of the frames of only 46% of those videos.
 VIDEO_FRAME_CHECKS = ("color", "background")
-VIDEO_CLIP_CHECKS = ()
+VIDEO_CLIP_CHECKS = ("direction",)
 
 
 def png(image) -> bytes:
