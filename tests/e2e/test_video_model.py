@@ -103,7 +103,7 @@ def test_generate_is_bit_identical_to_the_pristine_pipeline(family, pristine):
 HELDOUT = 4  # evaluate_video's first 4 held-out prompts and seeds
 COLOUR_AND_BACKGROUND_AT_LEAST = 3  # measured: 4 of 4 (50 of 50 in the card)
 DIRECTION_AT_LEAST = 3  # measured: 4 of 4 (50 of 50 in the card)
-# NOTE: the shape kind is not asserted: the shipped model gets it on 23 of 50 (1 of these 4; MODEL_CARD.md).
+# NOTE: the shape kind is not asserted: the shipped model gets it on 24 of 50 (1 of these 4; MODEL_CARD.md).
 
 
 def test_heldout_prompts_draw_colour_background_and_direction(family):
