@@ -37,7 +37,7 @@ FPS = 8
 #: What the served video is held to, read back by the video scorer: the attributes the model gets
 #: right on every one of 50 held-out prompts (assets/video/MODEL_CARD.md) on at least
 #: MIN_FRAME_SHARE of the frames, and the direction of motion. Not the shape kind: the model draws
-#: it on >= 80% of the frames of only 46% of those videos.
+#: it on >= 80% of the frames of only 48% of those videos.
 VIDEO_FRAME_CHECKS = ("color", "background")
 VIDEO_CLIP_CHECKS = ("direction",)
 
