@@ -7,12 +7,13 @@ transformer's one-step prediction ``x0 = x_s - s * v`` from ``x_s = (1 - s) x0 +
 no guidance) is decoded and read back by the world's scorer. At ``s`` near 1 the latents hold almost
 nothing of the clip, so a right direction or shape there comes from the prompt; sampling starts at
 ``s = 1``. Prints, per noise level, how many clips have the direction right and how many the shape
-kind, colour and background on at least 80% of their frames.
+kind, colour and background on at least 80% of their frames (logged).
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,8 @@ import torch
 
 from triptych.world.video import clip_caption, render_clip, sample_clips
 from triptych.world.video_scorer import score_clip
+
+logger = logging.getLogger("triptych.training.diagnose_video")
 
 LEVELS = (0.3, 0.6, 0.8, 0.95, 1.0)
 
@@ -60,10 +63,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--model", type=Path, required=True)
     p.add_argument("--n", type=int, default=8)
     args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.set_num_threads(1)
     result = diagnose(args.model, args.n)
     for s, row in result.items():
-        print(f"s={s:.2f} " + " ".join(f"{k} {v}/{args.n}" for k, v in row.items()))
+        logger.info("s=%.2f %s", s, " ".join(f"{k} {v}/{args.n}" for k, v in row.items()))
     return result
 
 
