@@ -17,19 +17,13 @@ its condition image's shape). TeaCache profiles are fitted on text-to-image requ
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from diffusers import QwenImagePipeline
-from diffusers.image_processor import VaeImageProcessor
 
 from triptych.errors import InvalidParam
 from triptych.pipelines.base import Conditioning, DenoiseState, GenerationParams, Role
 from triptych.pipelines.qwenimage import encode as enc
 from triptych.pipelines.qwenimage.family import QwenImageEditFamily, QwenImageFamily
-
-#: ``triptych.json`` key that marks a Qwen-Image checkpoint as trained for edits too.
-EDITS_KEY = "edits"
 
 
 class QwenImageGenerateEditFamily(QwenImageEditFamily):
@@ -45,9 +39,8 @@ class QwenImageGenerateEditFamily(QwenImageEditFamily):
         super()._post_load()
         components = {k: v for k, v in self.pipe.components.items() if k != "processor"}
         t2i = QwenImagePipeline(**components)  # the same modules: nothing is loaded twice
-        t2i.vae_scale_factor = self.pipe.vae_scale_factor
-        t2i.image_processor = VaeImageProcessor(vae_scale_factor=t2i.vae_scale_factor * 2)
-        t2i.latent_channels = self.pipe.latent_channels
+        for name in ("vae_scale_factor", "image_processor", "latent_channels"):  # geometry _post_load read
+            setattr(t2i, name, getattr(self.pipe, name))
         t2i.set_progress_bar_config(disable=True)
         self.t2i_pipe = t2i
 
@@ -78,6 +71,6 @@ class QwenImageGenerateEditFamily(QwenImageEditFamily):
 
     def reference_call(self, params: GenerationParams, output_type: str = "np"):
         if params.image is None:
-            kwargs: dict[str, Any] = QwenImageFamily._reference_kwargs(self, params)
+            kwargs = QwenImageFamily._reference_kwargs(self, params)
             return self.t2i_pipe(**kwargs, output_type=output_type).images
         return super().reference_call(params, output_type)
