@@ -211,8 +211,8 @@ def test_a_two_rank_ulysses_denoiser_served_as_a_ray_placement_group_matches_gen
 
     model = tiny_model_dir("flux")
     none = RoleResources(cpus=0)
-    config = ClusterConfig(cluster="ray", ray_max_restarts=0, encoder=none, decoder=none,
-                           denoiser=RoleResources(cpus=0, gpus=1))  # fmt: skip
+    denoiser = RoleResources(cpus=0, gpus=1)
+    config = ClusterConfig(cluster="ray", ray_max_restarts=0, encoder=none, decoder=none, denoiser=denoiser)
     backend = EmbeddedBackend(
         model,
         OrchestratorConfig(heartbeat_interval_s=0.2, heartbeat_timeout_s=10.0),
