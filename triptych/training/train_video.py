@@ -79,6 +79,8 @@ CFG_DROP = 0.1
 #: but the shape kind on 3/16 (2/16 of train combinations): the shape is drawn at middle noise levels.
 #: 6: phase 5 again from its EMA weights (on 32 clips of train combinations the shape kind went 62%
 #: after phase 4 -> 72% after phase 5, still rising).
+#: 7: from the phase 6 model (``--init``), a lower lr and a quarter of the noise levels from [0.8, 1]:
+#: annealing, with more of the steps at the middle noise levels where the outline is decided.
 PHASES = {
     1: {"lr": 1e-3, "high": 1 / 3, "fg": 4.0, "identity": 0.0},
     2: {"lr": 1e-3, "high": 1 / 2, "fg": 4.0, "identity": 0.0},
@@ -86,6 +88,7 @@ PHASES = {
     4: {"lr": 1e-3, "high": 1 / 2, "fg": 6.0, "identity": 1.0},
     5: {"lr": 5e-4, "high": 1 / 3, "fg": 8.0, "identity": 1.0},
     6: {"lr": 5e-4, "high": 1 / 3, "fg": 8.0, "identity": 1.0},
+    7: {"lr": 3e-4, "high": 1 / 4, "fg": 8.0, "identity": 1.0},
 }
 #: Reversed directions: a leftwards clip is a rightwards one played backwards (frames shared).
 REVERSED = {"leftwards": "rightwards", "upwards": "downwards"}

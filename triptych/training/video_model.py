@@ -194,6 +194,12 @@ def write_model(parts: dict, out: Path, defaults: dict | None = None) -> Path:
     return out
 
 
-def random_model(out: Path, seed: int, defaults: dict | None = None) -> Path:
-    """The same architecture, tokenizer, VAE and settings with untrained text encoder and transformer."""
-    return write_model(components(seed), out, defaults)
+def random_model(out: Path, seed: int, defaults: dict | None = None, vae_of: Path | None = None) -> Path:
+    """The same architecture, tokenizer, VAE and settings with untrained text encoder and transformer;
+    ``vae_of``: the video model directory whose VAE to take (default: the image VAE's weights)."""
+    parts = components(seed)
+    if vae_of is not None:
+        from diffusers import AutoencoderKLWan
+
+        parts["vae"] = AutoencoderKLWan.from_pretrained(Path(vae_of) / "vae").eval()
+    return write_model(parts, out, defaults)
