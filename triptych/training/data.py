@@ -53,6 +53,16 @@ def shape_mask(pixels: torch.Tensor) -> torch.Tensor:
     return ((pixels - pixels[..., :1, :1]).abs().sum(1, keepdim=True) > 0.05).float()
 
 
+def contrast(pixels: torch.Tensor) -> torch.Tensor:
+    """``(N,)``: each image's mean squared difference over RGB between its shape's colour and its
+    background, pixels as :func:`shape_mask` takes them (what a pixel drawn in the wrong one of the
+    two colours costs an L2 loss)."""
+    mask = shape_mask(pixels)
+    dims = tuple(range(2, pixels.dim()))
+    shape = (pixels * mask).sum(dims, keepdim=True) / mask.sum(dims, keepdim=True).clamp(min=1)
+    return (shape - pixels[..., :1, :1]).pow(2).flatten(1).mean(1)
+
+
 def prompt_for(scene: Scene, style: str) -> str:
     return caption(scene, style)
 

@@ -41,7 +41,7 @@ from triptych.training.common import (
     setup,
     single_frame_convs,
 )
-from triptych.training.data import shape_mask
+from triptych.training.data import contrast
 from triptych.training.train_vae import decode_unclamped, reconstruction_loss
 from triptych.training.video_model import IMAGE_VAE
 from triptych.world.video import CLIP_FRAMES, iter_all_clips, render_clip, sample_clips
@@ -83,15 +83,6 @@ def ceiling(vae, n: int = 50) -> dict[str, float]:
     return out
 
 
-def contrast(frames: torch.Tensor) -> torch.Tensor:
-    """``(N,)``: each frame's mean squared difference over RGB between its shape's colour and its
-    background (what a pixel drawn in the wrong one of the two costs the L2 term)."""
-    mask = shape_mask(frames)  # (N, 1, 1, H, W)
-    background = frames[..., :1, :1]
-    shape = (frames * mask).sum((2, 3, 4), keepdim=True) / mask.sum((2, 3, 4), keepdim=True).clamp(min=1)
-    return (shape - background).pow(2).mean((1, 2, 3, 4))
-
-
 def balanced_loss(y: torch.Tensor, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``reconstruction_loss`` per frame, frame ``i`` weighted ``scale[i]`` (mean over the batch)."""
     per = torch.stack([reconstruction_loss(y[i : i + 1], x[i : i + 1], FG_WEIGHT, sharp=True) for i in range(len(x))])
@@ -117,9 +108,8 @@ def train_video_vae(
     image_vae = AutoencoderKLQwenImage.from_pretrained(IMAGE_VAE)
     encoder = ("encoder.", "quant_conv.")
     reference = {k: v for k, v in image_vae.state_dict().items() if k.startswith(encoder)}
-    assert all(torch.equal(v, vae.state_dict()[k]) for k, v in reference.items()), (
-        f"{init}: not the image VAE's encoder"
-    )
+    if not all(torch.equal(v, vae.state_dict()[k]) for k, v in reference.items()):
+        raise ValueError(f"--init {init}: its encoder is not the image VAE's ({IMAGE_VAE}); the latents would move")
     before = ceiling(vae)
     logger.info("video vae: shape-kind ceiling before %s (%.0fs)", before, timer())
     clips = [c for c in iter_all_clips("train") if c.direction in ("rightwards", "downwards")]  # the others replay them

@@ -5,8 +5,9 @@
   (``temperal_downsample=[False, False, False]``, ``scale_factor_temporal=1``). The state dicts
   match key for key. Its causal 3-D convolutions were only ever trained on single frames, so the
   taps on past frames never saw input: they are zeroed (:func:`frame_independent`), and every frame
-  is coded independently, exactly as the image VAE codes it (decode equal bit for bit,
-  ``tests/e2e/test_video_model.py``). ``latents_mean/std`` are the image VAE's measured ones.
+  is coded independently (``tests/e2e/test_video_model.py``). ``latents_mean/std`` are the image
+  VAE's measured ones. :func:`video_vae` takes any VAE with the image VAE's encoder: the shipped
+  model's decoder is fine-tuned on clip frames (``train_video_vae``).
 - text encoder: ``UMT5EncoderModel``, 2 layers x 64, trained jointly with the transformer; T5
   tokenizer (Unigram) trained in-process on the train captions.
 - transformer: ``WanTransformer3DModel``, patch (1, 2, 2): a 64 px frame is 8x8x16 latents = 16

@@ -1,0 +1,32 @@
+"""Pieces of the video model's training: colour contrast and the VAE decoder fine-tune's guard."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from triptych.training.data import contrast
+
+
+def test_contrast_is_the_mean_squared_colour_difference_of_shape_and_background():
+    background, shape = torch.tensor([1.0, -1.0, 1.0]), torch.tensor([1.0, -1.0, -1.0])  # magenta, red
+    image = background.view(1, 3, 1, 1).expand(2, 3, 16, 16).clone()
+    image[0, :, 4:9, 4:9] = shape.view(3, 1, 1)
+    image[1, :, 4:9, 4:9] = -background.view(3, 1, 1)  # green: differs in all three channels
+    assert contrast(image).tolist() == pytest.approx([4 / 3, 4.0])
+    assert contrast(image.unsqueeze(2)).tolist() == pytest.approx([4 / 3, 4.0])  # the VAE's (B, 3, 1, H, W)
+
+
+def test_decoder_fine_tune_refuses_a_vae_whose_encoder_moved(tmp_path):
+    from diffusers import AutoencoderKLQwenImage
+
+    from triptych.training.train_video_vae import train_video_vae
+    from triptych.training.video_model import IMAGE_VAE
+
+    vae = AutoencoderKLQwenImage.from_pretrained(IMAGE_VAE)
+    with torch.no_grad():
+        vae.encoder.conv_in.weight.add_(1e-3)
+    vae.save_pretrained(tmp_path / "moved")
+    with pytest.raises(ValueError, match="encoder is not the image VAE's"):
+        train_video_vae(tmp_path / "out", 0, steps=1, init=tmp_path / "moved")
+    assert not (tmp_path / "out" / "vae").exists()
