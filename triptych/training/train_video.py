@@ -54,6 +54,7 @@ from triptych.training.video_model import (
     write_model,
 )
 from triptych.training.video_objective import IdentityHead, flow_loss, identity_labels
+from triptych.training.video_shape_probe import ShapeProbe, shape_loss, train_probe
 from triptych.world.video import CLIP_CAPTION_STYLES, CLIP_FRAMES, Clip, clip_caption, iter_all_clips
 
 logger = logging.getLogger("triptych.training.video")
@@ -87,6 +88,8 @@ CFG_DROP = 0.1
 #: fine-tuned VAE decoder, the shape kind went 78% with phase 6's weights -> 88% with phase 7's, but
 #: most misses left were outlines between colours that differ in one RGB channel (red on magenta, cyan
 #: on white), whose errors cost the loss a third of what a high-contrast outline's do.
+#: 9: phase 8 plus the shape probe's loss (``video_shape_probe``, weight 0.1), run beside phase 8 from
+#: the same phase 7 weights: the misses are blobs between a circle and a square.
 PHASES = {
     1: {"lr": 1e-3, "high": 1 / 3, "fg": 4.0, "identity": 0.0},
     2: {"lr": 1e-3, "high": 1 / 2, "fg": 4.0, "identity": 0.0},
@@ -96,6 +99,7 @@ PHASES = {
     6: {"lr": 5e-4, "high": 1 / 3, "fg": 8.0, "identity": 1.0},
     7: {"lr": 3e-4, "high": 1 / 4, "fg": 8.0, "identity": 1.0},
     8: {"lr": 1.5e-4, "high": 1 / 4, "fg": 8.0, "identity": 1.0, "balance": True},
+    9: {"lr": 1.5e-4, "high": 1 / 4, "fg": 8.0, "identity": 1.0, "balance": True, "shape": 0.1},
 }
 #: Reversed directions: a leftwards clip is a rightwards one played backwards (frames shared).
 REVERSED = {"leftwards": "rightwards", "upwards": "downwards"}
@@ -162,17 +166,20 @@ class Trainable(torch.nn.Module):
         self.identity = IdentityHead(DIMS["text_dim"])
 
 
-def step_loss(pipe, model, d, idx, styles, weight, gen, cfg) -> tuple[torch.Tensor, torch.Tensor]:
+def step_loss(pipe, model, d, idx, styles, weight, gen, cfg, probe=None) -> tuple[torch.Tensor, ...]:
     """Flow loss of the batch ``idx`` (``styles[i]``: a caption style, or ``None`` for the negative
-    prompt) and the identity loss of its captions."""
+    prompt), the identity loss of its captions and the shape probe's loss on their x0 predictions."""
     prompts = [NEGATIVE if s is None else clip_caption(d["clips"][i], s) for i, s in zip(idx, styles)]
     embeds = pipe._get_t5_prompt_embeds(prompt=prompts, max_sequence_length=MAX_SEQUENCE_LENGTH, device="cpu")
-    flow = flow_loss(pipe.transformer, d["x0"][idx], embeds, weight[idx], gen, cfg["high"])
+    flow, x0_pred = flow_loss(pipe.transformer, d["x0"][idx], embeds, weight[idx], gen, cfg["high"])
     named = [k for k, s in enumerate(styles) if s is not None]
-    if not cfg["identity"] or not named:
-        return flow, torch.zeros(())
-    ident = model.identity(embeds[named], identity_labels([d["clips"][idx[k]] for k in named]))
-    return flow, ident
+    zero = torch.zeros(())
+    if not named:
+        return flow, zero, zero
+    clips = [d["clips"][idx[k]] for k in named]
+    ident = model.identity(embeds[named], identity_labels(clips)) if cfg["identity"] else zero
+    shape = shape_loss(probe, x0_pred[named], [c.shape for c in clips]) if probe is not None else zero
+    return flow, ident, shape
 
 
 def train_video(
@@ -215,6 +222,7 @@ def train_video(
         rng.setstate(state["pyrng"])
         start = state["step"]
         logger.info("video: resumed at step %d", start)
+    probe = shape_probe(out, d, seed) if cfg.get("shape") else None
     weight = 1.0 + (cfg["fg"] - 1.0) * d["fg"]
     if cfg.get("balance"):
         inverse = 1 / contrast(_frames_pixels(d["clips"])[:, :, :1]).clamp(min=1e-3)  # first frames
@@ -229,14 +237,15 @@ def train_video(
         idx = [rng.randrange(n) for _ in range(batch)]
         styles = [None if rng.random() < CFG_DROP else rng.choices(CLIP_CAPTION_STYLES, STYLE_P)[0] for _ in idx]
         opt.zero_grad(set_to_none=True)
-        flow, ident = step_loss(pipe, model, d, idx, styles, weight, gen, cfg)
-        (flow + cfg["identity"] * ident).backward()
+        flow, ident, shape = step_loss(pipe, model, d, idx, styles, weight, gen, cfg, probe)
+        (flow + cfg["identity"] * ident + cfg.get("shape", 0.0) * shape).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         _ema(ema, model, step)
         if step % log_every == 0 or step == end - 1:
             logger.info(
-                "video step %d/%d loss %.4f identity %.4f (%.0fs)", step, end, flow.item(), ident.item(), timer()
+                "video step %d/%d loss %.4f identity %.4f shape %.4f (%.0fs)",
+                *(step, end, flow.item(), ident.item(), shape.item(), timer()),
             )
         done = step + 1
         if done % ckpt_every == 0 or done == end:
@@ -253,6 +262,18 @@ def train_video(
         if done % export_every == 0 or done == end:
             export(out, ema, parts, step=done)
     return out / "model"
+
+
+def shape_probe(out: Path, d: dict, seed: int):
+    """The frozen shape probe (``video_shape_probe``), fitted once per run and cached in ``OUT``."""
+    path = out / "shape_probe.pt"
+    probe = ShapeProbe(d["x0"].shape[1])
+    if path.is_file():
+        probe.load_state_dict(torch.load(path))
+        return probe.eval().requires_grad_(False)
+    probe = train_probe(d["x0"], [c.shape for c in d["clips"]], seed)
+    torch.save(probe.state_dict(), path)
+    return probe
 
 
 def export(out: Path, ema: Trainable, parts: dict, step: int) -> Path:
