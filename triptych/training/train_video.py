@@ -90,6 +90,9 @@ CFG_DROP = 0.1
 #: on white), whose errors cost the loss a third of what a high-contrast outline's do.
 #: 9: phase 8 plus the shape probe's loss (``video_shape_probe``, weight 0.1), run beside phase 8 from
 #: the same phase 7 weights: the misses are blobs between a circle and a square.
+#: 10: phase 9 with the shape loss weighted 0.3, also from phase 7's weights.
+#: 11: phase 9 again from its weights (``--init``) at half its lr (phase 9: 92% of 100 clips of train
+#: combinations; phase 10: 85%).
 PHASES = {
     1: {"lr": 1e-3, "high": 1 / 3, "fg": 4.0, "identity": 0.0},
     2: {"lr": 1e-3, "high": 1 / 2, "fg": 4.0, "identity": 0.0},
@@ -100,6 +103,8 @@ PHASES = {
     7: {"lr": 3e-4, "high": 1 / 4, "fg": 8.0, "identity": 1.0},
     8: {"lr": 1.5e-4, "high": 1 / 4, "fg": 8.0, "identity": 1.0, "balance": True},
     9: {"lr": 1.5e-4, "high": 1 / 4, "fg": 8.0, "identity": 1.0, "balance": True, "shape": 0.1},
+    10: {"lr": 1.5e-4, "high": 1 / 4, "fg": 8.0, "identity": 1.0, "balance": True, "shape": 0.3},
+    11: {"lr": 7.5e-5, "high": 1 / 4, "fg": 8.0, "identity": 1.0, "balance": True, "shape": 0.1},
 }
 #: Reversed directions: a leftwards clip is a rightwards one played backwards (frames shared).
 REVERSED = {"leftwards": "rightwards", "upwards": "downwards"}

@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         result = train_video_vae(
             args.out, args.seed, args.steps, args.batch, args.lr, args.resume, init=args.init, balance=args.balance
         )
-        settings = {k: str(v) for k, v in vars(args).items() if k != "into"}
+        settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "into"}
         record = {"settings": settings, "wall_seconds": round(timer()), **result}
         (args.out / "vae_training.json").write_text(json.dumps(record, indent=2) + "\n")
     if args.into:
