@@ -187,10 +187,7 @@ def train_vae(
 def _train_decoder(
     vae, out, dest, seed, steps, phase, batch, lr, fg_weight, resume, log_every, ckpt_every, noise_std=0.1, sharp=False
 ):
-    params = list(vae.decoder.parameters()) + list(vae.post_quant_conv.parameters())
-    vae.requires_grad_(False)
-    for p in params:
-        p.requires_grad_(True)
+    params = decoder_only(vae)
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.99))
     scenes = list(data.train_scenes())
     with single_frame_convs():
@@ -228,6 +225,15 @@ def _train_decoder(
     vae.eval().requires_grad_(True)
     vae.save_pretrained(dest)  # latents_mean/std unchanged: the encoder did not move
     logger.info("vae phase %d (decoder only): saved (%.0fs)", phase, timer())
+
+
+def decoder_only(vae) -> list[torch.nn.Parameter]:
+    """Freeze the VAE but its decoder and ``post_quant_conv``; returns their parameters."""
+    params = list(vae.decoder.parameters()) + list(vae.post_quant_conv.parameters())
+    vae.requires_grad_(False)
+    for p in params:
+        p.requires_grad_(True)
+    return params
 
 
 def reconstruction_loss(y: torch.Tensor, x: torch.Tensor, fg_weight: float, sharp: bool = False) -> torch.Tensor:

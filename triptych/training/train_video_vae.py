@@ -42,7 +42,7 @@ from triptych.training.common import (
     single_frame_convs,
 )
 from triptych.training.data import contrast
-from triptych.training.train_vae import decode_unclamped, reconstruction_loss
+from triptych.training.train_vae import decode_unclamped, decoder_only, reconstruction_loss
 from triptych.training.video_model import IMAGE_VAE
 from triptych.world.video import CLIP_FRAMES, iter_all_clips, render_clip, sample_clips
 
@@ -122,10 +122,7 @@ def train_video_vae(
     inverse = 1 / contrast(frames).clamp(min=1e-3)
     scale = inverse / inverse.mean() if balance else torch.ones(len(frames))
     logger.info("video vae: %d frames of %d train clips encoded (%.0fs)", len(frames), len(clips), timer())
-    params = list(vae.decoder.parameters()) + list(vae.post_quant_conv.parameters())
-    vae.requires_grad_(False)
-    for p in params:
-        p.requires_grad_(True)
+    params = decoder_only(vae)
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.99))
     rng = random.Random(f"{seed}|video_vae")
     gen = torch.Generator().manual_seed(seed)
