@@ -110,10 +110,11 @@ PHASES = {
 REVERSED = {"leftwards": "rightwards", "upwards": "downwards"}
 
 
-def _frames_pixels(clips: list[Clip]) -> torch.Tensor:
+def clip_pixels(clips: list[Clip], frames: int = CLIP_FRAMES) -> torch.Tensor:
+    """``(N, 3, F, H, W)`` in [-1, 1]; ``frames=1``: each clip's first frame only."""
     from triptych.world.video import render_clip
 
-    arr = np.stack([render_clip(c, CLIP_FRAMES) for c in clips]).astype(np.float32) / 127.5 - 1.0
+    arr = np.stack([render_clip(c, frames) for c in clips]).astype(np.float32) / 127.5 - 1.0
     return torch.from_numpy(arr).permute(0, 4, 1, 2, 3).contiguous()  # (N, 3, F, H, W)
 
 
@@ -134,7 +135,7 @@ def precompute(out: Path) -> dict:
     lat, fg = {}, {}
     for i in range(0, len(forward), 8):
         chunk = forward[i : i + 8]
-        pix = _frames_pixels(chunk)
+        pix = clip_pixels(chunk)
         frames = pix.transpose(1, 2).flatten(0, 1).unsqueeze(2)  # (N*F, 3, 1, H, W)
         with single_frame_convs():
             z = vae.encode(frames).latent_dist.mode()
@@ -230,7 +231,7 @@ def train_video(
     probe = shape_probe(out, d, seed) if cfg.get("shape") else None
     weight = 1.0 + (cfg["fg"] - 1.0) * d["fg"]
     if cfg.get("balance"):
-        inverse = 1 / contrast(_frames_pixels(d["clips"])[:, :, :1]).clamp(min=1e-3)  # first frames
+        inverse = 1 / contrast(clip_pixels(d["clips"], frames=1)).clamp(min=1e-3)
         weight = weight * (inverse / inverse.mean()).view(-1, 1, 1, 1, 1)
     n = d["x0"].shape[0]
     timer = Timer()

@@ -29,7 +29,6 @@ import logging
 import random
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from triptych.training.common import (
@@ -43,8 +42,9 @@ from triptych.training.common import (
 )
 from triptych.training.data import contrast
 from triptych.training.train_vae import decode_unclamped, decoder_only, reconstruction_loss
+from triptych.training.train_video import clip_pixels
 from triptych.training.video_model import IMAGE_VAE
-from triptych.world.video import CLIP_FRAMES, iter_all_clips, render_clip, sample_clips
+from triptych.world.video import iter_all_clips, sample_clips
 
 logger = logging.getLogger("triptych.training.video_vae")
 FG_WEIGHT = 5.0
@@ -53,8 +53,7 @@ NOISE_STD = 0.1
 
 def clip_frames(clips) -> torch.Tensor:
     """``(N * F, 3, 1, H, W)`` in [-1, 1]: every frame of ``clips``, the VAE's single-frame layout."""
-    arr = np.concatenate([render_clip(c, CLIP_FRAMES) for c in clips]).astype(np.float32) / 127.5 - 1.0
-    return torch.from_numpy(arr).permute(0, 3, 1, 2).unsqueeze(2).contiguous()
+    return clip_pixels(clips).transpose(1, 2).flatten(0, 1).unsqueeze(2).contiguous()
 
 
 @torch.no_grad()
@@ -108,7 +107,8 @@ def train_video_vae(
     image_vae = AutoencoderKLQwenImage.from_pretrained(IMAGE_VAE)
     encoder = ("encoder.", "quant_conv.")
     reference = {k: v for k, v in image_vae.state_dict().items() if k.startswith(encoder)}
-    if not all(torch.equal(v, vae.state_dict()[k]) for k, v in reference.items()):
+    state = vae.state_dict()
+    if not all(torch.equal(v, state[k]) for k, v in reference.items()):
         raise ValueError(f"--init {init}: its encoder is not the image VAE's ({IMAGE_VAE}); the latents would move")
     before = ceiling(vae)
     logger.info("video vae: shape-kind ceiling before %s (%.0fs)", before, timer())
@@ -120,7 +120,7 @@ def train_video_vae(
     # two colours that differ in one channel (red on magenta, cyan on white) pulls like one between
     # colours that differ in all three.
     inverse = 1 / contrast(frames).clamp(min=1e-3)
-    scale = inverse / inverse.mean() if balance else torch.ones(len(frames))
+    scale = inverse / inverse.mean()
     logger.info("video vae: %d frames of %d train clips encoded (%.0fs)", len(frames), len(clips), timer())
     params = decoder_only(vae)
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.99))
@@ -137,7 +137,12 @@ def train_video_vae(
                 g["lr"] = cosine_lr(step, steps, lr)
             idx = rng.sample(range(len(frames)), batch)
             z = latents[idx] + noise * torch.randn(latents[idx].shape, generator=gen)
-            rec = balanced_loss(decode_unclamped(vae, z), frames[idx], scale[idx])
+            y = decode_unclamped(vae, z)
+            rec = (
+                balanced_loss(y, frames[idx], scale[idx])
+                if balance
+                else reconstruction_loss(y, frames[idx], FG_WEIGHT, True)
+            )
             opt.zero_grad(set_to_none=True)
             rec.backward()
             torch.nn.utils.clip_grad_norm_(params, 0.5)
