@@ -30,3 +30,39 @@ def test_decoder_fine_tune_refuses_a_vae_whose_encoder_moved(tmp_path):
     with pytest.raises(ValueError, match="encoder is not the image VAE's"):
         train_video_vae(tmp_path / "out", 0, steps=1, init=tmp_path / "moved")
     assert not (tmp_path / "out" / "vae").exists()
+
+
+def test_redraw_from_the_top_of_the_schedule_is_the_pipelines_own_sampling():
+    """The decoder fine-tune's redrawn latents come from the served sampling loop: started at the
+    schedule's first step (sigma 1), ``sample_from`` equals a pristine WanPipeline run from the same
+    noise (measured 2.9e-6 of latents with mean |x| 0.8)."""
+    import json
+
+    from diffusers import WanPipeline
+
+    from triptych.models import PACKAGED_VIDEO as VIDEO_MODEL
+    from triptych.training.video_vae_samples import sample_from
+
+    defaults = json.loads((VIDEO_MODEL / "triptych.json").read_text())
+    prompts = [
+        "a red circle moving rightwards on a blue background",
+        "a white cross moving upwards on a black background",
+    ]
+    noise = torch.randn(2, 16, defaults["frames"], 8, 8, generator=torch.Generator().manual_seed(3))
+    pipe = WanPipeline.from_pretrained(VIDEO_MODEL)
+    expected = pipe(
+        prompt=prompts,
+        negative_prompt=[""] * 2,
+        height=defaults["height"],
+        width=defaults["width"],
+        num_frames=defaults["frames"],
+        num_inference_steps=defaults["steps"],
+        guidance_scale=defaults["guidance"],
+        latents=noise.clone(),
+        output_type="latent",
+        max_sequence_length=defaults["max_sequence_length"],
+    ).frames
+    with torch.no_grad():
+        got = sample_from(pipe, torch.zeros_like(noise), prompts, defaults, 0, noise)
+    assert (got - expected).abs().max().item() < 3e-5
+    assert expected.abs().mean().item() > 0.1

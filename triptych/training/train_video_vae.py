@@ -98,6 +98,8 @@ def train_video_vae(
     log_every: int = 50,
     init: Path = IMAGE_VAE,
     balance: bool = False,
+    samples: Path | None = None,
+    redraws: int = 2,
 ) -> dict:
     from diffusers import AutoencoderKLQwenImage
 
@@ -122,6 +124,8 @@ def train_video_vae(
     inverse = 1 / contrast(frames).clamp(min=1e-3)
     scale = inverse / inverse.mean()
     logger.info("video vae: %d frames of %d train clips encoded (%.0fs)", len(frames), len(clips), timer())
+    # samples: half of every batch decodes the model's own redrawn latents of the same frames instead
+    drawn = redrawn(out, samples, vae, clips, latents, seed, redraws) if samples else None
     params = decoder_only(vae)
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.99))
     rng = random.Random(f"{seed}|video_vae")
@@ -137,6 +141,9 @@ def train_video_vae(
                 g["lr"] = cosine_lr(step, steps, lr)
             idx = rng.sample(range(len(frames)), batch)
             z = latents[idx] + noise * torch.randn(latents[idx].shape, generator=gen)
+            if drawn is not None:
+                half = batch // 2
+                z[half:] = drawn[[rng.randrange(len(drawn)) for _ in range(half)], idx[half:]]
             y = decode_unclamped(vae, z)
             rec = (
                 balanced_loss(y, frames[idx], scale[idx])
@@ -166,6 +173,29 @@ def train_video_vae(
     return {"ceiling_before": before, "ceiling_after": after, "frames": len(frames)}
 
 
+def redrawn(out: Path, model: Path, vae, clips, latents: torch.Tensor, seed: int, redraws: int) -> torch.Tensor:
+    """``(redraws, N * F, C, 1, h, w)`` raw latents: ``redraws`` passes of ``video_vae_samples.redraw``
+    of every frame of ``clips`` by the video model ``model`` (cached as ``OUT/redrawn.pt``)."""
+    path = out / "redrawn.pt"
+    if path.is_file():
+        return torch.load(path)
+    from triptych.training.video_vae_samples import redraw
+
+    mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+    frames = latents.shape[0] // len(clips)
+    x0 = (
+        latents.squeeze(2).view(len(clips), frames, *latents.shape[1:2], *latents.shape[3:]).transpose(1, 2) - mean
+    ) / std
+    passes = []
+    for k in range(redraws):
+        x = redraw(model, clips, x0, seed + 1000 * k) * std + mean  # (N, C, F, h, w) raw
+        passes.append(x.transpose(1, 2).flatten(0, 1).unsqueeze(2))
+    result = torch.stack(passes)
+    torch.save(result, path)
+    return result
+
+
 def install(vae_dir: Path, model_dir: Path) -> None:
     """Write the VAE at ``vae_dir`` (``AutoencoderKLQwenImage``) as ``model_dir/vae`` (``AutoencoderKLWan``)."""
     import shutil
@@ -187,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--init", type=Path, default=IMAGE_VAE, help="start from this VAE (its encoder: the image VAE's)")
     p.add_argument("--balance", action="store_true", help="weight each frame by the inverse of its colour contrast")
+    p.add_argument("--samples", type=Path, help="a video model whose redrawn latents half of every batch decodes")
+    p.add_argument("--redraws", type=int, default=2, help="with --samples: redrawn passes over the train clips")
     p.add_argument("--into", type=Path, help="a video model directory whose vae/ to replace with the result")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -194,7 +226,16 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.out / "vae" / "config.json").is_file():
         timer = Timer()
         result = train_video_vae(
-            args.out, args.seed, args.steps, args.batch, args.lr, args.resume, init=args.init, balance=args.balance
+            args.out,
+            args.seed,
+            args.steps,
+            args.batch,
+            args.lr,
+            args.resume,
+            init=args.init,
+            balance=args.balance,
+            samples=args.samples,
+            redraws=args.redraws,
         )
         settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "into"}
         record = {"settings": settings, "wall_seconds": round(timer()), **result}
