@@ -1,6 +1,7 @@
 """Fine-tune the video model's VAE decoder on the frames of moving-shape clips (encoder frozen).
 
-``python -m triptych.training.train_video_vae --out runs/video_vae --seed 0 [--steps N] [--resume] [--into MODEL]``
+``python -m triptych.training.train_video_vae --out runs/video_vae --seed 0 [--steps N] [--resume] [--init VAE]
+[--balance] [--samples MODEL] [--into MODEL]``
 
 Why: the video model starts from the default image model's VAE, which was trained on still scenes
 whose shapes sit at a few anchor positions. A clip's shape moves continuously (0.3 -> 0.7 of the
@@ -16,9 +17,11 @@ every **train** clip (held-out combinations are never seen), with the image VAE'
 (``train_vae.reconstruction_loss`` with its sharpness terms, shape pixels weighted 5x). Writes
 ``OUT/vae`` (an ``AutoencoderKLQwenImage`` directory that ``video_model.video_vae`` turns into the
 video VAE) and ``OUT/vae_training.json`` (settings, wall time, the reconstruction ceiling before and
-after on held-out and train clips). ``--into MODEL`` then writes it as ``MODEL/vae`` of a video
-model directory (``video_model.video_vae``: frame by frame in ``AutoencoderKLWan``); with ``OUT/vae``
-already there, only that.
+after on held-out and train clips). ``--samples MODEL``: half of every batch decodes, instead of the
+encoder's latents, the video model's own redrawings of the same frames (``video_vae_samples``), so the
+decoder learns to draw the clip from what the transformer draws for it. ``--into MODEL`` then writes
+it as ``MODEL/vae`` of a video model directory (``video_model.video_vae``: frame by frame in
+``AutoencoderKLWan``); with ``OUT/vae`` already there, only that.
 """
 
 from __future__ import annotations
