@@ -36,8 +36,8 @@ class Cluster:
 
         return self.call(run())
 
-    def submit(self, job: GenerationJob, on_progress=None) -> Future:
-        return asyncio.run_coroutine_threadsafe(self.backend.run(job, on_progress), self.loop)
+    def submit(self, job: GenerationJob, on_progress=None, on_preview=None) -> Future:
+        return asyncio.run_coroutine_threadsafe(self.backend.run(job, on_progress, on_preview), self.loop)
 
     def describe(self) -> dict:
         return self.on_loop(self.backend.describe)

@@ -5,6 +5,7 @@ leaves no rank running, and the instance comes back (restarted by the supervisor
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import signal
@@ -87,6 +88,22 @@ def test_concurrent_requests_each_match_their_run_alone(cluster, model):
     for j, p in zip(jobs, pending, strict=True):
         assert np.abs(pixels(p.result(600)) - alone(family, j)).max() <= MAX_PIXEL_DIFF, j.request_id
     cluster.wait_until(nothing_held, "nothing held after the concurrent requests")
+
+
+def test_streamed_previews_come_from_a_two_rank_instance(cluster, model):
+    """Previews come from rank 0's intermediate latents (whole on every rank between steps: the split
+    is inside the transformer forward); two arrive, then the result, equal to the unstreamed one."""
+    _, family = model
+    j = dataclasses.replace(job(family, "par-p", seed=5), partial_images=2)
+    previews: list[tuple[int, bytes]] = []
+    got = pixels(cluster.submit(j, on_preview=lambda i, data: previews.append((i, data))).result(300))
+    assert np.abs(got - alone(family, j)).max() <= MAX_PIXEL_DIFF
+    assert [i for i, _ in previews] == [0, 1]
+    for _, data in previews:
+        preview = pixels(data)
+        assert preview.shape == got.shape
+        assert not np.array_equal(preview, got)  # an intermediate state, not the result sent early
+    cluster.wait_until(nothing_held, "nothing held after the streamed request")
 
 
 def test_killing_a_follower_rank_takes_the_instance_out_and_it_comes_back(cluster, model):
