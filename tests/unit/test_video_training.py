@@ -66,3 +66,21 @@ def test_redraw_from_the_top_of_the_schedule_is_the_pipelines_own_sampling():
         got = sample_from(pipe, torch.zeros_like(noise), prompts, defaults, 0, noise)
     assert (got - expected).abs().max().item() < 3e-5
     assert expected.abs().mean().item() > 0.1
+
+
+def test_shape_loss_with_keep_is_the_loss_of_the_kept_clips_only():
+    from triptych.training.video_shape_probe import ShapeProbe, shape_loss
+
+    torch.manual_seed(0)
+    probe = ShapeProbe(16).eval()
+    x = torch.randn(3, 16, 4, 8, 8, requires_grad=True)
+    shapes = ["circle", "square", "cross"]
+    keep = torch.tensor([True, False, True])
+    expected = shape_loss(probe, x[[0, 2]], ["circle", "cross"])
+    got = shape_loss(probe, x, shapes, keep)
+    assert got.item() == pytest.approx(expected.item(), rel=1e-6)
+    assert got.item() != pytest.approx(shape_loss(probe, x, shapes).item(), rel=1e-3)
+    got.backward()
+    assert x.grad[1].abs().max().item() == 0.0 and x.grad[0].abs().max().item() > 0
+    none = shape_loss(probe, x, shapes, torch.zeros(3, dtype=torch.bool))
+    assert none.item() == 0.0 and none.requires_grad

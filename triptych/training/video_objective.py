@@ -45,13 +45,13 @@ class IdentityHead(torch.nn.Module):
         return torch.stack([torch.nn.functional.cross_entropy(z, labels[:, k]) for k, z in enumerate(logits)]).mean()
 
 
-def flow_loss(transformer, x0, embeds, weight, gen, high: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weighted mean squared error of the predicted ``e - x0`` at ``x_s = (1 - s) x0 + s e``, and the
-    one-step x0 prediction ``x_s - s * pred`` (with gradients)."""
+def flow_loss(transformer, x0, embeds, weight, gen, high: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Weighted mean squared error of the predicted ``e - x0`` at ``x_s = (1 - s) x0 + s e``, the
+    one-step x0 prediction ``x_s - s * pred`` (with gradients) and each clip's ``s``."""
     s = _sigmas(gen, x0.shape[0], high)
     noise = torch.randn(x0.shape, generator=gen)
     sv = s.view(-1, 1, 1, 1, 1)
     xs = (1 - sv) * x0 + sv * noise
     pred = transformer(hidden_states=xs, timestep=s * 1000, encoder_hidden_states=embeds, return_dict=False)[0]
     err = (pred - (noise - x0)).pow(2).mean(1, keepdim=True)
-    return (err * weight).sum() / weight.sum(), xs - sv * pred
+    return (err * weight).sum() / weight.sum(), xs - sv * pred, s

@@ -46,8 +46,15 @@ def frame_labels(shapes: list[str], frames: int) -> torch.Tensor:
     return torch.tensor([SHAPES.index(s) for s in shapes]).repeat_interleave(frames)
 
 
-def shape_loss(probe: ShapeProbe, x0_pred: torch.Tensor, shapes: list[str]) -> torch.Tensor:
-    return torch.nn.functional.cross_entropy(probe(x0_pred), frame_labels(shapes, x0_pred.shape[2]))
+def shape_loss(probe: ShapeProbe, x0_pred: torch.Tensor, shapes: list[str], keep: torch.Tensor | None = None):
+    """Mean cross-entropy over the frames of ``x0_pred``; ``keep`` (bool per clip): only those clips'."""
+    frames = x0_pred.shape[2]
+    if keep is None:
+        return torch.nn.functional.cross_entropy(probe(x0_pred), frame_labels(shapes, frames))
+    if not bool(keep.any()):
+        return x0_pred.sum() * 0.0
+    kept = [s for s, k in zip(shapes, keep.tolist()) if k]
+    return torch.nn.functional.cross_entropy(probe(x0_pred[keep]), frame_labels(kept, frames))
 
 
 def train_probe(x0: torch.Tensor, shapes: list[str], seed: int, steps: int = 800, batch: int = 64) -> ShapeProbe:
