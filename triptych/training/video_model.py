@@ -12,7 +12,9 @@
   tokenizer (Unigram) trained in-process on the train captions.
 - transformer: ``WanTransformer3DModel``, patch (1, 2, 2): a 64 px frame is 8x8x16 latents = 16
   tokens, a 9-frame clip 144.
-- scheduler: Wan 2.1's ``UniPCMultistepScheduler`` (flow sigmas, shift 3).
+- scheduler: Wan 2.1's ``UniPCMultistepScheduler`` (flow sigmas, shift 3) in every training export;
+  ``python -m triptych.training.video_model --model DIR --sampler euler`` rewrites a directory's
+  (:func:`set_sampler`).
 """
 
 from __future__ import annotations
@@ -136,13 +138,33 @@ def transformer(seed: int):
     )
 
 
-def scheduler():
-    from diffusers import UniPCMultistepScheduler
+def scheduler(sampler: str = "unipc"):
+    """The sampler a video model is written with. ``unipc``: Wan 2.1's shipped scheduler config (as
+    the family's tiny builder writes it), every training export's; ``euler``: first-order Euler on
+    the same flow sigmas (shift 3), the shipped model's (chosen on clips of train combinations, see
+    the model card)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
 
-    # Wan 2.1's shipped scheduler config (as the family's tiny builder writes it).
+    if sampler == "euler":
+        return FlowMatchEulerDiscreteScheduler(shift=3.0, num_train_timesteps=1000)
+    if sampler != "unipc":
+        raise ValueError(f"sampler {sampler!r}: expected one of {SAMPLERS}")
     return UniPCMultistepScheduler(
         prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0, num_train_timesteps=1000
     )
+
+
+SAMPLERS = ("unipc", "euler")
+
+
+def set_sampler(model_dir: Path, sampler: str) -> None:
+    """Rewrite a video model directory's ``scheduler/`` (and its ``model_index.json`` entry)."""
+    new = scheduler(sampler)
+    index = json.loads((Path(model_dir) / "model_index.json").read_text())
+    index["scheduler"] = ["diffusers", type(new).__name__]
+    shutil.rmtree(Path(model_dir) / "scheduler")
+    new.save_pretrained(Path(model_dir) / "scheduler")
+    (Path(model_dir) / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
 def components(seed: int) -> dict:
@@ -197,10 +219,30 @@ def write_model(parts: dict, out: Path, defaults: dict | None = None) -> Path:
 
 def random_model(out: Path, seed: int, defaults: dict | None = None, vae_of: Path | None = None) -> Path:
     """The same architecture, tokenizer, VAE and settings with untrained text encoder and transformer;
-    ``vae_of``: the video model directory whose VAE to take (default: the image VAE's weights)."""
+    ``vae_of``: the video model directory whose VAE and sampler to take (default: the image VAE's
+    weights and ``unipc``)."""
     parts = components(seed)
     if vae_of is not None:
-        from diffusers import AutoencoderKLWan
+        import diffusers
 
-        parts["vae"] = AutoencoderKLWan.from_pretrained(Path(vae_of) / "vae").eval()
+        parts["vae"] = diffusers.AutoencoderKLWan.from_pretrained(Path(vae_of) / "vae").eval()
+        kind = json.loads((Path(vae_of) / "model_index.json").read_text())["scheduler"][1]
+        parts["scheduler"] = getattr(diffusers, kind).from_pretrained(Path(vae_of) / "scheduler")
     return write_model(parts, out, defaults)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog="python -m triptych.training.video_model", description="set a video model's sampler"
+    )
+    p.add_argument("--model", type=Path, required=True, help="a video model directory (WanPipeline)")
+    p.add_argument("--sampler", choices=SAMPLERS, required=True)
+    args = p.parse_args(argv)
+    set_sampler(args.model, args.sampler)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
