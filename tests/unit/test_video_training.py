@@ -84,3 +84,24 @@ def test_shape_loss_with_keep_is_the_loss_of_the_kept_clips_only():
     assert x.grad[1].abs().max().item() == 0.0 and x.grad[0].abs().max().item() > 0
     none = shape_loss(probe, x, shapes, torch.zeros(3, dtype=torch.bool))
     assert none.item() == 0.0 and none.requires_grad
+
+
+def test_set_sampler_rewrites_the_scheduler_and_its_model_index_entry(tmp_path):
+    import json
+    import shutil
+
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from triptych.models import PACKAGED_VIDEO
+    from triptych.training.video_model import scheduler, set_sampler
+
+    shutil.copy(PACKAGED_VIDEO / "model_index.json", tmp_path / "model_index.json")
+    scheduler("unipc").save_pretrained(tmp_path / "scheduler")
+    set_sampler(tmp_path, "euler")
+    assert json.loads((tmp_path / "model_index.json").read_text())["scheduler"][1] == "FlowMatchEulerDiscreteScheduler"
+    euler = FlowMatchEulerDiscreteScheduler.from_pretrained(tmp_path / "scheduler")
+    assert euler.config.shift == scheduler("unipc").config.flow_shift == 3.0
+    set_sampler(tmp_path, "unipc")
+    assert json.loads((tmp_path / "model_index.json").read_text())["scheduler"][1] == "UniPCMultistepScheduler"
+    with pytest.raises(ValueError, match="sampler 'heun'"):
+        set_sampler(tmp_path, "heun")
