@@ -37,7 +37,7 @@ FPS = 8
 #: What the served video is held to, read back by the video scorer: shape kind, colour and background
 #: on at least MIN_FRAME_SHARE of the frames, and the direction of motion (this prompt and seed:
 #: measured shape kind on 8 of 9 frames, the rest on all; assets/video/MODEL_CARD.md has the 50-prompt
-#: figures: the shape kind on 78% of videos, the others on all).
+#: figures: the shape kind on 84% of videos, the others on all).
 VIDEO_FRAME_CHECKS = ("shape", "color", "background")
 VIDEO_CLIP_CHECKS = ("direction",)
 
