@@ -53,7 +53,9 @@ def test_loads_offline_with_pristine_diffusers_and_the_family(monkeypatch, prist
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     pipe = WanPipeline.from_pretrained(PACKAGED_VIDEO)
     assert isinstance(pipe.vae, AutoencoderKLWan) and isinstance(pipe.transformer, WanTransformer3DModel)
-    assert isinstance(pipe.text_encoder, UMT5EncoderModel) and isinstance(pipe.scheduler, FlowMatchEulerDiscreteScheduler)
+    assert isinstance(pipe.text_encoder, UMT5EncoderModel) and isinstance(
+        pipe.scheduler, FlowMatchEulerDiscreteScheduler
+    )
     assert pipe.vae.config.temperal_downsample == [False, False, False] and pipe.vae_scale_factor_temporal == 1
     assert type(pristine) is WanPipeline
     assert architecture(PACKAGED_VIDEO) == "WanPipeline" and default_video_model_dir() == PACKAGED_VIDEO
