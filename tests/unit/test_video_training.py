@@ -105,3 +105,27 @@ def test_set_sampler_rewrites_the_scheduler_and_its_model_index_entry(tmp_path):
     assert json.loads((tmp_path / "model_index.json").read_text())["scheduler"][1] == "UniPCMultistepScheduler"
     with pytest.raises(ValueError, match="sampler 'heun'"):
         set_sampler(tmp_path, "heun")
+
+
+def test_redrawn_latents_are_cached_per_model_and_setting(tmp_path, monkeypatch):
+    from diffusers import AutoencoderKLQwenImage
+
+    from triptych.models import PACKAGED_VIDEO
+    from triptych.training.train_video_vae import clip_frames, encode, redrawn
+    from triptych.training.video_model import IMAGE_VAE
+    from triptych.world.video import sample_clips
+
+    vae = AutoencoderKLQwenImage.from_pretrained(IMAGE_VAE).eval()
+    clips = sample_clips(2, "validation", "train")
+    latents = encode(vae, clip_frames(clips))
+    first = redrawn(tmp_path, PACKAGED_VIDEO, vae, clips, latents, seed=0, redraws=1)
+    assert first.shape == (1, *latents.shape)
+    assert 0 < (first[0] - latents).abs().mean() < latents.abs().mean()  # redrawn near, not equal
+    import triptych.training.video_vae_samples as samples
+
+    real = samples.redraw
+    monkeypatch.setattr(samples, "redraw", lambda *a, **k: pytest.fail("redrawn again: the cache was not used"))
+    torch.testing.assert_close(redrawn(tmp_path, PACKAGED_VIDEO, vae, clips, latents, 0, 1), first, rtol=0, atol=0)
+    monkeypatch.setattr(samples, "redraw", real)
+    other = redrawn(tmp_path, PACKAGED_VIDEO, vae, clips, latents, seed=1, redraws=1)  # another seed: redrawn
+    assert not torch.equal(other, first)

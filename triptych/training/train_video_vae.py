@@ -42,6 +42,7 @@ from triptych.training.common import (
     save_checkpoint,
     setup,
     single_frame_convs,
+    tree_sha256,
 )
 from triptych.training.data import contrast
 from triptych.training.train_vae import decode_unclamped, decoder_only, reconstruction_loss
@@ -178,10 +179,15 @@ def train_video_vae(
 
 def redrawn(out: Path, model: Path, vae, clips, latents: torch.Tensor, seed: int, redraws: int) -> torch.Tensor:
     """``(redraws, N * F, C, 1, h, w)`` raw latents: ``redraws`` passes of ``video_vae_samples.redraw``
-    of every frame of ``clips`` by the video model ``model`` (cached as ``OUT/redrawn.pt``)."""
+    of every frame of ``clips`` by the video model ``model`` (cached as ``OUT/redrawn.pt`` with the
+    model's weight hashes and sampler, the seed, ``redraws`` and the clip count; else it redraws)."""
     path = out / "redrawn.pt"
+    sampler = (Path(model) / "scheduler" / "scheduler_config.json").read_text()
+    key = {"model": tree_sha256(model), "sampler": sampler, "seed": seed, "redraws": redraws, "clips": len(clips)}
     if path.is_file():
-        return torch.load(path)
+        cached = torch.load(path)
+        if cached["key"] == key:
+            return cached["latents"]
     from triptych.training.video_vae_samples import redraw
 
     mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
@@ -195,7 +201,7 @@ def redrawn(out: Path, model: Path, vae, clips, latents: torch.Tensor, seed: int
         x = redraw(model, clips, x0, seed + 1000 * k) * std + mean  # (N, C, F, h, w) raw
         passes.append(x.transpose(1, 2).flatten(0, 1).unsqueeze(2))
     result = torch.stack(passes)
-    torch.save(result, path)
+    torch.save({"key": key, "latents": result}, path)
     return result
 
 
