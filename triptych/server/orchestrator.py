@@ -67,8 +67,9 @@ class OrchestratorConfig:
     """Retries of a request after the instance serving it died (or failed retryably)."""
     max_queued: int = 256
     """Requests waiting for their first slot (generation: an encoder's, all models together; chat: a
-    VLM's, a queue of its own) past which ``Overloaded`` is raised. A backstop: the HTTP head refuses first, per model, at ``AdmissionLimits.max_queued_requests``
-    (jobs queued or running); this bounds what reaches the orchestrator by any other caller."""
+    VLM's, a queue of its own) past which ``Overloaded`` is raised. A backstop: the HTTP head refuses
+    first, per model, at ``AdmissionLimits.max_queued_requests`` (jobs queued or running); this bounds
+    what reaches the orchestrator by any other caller."""
     reserve_timeout_s: float = 60.0
     """How long a receiver keeps slots reserved waiting for the upstream push."""
     chat_timeout_s: float = 600.0

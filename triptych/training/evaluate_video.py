@@ -136,7 +136,7 @@ def evaluate(
 
         defaults = json.loads((model / "triptych.json").read_text())
         with tempfile.TemporaryDirectory() as tmp:
-            random_model(Path(tmp) / "random", seed, defaults, vae_of=model)
+            random_model(Path(tmp) / "random", seed, defaults, like=model)
             rvideos, rrows = generate(Path(tmp) / "random", clips, steps, guidance)
             results["separation_random"] = separation(Path(tmp) / "random")
         results["random"], results["per_video_random"] = clip_accuracy(rrows), rrows

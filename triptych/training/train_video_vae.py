@@ -192,10 +192,7 @@ def redrawn(out: Path, model: Path, vae, clips, latents: torch.Tensor, seed: int
 
     mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
     std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
-    frames = latents.shape[0] // len(clips)
-    x0 = (
-        latents.squeeze(2).view(len(clips), frames, *latents.shape[1:2], *latents.shape[3:]).transpose(1, 2) - mean
-    ) / std
+    x0 = (latents.squeeze(2).unflatten(0, (len(clips), -1)).transpose(1, 2) - mean) / std  # (N, C, F, h, w)
     passes = []
     for k in range(redraws):
         x = redraw(model, clips, x0, seed + 1000 * k) * std + mean  # (N, C, F, h, w) raw
@@ -234,19 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     setup(args.seed)
     if not (args.out / "vae" / "config.json").is_file():
         timer = Timer()
-        result = train_video_vae(
-            args.out,
-            args.seed,
-            args.steps,
-            args.batch,
-            args.lr,
-            args.resume,
-            init=args.init,
-            balance=args.balance,
-            samples=args.samples,
-            redraws=args.redraws,
-        )
-        settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "into"}
+        settings = {k: v for k, v in vars(args).items() if k != "into"}  # train_video_vae's own names
+        result = train_video_vae(**settings)
+        settings = {k: str(v) if isinstance(v, Path) else v for k, v in settings.items()}
         record = {"settings": settings, "wall_seconds": round(timer()), **result}
         (args.out / "vae_training.json").write_text(json.dumps(record, indent=2) + "\n")
     if args.into:

@@ -218,17 +218,17 @@ def write_model(parts: dict, out: Path, defaults: dict | None = None) -> Path:
     return out
 
 
-def random_model(out: Path, seed: int, defaults: dict | None = None, vae_of: Path | None = None) -> Path:
+def random_model(out: Path, seed: int, defaults: dict | None = None, like: Path | None = None) -> Path:
     """The same architecture, tokenizer, VAE and settings with untrained text encoder and transformer;
-    ``vae_of``: the video model directory whose VAE and sampler to take (default: the image VAE's
-    weights and ``unipc``)."""
+    ``like``: the trained video model directory whose VAE and sampler to take (default: the image
+    VAE's weights and ``unipc``)."""
     parts = components(seed)
-    if vae_of is not None:
+    if like is not None:
         import diffusers
 
-        parts["vae"] = diffusers.AutoencoderKLWan.from_pretrained(Path(vae_of) / "vae").eval()
-        kind = json.loads((Path(vae_of) / "model_index.json").read_text())["scheduler"][1]
-        parts["scheduler"] = getattr(diffusers, kind).from_pretrained(Path(vae_of) / "scheduler")
+        parts["vae"] = diffusers.AutoencoderKLWan.from_pretrained(Path(like) / "vae").eval()
+        kind = json.loads((Path(like) / "model_index.json").read_text())["scheduler"][1]
+        parts["scheduler"] = getattr(diffusers, kind).from_pretrained(Path(like) / "scheduler")
     return write_model(parts, out, defaults)
 
 

@@ -36,12 +36,12 @@ def redraw(model_dir: Path, clips: list[Clip], x0: torch.Tensor, seed: int, batc
     pipe = WanPipeline.from_pretrained(model_dir, vae=None)
     gen = torch.Generator().manual_seed(seed)
     timer = Timer()
+    pipe.scheduler.set_timesteps(defaults["steps"], device="cpu")
+    lo, hi = SIGMA_RANGE
+    allowed = [k for k, s in enumerate(pipe.scheduler.sigmas[:-1].tolist()) if lo <= s <= hi]
     out = []
     for i in range(0, len(clips), batch):
         chunk, x = clips[i : i + batch], x0[i : i + batch]
-        pipe.scheduler.set_timesteps(defaults["steps"], device="cpu")
-        lo, hi = SIGMA_RANGE
-        allowed = [k for k, s in enumerate(pipe.scheduler.sigmas[:-1].tolist()) if lo <= s <= hi]
         start = allowed[int(torch.randint(len(allowed), (1,), generator=gen))]
         noise = torch.randn(x.shape, generator=gen)
         out.append(sample_from(pipe, x, [clip_caption(c, "short") for c in chunk], defaults, start, noise))
