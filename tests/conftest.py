@@ -11,6 +11,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # One compute thread per process: e2e tests run a head and several workers on 2 cores, and results
 # do not depend on the thread count (ENVIRONMENT.md). Subprocesses inherit the variable.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The CLI's per-user data (TeaCache profiles of `triptych calibrate`): a fresh directory, never the
+# user's own.
+os.environ["XDG_DATA_HOME"] = __import__("tempfile").mkdtemp(prefix="triptych-test-data-")
 
 import pytest  # noqa: E402
 

@@ -10,7 +10,8 @@ import logging
 import os
 import sys
 
-from triptych.devices import add_device_flags, device_config_from_args
+from triptych import cli_checks
+from triptych.devices import add_device_flags, add_threads_flag, device_config_from_args, set_torch_threads
 from triptych.errors import InvalidParam, UnknownModel
 
 EXIT_USAGE = 2
@@ -65,11 +66,12 @@ def _add_generate(sub) -> None:
     p.add_argument("--out", required=True, help="output file: .png .jpg .webp (images) or .mp4 (video)")
     _add_mm_cache_mb(p)
     add_device_flags(p)
+    add_threads_flag(p)
     g = p.add_argument_group("multi-rank denoiser (this process is rank 0 and spawns the others)")
     g.add_argument("--cfg-parallel", type=int, default=1, help="CFG-parallel degree: 1 or 2")
     g.add_argument("--ulysses", type=int, default=1, help="Ulysses sequence-parallel degree")
     g.add_argument("--ring", type=int, default=1, help="ring-attention sequence-parallel degree")
-    p.set_defaults(func=cmd_generate)
+    p.set_defaults(func=cmd_generate, check=cli_checks.check_generate)
 
 
 def _parallel_config(args):
@@ -110,17 +112,12 @@ def cmd_generate(args) -> int:
     from triptych.pipelines.registry import load_family
     from triptych.pipelines.runner import run_request
     from triptych.progress import DONE, progress_percent
-    from triptych.server.media import decode_image, encode_frames, format_for_path
+    from triptych.server.media import encode_frames
 
     device = device_config_from_args(args)
-    fmt = format_for_path(args.out)
-    image = None
-    if args.image:
-        try:
-            with open(args.image, "rb") as f:
-                image = decode_image(f.read())
-        except FileNotFoundError:
-            raise InvalidParam("image", args.image, "file does not exist") from None
+    fmt, image = args.out_format, args.image_rgb  # checked before torch loaded (cli_checks.check_generate)
+    parallel = _parallel_config(args)
+    threads = set_torch_threads(args.threads, parallel.world_size)
     params = GenerationParams(
         prompt=args.prompt,
         negative_prompt=args.negative_prompt,
@@ -145,10 +142,7 @@ def cmd_generate(args) -> int:
     _warn_untrained_size(family.model_dir, params)
     accel = None
     if params.teacache_threshold:
-        from triptych.pipelines.teacache import check_teacache, make_teacache
-
-        check_teacache(family, params)
-        accel = make_teacache(family)
+        accel = _teacache(family, params)
     if family.is_video != (fmt == "mp4"):
         raise InvalidParam("out", args.out, "video families write .mp4; image families write .png/.jpg/.webp")
     # the progress a served video job reports (triptych.progress): steps fill 90%, the decode the rest
@@ -159,11 +153,12 @@ def cmd_generate(args) -> int:
         if state.done:
             bar.set_description("decoding")
 
-    parallel = _parallel_config(args)
     if parallel.world_size > 1:
         from triptych.server.runners.local import run_parallel_request
 
-        frames, timings = run_parallel_request(family, params, parallel, device=device.device, on_step=on_step)
+        frames, timings = run_parallel_request(
+            family, params, parallel, device=device.device, on_step=on_step, threads=threads
+        )
     else:
         frames, timings = run_request(family, params, on_step=on_step, fuse_cfg=not args.separate_cfg, accel=accel)
     t = time.perf_counter()
@@ -177,6 +172,23 @@ def cmd_generate(args) -> int:
     print(f"wrote {args.out} ({family.name}, {params.width}x{params.height}, {params.steps} steps, seed {params.seed})")
     print(f"timings: {stages}")
     return 0
+
+
+def _teacache(family, params):
+    """The TeaCache of a ``generate``: profiles from this user's directory first, then the model's
+    shipped ones (``cli_profiles``); ``auto`` says which profile and threshold it took."""
+    from triptych.cache.teacache_profile import AUTO_THRESHOLD
+    from triptych.cli_profiles import describe_auto, user_profiles_dir
+    from triptych.pipelines.teacache import check_teacache, make_teacache
+
+    profiles_dir = user_profiles_dir(family.model_dir)
+    check_teacache(family, params, profiles_dir)
+    accel = make_teacache(family, profiles_dir)
+    if params.teacache_threshold == AUTO_THRESHOLD:
+        line = describe_auto(accel.resolve(AUTO_THRESHOLD, params.steps))
+        logging.getLogger("triptych.cli").info(line)
+        print(line)
+    return accel
 
 
 def _warn_untrained_size(model_dir, params) -> None:
@@ -204,7 +216,8 @@ def _add_chat(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     _add_mm_cache_mb(p)
     add_device_flags(p)
-    p.set_defaults(func=cmd_chat)
+    add_threads_flag(p)
+    p.set_defaults(func=cmd_chat, check=cli_checks.check_chat)
 
 
 def cmd_chat(args) -> int:
@@ -212,16 +225,10 @@ def cmd_chat(args) -> int:
     from triptych.pipelines.base import Role
     from triptych.pipelines.registry import family_class
     from triptych.pipelines.vlm import ChatParams, ChatTurn
-    from triptych.server.media import decode_image
 
     device = device_config_from_args(args)
-    images = []
-    for i, path in enumerate(args.image):
-        try:
-            with open(path, "rb") as f:
-                images.append(decode_image(f.read(), field=f"image[{i}]"))
-        except FileNotFoundError:
-            raise InvalidParam("image", path, "file does not exist") from None
+    set_torch_threads(args.threads)
+    images = args.images_rgb  # read and decoded before torch loaded (cli_checks.check_chat)
     turns = ((ChatTurn("system", (args.system,)),) if args.system else ()) + (
         ChatTurn("user", (*range(len(images)), args.prompt)),
     )
@@ -278,6 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         add_server_commands(sub)
+    for sub_parser in sub.choices.values():
+        sub_parser.set_defaults(parser=sub_parser)  # main: its errors show its own usage
     return parser
 
 
@@ -294,12 +303,17 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # Mooncake's INFO lines (serve sets its workers' own)
-    args = build_parser().parse_args(argv)
-    _quiet_libraries()
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # a misspelt flag of a subcommand: that subcommand's usage, not the top level's
+        getattr(args, "parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
     try:
+        if getattr(args, "check", None) is not None:
+            args.check(args)  # before torch is imported: a bad argument is an error in about a second
+        _quiet_libraries()
         return args.func(args)
     except (InvalidParam, UnknownModel) as e:
         print(f"error: {e}", file=sys.stderr)

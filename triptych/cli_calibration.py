@@ -13,7 +13,7 @@ import sys
 
 from triptych.cache.teacache_profile import AUTO_THRESHOLD
 from triptych.calibration.target import Target
-from triptych.devices import add_device_flags, device_config_from_args
+from triptych.devices import add_device_flags, add_threads_flag, device_config_from_args, set_torch_threads
 from triptych.errors import InvalidParam
 
 DEFAULT_TARGET = Target()
@@ -53,7 +53,11 @@ def add_calibrate(sub) -> None:
     )
     p.add_argument("--seeds", type=int, nargs="+", default=list(FIT_SEEDS), help="fit seeds")
     p.add_argument("--fit-prompts", type=int, default=4, help="shape-world models: number of fit captions")
-    p.add_argument("--out", help="profile path (default MODEL_DIR/teacache/<family>-<steps>steps.json)")
+    p.add_argument(
+        "--out",
+        help="profile path (default: $XDG_DATA_HOME/triptych/teacache/<model identity>/<family>-<steps>steps.json, "
+        "~/.local/share without XDG_DATA_HOME; never inside the installed package)",
+    )
     p.add_argument("--image", help="condition image (edit / image-to-video families)")
     p.add_argument(
         "--thresholds", type=float, nargs="*", default=list(DEFAULT_THRESHOLDS), help="swept (none: fit only)"
@@ -70,34 +74,57 @@ def add_calibrate(sub) -> None:
     p.add_argument("--report", metavar="DIR", help="write an HTML report (fit plot, curves, images) into DIR")
     _add_target(p, "recommendation target")
     add_device_flags(p)
-    p.set_defaults(func=cmd_calibrate)
+    add_threads_flag(p)
+    p.set_defaults(func=cmd_calibrate, check=check_calibrate)
 
 
-def cmd_calibrate(args) -> int:
-    from triptych.calibration.fit import DEFAULT_PROMPTS, calibrate
-    from triptych.calibration.quality import world_prompts
-    from triptych.calibration.sweep import table_markdown
-    from triptych.models import resolve_model
+def check_calibrate(args) -> None:
+    """Before torch: numbers, the image, ``--out`` outside the package, the target."""
+    from triptych.cli_checks import check_common, read_image
+    from triptych.cli_profiles import check_out
 
+    check_common(args)
     if args.steps < 1:
         raise InvalidParam("steps", args.steps, "must be >= 1")
     if args.eval_images < 1:
         raise InvalidParam("eval_images", args.eval_images, "must be >= 1")
     if min(args.warmup) < 0 or min(args.max_skips) < 0:
         raise InvalidParam("warmup/max_skips", (args.warmup, args.max_skips), "must be >= 0")
-    base = {}
-    if args.image:
-        from triptych.server.media import decode_image
+    check_out(args.out)
+    _target(args)
+    args.image_rgb = read_image(args.image) if args.image else None
 
-        try:
-            with open(args.image, "rb") as f:
-                base["image"] = decode_image(f.read())
-        except FileNotFoundError:
-            raise InvalidParam("image", args.image, "file does not exist") from None
+
+def _warn_small_eval_set(model, args, target: Target) -> None:
+    """The adherence drop is judged as a share of the evaluation images (shape-world models): with
+    fewer than ``target.images_needed()`` one image moves it past the allowed drop."""
+    from triptych.calibration.quality import _is_world_model
+
+    needed = target.images_needed()
+    if args.thresholds and needed and args.eval_images < needed and _is_world_model(model):
+        print(
+            f"warning: --eval-images {args.eval_images} is too few for the target: adherence is judged as a "
+            f"share of the images, so one image moves it {100 / args.eval_images:.1f} points (allowed: "
+            f"{target.max_adherence_drop * 100:g}); the target needs at least {needed} images",
+            file=sys.stderr,
+        )
+
+
+def cmd_calibrate(args) -> int:
+    from triptych.calibration.fit import DEFAULT_PROMPTS, calibrate
+    from triptych.calibration.quality import world_prompts
+    from triptych.calibration.sweep import table_markdown
+    from triptych.cli_profiles import user_profiles_dir
+    from triptych.models import resolve_model
+
+    device = device_config_from_args(args)
+    set_torch_threads(args.threads)
+    base = {"image": args.image_rgb} if args.image_rgb is not None else {}
     model = resolve_model(args.model, os.environ.get("TRIPTYCH_CACHE"))
     prompts = args.prompt or world_prompts(model, args.fit_prompts) or DEFAULT_PROMPTS
     variants = [(w, c or None) for w, c in itertools.product(args.warmup, args.max_skips)]
     target = _target(args)
+    _warn_small_eval_set(model, args, target)
     profile, path = calibrate(
         model,
         args.steps,
@@ -111,7 +138,8 @@ def cmd_calibrate(args) -> int:
         batch_size=args.batch,
         report_dir=args.report,
         progress=True,
-        device=device_config_from_args(args),
+        device=device,
+        profiles_dir=user_profiles_dir(model),
         **base,
     )
     q = profile.quality
@@ -213,18 +241,35 @@ def add_quality(sub) -> None:
         "TeaCache; exact: max abs <= --exact-tolerance; target: --min-psnr/--min-ssim/--max-adherence-drop",
     )
     add_device_flags(p)
-    p.set_defaults(func=cmd_quality)
+    add_threads_flag(p)
+    p.set_defaults(func=cmd_quality, check=check_quality)
+
+
+def check_quality(args) -> None:
+    """Before torch: the model directory, the counts, the target."""
+    from triptych.cli_checks import at_least, check_common, check_parallel
+
+    check_common(args)
+    if args.images < 1:
+        raise InvalidParam("images", args.images, "must be >= 1")
+    at_least("steps", args.steps, 1)
+    at_least("batch", args.batch, 1)
+    at_least("served", args.served, 0)
+    check_parallel(args)
+    _target(args)
 
 
 def cmd_quality(args) -> int:
     from triptych.models import resolve_model
 
     model = resolve_model(args.model, os.environ.get("TRIPTYCH_CACHE"))
+    set_torch_threads(args.threads)
     if args.save_baseline or args.baseline:
         return _baseline_command(args, model, _target(args, _profile_target(model, args)))
     if not args.teacache_threshold:
         raise InvalidParam("teacache_threshold", None, "give thresholds (or auto), --save-baseline or --baseline")
     from triptych.calibration.quality import markdown, quality_report, write
+    from triptych.cli_profiles import user_profiles_dir
 
     gates, target = not args.no_gates, _target(args)
     world = {"auto": None, "on": True, "off": False}[args.world]
@@ -235,6 +280,7 @@ def cmd_quality(args) -> int:
         steps=args.steps,
         world=world,
         prompts=args.prompt,
+        profiles_dir=user_profiles_dir(model),
         min_psnr=target.min_psnr if gates else None,
         min_ssim=target.min_ssim if gates else None,
         max_adherence_drop=target.max_adherence_drop if gates else None,

@@ -116,3 +116,72 @@ def test_a_baseline_gates_10x_the_recommendation_at_the_calibrated_target(calibr
     assert code == 1 and bad["failures"] and bad["failures"][0].startswith("worst PSNR")
     assert bad["summary"]["skipped_fraction"] > auto["summary"]["skipped_fraction"]
     assert "Gates FAILED" in (root / "damaged" / "index.html").read_text()
+
+
+def _tree_hashes(directory: Path) -> dict[str, str]:
+    import hashlib
+
+    files = [p for p in directory.rglob("*") if p.is_file()]
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+
+
+def test_the_cli_writes_the_user_directory_and_auto_reports_the_profile_it_used(tmp_path, monkeypatch, capsys):
+    """``triptych calibrate`` writes ``$XDG_DATA_HOME/triptych/teacache/<model identity>/``, never the
+    model's (or the package's) ``teacache/``; ``generate --teacache-threshold auto`` finds it there
+    first and names it; the shipped profiles stay byte-identical."""
+    from triptych.cache.teacache_profile import PACKAGE_DIR
+    from triptych.cli_profiles import user_profiles_dir
+
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    shipped = _tree_hashes(PACKAGE_DIR / "assets")
+    model = make_tiny("flux", tmp_path / "flux", seed=0)
+    args = ["calibrate", "--model", str(model), "--steps", str(STEPS), "--seeds", "0", "--eval-images", "2"]
+    sweep = ["--thresholds", "1.0", "--warmup", "1", "--max-skips", "0", "--min-psnr", "0", "--min-ssim", "0"]
+    assert cli.main(args + sweep) == 0  # the target anything meets: 1.0 (it skips) is recommended
+    written = user_profiles_dir(model) / f"flux-{STEPS}steps.json"
+    assert written.is_relative_to(tmp_path / "data" / "triptych" / "teacache")
+    assert f"wrote {written}" in capsys.readouterr().out
+    assert load_profile(written).recommended_threshold == 1.0 and not (Path(model) / "teacache").exists()
+    out = tmp_path / "a.png"
+    gen = ["generate", "--model", str(model), "--prompt", "x", "--steps", str(STEPS), "--out", str(out)]
+    assert cli.main(gen + ["--teacache-threshold", "auto"]) == 0
+    assert f"teacache auto: threshold 1 from profile {written}" in capsys.readouterr().out
+    assert _tree_hashes(PACKAGE_DIR / "assets") == shipped
+
+
+def test_calibrate_warns_when_the_evaluation_set_is_too_small_for_the_target(tmp_path, monkeypatch, capsys):
+    """Adherence is judged as a share of the images: at 2 points allowed, fewer than 50 images make one
+    image's change a failure. A shape-world model (``"world": "shapes"``) gets the warning before the
+    sweep starts (the sweep itself is stubbed here: a world-model sweep took 76 s on this machine)."""
+
+    class Swept(Exception):
+        pass
+
+    def stub(*args, **kwargs):
+        raise Swept(kwargs["eval_images"])
+
+    monkeypatch.setattr("triptych.calibration.fit.calibrate", stub)
+    model = make_tiny("flux", tmp_path / "flux", seed=0)
+    (Path(model) / "triptych.json").write_text(json.dumps({"world": "shapes"}))
+    args = ["calibrate", "--model", str(model), "--steps", str(STEPS), "--thresholds", "0.1"]
+    for images, warned in (("2", True), ("50", False)):
+        with pytest.raises(Swept):
+            cli.main(args + ["--eval-images", images])
+        err = capsys.readouterr().err
+        assert ("needs at least 50 images" in err) == warned, err
+        assert (f"warning: --eval-images {images} is too few for the target" in err) == warned
+    assert (
+        Target(max_adherence_drop=0.05).images_needed() == 20 and Target(max_adherence_drop=0).images_needed() is None
+    )
+
+
+def test_calibrate_refuses_an_out_inside_the_installed_package(capsys):
+    from triptych.cache.teacache_profile import PACKAGE_DIR, ProfileError, TeaCacheProfile, save_profile
+
+    target = PACKAGE_DIR / "assets" / "default" / "teacache" / "qwen-image-20steps.json"
+    before = target.read_bytes()
+    assert cli.main(["calibrate", "--steps", "20", "--out", str(target)]) == 2
+    assert "inside the installed package" in capsys.readouterr().err
+    with pytest.raises(ProfileError, match="inside the installed package"):
+        save_profile(TeaCacheProfile("qwen-image", "m", 20, (0, 0, 0, 1, 0)), target)
+    assert target.read_bytes() == before

@@ -102,3 +102,78 @@ def test_mm_cache_budget_defaults_to_the_environment(monkeypatch):
     monkeypatch.setenv("TRIPTYCH_MM_CACHE_MB", "0")
     assert build_parser().parse_args(argv).mm_cache_mb == 0.0
     assert build_parser().parse_args([*argv, "--mm-cache-mb", "8"]).mm_cache_mb == 8.0
+
+
+BAD_BEFORE_TORCH = [
+    (["generate", "--prompt", "x", "--image", "README.md", "--out", "a.png"], "image='README.md'"),
+    (["generate", "--prompt", "x", "--steps", "0", "--out", "a.png"], "steps=0"),
+    (["generate", "--prompt", "x", "--out", "a.gif"], "out='a.gif'"),
+    (["generate", "--prompt", "x", "--model", "/nonexistent", "--out", "a.png"], "model='/nonexistent'"),
+    (["chat", "--prompt", "x", "--image", "/nonexistent.png"], "image[0]='/nonexistent.png'"),
+    (["chat", "--prompt", "x", "--top-p", "0"], "top_p=0.0"),
+    (["calibrate", "--steps", "4", "--out", "triptych/assets/default/teacache/x.json"], "out='triptych/assets"),
+    (["quality", "--teacache-threshold", "0.1", "--images", "0"], "images=0"),
+    (["generate", "--prompt", "x", "--out", "a.png", "--threads", "-1"], "--threads=-1"),
+]
+
+
+def test_bad_arguments_are_refused_before_torch_is_imported():
+    """Each command's checks run before the torch import (30-50 s on a loaded machine): a fresh
+    interpreter gets exit code 2 and a line naming the field while ``torch`` is still not imported."""
+    script = (
+        "import json, sys\n"
+        "from triptych.cli import main\n"
+        "out = []\n"
+        f"for argv in {[a for a, _ in BAD_BEFORE_TORCH]!r}:\n"
+        "    out.append([main(argv), 'torch' in sys.modules])\n"
+        "print(json.dumps(out))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=_repo())
+    assert proc.returncode == 0, proc.stderr
+    import json
+
+    assert json.loads(proc.stdout) == [[2, False]] * len(BAD_BEFORE_TORCH), proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == len(BAD_BEFORE_TORCH), proc.stderr
+    for line, (_, named) in zip(lines, BAD_BEFORE_TORCH):
+        assert line.startswith("error: invalid ") and named in line, line
+    assert lines[0] == "error: invalid image='README.md': is not a decodable PNG/JPEG/WebP image " + (
+        f"({(_repo() / 'README.md').stat().st_size} bytes)"
+    )
+
+
+def _repo():
+    from pathlib import Path
+
+    return Path(__file__).resolve().parents[2]
+
+
+def test_a_misspelt_flag_shows_the_subcommands_usage(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--prompt", "x", "--out", "a.png", "--promt", "y"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith("usage: triptych generate ")
+    assert err.strip().splitlines()[-1] == "triptych generate: error: unrecognized arguments: --promt y"
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["generate", "--prompt", "x", "--out", "a.png"], ["chat", "--prompt", "x"], ["calibrate", "--steps", "2"]]
+    + [["quality", "--teacache-threshold", "0.1"]],
+)
+def test_every_in_process_command_sets_torch_threads_by_the_serve_rule(tmp_path, monkeypatch, capsys, command):
+    """``--threads N`` is N; 0 (the default) is ``split_threads`` (the idle cores: 8 cores, 2.4 busy ->
+    6). Each command sets them before loading, so an empty model directory (refused at load) shows it."""
+    import torch
+
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    monkeypatch.setattr("os.getloadavg", lambda: (2.4, 0.0, 0.0))
+    before = torch.get_num_threads()
+    try:
+        for flags, expected in (([], 6), (["--threads", "3"], 3)):
+            torch.set_num_threads(1)
+            assert main([*command, "--model", str(tmp_path), *flags]) == 2  # no model_index.json
+            assert "cannot load model" in capsys.readouterr().err
+            assert torch.get_num_threads() == expected
+    finally:
+        torch.set_num_threads(before)

@@ -118,3 +118,13 @@ def test_the_real_command_line_prints_no_traceback(tmp_path):
         out.stderr.strip()
         == "error: invalid --dtype='float64': must be one of float32, bfloat16, float16 (or omitted: auto)"
     )
+
+
+def test_split_threads_splits_the_idle_cores_among_the_processes():
+    from triptych.devices import split_threads
+
+    assert split_threads(1, cores=2, load=0.3) == 2  # idle 2-core machine: both
+    assert split_threads(1, cores=2, load=9.7) == 1  # loaded: one (48.2 s -> 3.0 s in issue 24)
+    assert split_threads(3, cores=16, load=0.0) == 5
+    assert split_threads(3, cores=16, load=7.6) == 2  # 8 busy, 8 idle for 3 processes
+    assert split_threads(4, cores=2, load=0.0) == 1

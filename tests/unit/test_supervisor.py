@@ -79,10 +79,13 @@ def test_without_restart_an_exit_is_only_reported():
     assert exits == [("denoiser-0", 0)] and w.procs["denoiser-0"] is first and w.restarts_total == 0
 
 
-def test_threads_split_the_cores_among_local_workers_unless_set(monkeypatch):
+def test_threads_split_the_idle_cores_among_local_workers_unless_set(monkeypatch):
     monkeypatch.setattr("os.cpu_count", lambda: 16)
+    monkeypatch.setattr("os.getloadavg", lambda: (0.2, 0.0, 0.0))
     assert workers(encoders=1, denoisers=2, decoders=1)[0].threads() == 4
     assert workers(encoders=1, denoisers=1, decoders=1, torch_threads=3)[0].threads() == 3
+    monkeypatch.setattr("os.getloadavg", lambda: (8.4, 0.0, 0.0))  # 8 of the 16 cores busy
+    assert workers(encoders=1, denoisers=2, decoders=1)[0].threads() == 2
     monkeypatch.setattr("os.cpu_count", lambda: 2)
     assert workers(encoders=1, denoisers=2, decoders=1)[0].threads() == 1
 

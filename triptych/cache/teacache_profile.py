@@ -147,8 +147,21 @@ def load_profile(path: str | Path) -> TeaCacheProfile:
     )
 
 
+#: The installed ``triptych`` package: its shipped profiles are read, never rewritten.
+PACKAGE_DIR = Path(__file__).resolve().parents[1]
+
+
+def inside_package(path: str | Path) -> bool:
+    """Whether ``path`` lies inside the installed ``triptych`` package (``PACKAGE_DIR``)."""
+    return Path(path).resolve().is_relative_to(PACKAGE_DIR)
+
+
 def save_profile(profile: TeaCacheProfile, path: str | Path) -> Path:
+    """Write ``profile`` to ``path``; refuses (``ProfileError``) a path inside the installed package,
+    so a calibration never rewrites a shipped profile (copy one there by hand to ship it)."""
     path = Path(path)
+    if inside_package(path):
+        raise ProfileError(f"TeaCache profile {path}: inside the installed package {PACKAGE_DIR}; write it elsewhere")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(profile.to_json(), indent=2) + "\n")
     return path

@@ -142,13 +142,16 @@ def calibrate(
     batch_size: int = 8,
     report_dir: str | Path | None = None,
     progress: bool = False,
+    profiles_dir: str | Path | None = None,
     **base,
 ) -> tuple[TeaCacheProfile, Path]:
     """Collect, fit, sweep, recommend and write; returns the profile and its path.
 
     ``variants``: (warmup, max_skips) pairs swept with every threshold (default: ``[(warmup, None)]``);
     the recommended one's warmup and cap become the profile's. ``thresholds=()`` fits only (no
-    recommendation). ``base``: other GenerationParams fields (size, guidance, image). ``device``: a
+    recommendation). The profile goes to ``out``, else ``profiles_dir/<family>-<steps>steps.json``
+    (the CLI's user directory), else ``model_dir/teacache/``; never into the installed package
+    (``save_profile`` refuses). ``base``: other GenerationParams fields (size, guidance, image). ``device``: a
     device name or ``triptych.devices.DeviceConfig`` for the family loaded here.
     """
     from triptych.cache.teacache import TeaCache
@@ -187,7 +190,8 @@ def calibrate(
         chosen = recommend(result.rows)
         profile = _with_sweep(profile, result.rows, chosen, target, requests)
         logger.info("calibration sweep:\n%s", table_markdown(result.rows, chosen))
-    path = Path(out) if out else Path(model_dir) / "teacache" / profile_filename(family.name, steps)
+    directory = Path(profiles_dir) if profiles_dir is not None else Path(model_dir) / "teacache"
+    path = Path(out) if out else directory / profile_filename(family.name, steps)
     save_profile(profile, path)
     if report_dir is not None:
         from triptych.calibration.report_calibrate import write_calibration_report

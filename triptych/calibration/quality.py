@@ -49,6 +49,7 @@ class SettingReport:
     seconds: float  # denoise wall time of this setting's requests (information, not a claim)
     failures: list[str] = field(default_factory=list)  # gates this setting failed
     auto: bool = False  # the threshold is the profile's recommendation ("auto")
+    profile: str | None = None  # the TeaCache profile the threshold ran with (its path)
     forward_reduction: float = 1.0  # transformer rows plain / cached
     denoise_speedup: float = 1.0  # denoise seconds plain / cached, this run
 
@@ -101,7 +102,8 @@ def quality_report(
     """Plain vs each TeaCache threshold on the same requests; see the module docstring.
 
     A threshold may be ``AUTO_THRESHOLD`` (``"auto"``): the profile's recommendation, shown as
-    ``auto (value)``. ``batch_size`` requests run per forward (1: each alone, as ``run_request``).
+    ``auto (value)`` with the profile's path; when the profile has no recommendation, ``auto`` is
+    listed under ``"not_run"`` with the reason and the other thresholds still run. ``batch_size`` requests run per forward (1: each alone, as ``run_request``).
     ``device``: a device name or ``triptych.devices.DeviceConfig``.
     """
     from triptych.calibration.batch import Cases, run_cases
@@ -119,9 +121,13 @@ def quality_report(
     requests = _requests(images, steps, world, prompts)
     cases = Cases(family, [p for p, _ in requests])
     scenes = [s for _, s in requests] if world else None
+    cache = make_teacache(family, profiles_dir)
+    not_run = _unresolvable_auto(cache, thresholds, cases.params[0].steps)
+    thresholds = [t for t in thresholds if not (t == AUTO_THRESHOLD and not_run)]
+    if not thresholds:
+        raise InvalidParam("teacache_threshold", "auto", not_run[0]["reason"] + "; give a number")
     for t in thresholds:  # fail before any compute when a threshold has no profile for these steps
         check_teacache(family, cases.params[0].replace(teacache_threshold=t), profiles_dir)
-    cache = make_teacache(family, profiles_dir)
     bar = None
     if progress:
         import sys
@@ -134,7 +140,8 @@ def quality_report(
     plain_adherence = world_adherence([o.frames for o in plain], scenes)
     settings = []
     for t in thresholds:
-        value = cache.resolve(t, cases.params[0].steps).threshold
+        resolved = cache.resolve(t, cases.params[0].steps)
+        value = resolved.threshold
         got, seconds = run_cases(cases, value, cache, batch_size, tag=f"q{value}", on_request=tick)
         fid = fidelity(got, plain)
         skipped, computed = sum(o.skipped for o in got), sum(o.computed for o in got)
@@ -151,6 +158,7 @@ def quality_report(
             plain_adherence=plain_adherence,
             seconds=seconds,
             auto=t == AUTO_THRESHOLD,
+            profile=resolved.profile,
             forward_reduction=(skipped + computed) / max(1, computed),
             denoise_speedup=plain_seconds / seconds if seconds > 0 else math.nan,
         )
@@ -181,8 +189,21 @@ def quality_report(
         "plain_adherence": plain_adherence,
         "gates": {"min_psnr": min_psnr, "min_ssim": min_ssim, "max_adherence_drop": max_adherence_drop},
         "settings": [asdict(s) for s in settings],
+        "not_run": not_run,
         "passed": not any(s.failures for s in settings),
     }
+
+
+def _unresolvable_auto(cache, thresholds: list[float], steps: int) -> list[dict[str, Any]]:
+    """``[{"teacache_threshold": "auto", "reason": ...}]`` when ``auto`` is asked for and the profile
+    for ``steps`` exists but recommends no threshold (calibration found none meeting its target);
+    else ``[]`` (a missing profile is refused by ``check_teacache`` as for any threshold)."""
+    if AUTO_THRESHOLD not in thresholds or cache is None:
+        return []
+    profile = cache.profiles(steps)
+    if profile is None or profile.recommended_threshold is not None:
+        return []
+    return [{"teacache_threshold": "auto", "reason": f"auto: no recommended threshold in profile {profile.path}"}]
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -213,6 +234,9 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {s['psnr_mean']:.1f} / {s['psnr_min']:.1f} "
             f"| {s['ssim_mean']:.3f} / {s['ssim_min']:.3f} | {adh} | {s['seconds']:.1f} | {gates} |"
         )
+    lines += [f"| {n['teacache_threshold']} | not run: {n['reason']} |" for n in report.get("not_run", [])]
+    auto = [s for s in report["settings"] if s.get("auto")]
+    lines += [f"auto = {s['teacache_threshold']:g} from profile {s['profile']}" for s in auto]
     return "\n".join(lines)
 
 

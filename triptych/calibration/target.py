@@ -28,6 +28,14 @@ class Target:
         if not (0 <= self.min_ssim <= 1) or not self.max_adherence_drop >= 0 or math.isnan(self.min_psnr):
             raise ValueError(f"Target {self}: min_ssim in [0, 1], max_adherence_drop >= 0, min_psnr a number")
 
+    def images_needed(self) -> int | None:
+        """The fewest evaluation images in which one image changing its adherence moves the share by
+        no more than ``max_adherence_drop`` (the drop is judged as a share of the images: 1/n per
+        image, so 50 for 2 points); None when no drop is allowed (any set then judges it)."""
+        if self.max_adherence_drop <= 0:
+            return None
+        return math.ceil(1 / self.max_adherence_drop - 1e-9)
+
     def failures(self, row: dict) -> list[str]:
         out = []
         if row["psnr_min"] < self.min_psnr:

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from triptych.devices import split_threads
+
 logger = logging.getLogger(__name__)
 
 MAX_BACKOFF_S = 30.0
@@ -101,6 +103,7 @@ class LocalWorkers:
         self.restarts_total = 0
         self._head = ""
         self._task: asyncio.Task | None = None
+        self._threads: int | None = None
 
     @property
     def procs(self) -> dict[str, subprocess.Popen]:
@@ -131,12 +134,14 @@ class LocalWorkers:
 
     def threads(self) -> int:
         """torch threads of each local worker: ``topology.torch_threads``, or (0) the machine's cores
-        split evenly among the topology's local workers, so they do not oversubscribe the CPU."""
+        split evenly among the topology's local workers (``devices.split_threads``: less the cores the load
+        average says are busy), so they do not oversubscribe the CPU."""
         t = self.topology
         if t.torch_threads:
             return t.torch_threads
-        workers = max(1, t.encoders + t.denoisers * t.parallel.world_size + t.decoders)
-        return max(1, (os.cpu_count() or 1) // workers)
+        if self._threads is None:  # once: later spawns would count the running workers as load
+            self._threads = split_threads(t.encoders + t.denoisers * t.parallel.world_size + t.decoders)
+        return self._threads
 
     def kill(self, instance_id: str, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` to a local worker (tests: kill -9 mid-request)."""
