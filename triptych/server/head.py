@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
+from triptych.errors import shown
 from triptych.server.admission import AdmissionLimits
 from triptych.server.files import FileStore
 from triptych.server.metrics import Metrics, render_labelled
@@ -219,7 +220,9 @@ class ModelHead:
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_id:
-            raise HTTPException(404, f"model {model!r} is not served here (this request went to {self.model_id!r})")
+            raise HTTPException(
+                404, f"model {shown(model)} is not served here (this request went to {self.model_id!r})"
+            )
 
     def size_warning(self, width: int, height: int) -> str | None:
         """A note when ``width`` x ``height`` is not a size the model was trained at."""

@@ -19,7 +19,7 @@ from fastapi.responses import FileResponse
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
 
-from triptych.errors import InvalidParam
+from triptych.errors import InvalidParam, shown
 from triptych.server.api_models import (
     VideoCreateRequest,
     VideoDeleted,
@@ -129,7 +129,7 @@ def add_video_routes(app: FastAPI, head: Head) -> None:
     def get_record(video_id: str) -> VideoRecord:
         rec = head.videos.store.get(video_id)
         if rec is None:
-            raise HTTPException(404, f"video {video_id!r} does not exist")
+            raise HTTPException(404, f"video {shown(video_id)} does not exist")
         return rec
 
     @app.post("/v1/videos", response_model=VideoObject, openapi_extra=_schema())
@@ -182,11 +182,11 @@ def add_video_routes(app: FastAPI, head: Head) -> None:
         rec = get_record(video_id)
         path = head.videos.path(video_id)
         if rec.status != "completed" or not path.is_file():
-            raise HTTPException(409, f"video {video_id!r} has no content (status {rec.status!r})")
+            raise HTTPException(409, f"video {shown(video_id)} has no content (status {rec.status!r})")
         return FileResponse(path, media_type="video/mp4", filename=f"{video_id}.mp4")
 
     @app.delete("/v1/videos/{video_id}", response_model=VideoDeleted)
     async def delete_video(video_id: str):
         if not await head.videos.delete(video_id):
-            raise HTTPException(404, f"video {video_id!r} does not exist")
+            raise HTTPException(404, f"video {shown(video_id)} does not exist")
         return VideoDeleted(id=video_id, deleted=True)

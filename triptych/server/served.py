@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from starlette.exceptions import HTTPException
 
+from triptych.errors import shown
 from triptych.pipelines.geometry import size_warning, trained_sizes
 from triptych.server.admission import Admission, AdmissionLimits
 from triptych.server.api_models import ModelCard
@@ -94,6 +95,6 @@ class ServedModels:
             found = self.by_name.get(model)
             if found is None:
                 served = ", ".join(repr(n) for n in self.by_name)
-                raise HTTPException(404, f"model {model!r} is not served here; this server serves {served}")
+                raise HTTPException(404, f"model {shown(model)} is not served here; this server serves {served}")
             return found
         return next((m for m in self if m.can(job_kind)), self.first)
