@@ -5,9 +5,12 @@ closed. Each fails on the head before its change."""
 
 from __future__ import annotations
 
+import os
+import stat
+
 import httpx
 
-from tests.e2e.http_support import FakeBackend, FakeFamily, serve
+from tests.e2e.http_support import FakeBackend, FakeFamily, serve, wait_for
 from triptych.errors import InvalidParam
 from triptych.server.http import HeadConfig, create_app
 
@@ -58,3 +61,44 @@ def test_invalid_param_messages_cut_the_value_but_keep_it_whole_on_the_exception
     assert err.value == LONG
     assert_cut(str(err))
     assert str(InvalidParam("n", 11, "must be between 1 and 10")) == "invalid n=11: must be between 1 and 10"
+
+
+# ---- the head's state is owner-only ------------------------------------------------------------
+def test_the_heads_state_is_owner_only(tmp_path):
+    """Directories 0700, files 0600 (the jobs database and its WAL, url files, MP4s), under the
+    usual umask 022 that gave 0755/0644 before."""
+    old = os.umask(0o022)
+    try:
+        backends = {
+            "img": FakeBackend(FakeFamily(tmp_path / "img")),
+            "vid": FakeBackend(FakeFamily(tmp_path / "vid", is_video=True)),
+        }
+        data = tmp_path / "data"
+        with serve(create_app(backends, HeadConfig(data_dir=data))) as base:
+            image = httpx.post(f"{base}/v1/images/generations", json={"prompt": "x", "response_format": "url"})
+            assert image.status_code == 200, image.text
+            video = httpx.post(f"{base}/v1/videos", json={"prompt": "x"}).json()
+            wait_for(lambda: httpx.get(f"{base}/v1/videos/{video['id']}").json()["status"] == "completed", "video")
+            dirs = [data, data / "files", data / "videos"]
+            files = [data / "jobs.sqlite", *(data / "files").iterdir(), *(data / "videos").iterdir()]
+            files += [p for p in data.glob("jobs.sqlite-*")]
+            modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in dirs + files}
+    finally:
+        os.umask(old)
+    assert any(p.suffix == ".mp4" for p in files) and any(p.suffix == ".png" for p in files), modes
+    assert any(p.name == "jobs.sqlite-wal" for p in files), modes
+    assert {p.name: modes[p.name] for p in dirs} == {p.name: 0o700 for p in dirs}
+    assert {p.name: modes[p.name] for p in files} == {p.name: 0o600 for p in files}
+
+
+def test_a_data_dir_made_with_wider_modes_is_narrowed(tmp_path):
+    data = tmp_path / "data"
+    (data / "videos").mkdir(parents=True, mode=0o755)
+    (data / "jobs.sqlite").touch(mode=0o644)
+    os.chmod(data, 0o755)
+    _, server = video_server(tmp_path)
+    with server:
+        pass
+    assert stat.S_IMODE(data.stat().st_mode) == 0o700
+    assert stat.S_IMODE((data / "videos").stat().st_mode) == 0o700
+    assert stat.S_IMODE((data / "jobs.sqlite").stat().st_mode) == 0o600

@@ -381,8 +381,9 @@ def _serve_http(args, backends: dict, head_config) -> int:
 
 def write_token(data_dir: Path, token: str) -> Path:
     """The control-plane token where an operator starting remote workers finds it (owner-only)."""
-    data_dir.mkdir(parents=True, exist_ok=True)
-    path = data_dir / "worker.token"
+    from triptych.server.private import private_dir
+
+    path = private_dir(data_dir) / "worker.token"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(token + "\n")

@@ -31,6 +31,7 @@ from triptych.errors import shown
 from triptych.server.admission import AdmissionLimits
 from triptych.server.files import FileStore
 from triptych.server.metrics import Metrics, render_labelled
+from triptych.server.private import private_dir
 from triptych.server.served import ServedModel, ServedModels
 
 if TYPE_CHECKING:
@@ -45,7 +46,8 @@ class HeadConfig:
     """Everything the head needs besides its backend."""
 
     data_dir: Path
-    """Root of the head's state: ``jobs.sqlite``, ``videos/`` (finished MP4s), ``files/`` (url links)."""
+    """Root of the head's state: ``jobs.sqlite``, ``videos/`` (finished MP4s), ``files/`` (url links);
+    owner-only (directories 0700, files 0600)."""
 
     limits: AdmissionLimits = field(default_factory=AdmissionLimits)
     """Admission limits (sizes, steps, frames, n, uploads, queue)."""
@@ -167,7 +169,7 @@ class Head:
     async def open(self) -> None:
         from triptych.server.jobs import VideoJobs
 
-        self.config.data_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.config.data_dir)
         self.files = FileStore(self.config.data_dir, self.config.url_ttl_s)
         self.videos = VideoJobs(self.config.data_dir, self.config.video_ttl_s)
         models = list(self.models)
