@@ -9,6 +9,7 @@ import os
 import stat
 
 import httpx
+import pytest
 
 from tests.e2e.http_support import FakeBackend, FakeFamily, serve, wait_for
 from triptych.errors import InvalidParam
@@ -102,3 +103,31 @@ def test_a_data_dir_made_with_wider_modes_is_narrowed(tmp_path):
     assert stat.S_IMODE(data.stat().st_mode) == 0o700
     assert stat.S_IMODE((data / "videos").stat().st_mode) == 0o700
     assert stat.S_IMODE((data / "jobs.sqlite").stat().st_mode) == 0o600
+
+
+# ---- whitespace-only chat text -----------------------------------------------------------------
+class ChattingBackend(FakeBackend):
+    """Answers every chat with "ok"."""
+
+    async def chat(self, job, on_text=None):
+        from triptych.pipelines.vlm import ChatResult
+
+        return ChatResult("ok", 1, 1, "stop")
+
+
+@pytest.mark.parametrize(
+    "content",
+    ["   \n\t ", "", [{"type": "text", "text": "  "}], [{"type": "text", "text": " "}, {"type": "text", "text": "\n"}]],
+)
+def test_a_whitespace_only_chat_message_is_400_naming_it(tmp_path, content):
+    family = FakeFamily(tmp_path / "model")
+    family.supports_chat = True
+    _, server = make_server(tmp_path, ChattingBackend(family))
+    messages = [{"role": "user", "content": "what is this?"}, {"role": "user", "content": content}]
+    with server as base:
+        refused = httpx.post(f"{base}/v1/chat/completions", json={"messages": messages})
+        answered = httpx.post(f"{base}/v1/chat/completions", json={"messages": messages[:1]})
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["param"] == "messages[1].content" and "non-whitespace" in error["message"], error
+    assert answered.status_code == 200 and answered.json()["choices"][0]["message"]["content"] == "ok"
