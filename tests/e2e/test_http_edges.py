@@ -131,3 +131,18 @@ def test_a_whitespace_only_chat_message_is_400_naming_it(tmp_path, content):
     error = refused.json()["error"]
     assert error["param"] == "messages[1].content" and "non-whitespace" in error["message"], error
     assert answered.status_code == 200 and answered.json()["choices"][0]["message"]["content"] == "ok"
+
+
+# ---- a video shorter than one frame ------------------------------------------------------------
+@pytest.mark.parametrize("seconds", [1e-300, 0.05])
+def test_seconds_shorter_than_one_frame_is_400_naming_the_limit(tmp_path, seconds):
+    backend, server = video_server(tmp_path)  # 16 fps: one frame is 0.0625 s
+    with server as base:
+        resp = httpx.post(f"{base}/v1/videos", json={"prompt": "x", "seconds": seconds})
+        one_frame = httpx.post(f"{base}/v1/videos", json={"prompt": "x", "seconds": 0.0625})
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == "seconds" and repr(seconds) in error["message"], error
+    assert "at least 0.0625 (one frame at 16 fps)" in error["message"], error
+    assert one_frame.status_code == 200 and one_frame.json()["frames"] == 1, one_frame.text
+    assert [j.params.frames for j in backend.jobs] in ([], [1])  # the refused one reached no backend

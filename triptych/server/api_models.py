@@ -89,7 +89,8 @@ class VideoCreateRequest(BaseModel):
     model: str | None = None
     size: str | None = Field(None, max_length=64, description='"WIDTHxHEIGHT" or "auto"')
     seconds: Annotated[float, Field(gt=0, le=3600, allow_inf_nan=False)] | None = Field(
-        None, description="clip length; frames = the first count >= seconds*fps the model accepts"
+        None,
+        description="clip length, at least one frame (1/fps); frames = the first count >= seconds*fps the model accepts",
     )
     frames: int | None = Field(None, ge=1, description="exact frame count (overrides seconds)")
     seed: Seed | None = None

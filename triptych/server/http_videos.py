@@ -101,7 +101,9 @@ def resolve_video(head: ModelHead, req: VideoCreateRequest, image):
     if req.seconds is None:
         params, size = build_params(head, req, image=image)
         return resolve(head, params, size)
-    target = max(1, math.ceil(req.seconds * fps))
+    if req.seconds * fps < 1 - 1e-9:  # 1e-300 s is not a one-frame clip
+        raise InvalidParam("seconds", req.seconds, f"must be at least {1 / fps:g} (one frame at {fps} fps)")
+    target = max(1, math.ceil(req.seconds * fps - 1e-9))
     if target > lim.max_frames:
         rule = f"{target} frames at {fps} fps exceeds the limit of {lim.max_frames}"
         raise InvalidParam("seconds", req.seconds, rule)
