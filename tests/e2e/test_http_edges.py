@@ -146,3 +146,41 @@ def test_seconds_shorter_than_one_frame_is_400_naming_the_limit(tmp_path, second
     assert "at least 0.0625 (one frame at 16 fps)" in error["message"], error
     assert one_frame.status_code == 200 and one_frame.json()["frames"] == 1, one_frame.text
     assert [j.params.frames for j in backend.jobs] in ([], [1])  # the refused one reached no backend
+
+
+# ---- url links do not follow a client's Host header --------------------------------------------
+def url_for(base: str, host: str | None) -> str:
+    headers = {"Host": host} if host else {}
+    resp = httpx.post(f"{base}/v1/images/generations", json={"prompt": "x", "response_format": "url"}, headers=headers)
+    assert resp.status_code == 200, resp.text
+    return resp.json()["data"][0]["url"]
+
+
+def test_a_url_link_ignores_a_host_header_not_allowed(tmp_path):
+    _, server = make_server(tmp_path)
+    with server as base:
+        link = url_for(base, "evil.example")
+        fetched = httpx.get(link)
+    assert link.startswith(f"{base}/v1/files/file-"), link
+    assert fetched.status_code == 200 and fetched.headers["content-type"] == "image/png"
+
+
+def test_an_allowed_host_is_used_and_the_public_base_url_wins(tmp_path):
+    _, server = make_server(tmp_path, allowed_hosts=("Gen.Example.com", "other.example:8443"))
+    with server as base:
+        named = url_for(base, "gen.example.com:9000")
+        pinned = url_for(base, "other.example:8443")
+        wrong_port = url_for(base, "other.example:9000")
+    assert named.startswith("http://gen.example.com:9000/v1/files/"), named
+    assert pinned.startswith("http://other.example:8443/v1/files/"), pinned
+    assert wrong_port.startswith(f"{base}/v1/files/"), wrong_port
+    _, server = make_server(
+        tmp_path / "public", public_base_url="https://gen.example.com/", allowed_hosts=("x.example",)
+    )
+    with server as base:
+        assert url_for(base, "x.example").startswith("https://gen.example.com/v1/files/")
+
+
+def test_allowed_hosts_are_host_names():
+    with pytest.raises(ValueError, match="allowed_hosts"):
+        HeadConfig(data_dir="d", allowed_hosts=("http://gen.example.com/",))

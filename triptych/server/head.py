@@ -19,6 +19,7 @@ import asyncio
 import contextvars
 import hashlib
 import logging
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,7 +60,14 @@ class HeadConfig:
     """Lifetime of a completed video (record and file), seconds; None keeps them. Bounds: > 0."""
 
     public_base_url: str | None = None
-    """Base of the links the head hands out (e.g. ``https://gen.example.com``); None = the request's."""
+    """Base of the ``url`` links the head hands out (e.g. ``https://gen.example.com``); None = from
+    the request's Host header when it is in ``allowed_hosts``, else the address the client connected
+    to (the head's own): a Host header never mints a link to a host it names."""
+
+    allowed_hosts: tuple[str, ...] = ()
+    """Host header values (``name``, or ``name:port`` for that port only) that ``url`` links may be
+    built from when ``public_base_url`` is unset (a head reached by several names); another Host is
+    ignored, not refused. Repeat the flag for several."""
 
     served_model_name: str | None = None
     """Model id in ``/v1/models`` and the ``model`` field when the head serves one model given as a bare
@@ -98,6 +106,9 @@ class HeadConfig:
             raise ValueError(f"HeadConfig.video_fps={self.video_fps!r}: must be between 1 and 120")
         if self.public_base_url is not None and not self.public_base_url.startswith(("http://", "https://")):
             raise ValueError(f"HeadConfig.public_base_url={self.public_base_url!r}: must start with http(s)://")
+        object.__setattr__(self, "allowed_hosts", tuple(h.strip().lower() for h in self.allowed_hosts))
+        if any(not h or re.search(r"[\s/@?#]", h) for h in self.allowed_hosts):
+            raise ValueError(f"HeadConfig.allowed_hosts={self.allowed_hosts!r}: each must be a host name or host:port")
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
         if any(len(k) < 8 or k != k.strip() for k in self.api_keys):
             raise ValueError("HeadConfig.api_keys: every key must be at least 8 characters, without surrounding spaces")
@@ -164,7 +175,18 @@ class Head:
         return render_labelled({m.name: m.backend.metrics for m in self.models}, unrouted=self.unrouted_metrics)
 
     def base_url(self, request: Request) -> str:
-        return (self.config.public_base_url or str(request.base_url)).rstrip("/")
+        """Where ``url`` links point (``HeadConfig.public_base_url`` and ``allowed_hosts``)."""
+        if self.config.public_base_url:
+            return self.config.public_base_url.rstrip("/")
+        scheme, root = request.url.scheme, request.scope.get("root_path", "")
+        host = request.headers.get("host", "").strip().lower()
+        if host and (host in self.config.allowed_hosts or host.rsplit(":", 1)[0] in self.config.allowed_hosts):
+            return f"{scheme}://{host}{root}".rstrip("/")
+        server = request.scope.get("server")
+        if not server or server[1] is None:  # no socket (an in-process ASGI client): its own base
+            return str(request.base_url).rstrip("/")
+        address = f"[{server[0]}]" if ":" in server[0] else server[0]
+        return f"{scheme}://{address}:{server[1]}{root}".rstrip("/")
 
     async def open(self) -> None:
         from triptych.server.jobs import VideoJobs
