@@ -371,12 +371,11 @@ def _serve_http(args, backends: dict, head_config) -> int:
     except ImportError:
         logger.warning("no HTTP head (triptych.server.http) installed: serving the control plane only")
         return asyncio.run(_control_plane_only(next(iter(backends.values()))))
-    import uvicorn
+    from triptych.server.http_server import run_head
 
     if len(backends) == 1 and head_config.served_model_name:
         backends = next(iter(backends.values()))
-    uvicorn.run(create_app(backends, head_config), host=args.host, port=args.port, log_level="info")
-    return 0
+    return run_head(create_app(backends, head_config), head_config, args.host, args.port)
 
 
 def write_token(data_dir: Path, token: str) -> Path:

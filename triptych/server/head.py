@@ -88,6 +88,11 @@ class HeadConfig:
     """A client that sends no byte of its body for this long gets 408 (slow or half-open clients).
     Bounds: > 0."""
 
+    header_timeout_s: float = 20.0
+    """A connection that has not sent a complete request line and headers this long after it opened
+    (or after its previous response) is closed (``http_server``): clients that never finish their
+    headers do not hold sockets forever. Bounds: > 0."""
+
     api_keys: tuple[str, ...] = ()
     """Bearer tokens the API accepts (``Authorization: Bearer KEY``, what the OpenAI SDK sends);
     empty = no authentication. ``/health``, ``/metrics`` and ``/v1/files/…`` links (unguessable
@@ -97,7 +102,7 @@ class HeadConfig:
         object.__setattr__(self, "data_dir", Path(self.data_dir))
         if self.max_json_bytes < 1024:
             raise ValueError(f"HeadConfig.max_json_bytes={self.max_json_bytes!r}: must be >= 1024")
-        for name in ("url_ttl_s", "sweep_interval_s", "body_read_timeout_s"):
+        for name in ("url_ttl_s", "sweep_interval_s", "body_read_timeout_s", "header_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"HeadConfig.{name}={getattr(self, name)!r}: must be > 0")
         if self.video_ttl_s is not None and not self.video_ttl_s > 0:
