@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 TRANSFER_KINDS = ("auto", "mooncake", "zmq")
 #: ``TransferConfig`` fields a worker takes from the command line (``WorkerConfig`` sets the rest).
 WORKER_TRANSFER_FIELDS = ("max_bytes",)
+HEAD_FLAGS, HEAD_RENAMED = {"data_dir": "--data-dir", "api_keys": "--api-key"}, {"model_aliases": "model-alias"}
 
 
 @dataclass(frozen=True)
@@ -128,9 +129,7 @@ class ServeFlags:
 
         return cls(
             parser,
-            head=ConfigFlags(
-                group("head (HeadConfig)"), HeadConfig, explicit={"data_dir": "--data-dir", "api_keys": "--api-key"}
-            ),
+            head=ConfigFlags(group("head (HeadConfig)"), HeadConfig, explicit=HEAD_FLAGS, rename=HEAD_RENAMED),
             limits=ConfigFlags(group("admission limits (AdmissionLimits)"), AdmissionLimits),
             topology=ConfigFlags(
                 group("local workers (TopologyConfig)"),

@@ -73,6 +73,11 @@ class HeadConfig:
     """Model id in ``/v1/models`` and the ``model`` field when the head serves one model given as a bare
     backend; None = the model directory's name. (Several models are named by ``serve --model NAME=DIR``.)"""
 
+    model_aliases: tuple[str, ...] = ()
+    """Other names a request's ``model`` may use for a served model, each ``ALIAS=MODEL`` (e.g.
+    ``gpt-image-1=default``, for clients written for another server); repeat the flag for several.
+    ``/v1/models`` lists the served ids; answers name the served model."""
+
     video_fps: int = 16
     """Frame rate of MP4 outputs; ``seconds`` × fps gives the frame count. Bounds: 1..120."""
 
@@ -111,12 +116,24 @@ class HeadConfig:
             raise ValueError(f"HeadConfig.video_fps={self.video_fps!r}: must be between 1 and 120")
         if self.public_base_url is not None and not self.public_base_url.startswith(("http://", "https://")):
             raise ValueError(f"HeadConfig.public_base_url={self.public_base_url!r}: must start with http(s)://")
+        object.__setattr__(self, "model_aliases", tuple(self.model_aliases))
+        self.aliases()  # raises on a malformed or repeated alias
         object.__setattr__(self, "allowed_hosts", tuple(h.strip().lower() for h in self.allowed_hosts))
         if any(not h or re.search(r"[\s/@?#]", h) for h in self.allowed_hosts):
             raise ValueError(f"HeadConfig.allowed_hosts={self.allowed_hosts!r}: each must be a host name or host:port")
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
         if any(len(k) < 8 or k != k.strip() for k in self.api_keys):
             raise ValueError("HeadConfig.api_keys: every key must be at least 8 characters, without surrounding spaces")
+
+    def aliases(self) -> dict[str, str]:
+        """``model_aliases`` as alias → served model id."""
+        out: dict[str, str] = {}
+        for spec in self.model_aliases:
+            alias, sep, target = (part.strip() for part in spec.partition("="))
+            if not sep or not alias or not target or alias in out:
+                raise ValueError(f"HeadConfig.model_aliases: {spec!r} must be ALIAS=MODEL, each alias once")
+            out[alias] = target
+        return out
 
 
 class ClientGone(Exception):
@@ -151,7 +168,7 @@ class Head:
     def __init__(self, backends: Mapping[str, GenerationBackend], config: HeadConfig):
         self.config = config
         self.limits = config.limits
-        self.models = ServedModels(backends, config.limits)
+        self.models = ServedModels(backends, config.limits, config.aliases())
         self.unrouted_metrics = Metrics()
         """Outcomes of requests refused before a model was chosen (the ``model=""`` series)."""
         self.files: FileStore | None = None
@@ -248,7 +265,7 @@ class ModelHead:
         return self.head.base_url(request)
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_id:
+        if model is not None and self.head.models.served_name(model) != self.model_id:
             raise HTTPException(
                 404, f"model {shown(model)} is not served here (this request went to {self.model_id!r})"
             )

@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException
 
 from triptych.errors import InvalidParam, shown, shown_name
 from triptych.server.admission import retry_after_header
-from triptych.server.api_models import ErrorResponse, ModelCard, ModelList
+from triptych.server.api_models import PEER_HINTS, ErrorResponse, ModelCard, ModelList
 from triptych.server.backend import Cancelled, GenerationBackend, Overloaded, StageFailed
 from triptych.server.body_limit import BodyLimit
 from triptych.server.head import TENANT, ClientGone, Head, HeadConfig, tenant_of_key
@@ -84,7 +84,9 @@ def validation_message(errors) -> tuple[str, str | None]:
         elif name is None:  # the body itself: a list, a number, a string where an object belongs
             parts.append(f"invalid request body={shown(err.get('input'))}: must be a JSON object")
         elif err.get("type") == "extra_forbidden":
-            parts.append(f"unknown field {name}={shown(err.get('input'))}: not a parameter of this endpoint")
+            hint = PEER_HINTS.get(loc[-1]) if loc else None
+            hint = f" (Triptych's field for it is {hint})" if hint else ""
+            parts.append(f"unknown field {name}={shown(err.get('input'))}: not a parameter of this endpoint{hint}")
         else:
             parts.append(f"invalid {name}={shown(err.get('input'))}: {err.get('msg')}")
     return "; ".join(parts) or "invalid request", first
