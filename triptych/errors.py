@@ -9,6 +9,23 @@ from __future__ import annotations
 
 from typing import Any
 
+#: Longest part of a user's value echoed in an error message; the rest is summarised by its length.
+ECHO_CHARS = 64
+
+
+def shown(value: Any, limit: int = ECHO_CHARS) -> str:
+    """``repr(value)`` for an error message, cut to its first ``limit`` characters plus
+    ``…(N chars)`` when longer: a 10,000-character id is not echoed whole."""
+    if isinstance(value, str) and len(value) > limit:
+        return f"{value[:limit]!r}…({len(value)} chars)"
+    text = repr(value)
+    return text if len(text) <= limit + 16 else f"{text[:limit]}…({len(text)} chars)"
+
+
+def shown_name(name: str, limit: int = ECHO_CHARS) -> str:
+    """A field name as echoed (a client's unknown key can be any length): cut like ``shown``."""
+    return name if len(name) <= limit else f"{name[:limit]}…({len(name)} chars)"
+
 
 class TriptychError(Exception):
     """Base class of errors Triptych raises on purpose."""
@@ -19,7 +36,7 @@ class InvalidParam(TriptychError, ValueError):
 
     Attributes:
         field: the request field (CLI flag names map to the same field names).
-        value: the offending value, as given.
+        value: the offending value, as given (messages echo it cut by ``shown``).
         rule: the limit or rule it broke, phrased so the user can fix the request.
     """
 
@@ -27,7 +44,7 @@ class InvalidParam(TriptychError, ValueError):
         self.field = field
         self.value = value
         self.rule = rule
-        super().__init__(f"invalid {field}={value!r}: {rule}")
+        super().__init__(f"invalid {shown_name(field)}={shown(value)}: {rule}")
 
 
 class UnknownModel(TriptychError, ValueError):

@@ -27,7 +27,11 @@ from triptych.server.transfer.base import TransferConfig
 SERVE_CONFIGS = [
     (AdmissionLimits, "", {}),
     (EngineConfig, "", {}),
-    (HeadConfig, "", {"data_dir": "--data-dir", "api_keys": "--api-key", "limits": None}),
+    (
+        HeadConfig,
+        "",
+        {"data_dir": "--data-dir", "api_keys": "--api-key", "limits": None, "model_aliases": "--model-alias"},
+    ),
     (TopologyConfig, "", {"torch_threads": "--threads", "extra_args": None, "parallel": None, "device": None}),
     (ParallelConfig, "", {"cfg": "--cfg-parallel"}),
     (DeviceConfig, "", {}),
@@ -62,7 +66,9 @@ def test_serve_help_lists_every_setting_of_its_configs(capsys):
             name = named.get(f.name, flag(f.name, prefix))
             assert name is None or has_flag(text, name), f"{cls.__name__}.{f.name}: no serve flag"
     assert has_flag(text, "--no-fuse-cfg") and has_flag(text, "--transfer-max-bytes")
-    assert "Most images per request (n); each image is one job." in text  # the field's own docstring
+    assert (
+        "Most images per request (n; OpenAI's range is 1-10); each image is one job" in text
+    )  # the field's own docstring
 
 
 def test_worker_help_lists_every_engine_setting(capsys):
@@ -96,6 +102,21 @@ def test_serve_flags_build_the_head_config(tmp_path, monkeypatch):
         api_keys=("flag-key-789", "env-key-123", "env-key-456"),
     )
     assert args.serve_flags.head_config(args, Path("unused")) == expected
+
+
+def test_serve_flags_build_aliases_hosts_and_the_header_timeout(tmp_path, monkeypatch):
+    monkeypatch.delenv("TRIPTYCH_API_KEYS", raising=False)
+    args = serve_args(
+        *("--model-alias", "gpt-image-1=default", "--model-alias", "dall-e-3=default"),
+        *("--allowed-hosts", "gen.example.com", "--header-timeout-s", "5"),
+    )
+    expected = HeadConfig(
+        data_dir=tmp_path,
+        model_aliases=("gpt-image-1=default", "dall-e-3=default"),
+        allowed_hosts=("gen.example.com",),
+        header_timeout_s=5.0,
+    )
+    assert args.serve_flags.head_config(args, tmp_path) == expected
 
 
 def test_serve_flags_build_the_topology_and_control_plane():

@@ -204,6 +204,9 @@ class Family(ABC):
     accepts_image: ClassVar[bool] = False
     requires_image: ClassVar[bool] = False
     is_video: ClassVar[bool] = False
+    #: ``guidance`` is what the family's diffusers pipeline calls ``true_cfg_scale`` (Qwen-Image): the
+    #: head takes a request's ``true_cfg_scale`` as its ``guidance_scale``.
+    true_cfg_is_guidance: ClassVar[bool] = False
 
     def __init__(
         self,

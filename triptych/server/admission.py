@@ -42,8 +42,9 @@ class AdmissionLimits:
     max_steps: int = 100
     """Most denoising steps (``num_inference_steps``). Bounds: >= 1."""
 
-    max_n: int = 8
-    """Most images per request (``n``); each image is one job. Bounds: 1..max_queued_requests."""
+    max_n: int = 10
+    """Most images per request (``n``; OpenAI's range is 1-10); each image is one job, admitted
+    together against max_queued_requests. Bounds: 1..max_queued_requests."""
 
     max_prompt_chars: int = 20_000
     """Longest ``prompt`` / ``negative_prompt`` in characters. Bounds: >= 1."""
@@ -100,7 +101,7 @@ class AdmissionLimits:
 
     def check_n(self, n: int) -> None:
         if not 1 <= n <= self.max_n:
-            raise InvalidParam("n", n, f"must be between 1 and {self.max_n}")
+            raise InvalidParam("n", n, f"must be between 1 and {self.max_n} (the server's max_n)")
 
     def check_steps(self, steps: int | None, field: str = "num_inference_steps") -> None:
         if steps is not None and not 1 <= steps <= self.max_steps:

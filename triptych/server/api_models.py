@@ -89,9 +89,17 @@ class VideoCreateRequest(BaseModel):
     model: str | None = None
     size: str | None = Field(None, max_length=64, description='"WIDTHxHEIGHT" or "auto"')
     seconds: Annotated[float, Field(gt=0, le=3600, allow_inf_nan=False)] | None = Field(
-        None, description="clip length; frames = the first count >= seconds*fps the model accepts"
+        None,
+        description="clip length, at least one frame (1/fps); frames = the first count >= seconds*fps the model accepts",
     )
     frames: int | None = Field(None, ge=1, description="exact frame count (overrides seconds)")
+    fps: int | None = Field(
+        None, ge=1, le=120, description="frame rate of this video (default: the server's --video-fps)"
+    )
+    # the peers' names (vLLM-Omni, diffusers) for the same knobs; given with Triptych's, they must agree
+    num_frames: int | None = Field(None, ge=1, description="= frames (vLLM-Omni's and diffusers' name)")
+    width: int | None = Field(None, ge=1, description="with height: = size WIDTHxHEIGHT (vLLM-Omni's names)")
+    height: int | None = Field(None, ge=1, description="with width: = size WIDTHxHEIGHT (vLLM-Omni's names)")
     seed: Seed | None = None
     num_inference_steps: int | None = Field(None, ge=1)
     guidance_scale: FiniteFloat | None = Field(None, ge=0)
@@ -181,6 +189,17 @@ class ChatCompletionRequest(BaseModel):
     store: bool | None = None
     service_tier: str | None = Field(None, max_length=32)
     safety_identifier: str | None = Field(None, max_length=256)
+
+
+#: Unknown request fields that other servers take, → the Triptych field for the same knob (the 400
+#: that refuses them says which to use).
+PEER_HINTS = {
+    "num_images_per_prompt": "n",
+    "width": "size",
+    "height": "size",
+    "num_frames": "frames",
+    "generator": "seed",
+}
 
 
 def inline_schema(model: type[BaseModel]) -> dict:

@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 TRANSFER_KINDS = ("auto", "mooncake", "zmq")
 #: ``TransferConfig`` fields a worker takes from the command line (``WorkerConfig`` sets the rest).
 WORKER_TRANSFER_FIELDS = ("max_bytes",)
+HEAD_FLAGS, HEAD_RENAMED = {"data_dir": "--data-dir", "api_keys": "--api-key"}, {"model_aliases": "model-alias"}
 
 
 @dataclass(frozen=True)
@@ -128,9 +129,7 @@ class ServeFlags:
 
         return cls(
             parser,
-            head=ConfigFlags(
-                group("head (HeadConfig)"), HeadConfig, explicit={"data_dir": "--data-dir", "api_keys": "--api-key"}
-            ),
+            head=ConfigFlags(group("head (HeadConfig)"), HeadConfig, explicit=HEAD_FLAGS, rename=HEAD_RENAMED),
             limits=ConfigFlags(group("admission limits (AdmissionLimits)"), AdmissionLimits),
             topology=ConfigFlags(
                 group("local workers (TopologyConfig)"),
@@ -371,18 +370,18 @@ def _serve_http(args, backends: dict, head_config) -> int:
     except ImportError:
         logger.warning("no HTTP head (triptych.server.http) installed: serving the control plane only")
         return asyncio.run(_control_plane_only(next(iter(backends.values()))))
-    import uvicorn
+    from triptych.server.http_server import run_head
 
     if len(backends) == 1 and head_config.served_model_name:
         backends = next(iter(backends.values()))
-    uvicorn.run(create_app(backends, head_config), host=args.host, port=args.port, log_level="info")
-    return 0
+    return run_head(create_app(backends, head_config), head_config, args.host, args.port)
 
 
 def write_token(data_dir: Path, token: str) -> Path:
     """The control-plane token where an operator starting remote workers finds it (owner-only)."""
-    data_dir.mkdir(parents=True, exist_ok=True)
-    path = data_dir / "worker.token"
+    from triptych.server.private import private_dir
+
+    path = private_dir(data_dir) / "worker.token"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(token + "\n")

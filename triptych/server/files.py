@@ -1,6 +1,6 @@
 """Short-lived generated files behind ``response_format=url`` links.
 
-Each file is ``<data_dir>/files/<id>.<expires_at>.<ext>``: the expiry travels in the name, so the
+Each file is ``<data_dir>/files/<id>.<expires_at>.<ext>``, owner-only (``private``): the expiry travels in the name, so the
 store needs no index and survives restarts. Ids are random URL-safe tokens (the link is the
 capability). ``get`` refuses expired files; ``sweep`` deletes them.
 """
@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from triptych.server.media import MEDIA_TYPES
+from triptych.server.private import private_dir, write_private
 
 _ID_RE = re.compile(r"^[A-Za-z0-9_-]{16,64}$")
 
@@ -23,8 +24,7 @@ class FileStore:
 
     def __init__(self, data_dir: Path, ttl_s: float):
         assert ttl_s > 0
-        self.dir = Path(data_dir) / "files"
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir = private_dir(Path(data_dir) / "files")
         self.ttl_s = ttl_s
 
     def put(self, data: bytes, ext: str) -> tuple[str, int]:
@@ -33,7 +33,7 @@ class FileStore:
         file_id = "file-" + secrets.token_urlsafe(18)
         expires = int(time.time() + self.ttl_s)
         tmp = self.dir / f".{file_id}.tmp"
-        tmp.write_bytes(data)
+        write_private(tmp, data)
         os.replace(tmp, self.dir / f"{file_id}.{expires}.{ext}")
         return file_id, expires
 

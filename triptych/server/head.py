@@ -19,6 +19,7 @@ import asyncio
 import contextvars
 import hashlib
 import logging
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,9 +28,11 @@ from typing import TYPE_CHECKING
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
+from triptych.errors import shown
 from triptych.server.admission import AdmissionLimits
 from triptych.server.files import FileStore
 from triptych.server.metrics import Metrics, render_labelled
+from triptych.server.private import private_dir
 from triptych.server.served import ServedModel, ServedModels
 
 if TYPE_CHECKING:
@@ -44,7 +47,8 @@ class HeadConfig:
     """Everything the head needs besides its backend."""
 
     data_dir: Path
-    """Root of the head's state: ``jobs.sqlite``, ``videos/`` (finished MP4s), ``files/`` (url links)."""
+    """Root of the head's state: ``jobs.sqlite``, ``videos/`` (finished MP4s), ``files/`` (url links);
+    owner-only (directories 0700, files 0600)."""
 
     limits: AdmissionLimits = field(default_factory=AdmissionLimits)
     """Admission limits (sizes, steps, frames, n, uploads, queue)."""
@@ -56,11 +60,23 @@ class HeadConfig:
     """Lifetime of a completed video (record and file), seconds; None keeps them. Bounds: > 0."""
 
     public_base_url: str | None = None
-    """Base of the links the head hands out (e.g. ``https://gen.example.com``); None = the request's."""
+    """Base of the ``url`` links the head hands out (e.g. ``https://gen.example.com``); None = from
+    the request's Host header when it is in ``allowed_hosts``, else the address the client connected
+    to (the head's own): a Host header never mints a link to a host it names."""
+
+    allowed_hosts: tuple[str, ...] = ()
+    """Host header values (``name``, or ``name:port`` for that port only) that ``url`` links may be
+    built from when ``public_base_url`` is unset (a head reached by several names); another Host is
+    ignored, not refused. Repeat the flag for several."""
 
     served_model_name: str | None = None
     """Model id in ``/v1/models`` and the ``model`` field when the head serves one model given as a bare
     backend; None = the model directory's name. (Several models are named by ``serve --model NAME=DIR``.)"""
+
+    model_aliases: tuple[str, ...] = ()
+    """Other names a request's ``model`` may use for a served model, each ``ALIAS=MODEL`` (e.g.
+    ``gpt-image-1=default``, for clients written for another server); repeat the flag for several.
+    ``/v1/models`` lists the served ids; answers name the served model."""
 
     video_fps: int = 16
     """Frame rate of MP4 outputs; ``seconds`` × fps gives the frame count. Bounds: 1..120."""
@@ -77,6 +93,11 @@ class HeadConfig:
     """A client that sends no byte of its body for this long gets 408 (slow or half-open clients).
     Bounds: > 0."""
 
+    header_timeout_s: float = 20.0
+    """A connection that has not sent a complete request line and headers this long after it opened
+    (or after its previous response) is closed (``http_server``): clients that never finish their
+    headers do not hold sockets forever. Bounds: > 0."""
+
     api_keys: tuple[str, ...] = ()
     """Bearer tokens the API accepts (``Authorization: Bearer KEY``, what the OpenAI SDK sends);
     empty = no authentication. ``/health``, ``/metrics`` and ``/v1/files/…`` links (unguessable
@@ -86,7 +107,7 @@ class HeadConfig:
         object.__setattr__(self, "data_dir", Path(self.data_dir))
         if self.max_json_bytes < 1024:
             raise ValueError(f"HeadConfig.max_json_bytes={self.max_json_bytes!r}: must be >= 1024")
-        for name in ("url_ttl_s", "sweep_interval_s", "body_read_timeout_s"):
+        for name in ("url_ttl_s", "sweep_interval_s", "body_read_timeout_s", "header_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"HeadConfig.{name}={getattr(self, name)!r}: must be > 0")
         if self.video_ttl_s is not None and not self.video_ttl_s > 0:
@@ -95,9 +116,24 @@ class HeadConfig:
             raise ValueError(f"HeadConfig.video_fps={self.video_fps!r}: must be between 1 and 120")
         if self.public_base_url is not None and not self.public_base_url.startswith(("http://", "https://")):
             raise ValueError(f"HeadConfig.public_base_url={self.public_base_url!r}: must start with http(s)://")
+        object.__setattr__(self, "model_aliases", tuple(self.model_aliases))
+        self.aliases()  # raises on a malformed or repeated alias
+        object.__setattr__(self, "allowed_hosts", tuple(h.strip().lower() for h in self.allowed_hosts))
+        if any(not h or re.search(r"[\s/@?#]", h) for h in self.allowed_hosts):
+            raise ValueError(f"HeadConfig.allowed_hosts={self.allowed_hosts!r}: each must be a host name or host:port")
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
         if any(len(k) < 8 or k != k.strip() for k in self.api_keys):
             raise ValueError("HeadConfig.api_keys: every key must be at least 8 characters, without surrounding spaces")
+
+    def aliases(self) -> dict[str, str]:
+        """``model_aliases`` as alias → served model id."""
+        out: dict[str, str] = {}
+        for spec in self.model_aliases:
+            alias, sep, target = (part.strip() for part in spec.partition("="))
+            if not sep or not alias or not target or alias in out:
+                raise ValueError(f"HeadConfig.model_aliases: {spec!r} must be ALIAS=MODEL, each alias once")
+            out[alias] = target
+        return out
 
 
 class ClientGone(Exception):
@@ -132,7 +168,7 @@ class Head:
     def __init__(self, backends: Mapping[str, GenerationBackend], config: HeadConfig):
         self.config = config
         self.limits = config.limits
-        self.models = ServedModels(backends, config.limits)
+        self.models = ServedModels(backends, config.limits, config.aliases())
         self.unrouted_metrics = Metrics()
         """Outcomes of requests refused before a model was chosen (the ``model=""`` series)."""
         self.files: FileStore | None = None
@@ -161,12 +197,23 @@ class Head:
         return render_labelled({m.name: m.backend.metrics for m in self.models}, unrouted=self.unrouted_metrics)
 
     def base_url(self, request: Request) -> str:
-        return (self.config.public_base_url or str(request.base_url)).rstrip("/")
+        """Where ``url`` links point (``HeadConfig.public_base_url`` and ``allowed_hosts``)."""
+        if self.config.public_base_url:
+            return self.config.public_base_url.rstrip("/")
+        scheme, root = request.url.scheme, request.scope.get("root_path", "")
+        host = request.headers.get("host", "").strip().lower()
+        if host and (host in self.config.allowed_hosts or host.rsplit(":", 1)[0] in self.config.allowed_hosts):
+            return f"{scheme}://{host}{root}".rstrip("/")
+        server = request.scope.get("server")
+        if not server or server[1] is None:  # no socket (an in-process ASGI client): its own base
+            return str(request.base_url).rstrip("/")
+        address = f"[{server[0]}]" if ":" in server[0] else server[0]
+        return f"{scheme}://{address}:{server[1]}{root}".rstrip("/")
 
     async def open(self) -> None:
         from triptych.server.jobs import VideoJobs
 
-        self.config.data_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.config.data_dir)
         self.files = FileStore(self.config.data_dir, self.config.url_ttl_s)
         self.videos = VideoJobs(self.config.data_dir, self.config.video_ttl_s)
         models = list(self.models)
@@ -218,8 +265,10 @@ class ModelHead:
         return self.head.base_url(request)
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_id:
-            raise HTTPException(404, f"model {model!r} is not served here (this request went to {self.model_id!r})")
+        if model is not None and self.head.models.served_name(model) != self.model_id:
+            raise HTTPException(
+                404, f"model {shown(model)} is not served here (this request went to {self.model_id!r})"
+            )
 
     def size_warning(self, width: int, height: int) -> str | None:
         """A note when ``width`` x ``height`` is not a size the model was trained at."""

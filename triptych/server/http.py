@@ -31,9 +31,9 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
-from triptych.errors import InvalidParam
+from triptych.errors import InvalidParam, shown, shown_name
 from triptych.server.admission import retry_after_header
-from triptych.server.api_models import ErrorResponse, ModelCard, ModelList
+from triptych.server.api_models import PEER_HINTS, ErrorResponse, ModelCard, ModelList
 from triptych.server.backend import Cancelled, GenerationBackend, Overloaded, StageFailed
 from triptych.server.body_limit import BodyLimit
 from triptych.server.head import TENANT, ClientGone, Head, HeadConfig, tenant_of_key
@@ -61,11 +61,6 @@ def error_response(
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
-def _short(value, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def _union_member(part) -> bool:
     """pydantic's name for the member of a union type an error is about ("constrained-float",
     "literal['auto']"): part of its location, not of the field's name."""
@@ -79,7 +74,7 @@ def validation_message(errors) -> tuple[str, str | None]:
         loc = [
             str(p) for p in err.get("loc", ()) if p not in ("body", "query", "path", "form") and not _union_member(p)
         ]
-        name = ".".join(loc) or None
+        name = shown_name(".".join(loc)) or None
         if err.get("type") != "json_invalid":
             first = first or name
         if err.get("type") == "missing":
@@ -87,11 +82,13 @@ def validation_message(errors) -> tuple[str, str | None]:
         elif err.get("type") == "json_invalid":
             parts.append(f"request body is not valid JSON ({err.get('ctx', {}).get('error', 'parse error')})")
         elif name is None:  # the body itself: a list, a number, a string where an object belongs
-            parts.append(f"invalid request body={_short(err.get('input'))}: must be a JSON object")
+            parts.append(f"invalid request body={shown(err.get('input'))}: must be a JSON object")
         elif err.get("type") == "extra_forbidden":
-            parts.append(f"unknown field {name}={_short(err.get('input'))}: not a parameter of this endpoint")
+            hint = PEER_HINTS.get(loc[-1]) if loc else None
+            hint = f" (Triptych's field for it is {hint})" if hint else ""
+            parts.append(f"unknown field {name}={shown(err.get('input'))}: not a parameter of this endpoint{hint}")
         else:
-            parts.append(f"invalid {name}={_short(err.get('input'))}: {err.get('msg')}")
+            parts.append(f"invalid {name}={shown(err.get('input'))}: {err.get('msg')}")
     return "; ".join(parts) or "invalid request", first
 
 
@@ -119,8 +116,9 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(InvalidParam)
     async def on_invalid(request: Request, exc: InvalidParam):
         outcome(request, "invalid")
-        message = f"invalid {exc.field}={_short(exc.value)}: {exc.rule}"
-        return error_response(400, message, "invalid_request_error", exc.field, "invalid_value")
+        field = shown_name(exc.field)
+        message = f"invalid {field}={shown(exc.value)}: {exc.rule}"
+        return error_response(400, message, "invalid_request_error", field, "invalid_value")
 
     @app.exception_handler(Overloaded)
     async def on_overloaded(request: Request, exc: Overloaded):
@@ -257,7 +255,7 @@ def create_app(backends: GenerationBackend | Mapping[str, GenerationBackend], co
     async def file_content(file_id: str):
         found = head.files.get(file_id)
         if found is None:
-            raise HTTPException(404, f"file {file_id!r} does not exist or its link expired")
+            raise HTTPException(404, f"file {shown(file_id)} does not exist or its link expired")
         return FileResponse(found[0], media_type=found[1])
 
     return app

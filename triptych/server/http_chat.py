@@ -95,6 +95,9 @@ def build_chat(head: ModelHead, req: ChatCompletionRequest) -> ChatParams:
                 images.append(decode_data_url(part.image_url.url, lim.image_limits, field_name))
                 parts.append(len(images) - 1)
             chars += len(parts[-1]) if isinstance(parts[-1], str) else 0
+        if not any(isinstance(p, int) or p.strip() for p in parts):  # as a blank prompt is refused
+            shown_content = message.content if isinstance(message.content, str) else list(parts)
+            raise InvalidParam(f"messages[{i}].content", shown_content, "must have non-whitespace text or an image")
         turns.append(ChatTurn(role, tuple(parts)))
     if chars > lim.max_prompt_chars:
         raise InvalidParam("messages", f"<{chars} characters>", f"must total at most {lim.max_prompt_chars} characters")

@@ -32,9 +32,24 @@ API_FIELD = {
 FORM_TEXT_LIMIT = 4 * 1024 * 1024  # largest non-file multipart field (prompts are capped lower later)
 
 
+def same_knob(ours: str, our_value, theirs: str, their_value):
+    """One setting given by Triptych's name and/or a peer's (``num_frames`` for ``frames``): the value
+    given; a 400 naming both when both are given and differ."""
+    if their_value is None:
+        return our_value
+    if our_value is not None and our_value != their_value:
+        raise InvalidParam(theirs, their_value, f"differs from {ours}={our_value!r}: the same setting; give one")
+    return their_value
+
+
 def build_params(head: Head, req, image=None, frames: int | None = None) -> tuple[GenerationParams, str | None]:
-    """Check the head's limits on an API request and build unresolved params; returns (params, size)."""
+    """Check the head's limits on an API request and build unresolved params; returns (params, size).
+    For a family whose ``guidance`` is diffusers' ``true_cfg_scale`` (Qwen-Image), that field is
+    taken as ``guidance_scale``."""
     lim = head.limits
+    guidance, true_cfg = req.guidance_scale, req.true_cfg_scale
+    if true_cfg is not None and getattr(head.family, "true_cfg_is_guidance", False):
+        guidance, true_cfg = same_knob("guidance_scale", guidance, "true_cfg_scale", true_cfg), None
     head.check_model(req.model)
     lim.check_prompt(req.prompt)
     lim.check_prompt(req.negative_prompt, "negative_prompt")
@@ -48,10 +63,10 @@ def build_params(head: Head, req, image=None, frames: int | None = None) -> tupl
         width=width,
         frames=frames,
         steps=req.num_inference_steps,
-        guidance=req.guidance_scale,
+        guidance=guidance,
         seed=seed,
         image=image,
-        true_cfg=1.0 if req.true_cfg_scale is None else req.true_cfg_scale,
+        true_cfg=1.0 if true_cfg is None else true_cfg,
         teacache_threshold=req.teacache_threshold or 0.0,
         tenant=TENANT.get(),
     )

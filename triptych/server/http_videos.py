@@ -19,7 +19,7 @@ from fastapi.responses import FileResponse
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
 
-from triptych.errors import InvalidParam
+from triptych.errors import InvalidParam, shown
 from triptych.server.api_models import (
     VideoCreateRequest,
     VideoDeleted,
@@ -30,7 +30,7 @@ from triptych.server.api_models import (
 )
 from triptych.server.backend import GenerationJob
 from triptych.server.head import WARNING_HEADER, Head, ModelHead
-from triptych.server.http_common import build_params, read_form, read_upload, resolve, text_fields
+from triptych.server.http_common import build_params, read_form, read_upload, resolve, same_knob, text_fields
 from triptych.server.jobs import VideoRecord
 from triptych.server.media import decode_data_url
 
@@ -89,11 +89,33 @@ def _decode_reference(head: Head, ref):
     return decode_data_url(ref.image_url, head.limits.image_limits, "input_reference.image_url")
 
 
+def fps_of(head: ModelHead, req: VideoCreateRequest) -> int:
+    """The video's frame rate: the request's ``fps``, else the server's ``--video-fps``."""
+    return req.fps or head.config.video_fps
+
+
+def fold_peer_names(head: ModelHead, req: VideoCreateRequest) -> VideoCreateRequest:
+    """vLLM-Omni's ``num_frames`` and ``width``/``height`` as ``frames`` and ``size`` (a 400 naming
+    both names when both are given and differ)."""
+    frames = same_knob("frames", req.frames, "num_frames", req.num_frames)
+    size = req.size
+    if req.width is not None or req.height is not None:
+        if req.width is None or req.height is None:
+            given, missing = ("width", "height") if req.height is None else ("height", "width")
+            raise InvalidParam(missing, None, f"is needed with {given} (or give size as WIDTHxHEIGHT)")
+        theirs = f"{req.width}x{req.height}"
+        if size not in (None, "auto") and head.limits.parse_size(size) != (req.width, req.height):
+            raise InvalidParam("width", req.width, f"width x height = {theirs} differs from size={size!r}; give one")
+        size = theirs
+    return req.model_copy(update={"frames": frames, "size": size, "num_frames": None, "width": None, "height": None})
+
+
 def resolve_video(head: ModelHead, req: VideoCreateRequest, image):
     """Params with the frame count from ``frames`` or ``seconds`` (the first count the model accepts)."""
-    lim, fps = head.limits, head.config.video_fps
+    lim, fps = head.limits, fps_of(head, req)
     if not head.family.is_video:
         raise InvalidParam("model", head.model_id, "is an image model; use POST /v1/images/generations")
+    req = fold_peer_names(head, req)
     if req.frames is not None:
         lim.check_frames(req.frames)
         params, size = build_params(head, req, image=image, frames=req.frames)
@@ -101,7 +123,9 @@ def resolve_video(head: ModelHead, req: VideoCreateRequest, image):
     if req.seconds is None:
         params, size = build_params(head, req, image=image)
         return resolve(head, params, size)
-    target = max(1, math.ceil(req.seconds * fps))
+    if req.seconds * fps < 1 - 1e-9:  # 1e-300 s is not a one-frame clip
+        raise InvalidParam("seconds", req.seconds, f"must be at least {1 / fps:g} (one frame at {fps} fps)")
+    target = max(1, math.ceil(req.seconds * fps - 1e-9))
     if target > lim.max_frames:
         rule = f"{target} frames at {fps} fps exceeds the limit of {lim.max_frames}"
         raise InvalidParam("seconds", req.seconds, rule)
@@ -129,7 +153,7 @@ def add_video_routes(app: FastAPI, head: Head) -> None:
     def get_record(video_id: str) -> VideoRecord:
         rec = head.videos.store.get(video_id)
         if rec is None:
-            raise HTTPException(404, f"video {video_id!r} does not exist")
+            raise HTTPException(404, f"video {shown(video_id)} does not exist")
         return rec
 
     @app.post("/v1/videos", response_model=VideoObject, openapi_extra=_schema())
@@ -145,10 +169,10 @@ def add_video_routes(app: FastAPI, head: Head) -> None:
             model=model.model_id,
             prompt=params.prompt,
             size=f"{params.width}x{params.height}",
-            seconds=f"{(params.frames or 1) / head.config.video_fps:g}",
+            seconds=f"{(params.frames or 1) / fps_of(model, req):g}",
             frames=params.frames or 1,
         )
-        job = GenerationJob(rec.id, params, "mp4", fps=head.config.video_fps)
+        job = GenerationJob(rec.id, params, "mp4", fps=fps_of(model, req))
         head.videos.submit(rec, job, model.backend, model.admission)
         model.metrics.record_request("/v1/videos", "success")
         out = to_api(rec)
@@ -182,11 +206,11 @@ def add_video_routes(app: FastAPI, head: Head) -> None:
         rec = get_record(video_id)
         path = head.videos.path(video_id)
         if rec.status != "completed" or not path.is_file():
-            raise HTTPException(409, f"video {video_id!r} has no content (status {rec.status!r})")
+            raise HTTPException(409, f"video {shown(video_id)} has no content (status {rec.status!r})")
         return FileResponse(path, media_type="video/mp4", filename=f"{video_id}.mp4")
 
     @app.delete("/v1/videos/{video_id}", response_model=VideoDeleted)
     async def delete_video(video_id: str):
         if not await head.videos.delete(video_id):
-            raise HTTPException(404, f"video {video_id!r} does not exist")
+            raise HTTPException(404, f"video {shown(video_id)} does not exist")
         return VideoDeleted(id=video_id, deleted=True)

@@ -26,6 +26,7 @@ from triptych.errors import InvalidParam
 from triptych.progress import DONE, progress_percent
 from triptych.server.admission import Admission
 from triptych.server.backend import Cancelled, GenerationBackend, GenerationJob, Overloaded, StageFailed
+from triptych.server.private import private_dir, private_file, write_private
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ class JobStore:
 
     def __init__(self, path: Path):
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        self._db = sqlite3.connect(str(private_file(path)), check_same_thread=False, isolation_level=None)
         with self._lock:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute(_SCHEMA)
@@ -143,8 +144,7 @@ class VideoJobs:
     """
 
     def __init__(self, data_dir: Path, ttl_s: float | None):
-        self.dir = Path(data_dir) / "videos"
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir = private_dir(Path(data_dir) / "videos")
         self.store = JobStore(Path(data_dir) / "jobs.sqlite")
         interrupted = self.store.fail_interrupted()
         if interrupted:
@@ -218,7 +218,7 @@ class VideoJobs:
 
     def _write(self, job_id: str, data: bytes) -> None:
         tmp = self.dir / f".{job_id}.tmp"
-        tmp.write_bytes(data)
+        write_private(tmp, data)
         os.replace(tmp, self.path(job_id))
 
     async def delete(self, job_id: str) -> bool:

@@ -2,7 +2,8 @@
 admission counter, the sizes it was trained at) and ``ServedModels`` (a request's ``model`` field and
 the endpoint's job kind → which one).
 
-Routing: a named model must be served (else 404 naming the served ids); a request without ``model``
+Routing: a named model must be served, or be an alias of one (``--model-alias ALIAS=MODEL``; else 404
+naming the served ids); a request without ``model``
 goes to the first served model that can do the job (``JOB_KINDS``), or to the first model at all when
 none can (its own family check then says why it cannot). Each model's ``Admission`` counts only its
 own jobs, so a flood of video jobs does not refuse image requests.
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from starlette.exceptions import HTTPException
 
+from triptych.errors import shown
 from triptych.pipelines.geometry import size_warning, trained_sizes
 from triptych.server.admission import Admission, AdmissionLimits
 from triptych.server.api_models import ModelCard
@@ -72,13 +74,30 @@ class ServedModel:
 class ServedModels:
     """The head's models, in serving order (the first of a kind is that kind's default)."""
 
-    def __init__(self, backends: Mapping[str, GenerationBackend], limits: AdmissionLimits):
+    def __init__(
+        self,
+        backends: Mapping[str, GenerationBackend],
+        limits: AdmissionLimits,
+        aliases: Mapping[str, str] | None = None,
+    ):
         if not backends:
             raise ValueError("a head serves at least one model")
         self.by_name: dict[str, ServedModel] = {
             name: ServedModel(name, b, Admission(limits), trained_sizes(b.family.model_dir))
             for name, b in backends.items()
         }
+        self.aliases = dict(aliases or {})
+        """Other names of served models (``HeadConfig.model_aliases``): alias → served id."""
+        for alias, target in self.aliases.items():
+            if alias in self.by_name or target not in self.by_name:
+                served = ", ".join(repr(n) for n in self.by_name)
+                raise ValueError(
+                    f"model alias {alias}={target}: the alias must not be, and the model must be, one of {served}"
+                )
+
+    def served_name(self, model: str) -> str:
+        """The served id a request's ``model`` names (itself, or what its alias maps to)."""
+        return self.aliases.get(model, model)
 
     def __iter__(self):
         return iter(self.by_name.values())
@@ -91,9 +110,9 @@ class ServedModels:
         """The model a request names, or the first that can do ``job_kind``; 404 for an unknown name."""
         assert job_kind in JOB_KINDS, job_kind
         if model is not None:
-            found = self.by_name.get(model)
+            found = self.by_name.get(self.served_name(model))
             if found is None:
                 served = ", ".join(repr(n) for n in self.by_name)
-                raise HTTPException(404, f"model {model!r} is not served here; this server serves {served}")
+                raise HTTPException(404, f"model {shown(model)} is not served here; this server serves {served}")
             return found
         return next((m for m in self if m.can(job_kind)), self.first)

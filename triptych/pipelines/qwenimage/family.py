@@ -29,6 +29,7 @@ DEFAULT_NEGATIVE_PROMPT = " "
 
 class QwenImageFamily(Family):
     name = "qwen-image"
+    true_cfg_is_guidance = True
     pipeline_class = QwenImagePipeline
     all_components = ("vae", "text_encoder", "tokenizer", "transformer")
     role_components = {
