@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from triptych.pipelines.vlm.engine_stats import ChatEngineStats
+from triptych.cache.chat_stats import ChatEngineStats
 from triptych.pipelines.vlm.prefix import PrefixCache
 
 LAYER_BYTES = 2 * 4 * 10 * 4  # keys + values, 10 tokens of 4 float32 values each

@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from triptych.cache.chat_stats import ChatEngineStats
 from triptych.cache.mm import tenant_scope
 from triptych.pipelines.vlm.chat import ChatModel, ChatParams, ChatResult, _Pieces
 from triptych.pipelines.vlm.engine_config import ChatEngineConfig
-from triptych.pipelines.vlm.engine_stats import ChatEngineStats
 from triptych.pipelines.vlm.kvbatch import KVBatch, cache_of, layers_of
 from triptych.pipelines.vlm.prefix import Entry, PrefixCache
 from triptych.pipelines.vlm.prompt import Prompt, build_prompt, embeddings

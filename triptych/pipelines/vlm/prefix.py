@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from triptych.pipelines.vlm.engine_stats import ChatEngineStats
+from triptych.cache.chat_stats import ChatEngineStats
 from triptych.pipelines.vlm.kvbatch import KV, nbytes
 
 
