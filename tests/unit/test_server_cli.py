@@ -15,6 +15,7 @@ from triptych.cli import build_parser
 from triptych.cluster.config import AutoscaleConfig, ClusterConfig, RoleResources
 from triptych.devices import DeviceConfig
 from triptych.parallel import ParallelConfig
+from triptych.pipelines.vlm.engine_config import ChatEngineConfig
 from triptych.server.admission import AdmissionLimits
 from triptych.server.engine.config import EngineConfig
 from triptych.server.head import HeadConfig
@@ -35,6 +36,7 @@ SERVE_CONFIGS = [
     (TopologyConfig, "", {"torch_threads": "--threads", "extra_args": None, "parallel": None, "device": None}),
     (ParallelConfig, "", {"cfg": "--cfg-parallel"}),
     (DeviceConfig, "", {}),
+    (ChatEngineConfig, "", {}),
     (OrchestratorConfig, "", {"host": "--control-host", "max_queued": "--orchestrator-max-queued", "timeouts": None}),
     (StateTimeouts, "timeout-", {}),
     (ClusterConfig, "", {"encoder": None, "denoiser": None, "decoder": None}),
@@ -201,6 +203,13 @@ def test_serve_passes_engine_and_transfer_flags_to_its_workers():
     config = worker_config(*args.serve_flags.workers.argv(args), "--transfer-max-bytes", "4096")
     assert config.engine == EngineConfig(max_batch_requests=3, max_batch_tokens=512, fuse_cfg=False)
     assert config.transfer_max_bytes == 4096
+
+
+def test_serve_passes_the_chat_engine_flags_to_its_encoders():
+    args = serve_args("--max-running-chats", "3", "--prefix-cache-mb", "0")
+    config = worker_config(*args.serve_flags.workers.argv(args))
+    assert config.chat == ChatEngineConfig(max_running_chats=3, prefix_cache_mb=0.0)
+    assert worker_config().chat == ChatEngineConfig()
 
 
 def test_worker_defaults_and_existing_flags():

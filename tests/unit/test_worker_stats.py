@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from triptych.cache.chat_stats import ChatEngineStats
 from triptych.cache.mm_stats import MMCacheStats
 from triptych.server import protocol as P
 from triptych.server.engine.stats import EngineStats
@@ -88,3 +89,22 @@ def test_mm_cache_counters_become_deltas_and_its_size_a_gauge():
     assert sample("triptych_mm_cache_bytes", '{instance="enc-m"}') == 900
     metrics.forget_instance("enc-m")
     assert 'instance="enc-m"' not in metrics.render().decode()
+
+
+def test_chat_engine_counters_become_prefill_and_decode_series():
+    kinds = ("computed", "reused")
+    before = {k: sample("triptych_chat_prefill_tokens_total", f'{{kind="{k}"}}') for k in kinds}
+    forwards, tokens = sample("triptych_chat_decode_forwards_total"), sample("triptych_chat_decode_tokens_total")
+    prev = P.StatsReport("enc-c", 10.0, None, transfer(0, 0, 0.0), None, ChatEngineStats(100, 0, 1, 10, 10, 0, 1, 500))
+    cur = P.StatsReport(
+        "enc-c", 12.0, None, transfer(0, 0, 0.0), None, ChatEngineStats(160, 140, 5, 30, 90, 1, 4, 2000)
+    )
+    w = stats_window("encoder", prev, cur)
+    assert (w.chat.prefill_computed, w.chat.prefill_reused, w.chat.decode_tokens) == (60, 140, 80)
+    assert (w.chat.prefix_entries, w.chat.prefix_nbytes) == (4, 2000)  # levels: the latest
+    metrics.record_worker_window(w)
+    assert sample("triptych_chat_prefill_tokens_total", '{kind="computed"}') - before["computed"] == 60
+    assert sample("triptych_chat_prefill_tokens_total", '{kind="reused"}') - before["reused"] == 140
+    assert sample("triptych_chat_decode_forwards_total") - forwards == 20
+    assert sample("triptych_chat_decode_tokens_total") - tokens == 80
+    assert sample("triptych_chat_prefix_cache_bytes", '{instance="enc-c"}') == 2000

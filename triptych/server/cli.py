@@ -8,8 +8,9 @@ The flags of the configs both commands build come from the config dataclasses th
 (``triptych.config_flags``): on ``serve`` every ``AdmissionLimits`` limit and every ``HeadConfig``,
 ``TopologyConfig``, ``OrchestratorConfig`` and ``StateTimeouts`` setting; on both the
 ``EngineConfig`` batch limits, the transfer pool size, the ``ParallelConfig`` degrees of a
-denoiser, the mm-hash cache budget (``MMCacheConfig``) and the device flags (``DeviceConfig``).
-``serve`` passes the engine, transfer and cache flags on to its local workers
+denoiser, the mm-hash cache budget (``MMCacheConfig``), the encoder's chat engine
+(``ChatEngineConfig``) and the device flags (``DeviceConfig``).
+``serve`` passes the engine, transfer, cache and chat flags on to its local workers
 (``TopologyConfig.extra_args``; the device and parallel flags travel as ``TopologyConfig`` fields),
 so a local and a remote worker read them the same way. Environment variables only supply defaults
 (``$TRIPTYCH_API_KEYS``, ``$TRIPTYCH_TOKEN``, ``$TRIPTYCH_MM_CACHE_MB``).
@@ -33,71 +34,17 @@ from typing import TYPE_CHECKING
 
 from triptych.config_flags import ConfigFlags, add_flags_later
 from triptych.server.dispatch import POLICIES
+from triptych.server.worker_flags import WorkerFlags
 
 if TYPE_CHECKING:
-    from triptych.server.engine.config import EngineConfig
     from triptych.server.head import HeadConfig
     from triptych.server.launch import TopologyConfig
     from triptych.server.orchestrator import OrchestratorConfig
-    from triptych.server.transfer.base import TransferConfig
 
 logger = logging.getLogger(__name__)
 
 TRANSFER_KINDS = ("auto", "mooncake", "zmq")
-#: ``TransferConfig`` fields a worker takes from the command line (``WorkerConfig`` sets the rest).
-WORKER_TRANSFER_FIELDS = ("max_bytes",)
 HEAD_FLAGS, HEAD_RENAMED = {"data_dir": "--data-dir", "api_keys": "--api-key"}, {"model_aliases": "model-alias"}
-
-
-@dataclass(frozen=True)
-class WorkerFlags:
-    """The config flags ``serve`` and ``worker`` share: engine batch limits and transfer pool."""
-
-    parser: argparse.ArgumentParser
-    engine: ConfigFlags
-    transfer: ConfigFlags
-    parallel: ConfigFlags
-    mm_cache: ConfigFlags
-
-    @classmethod
-    def add(cls, parser: argparse.ArgumentParser) -> WorkerFlags:
-        from triptych.cache.mm import MMCacheConfig
-        from triptych.devices import add_device_flags
-        from triptych.parallel import ParallelConfig
-        from triptych.server.engine.config import EngineConfig
-        from triptych.server.transfer.base import TransferConfig
-
-        engine = ConfigFlags(parser.add_argument_group("denoiser engine (EngineConfig)"), EngineConfig)
-        group = parser.add_argument_group("tensor transfer (TransferConfig)")
-        transfer = ConfigFlags(group, TransferConfig, prefix="transfer-", only=WORKER_TRANSFER_FIELDS)
-        group = parser.add_argument_group("multi-rank denoiser (ParallelConfig)")
-        parallel = ConfigFlags(group, ParallelConfig, rename={"cfg": "cfg-parallel"})
-        group = parser.add_argument_group("encoder mm-hash cache (MMCacheConfig)")
-        mm_cache = ConfigFlags(group, MMCacheConfig, rename={"max_mb": "mm-cache-mb"})
-        if os.environ.get("TRIPTYCH_MM_CACHE_MB"):  # the environment as the flag's default, nothing more
-            parser.set_defaults(mm_cache_mb=float(os.environ["TRIPTYCH_MM_CACHE_MB"]))
-        add_device_flags(parser)
-        return cls(parser, engine, transfer, parallel, mm_cache)
-
-    def parallel_config(self, args: argparse.Namespace):
-        return self.parallel.build(args, self.parser)
-
-    def mm_cache_config(self, args: argparse.Namespace):
-        return self.mm_cache.build(args, self.parser)
-
-    def engine_config(self, args: argparse.Namespace) -> EngineConfig:
-        return self.engine.build(args, self.parser)
-
-    def transfer_config(self, args: argparse.Namespace) -> TransferConfig:
-        return self.transfer.build(args, self.parser)
-
-    def argv(self, args: argparse.Namespace) -> tuple[str, ...]:
-        """The flags that give a ``triptych worker`` the same engine and transfer settings."""
-        return (
-            *self.engine.argv(self.engine_config(args)),
-            *self.transfer.argv(self.transfer_config(args)),
-            *self.mm_cache.argv(self.mm_cache_config(args)),
-        )
 
 
 @dataclass(frozen=True)
@@ -282,6 +229,7 @@ def worker_config(args: argparse.Namespace):
         parallel=flags.parallel_config(args),
         collective_timeout_s=args.collective_timeout,
         mm_cache=flags.mm_cache_config(args),
+        chat=flags.chat_config(args),
     )
 
 

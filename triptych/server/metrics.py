@@ -107,6 +107,28 @@ class Metrics:
             ["instance"],
             registry=r,
         )
+        self.chat_prefill_tokens = Counter(
+            "triptych_chat_prefill_tokens",
+            "Prompt tokens of chats at admission: computed by a prefill forward, or reused from the prefix KV cache",
+            ["kind"],
+            registry=r,
+        )
+        self.chat_decode_forwards = Counter(
+            "triptych_chat_decode_forwards",
+            "Batched chat decode forwards (each advances every running chat of an encoder by one token)",
+            registry=r,
+        )
+        self.chat_decode_tokens = Counter(
+            "triptych_chat_decode_tokens",
+            "Tokens produced by batched chat decode forwards (divided by the forwards: the mean batch size)",
+            registry=r,
+        )
+        self.chat_prefix_bytes = Gauge(
+            "triptych_chat_prefix_cache_bytes",
+            "Bytes of prompt KV held in an encoder's chat prefix cache",
+            ["instance"],
+            registry=r,
+        )
         self.chat_tokens = Counter(
             "triptych_chat_tokens",
             "Tokens of answered chats: prompt (images included) and completion",
@@ -188,6 +210,13 @@ class Metrics:
             for result in ("hits", "misses", "bypassed"):
                 self.mm_cache_lookups.labels(result).inc(getattr(c, result))
             self.mm_cache_bytes.labels(window.instance_id).set(c.nbytes)
+        chat = window.chat
+        if chat is not None:
+            self.chat_prefill_tokens.labels("computed").inc(chat.prefill_computed)
+            self.chat_prefill_tokens.labels("reused").inc(chat.prefill_reused)
+            self.chat_decode_forwards.inc(chat.decode_forwards)
+            self.chat_decode_tokens.inc(chat.decode_tokens)
+            self.chat_prefix_bytes.labels(window.instance_id).set(chat.prefix_nbytes)
         e = window.engine
         if e is None:
             return
@@ -209,7 +238,7 @@ class Metrics:
 
     def forget_instance(self, instance_id: str) -> None:
         """Drop the per-instance series of an instance that left (died or shut down)."""
-        for gauge in (self.denoiser_step_rate, self.mm_cache_bytes):
+        for gauge in (self.denoiser_step_rate, self.mm_cache_bytes, self.chat_prefix_bytes):
             try:
                 gauge.remove(instance_id)
             except KeyError:

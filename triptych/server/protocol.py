@@ -31,6 +31,7 @@ from typing import Literal
 
 import msgspec
 
+from triptych.cache.chat_stats import ChatEngineStats
 from triptych.cache.mm_stats import MMCacheStats
 from triptych.errors import TriptychError
 from triptych.server.engine.stats import EngineStats
@@ -98,6 +99,7 @@ class StatsReport(msgspec.Struct, frozen=True, tag="stats_report"):
     engine: EngineStats | None  # the denoiser's engine; None for roles without one
     transfer: TransferStats  # its transfer endpoint
     mm_cache: MMCacheStats | None = None  # the encoder's mm-hash cache; None where there is none
+    chat: ChatEngineStats | None = None  # the encoder's chat engine; None where it has not chatted
 
 
 class WorkerReply(msgspec.Struct, frozen=True):

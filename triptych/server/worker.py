@@ -29,6 +29,7 @@ from triptych.errors import TriptychError
 from triptych.identity import model_revision
 from triptych.parallel import ParallelConfig
 from triptych.pipelines.base import Role
+from triptych.pipelines.vlm.engine_config import ChatEngineConfig
 from triptych.server import protocol as P
 from triptych.server.auth import ControlKey
 from triptych.server.engine import EngineConfig
@@ -78,6 +79,8 @@ class WorkerConfig:
     whole instance out of service."""
     mm_cache: MMCacheConfig = field(default_factory=MMCacheConfig)
     """The encoder's mm-hash cache budget (ignored by other roles)."""
+    chat: ChatEngineConfig = field(default_factory=ChatEngineConfig)
+    """The encoder's chat engine: running chats per instance, prefix KV budget (ignored by other roles)."""
     register_timeout_s: float = 120.0
     """How long to wait for the head's ``RegisterAck``."""
     torch_threads: int = 0
@@ -265,7 +268,14 @@ class Worker:
         transfer = self.endpoint.stats.snapshot()
         runner = self.runner
         self.send(
-            P.StatsReport(self.instance_id, now - self._started, runner.engine_stats(), transfer, runner.cache_stats())
+            P.StatsReport(
+                self.instance_id,
+                now - self._started,
+                runner.engine_stats(),
+                transfer,
+                runner.cache_stats(),
+                runner.chat_stats(),
+            )
         )
 
     def _wake(self) -> None:

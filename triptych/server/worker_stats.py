@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from triptych.cache.chat_stats import ChatEngineStats
 from triptych.cache.mm_stats import MMCacheStats
 from triptych.server import protocol as P
 from triptych.server.engine.stats import EngineStats
@@ -26,14 +27,16 @@ class StatsWindow:
     engine: EngineStats | None  # engine counter deltas; None for roles without an engine
     transfer: TransferStats  # transfer counter deltas
     mm_cache: MMCacheStats | None = None  # mm-hash cache counter deltas (entries, nbytes: latest)
+    chat: ChatEngineStats | None = None  # chat engine counter deltas (prefix entries, bytes: latest)
 
 
 def stats_window(role: str, prev: P.StatsReport | None, cur: P.StatsReport) -> StatsWindow:
     """The deltas from ``prev`` (None: nothing seen yet from this worker) to ``cur``."""
     if prev is None or cur.uptime_s < prev.uptime_s:
         seconds = 0.0 if prev is None else cur.uptime_s
-        return StatsWindow(cur.instance_id, role, seconds, cur.engine, cur.transfer, cur.mm_cache)
+        return StatsWindow(cur.instance_id, role, seconds, cur.engine, cur.transfer, cur.mm_cache, cur.chat)
     engine = cur.engine if prev.engine is None or cur.engine is None else cur.engine.since(prev.engine)
     cache = cur.mm_cache if prev.mm_cache is None or cur.mm_cache is None else cur.mm_cache.since(prev.mm_cache)
+    chat = cur.chat if prev.chat is None or cur.chat is None else cur.chat.since(prev.chat)
     transfer = cur.transfer.since(prev.transfer)
-    return StatsWindow(cur.instance_id, role, cur.uptime_s - prev.uptime_s, engine, transfer, cache)
+    return StatsWindow(cur.instance_id, role, cur.uptime_s - prev.uptime_s, engine, transfer, cache, chat)

@@ -92,8 +92,8 @@ class ChatResult:
 class _Pieces(TextStreamer):
     """transformers' TextStreamer, handing each finalised piece of text to a callback instead of print."""
 
-    def __init__(self, tokenizer, on_text: Callable[[str], None]):
-        super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    def __init__(self, tokenizer, on_text: Callable[[str], None], skip_prompt: bool = True):
+        super().__init__(tokenizer, skip_prompt=skip_prompt, skip_special_tokens=True)
         self._on_text = on_text
 
     def on_finalized_text(self, text: str, stream_end: bool = False) -> None:

@@ -36,7 +36,7 @@ def _denoiser(family, port: WorkerPort, config) -> StageRunner:
 
 
 RUNNERS: dict[Role, Callable[..., StageRunner]] = {
-    Role.ENCODER: lambda family, port, config: EncoderRunner(family, port),
+    Role.ENCODER: lambda family, port, config: EncoderRunner(family, port, config.chat),
     Role.DENOISER: _denoiser,
     Role.DECODER: lambda family, port, config: DecoderRunner(family, port),
 }

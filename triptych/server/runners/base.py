@@ -144,6 +144,9 @@ class StageRunner:
     def cache_stats(self):
         return None
 
+    def chat_stats(self):
+        return None
+
     # ---- helpers --------------------------------------------------------------------------------
     def new_job(self, task: Task, params: GenerationParams | None) -> Job:
         job = Job(task.request_id, task.generation, params, task)

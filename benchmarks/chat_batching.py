@@ -1,0 +1,165 @@
+"""Chat decoding on the default model: the batched chat engine vs one chat at a time, and the prefix
+KV cache on five questions about one image; same weights, same run, configurations alternating.
+
+1. Tokens/s at 1, 4 and 8 concurrent chats (max_tokens 32, ignore_eos, one distinct image each),
+   all submitted at once to one ``ChatEngine``:
+   - ``one at a time``: ``max_running_chats=1`` (the old encoder behaviour: the first chat decodes,
+     the others wait; one forward per token of one chat),
+   - ``batched``: ``max_running_chats=16`` (every running chat advances in one forward per token),
+   - ``generate``: ``ChatModel.run`` (transformers' ``generate``) called for each chat in turn, the
+     path the engine replaced in the encoder, as the reference for the emulation above.
+   Each answer is checked token-identical to its ``generate`` answer alone.
+2. Five questions about one image (same system prompt and image, different question; max_tokens 16)
+   asked in turn, prefix cache off vs on: prompt tokens each question's prefill computed, and its
+   latency (submit to answer).
+3. Streaming: p99 time between tokens of 4 streaming chats, idle vs while chats with 8 images each
+   arrive (one every 8 steps).
+
+Medians over ``--repeats`` (after a warm-up). Tokens/s in part 1 are per second of process CPU time
+(one torch thread), which a loaded shared machine disturbs far less than wall time; latencies and
+gaps in parts 2 and 3 are wall time. Prints markdown tables.
+
+    python benchmarks/chat_batching.py [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+import transformers  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+
+from triptych.models import PACKAGED_DEFAULT  # noqa: E402
+from triptych.pipelines.base import Role  # noqa: E402
+from triptych.pipelines.registry import family_class  # noqa: E402
+from triptych.pipelines.vlm import ChatParams, ChatTurn  # noqa: E402
+from triptych.pipelines.vlm.engine import ChatEngine  # noqa: E402
+from triptych.pipelines.vlm.engine_config import ChatEngineConfig  # noqa: E402
+from triptych.world import render, sample_scenes  # noqa: E402
+
+QUESTIONS = ("What is in this image?", "What colour is the shape?", "Where is it?", "Describe the background", "Size?")
+
+
+def ask(question, images, **kw) -> ChatParams:
+    return ChatParams(
+        (ChatTurn("system", ("You describe images.",)), ChatTurn("user", (*range(len(images)), question))),
+        tuple(images),
+        **kw,
+    )
+
+
+def drain(engine: ChatEngine) -> None:
+    while engine.has_work():
+        engine.step()
+
+
+def concurrent(chat, prompts, mode: str) -> tuple[float, list]:
+    """Process CPU seconds (one torch thread: the work, whatever else the machine runs) and results."""
+    t = time.process_time()
+    if mode == "generate":
+        results = [chat.run(p) for p in prompts]
+    else:
+        engine = ChatEngine(chat, ChatEngineConfig(max_running_chats=1 if mode == "one" else 16, prefix_cache_mb=0))
+        chats = [engine.submit(i, p) for i, p in enumerate(prompts)]
+        drain(engine)
+        results = [c.result for c in chats]
+    return time.process_time() - t, results
+
+
+def five_questions(chat, image, prefix_mb: float) -> tuple[list[int], list[float]]:
+    engine = ChatEngine(chat, ChatEngineConfig(prefix_cache_mb=prefix_mb))
+    computed, latency = [], []
+    for q in QUESTIONS:
+        before = engine.stats.prefill_computed
+        t = time.perf_counter()
+        engine.submit(q, ask(q, [image], max_tokens=16))
+        drain(engine)
+        latency.append(time.perf_counter() - t)
+        computed.append(engine.stats.prefill_computed - before)
+    return computed, latency
+
+
+def gaps(chat, images, burst: bool) -> list[float]:
+    """Seconds between consecutive tokens of 4 streaming chats (``burst``: 8-image chats arrive)."""
+    engine = ChatEngine(chat, ChatEngineConfig(prefix_cache_mb=0))
+    prompts = [ask("Describe it", [images[i]], max_tokens=64, ignore_eos=True) for i in range(4)]
+    streams = [engine.submit(i, p, stream=True) for i, p in enumerate(prompts)]
+    seen = [0] * 4
+    when: list[float | None] = [None] * 4
+    out: list[float] = []
+    step = 0
+    while not all(s.done for s in streams):
+        if burst and step % 8 == 4:
+            engine.submit(f"b{step}", ask("Compare them", images[:8], max_tokens=4))
+        engine.step()
+        now = time.perf_counter()
+        for i, s in enumerate(streams):
+            if len(s.tokens) > seen[i]:
+                if when[i] is not None:
+                    out.append(now - when[i])
+                seen[i], when[i] = len(s.tokens), now
+        step += 1
+    return out
+
+
+def p99(values: list[float]) -> float:
+    return statistics.quantiles(values, n=100)[98]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    chat = family_class(PACKAGED_DEFAULT)(PACKAGED_DEFAULT, roles={Role.ENCODER}).chat_model()
+    images = [render(s, 64) for s in sample_scenes(8, "chat-batching-bench", "heldout")]
+    prompts = [ask(QUESTIONS[0], [images[i]], max_tokens=32, ignore_eos=True) for i in range(8)]
+    alone = [chat.run(p) for p in prompts]  # also the warm-up
+
+    modes = ("generate", "one", "batched")
+    rates: dict[tuple[int, str], list[float]] = {}
+    mismatches = 0
+    for _ in range(args.repeats):
+        for n in (1, 4, 8):
+            for mode in modes:
+                seconds, results = concurrent(chat, prompts[:n], mode)
+                rates.setdefault((n, mode), []).append(n * 32 / seconds)
+                mismatches += sum(r != a for r, a in zip(results, alone))
+    print(
+        "| concurrent chats | generate, one at a time (tokens per CPU-s) | engine, max_running_chats=1 | engine, batched | batched / 1 chat batched |"
+    )
+    print("|---|---|---|---|---|")
+    base = statistics.median(rates[(1, "batched")])
+    for n in (1, 4, 8):
+        m = {mode: statistics.median(rates[(n, mode)]) for mode in modes}
+        print(f"| {n} | {m['generate']:.0f} | {m['one']:.0f} | {m['batched']:.0f} | {m['batched'] / base:.2f}x |")
+    print(f"\nanswers differing from their generate answer alone: {mismatches} of {args.repeats * 13 * 3}\n")
+
+    runs = {mb: [five_questions(chat, images[0], mb) for _ in range(args.repeats)] for mb in (0, 64)}
+    print("| question | prefill tokens computed, cache off | on | latency ms, off | on |")
+    print("|---|---|---|---|---|")
+    for q in range(5):
+        off = statistics.median(r[1][q] for r in runs[0]) * 1e3
+        on = statistics.median(r[1][q] for r in runs[64]) * 1e3
+        print(f"| {q + 1} | {runs[0][0][0][q]} | {runs[64][0][0][q]} | {off:.1f} | {on:.1f} |")
+
+    idle, busy = [], []
+    for _ in range(args.repeats):
+        idle += gaps(chat, images, burst=False)
+        busy += gaps(chat, images, burst=True)
+    print(
+        f"\nstreaming p99 time between tokens: idle {p99(idle) * 1e3:.1f} ms, "
+        f"with 8-image chats arriving {p99(busy) * 1e3:.1f} ms ({p99(busy) / p99(idle):.2f}x)"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""The encoder runner's chats on the packaged default model: concurrent chats advance together (one
+engine step, one forward for all of them, per ``execute()``), encodes take turns with them, the
+answers are those of each chat alone, and an aborted chat sends nothing more."""
+
+from __future__ import annotations
+
+import pytest
+
+from triptych.models import PACKAGED_DEFAULT
+from triptych.pipelines.base import GenerationParams, Role
+from triptych.pipelines.registry import family_class
+from triptych.pipelines.vlm import ChatParams, ChatTurn
+from triptych.pipelines.vlm.engine_config import ChatEngineConfig
+from triptych.server import protocol as P
+from triptych.server import wire
+from triptych.server.runners.encoder import EncoderRunner
+from triptych.world import render, sample_scenes
+
+
+class Port:
+    instance_id = "enc-0"
+
+    def __init__(self):
+        self.jobs, self.sent, self.failed = {}, [], []
+
+    def adopt(self, job):
+        self.jobs[job.request_id] = job
+
+    def owns(self, job):
+        return self.jobs.get(job.request_id) is job
+
+    def finish(self, job):
+        self.jobs.pop(job.request_id, None)
+
+    def send(self, msg):
+        self.sent.append(msg)
+
+    def fail(self, job, error, retryable):
+        self.jobs.pop(job.request_id, None)
+        self.failed.append((job.request_id, error, retryable))
+
+    def stopping(self):
+        return False
+
+
+@pytest.fixture(scope="module")
+def family():
+    return family_class(PACKAGED_DEFAULT)(PACKAGED_DEFAULT, roles={Role.ENCODER})
+
+
+def chat_params(i: int) -> ChatParams:
+    image = render(sample_scenes(4, "runner-chat-test", "heldout")[i], 64)
+    return ChatParams((ChatTurn("user", (0, "What is in this image?")),), (image,), max_tokens=12 + i, ignore_eos=True)
+
+
+def test_concurrent_chats_share_each_forward_and_encodes_take_turns(family):
+    port = Port()
+    runner = EncoderRunner(family, port, ChatEngineConfig(max_running_chats=8))
+    params = [chat_params(i) for i in range(4)]
+    for i, p in enumerate(params):
+        runner.accept(wire.chat_to_wire(f"c{i}", 0, p, stream=True))
+    encode = family.resolve(GenerationParams(prompt="a red square", seed=0))
+    for i in range(2):
+        runner.accept(P.EncodeTask(f"e{i}", 0, wire.params_to_wire(encode), "den-0"))
+    order = []
+    while runner.has_work():
+        encodes, forwards = len(runner.ready), runner.engine.stats.decode_forwards
+        runner.execute()
+        order.append("encode" if len(runner.ready) < encodes else "chat")
+        assert runner.engine.stats.decode_forwards - forwards <= 1  # one forward per step for all chats
+    assert order[:4] == ["encode", "chat", "encode", "chat"]  # turns while both wait
+    done = {m.request_id: m for m in port.sent if isinstance(m, P.ChatDone)}
+    for i, p in enumerate(params):
+        alone = family.chat_model().run(p)
+        assert done[f"c{i}"].text == alone.text and done[f"c{i}"].completion_tokens == alone.completion_tokens
+        pieces = "".join(m.text for m in port.sent if isinstance(m, P.ChatDelta) and m.request_id == f"c{i}")
+        assert pieces == alone.text
+    assert {m.request_id for m in port.sent if isinstance(m, P.EncodeDone)} == {"e0", "e1"}
+    stats = runner.chat_stats()
+    assert stats.decode_tokens == sum(p.max_tokens - 1 for p in params)
+    assert stats.decode_forwards <= max(p.max_tokens for p in params) + len(params)  # not one per token
+    assert not port.failed and set(port.jobs) == {"e0", "e1"}  # the encodes wait for their push
+
+
+def test_an_aborted_chat_leaves_the_batch_and_sends_nothing_more(family):
+    port = Port()
+    runner = EncoderRunner(family, port)
+    for i in range(2):
+        runner.accept(wire.chat_to_wire(f"c{i}", 0, chat_params(i), stream=True))
+    for _ in range(4):
+        runner.execute()
+    gone = port.jobs["c1"]
+    runner.abort(gone)
+    port.jobs.pop("c1")
+    sent = len([m for m in port.sent if m.request_id == "c1"])
+    runner.execute()
+    assert len(runner.engine.batch) == 1
+    while runner.has_work():
+        runner.execute()
+    assert len([m for m in port.sent if m.request_id == "c1"]) == sent
+    assert [m.request_id for m in port.sent if isinstance(m, P.ChatDone)] == ["c0"]

@@ -1,0 +1,26 @@
+"""Counters of the chat engine and its prefix KV cache (``pipelines.vlm.engine``): plain msgspec
+data, no torch (the head decodes them in stats reports)."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class ChatEngineStats(msgspec.Struct):
+    """Cumulative counters and levels of one encoder's chat engine; sent to the head as they are
+    inside a worker's stats report (``protocol.StatsReport.chat``)."""
+
+    prefill_computed: int = 0  # prompt tokens run through the model at admission
+    prefill_reused: int = 0  # prompt tokens whose KV came from the prefix cache
+    prefill_forwards: int = 0
+    decode_forwards: int = 0  # batched decode steps (one forward each, all running chats)
+    decode_tokens: int = 0  # tokens those steps produced (sum of the batch sizes)
+    prefix_evictions: int = 0
+    prefix_entries: int = 0  # a level, not a counter: a window keeps the latest
+    prefix_nbytes: int = 0  # a level, like prefix_entries
+
+    def since(self, prev: ChatEngineStats) -> ChatEngineStats:
+        """The window from ``prev`` to this report: counter deltas, the levels as they are now."""
+        fields = ("prefill_computed", "prefill_reused", "prefill_forwards", "decode_forwards", "decode_tokens")
+        delta = {f: getattr(self, f) - getattr(prev, f) for f in (*fields, "prefix_evictions")}
+        return ChatEngineStats(**delta, prefix_entries=self.prefix_entries, prefix_nbytes=self.prefix_nbytes)

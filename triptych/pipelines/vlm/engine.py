@@ -1,0 +1,225 @@
+"""The built-in chat engine: continuous batching of chat decoding on one model.
+
+Every running chat advances in one model forward per token: ``step()`` admits a waiting chat (its
+prefill is a forward of its own, its prompt KV partly taken from the prefix cache), then runs one
+batched decode forward over all running chats (``KVBatch``: their caches left-padded into one
+batch, an attention mask over the padding, explicit per-row rope positions) and picks each chat's
+next token with its own ``Sampler``. Chats join and leave between tokens: at most
+``max_running_chats`` run, the rest wait in arrival order; a finished or cancelled chat's rows are
+dropped from the batch (its KV freed) before the next forward.
+
+A greedy answer is the one ``ChatModel.run`` (transformers' ``generate``, one chat at a time) gives:
+the padded rows are masked out and positions never depend on the batch, so a row's logits differ
+from its alone-run only by float rounding of the batched matmuls (tests hold the tokens equal).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from triptych.cache.chat_stats import ChatEngineStats
+from triptych.cache.mm import tenant_scope
+from triptych.pipelines.vlm.chat import ChatModel, ChatParams, ChatResult, _Pieces
+from triptych.pipelines.vlm.engine_config import ChatEngineConfig
+from triptych.pipelines.vlm.kvbatch import KVBatch, cache_of, layers_of
+from triptych.pipelines.vlm.prefix import Entry, PrefixCache
+from triptych.pipelines.vlm.prompt import Prompt, build_prompt, embeddings
+from triptych.pipelines.vlm.sampler import Sampler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Chat:
+    """One request in the engine. The caller drains ``pieces`` (streamed text) after each step;
+    ``result`` or ``error`` is set when it ends (``done``)."""
+
+    id: Hashable
+    params: ChatParams
+    stream: bool
+    pieces: list[str] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    result: ChatResult | None = None
+    error: BaseException | None = None
+    cancelled: bool = False
+    prompt: Prompt | None = None
+    sampler: Sampler | None = None
+    next_position: int = 0
+    prefix: Entry | None = None  # the prefix-cache entry this chat holds
+    eos: tuple[int, ...] = ()  # tokens that end the answer (none with ignore_eos)
+    _streamer: _Pieces | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.result is not None or self.error is not None
+
+
+class ChatEngine:
+    """Owns its chats' KV; the caller calls ``step()`` on its own thread (the model is not shared
+    with another thread during a step)."""
+
+    def __init__(self, chat: ChatModel, config: ChatEngineConfig = ChatEngineConfig()):
+        self.chat = chat
+        self.model = chat.model
+        self.config = config
+        self.stats = ChatEngineStats()
+        self.prefix = PrefixCache(config.prefix_cache_bytes, self.stats) if config.prefix_cache_bytes > 0 else None
+        self.waiting: deque[Chat] = deque()
+        self.running: list[Chat] = []  # row i of the batch is running[i]
+        self.batch = KVBatch(self.model.config)
+
+    def submit(self, chat_id: Hashable, params: ChatParams, stream: bool = False) -> Chat:
+        chat = Chat(chat_id, params, stream)
+        self.waiting.append(chat)
+        return chat
+
+    def cancel(self, chat_id: Hashable) -> None:
+        """The chat leaves at the next step (``finish_reason`` cancelled), its KV freed."""
+        for chat in (*self.waiting, *self.running):
+            if chat.id == chat_id:
+                chat.cancelled = True
+
+    def has_work(self) -> bool:
+        return bool(self.waiting) or bool(self.running)
+
+    def snapshot(self) -> ChatEngineStats:
+        if self.prefix is not None:
+            self.prefix.snapshot()
+        return ChatEngineStats(**{f: getattr(self.stats, f) for f in self.stats.__struct_fields__})
+
+    @torch.no_grad()
+    def step(self) -> list[Chat]:
+        """Admit at most one waiting chat (its prefill), then one decode forward for all running
+        chats. Returns the chats that produced text or ended in this step (ended ones are gone)."""
+        touched = self._drop_cancelled()
+        if self.waiting and len(self.running) < self.config.max_running_chats:
+            chat = self.waiting.popleft()
+            self._admit(chat)
+            touched.append(chat)
+        if self.running:
+            touched += self._decode()
+        return touched
+
+    # ---- scheduling -----------------------------------------------------------------------------
+    def _drop_cancelled(self) -> list[Chat]:
+        gone = [c for c in self.waiting if c.cancelled]
+        for chat in gone:
+            self.waiting.remove(chat)
+            self._end(chat, "cancelled")
+        left = [c for c in self.running if c.cancelled]
+        for chat in left:
+            self._end(chat, "cancelled")
+        if left:
+            self._keep_unfinished()
+        return gone + left
+
+    def _keep_unfinished(self) -> None:
+        rows = [i for i, c in enumerate(self.running) if not c.done]
+        self.batch.keep(rows)
+        self.running = [self.running[i] for i in rows]
+
+    def _admit(self, chat: Chat) -> None:
+        params = chat.params
+        try:
+            with tenant_scope(params.tenant):  # the vision tower's mm-hash cache is scoped by who asks
+                kv, logits = self._prefill(chat)
+        except (ValueError, RuntimeError) as e:  # InvalidParam is a ValueError: the user's error
+            chat.error = e
+            self._release(chat)
+            return
+        config = self.chat.generation_config(params)
+        eos = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
+        chat.eos = () if params.ignore_eos else tuple(eos)
+        chat.sampler = Sampler(params, eos, self.model.device)
+        if chat.stream:
+            chat._streamer = _Pieces(self.chat.tokenizer, chat.pieces.append, skip_prompt=False)
+        chat.next_position = chat.prompt.next_position
+        self._emit(chat, chat.sampler(logits))
+        if not chat.done:
+            self.running.append(chat)
+            self.batch.join(kv)
+
+    def _prefill(self, chat: Chat):
+        prompt = chat.prompt = build_prompt(self.model, self.chat.inputs(chat.params), chat.params.tenant)
+        reuse, cache = 0, DynamicCache(config=self.model.config)
+        if self.prefix is not None:
+            entry, reuse = self.prefix.longest(prompt.key)
+            reuse = min(reuse, len(prompt) - 1)  # the last prompt token runs: its logits pick the first
+            if entry is not None and reuse > 0:
+                self.prefix.acquire(entry)
+                chat.prefix = entry
+                cache = cache_of([(k[:, :, :reuse], v[:, :, :reuse]) for k, v in entry.kv], self.model.config)
+        out = self.model(
+            inputs_embeds=embeddings(self.model, prompt, reuse),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=self.model.device),
+            position_ids=prompt.positions[:, None, reuse:].to(self.model.device),
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self.stats.prefill_forwards += 1
+        self.stats.prefill_computed += len(prompt) - reuse
+        self.stats.prefill_reused += reuse
+        kv = layers_of(cache)
+        if self.prefix is not None:
+            self.prefix.put(prompt.key, kv)
+        return kv, out.logits[0, -1]
+
+    def _decode(self) -> list[Chat]:
+        running = self.running
+        device = self.model.device
+        ids = torch.tensor([[c.tokens[-1]] for c in running], device=device)
+        positions = torch.tensor([c.next_position for c in running], device=device).view(1, -1, 1).expand(3, -1, 1)
+        try:
+            out = self.model(
+                input_ids=ids,
+                attention_mask=self.batch.step_mask().to(device),
+                position_ids=positions,
+                cache=self.batch.cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        except (ValueError, RuntimeError) as e:
+            logger.exception("a batched chat decode step failed; its %d chats fail", len(running))
+            for chat in running:
+                chat.error = e
+                self._release(chat)
+            self._keep_unfinished()
+            return running
+        self.batch.appended()
+        self.stats.decode_forwards += 1
+        self.stats.decode_tokens += len(running)
+        for i, chat in enumerate(running):
+            chat.next_position += 1
+            self._emit(chat, chat.sampler(out.logits[i, -1]))
+        self._keep_unfinished()
+        return list(running)
+
+    # ---- tokens out -----------------------------------------------------------------------------
+    def _emit(self, chat: Chat, token: int) -> None:
+        chat.tokens.append(token)
+        if chat._streamer is not None:
+            chat._streamer.put(torch.tensor([token]))
+        if token in chat.eos:
+            self._end(chat, "stop")
+        elif len(chat.tokens) >= chat.params.max_tokens:
+            self._end(chat, "length")
+
+    def _end(self, chat: Chat, reason: str) -> None:
+        if chat._streamer is not None:
+            chat._streamer.end()
+        text = self.chat.tokenizer.decode(chat.tokens, skip_special_tokens=True)
+        prompt = 0 if chat.prompt is None else len(chat.prompt)
+        chat.result = ChatResult(text, prompt, len(chat.tokens), reason)
+        self._release(chat)
+
+    def _release(self, chat: Chat) -> None:
+        if chat.prefix is not None and self.prefix is not None:
+            self.prefix.release(chat.prefix)
+            chat.prefix = None

@@ -1,0 +1,32 @@
+"""The built-in chat engine's settings (no torch: the command line builds it)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ChatEngineConfig:
+    """An encoder instance's chat engine (``triptych.pipelines.vlm.engine.ChatEngine``)."""
+
+    max_running_chats: int = 16
+    """Chats that decode together, one batched forward per token; more wait in arrival order."""
+    prefix_cache_mb: float = 64.0
+    """Budget in MiB (2**20 bytes) of the chat prefix KV cache (prompt KV keyed by the token ids and
+    the content hashes of the images in them); least recently used entries not in use are evicted
+    past it. 0 turns it off."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_running_chats, bool) or not isinstance(self.max_running_chats, int):
+            raise ValueError(f"ChatEngineConfig.max_running_chats={self.max_running_chats!r}: must be an integer")
+        if self.max_running_chats < 1:
+            raise ValueError(f"ChatEngineConfig.max_running_chats={self.max_running_chats}: must be >= 1")
+        if not (isinstance(self.prefix_cache_mb, (int, float)) and math.isfinite(self.prefix_cache_mb)):
+            raise ValueError(f"ChatEngineConfig.prefix_cache_mb={self.prefix_cache_mb!r}: must be a finite number")
+        if self.prefix_cache_mb < 0:
+            raise ValueError(f"ChatEngineConfig.prefix_cache_mb={self.prefix_cache_mb}: must be >= 0 (0 = off)")
+
+    @property
+    def prefix_cache_bytes(self) -> int:
+        return int(self.prefix_cache_mb * (1 << 20))
