@@ -66,7 +66,7 @@ def test_batched_greedy_answers_are_token_identical_to_one_at_a_time(chat, image
     for i, want in enumerate(alone):
         assert chats[i].result == want, i  # same text, token counts and finish reason
     s = engine.stats
-    assert s.prefill_forwards == len(prompts)
+    assert s.prefill_rows >= len(prompts) and s.prefill_forwards <= s.prefill_rows
     # one forward per step for all running chats: fewer forwards than decoded tokens
     assert s.decode_tokens == sum(r.completion_tokens - 1 for r in alone)
     assert s.decode_forwards < s.decode_tokens * 0.6, (s.decode_forwards, s.decode_tokens)

@@ -1,8 +1,10 @@
 """The built-in chat engine: continuous batching of chat decoding on one model.
 
-Every running chat advances in one model forward per token: ``step()`` admits a waiting chat (its
-prefill is a forward of its own, its prompt KV partly taken from the prefix cache), then runs one
-batched decode forward over all running chats (``KVBatch``: their caches left-padded into one
+Every running chat advances in one model forward per token: ``step()`` admits waiting chats into
+free slots, runs one batched prefill forward (``prefill``) over the next chunks of the admitted
+chats' prompts (at most ``prefill_tokens_per_step`` tokens in all, so a long multimodal prompt
+spreads over several steps; a prefix-cache hit makes a row start after its reused tokens), then
+one batched decode forward over all running chats (``KVBatch``: their caches left-padded into one
 batch, an attention mask over the padding, explicit per-row rope positions) and picks each chat's
 next token with its own ``Sampler``. Chats join and leave between tokens: at most
 ``max_running_chats`` run, the rest wait in arrival order; a finished or cancelled chat's rows are
@@ -21,15 +23,15 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
 
 from triptych.cache.chat_stats import ChatEngineStats
 from triptych.cache.mm import tenant_scope
 from triptych.pipelines.vlm.chat import ChatModel, ChatParams, ChatResult, _Pieces
 from triptych.pipelines.vlm.engine_config import ChatEngineConfig
-from triptych.pipelines.vlm.kvbatch import KVBatch, cache_of, layers_of
+from triptych.pipelines.vlm.kvbatch import KV, KVBatch
+from triptych.pipelines.vlm.prefill import Row, prefill
 from triptych.pipelines.vlm.prefix import Entry, PrefixCache
-from triptych.pipelines.vlm.prompt import Prompt, build_prompt, embeddings
+from triptych.pipelines.vlm.prompt import Prompt, build_prompt, chunk_embeddings
 from triptych.pipelines.vlm.sampler import Sampler
 
 logger = logging.getLogger(__name__)
@@ -51,6 +53,9 @@ class Chat:
     prompt: Prompt | None = None
     sampler: Sampler | None = None
     next_position: int = 0
+    prefilled: int = 0  # prompt tokens whose KV ``kv`` holds (while prefilling)
+    kv: KV | None = None  # the prompt KV so far, while prefilling (then it moves to the batch)
+    features: dict[int, torch.Tensor] = field(default_factory=dict)  # images' tower outputs, while prefilling
     prefix: Entry | None = None  # the prefix-cache entry this chat holds
     eos: tuple[int, ...] = ()  # tokens that end the answer (none with ignore_eos)
     _streamer: _Pieces | None = None
@@ -71,6 +76,7 @@ class ChatEngine:
         self.stats = ChatEngineStats()
         self.prefix = PrefixCache(config.prefix_cache_bytes, self.stats) if config.prefix_cache_bytes > 0 else None
         self.waiting: deque[Chat] = deque()
+        self.prefilling: list[Chat] = []  # admitted, their prompt KV being computed chunk by chunk
         self.running: list[Chat] = []  # row i of the batch is running[i]
         self.batch = KVBatch(self.model.config)
 
@@ -81,12 +87,12 @@ class ChatEngine:
 
     def cancel(self, chat_id: Hashable) -> None:
         """The chat leaves at the next step (``finish_reason`` cancelled), its KV freed."""
-        for chat in (*self.waiting, *self.running):
+        for chat in (*self.waiting, *self.prefilling, *self.running):
             if chat.id == chat_id:
                 chat.cancelled = True
 
     def has_work(self) -> bool:
-        return bool(self.waiting) or bool(self.running)
+        return bool(self.waiting) or bool(self.prefilling) or bool(self.running)
 
     def snapshot(self) -> ChatEngineStats:
         if self.prefix is not None:
@@ -95,22 +101,28 @@ class ChatEngine:
 
     @torch.no_grad()
     def step(self) -> list[Chat]:
-        """Admit at most one waiting chat (its prefill), then one decode forward for all running
-        chats. Returns the chats that produced text or ended in this step (ended ones are gone)."""
+        """Admit waiting chats while slots are free, run one batched prefill forward over the
+        prefilling chats' next chunks (at most ``prefill_tokens_per_step`` prompt tokens in all),
+        then one decode forward for all running chats. Returns the chats that produced text or
+        ended in this step (ended ones are gone)."""
         touched = self._drop_cancelled()
-        if self.waiting and len(self.running) < self.config.max_running_chats:
+        while self.waiting and len(self.running) + len(self.prefilling) < self.config.max_running_chats:
             chat = self.waiting.popleft()
-            self._admit(chat)
-            touched.append(chat)
+            if self._prepare(chat):
+                self.prefilling.append(chat)
+            else:
+                touched.append(chat)
+        if self.prefilling:
+            touched += self._prefill_step()
         if self.running:
             touched += self._decode()
         return touched
 
     # ---- scheduling -----------------------------------------------------------------------------
     def _drop_cancelled(self) -> list[Chat]:
-        gone = [c for c in self.waiting if c.cancelled]
+        gone = [c for c in (*self.waiting, *self.prefilling) if c.cancelled]
         for chat in gone:
-            self.waiting.remove(chat)
+            (self.waiting if chat in self.waiting else self.prefilling).remove(chat)
             self._end(chat, "cancelled")
         left = [c for c in self.running if c.cancelled]
         for chat in left:
@@ -124,15 +136,82 @@ class ChatEngine:
         self.batch.keep(rows)
         self.running = [self.running[i] for i in rows]
 
-    def _admit(self, chat: Chat) -> None:
+    def _prepare(self, chat: Chat) -> bool:
+        """The chat's prompt (the processor) and its prefix-cache hit; False when it failed."""
         params = chat.params
+        chat.kv, chat.features, chat.prefilled = None, {}, 0
         try:
-            with tenant_scope(params.tenant):  # the vision tower's mm-hash cache is scoped by who asks
-                kv, logits = self._prefill(chat)
+            prompt = chat.prompt = build_prompt(self.model, self.chat.inputs(params), params.tenant)
         except (ValueError, RuntimeError) as e:  # InvalidParam is a ValueError: the user's error
             chat.error = e
-            self._release(chat)
-            return
+            return False
+        if self.prefix is not None:
+            entry, reuse = self.prefix.longest(prompt.key)
+            reuse = min(reuse, len(prompt) - 1)  # the last prompt token runs: its logits pick the first
+            if entry is not None and reuse > 0:
+                self.prefix.acquire(entry)
+                chat.prefix = entry
+                chat.kv = [(k[:, :, :reuse], v[:, :, :reuse]) for k, v in entry.kv]  # views; never written
+                chat.prefilled = reuse
+                self.stats.prefill_reused += reuse
+        return True
+
+    def _chunks(self) -> list[tuple[Chat, int]]:
+        """The prefilling chats of this step and the end of each one's chunk: in admission order,
+        within the token budget (the first one always gets a chunk)."""
+        budget = self.config.prefill_tokens_per_step
+        chunks = []
+        for chat in self.prefilling:
+            if budget <= 0:
+                break
+            take = min(len(chat.prompt) - chat.prefilled, budget)
+            chunks.append((chat, chat.prefilled + take))
+            budget -= take
+        return chunks
+
+    def _prefill_step(self) -> list[Chat]:
+        chunks, rows, touched = [], [], []
+        for chat, end in self._chunks():
+            try:
+                with tenant_scope(chat.params.tenant):  # the vision tower's mm-hash cache is scoped by who asks
+                    embeds = chunk_embeddings(self.model, chat.prompt, chat.prefilled, end, chat.features)
+            except (ValueError, RuntimeError) as e:  # this chat's images: it fails alone
+                self._fail_prefill(chat, e)
+                touched.append(chat)
+                continue
+            chunks.append((chat, end))
+            rows.append(Row(embeds, chat.prompt.positions[:, chat.prefilled : end], chat.kv))
+        if not rows:
+            return touched
+        try:
+            kvs, logits = prefill(self.model, rows)
+        except (ValueError, RuntimeError) as e:
+            logger.exception("a batched prefill of %d chats failed; they fail", len(rows))
+            for chat, _ in chunks:
+                self._fail_prefill(chat, e)
+            return touched + [c for c, _ in chunks]
+        self.stats.prefill_forwards += 1
+        self.stats.prefill_rows += len(rows)
+        for i, (chat, end) in enumerate(chunks):
+            self.stats.prefill_computed += end - chat.prefilled
+            chat.kv, chat.prefilled = kvs[i], end
+            if end == len(chat.prompt):
+                self.prefilling.remove(chat)
+                self._start(chat, logits[i])
+                touched.append(chat)
+        return touched
+
+    def _fail_prefill(self, chat: Chat, error: BaseException) -> None:
+        self.prefilling.remove(chat)
+        chat.error, chat.kv, chat.features = error, None, {}
+        self._release(chat)
+
+    def _start(self, chat: Chat, logits: torch.Tensor) -> None:
+        """The prompt is prefilled: store its KV, pick the first token, join the decode batch."""
+        kv, chat.kv, chat.features = chat.kv, None, {}
+        if self.prefix is not None:
+            self.prefix.put(chat.prompt.key, kv)
+        params = chat.params
         config = self.chat.generation_config(params)
         eos = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
         chat.eos = () if params.ignore_eos else tuple(eos)
@@ -144,32 +223,19 @@ class ChatEngine:
         if not chat.done:
             self.running.append(chat)
             self.batch.join(kv)
+            self.stats.max_batch = max(self.stats.max_batch, len(self.running))
 
     def _prefill(self, chat: Chat):
-        prompt = chat.prompt = build_prompt(self.model, self.chat.inputs(chat.params), chat.params.tenant)
-        reuse, cache = 0, DynamicCache(config=self.model.config)
-        if self.prefix is not None:
-            entry, reuse = self.prefix.longest(prompt.key)
-            reuse = min(reuse, len(prompt) - 1)  # the last prompt token runs: its logits pick the first
-            if entry is not None and reuse > 0:
-                self.prefix.acquire(entry)
-                chat.prefix = entry
-                cache = cache_of([(k[:, :, :reuse], v[:, :, :reuse]) for k, v in entry.kv], self.model.config)
-        out = self.model(
-            inputs_embeds=embeddings(self.model, prompt, reuse),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=self.model.device),
-            position_ids=prompt.positions[:, None, reuse:].to(self.model.device),
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        """A whole prompt's prefill alone (tests compare its logits): its KV and last logits."""
+        if not self._prepare(chat):
+            raise chat.error
+        with tenant_scope(chat.params.tenant):
+            embeds = chunk_embeddings(self.model, chat.prompt, chat.prefilled, len(chat.prompt), chat.features)
+        kvs, logits = prefill(self.model, [Row(embeds, chat.prompt.positions[:, chat.prefilled :], chat.kv)])
         self.stats.prefill_forwards += 1
-        self.stats.prefill_computed += len(prompt) - reuse
-        self.stats.prefill_reused += reuse
-        kv = layers_of(cache)
-        if self.prefix is not None:
-            self.prefix.put(prompt.key, kv)
-        return kv, out.logits[0, -1]
+        self.stats.prefill_rows += 1
+        self.stats.prefill_computed += len(chat.prompt) - chat.prefilled
+        return kvs[0], logits[0]
 
     def _decode(self) -> list[Chat]:
         running = self.running

@@ -26,6 +26,9 @@ class Prompt:
     key: tuple
     pixel_values: torch.Tensor | None
     image_grid_thw: torch.Tensor | None
+    #: per image, in prompt order: (first token, end token, first patch, end patch); an image's
+    #: tokens are contiguous in the prompt and its patches in ``pixel_values``
+    images: tuple[tuple[int, int, int, int], ...] = ()
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -51,7 +54,24 @@ def build_prompt(model, inputs: dict[str, torch.Tensor], tenant: str) -> Prompt:
         (tenant, *_key_items(model, ids, pixels, grid)),
         pixels,
         grid,
+        _spans(model, ids, grid),
     )
+
+
+def _spans(model, ids: torch.Tensor, grid) -> tuple[tuple[int, int, int, int], ...]:
+    if grid is None:
+        return ()
+    merge = int(model.config.vision_config.spatial_merge_size) ** 2
+    where = (ids == image_token_id(model)).nonzero().flatten().tolist()
+    spans, patch, token = [], 0, 0
+    for thw in grid:
+        patches = int(thw.prod())
+        count = patches // merge
+        if token + count > len(where):
+            raise ValueError(f"the prompt holds {len(where)} image tokens but its images need {token + count}")
+        spans.append((where[token], where[token] + count, patch, patch + patches))
+        patch, token = patch + patches, token + count
+    return tuple(spans)
 
 
 def _key_items(model, ids: torch.Tensor, pixels, grid) -> list:
@@ -70,21 +90,30 @@ def _key_items(model, ids: torch.Tensor, pixels, grid) -> list:
     return items
 
 
-def embeddings(model, prompt: Prompt, start: int) -> torch.Tensor:
-    """The input embeddings of ``prompt[start:]``, shape (1, L - start, hidden): the vision tower
-    (and its mm-hash cache) runs only when an image token lies in that slice."""
-    ids = prompt.input_ids[start:]
-    embeds = model.get_input_embeddings()(ids[None])
-    mask = ids == image_token_id(model)
-    if not bool(mask.any()):
-        return embeds
-    out = model.model.get_image_features(prompt.pixel_values, prompt.image_grid_thw, return_dict=True)
-    features = torch.cat(list(out.pooler_output))
-    before = int((prompt.input_ids[:start] == image_token_id(model)).sum())
-    features = features[before:].to(embeds.device, embeds.dtype)
-    if features.shape[0] != int(mask.sum()):
-        raise ValueError(
-            f"the prompt holds {int(mask.sum())} image tokens after position {start} "
-            f"but the vision tower gave {features.shape[0]} embeddings for them"
-        )
-    return embeds.masked_scatter(mask[None, :, None].expand_as(embeds), features)
+def chunk_embeddings(model, prompt: Prompt, start: int, end: int, features: dict[int, torch.Tensor]) -> torch.Tensor:
+    """The input embeddings of ``prompt[start:end]``, shape (end - start, hidden), each image's
+    vision-tower output scattered over its tokens. The tower runs once per image (one call per
+    image, so its mm-hash cache keys each image on its own), only for the images this chunk
+    touches; ``features`` holds (image index -> embeddings) across the chunks of one prompt and
+    drops an image once the chunk passes its end."""
+    embeds = model.get_input_embeddings()(prompt.input_ids[start:end])
+    for j, (t0, t1, p0, p1) in enumerate(prompt.images):
+        if t1 <= start or t0 >= end:
+            continue
+        got = features.get(j)
+        if got is None:
+            out = model.model.get_image_features(
+                prompt.pixel_values[p0:p1], prompt.image_grid_thw[j : j + 1], return_dict=True
+            )
+            got = torch.cat(list(out.pooler_output)).to(embeds.device, embeds.dtype)
+            if got.shape[0] != t1 - t0:
+                raise ValueError(
+                    f"image {j} of the prompt has {t1 - t0} placeholder tokens "
+                    f"but the vision tower gave {got.shape[0]} embeddings for it"
+                )
+            features[j] = got
+        lo, hi = max(start, t0), min(end, t1)
+        embeds[lo - start : hi - start] = got[lo - t0 : hi - t0]
+        if t1 <= end:
+            del features[j]
+    return embeds

@@ -1,0 +1,116 @@
+"""Batched and chunked prefill in the chat engine (``vlm.prefill``) on the packaged default model.
+
+Chats admitted in one step prefill in one forward (rows of different lengths, with images, with
+prefix-cache hits of different lengths) and answer token-identically to each alone
+(``ChatModel.run``); a long prompt is prefilled in chunks of ``prefill_tokens_per_step`` while the
+running chats get a token every step."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from triptych.models import PACKAGED_DEFAULT
+from triptych.pipelines.base import Role
+from triptych.pipelines.registry import family_class
+from triptych.pipelines.vlm import ChatParams, ChatTurn
+from triptych.pipelines.vlm.engine import ChatEngine
+from triptych.pipelines.vlm.engine_config import ChatEngineConfig
+from triptych.world import render, sample_scenes
+
+
+@pytest.fixture(scope="module")
+def chat():
+    return family_class(PACKAGED_DEFAULT)(PACKAGED_DEFAULT, roles={Role.ENCODER}).chat_model()
+
+
+@pytest.fixture(scope="module")
+def images():
+    return [render(s, 64) for s in sample_scenes(8, "chat-prefill-test", "heldout")]
+
+
+def ask(question, *images, system=None, **kw) -> ChatParams:
+    turns = (ChatTurn("system", (system,)),) if system else ()
+    return ChatParams((*turns, ChatTurn("user", (*range(len(images)), question))), tuple(images), **kw)
+
+
+def drain(engine: ChatEngine) -> None:
+    for _ in range(500):
+        if not engine.has_work():
+            return
+        engine.step()
+    raise AssertionError("the engine did not finish")
+
+
+def test_chats_admitted_together_prefill_in_one_forward_and_answer_as_alone(chat, images):
+    prompts = [
+        ask("hello there", max_tokens=10, ignore_eos=True),
+        ask("What is in this image?", images[0], max_tokens=16),
+        ask("Compare these two", images[1], images[2], system="Be brief.", max_tokens=20, ignore_eos=True),
+        ask("Which one is largest?", *images[3:6], max_tokens=12, ignore_eos=True),
+    ]
+    lengths = {len(chat.inputs(p)["input_ids"][0]) for p in prompts}
+    assert len(lengths) == len(prompts)  # rows of different lengths: the padding is exercised
+    engine = ChatEngine(chat, ChatEngineConfig(prefill_tokens_per_step=4096, prefix_cache_mb=0))
+    chats = [engine.submit(i, p) for i, p in enumerate(prompts)]
+    engine.step()
+    assert engine.stats.prefill_forwards == 1 and engine.stats.prefill_rows == len(prompts)
+    assert len(engine.running) == len(prompts)
+    drain(engine)
+    assert engine.stats.prefill_forwards == 1
+    for c, p in zip(chats, prompts):
+        assert c.result == chat.run(p), c.id
+
+
+def test_a_long_prompt_prefills_in_chunks_while_the_running_chats_decode(chat, images):
+    budget = 32
+    engine = ChatEngine(chat, ChatEngineConfig(prefill_tokens_per_step=budget, prefix_cache_mb=0))
+    streams = [engine.submit(i, ask("Describe it", images[i], max_tokens=40, ignore_eos=True)) for i in range(2)]
+    while len(engine.running) < 2:
+        engine.step()
+    long_prompt = ask("Compare them all", *images, max_tokens=8, ignore_eos=True)
+    length = len(chat.inputs(long_prompt)["input_ids"][0])
+    big = engine.submit("big", long_prompt)
+    forwards, steps = engine.stats.prefill_forwards, 0
+    while not big.tokens:
+        before = [len(s.tokens) for s in streams]
+        computed = engine.stats.prefill_computed
+        engine.step()
+        steps += 1
+        assert engine.stats.prefill_computed - computed <= budget
+        assert [len(s.tokens) for s in streams] == [n + 1 for n in before]  # nobody waited a step
+    assert steps == engine.stats.prefill_forwards - forwards == math.ceil(length / budget) > 1
+    drain(engine)
+    assert big.result == chat.run(long_prompt)
+    for i, s in enumerate(streams):
+        assert s.result == chat.run(ask("Describe it", images[i], max_tokens=40, ignore_eos=True))
+
+
+def test_prefix_hits_of_different_lengths_prefill_together_computing_only_new_tokens(chat, images):
+    system = "You describe images."
+    engine = ChatEngine(chat, ChatEngineConfig(prefill_tokens_per_step=4096, prefix_cache_mb=8))
+    first = engine.submit(0, ask("What is in this image?", images[0], system=system, max_tokens=4))
+    drain(engine)
+    assert first.result is not None
+    prompts = [
+        ask("What colour is it?", images[0], system=system, max_tokens=12),  # reuses past the image
+        ask("What is in this image?", images[1], system=system, max_tokens=12),  # reuses up to the image
+        ask("Say something", system="Another system prompt.", max_tokens=6, ignore_eos=True),
+    ]
+    computed, reused, forwards = (
+        engine.stats.prefill_computed,
+        engine.stats.prefill_reused,
+        engine.stats.prefill_forwards,
+    )
+    chats = [engine.submit(i + 1, p) for i, p in enumerate(prompts)]
+    engine.step()
+    assert engine.stats.prefill_forwards == forwards + 1
+    new_reused = engine.stats.prefill_reused - reused
+    total = sum(len(chat.inputs(p)["input_ids"][0]) for p in prompts)
+    assert engine.stats.prefill_computed - computed == total - new_reused
+    hits = [c.prefix is not None for c in chats]
+    assert hits[:2] == [True, True]
+    drain(engine)
+    for c, p in zip(chats, prompts):
+        assert c.result == chat.run(p), c.id
