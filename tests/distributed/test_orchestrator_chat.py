@@ -41,7 +41,7 @@ def head():
 
 
 class Encoder:
-    def __init__(self, ctx, head: Orchestrator, instance_id: str, chat: bool):
+    def __init__(self, ctx, head: Orchestrator, instance_id: str, chat: bool, chat_slots: int = 0):
         self.id = instance_id
         self.key = ControlKey(head.token)
         self.sock = ctx.socket(zmq.DEALER)
@@ -49,7 +49,9 @@ class Encoder:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(head.control_address)
         self.send(
-            P.Register(instance_id, "encoder", 2, instance_id, "tcp://127.0.0.1:1", "zmq", head.revision, 1, chat)
+            P.Register(
+                instance_id, "encoder", 2, instance_id, "tcp://127.0.0.1:1", "zmq", head.revision, 1, chat, chat_slots
+            )
         )
         assert self.recv().accepted
 
@@ -80,6 +82,13 @@ def start_chat(loop, orch, rid: str, pieces: list[str], stream: bool = True):
     return asyncio.run_coroutine_threadsafe(orch.chat(ChatJob(rid, PARAMS, stream), on_text), loop)
 
 
+def described(loop, orch) -> dict:
+    async def read():
+        return orch.describe()
+
+    return asyncio.run_coroutine_threadsafe(read(), loop).result(10)
+
+
 def held(loop, orch) -> dict[str, list[str]]:
     async def read():
         return {i["id"]: i["held"] for i in orch.describe()["instances"]}
@@ -107,6 +116,41 @@ def test_chat_goes_to_a_chat_capable_encoder_and_streams_in_order(head):
     )
     assert pieces == ["a", " red", " circle"]
     assert held(loop, orch) == {"enc-a": [], "enc-b": []}
+
+
+def test_chats_take_the_encoders_chat_slots_not_its_encode_slots(head):
+    """An encoder with 2 encode slots advertising 8 chat slots gets 8 chats at once (the 9th waits for
+    one to end); one without chat slots (an older worker) takes chats in its 2 encode slots."""
+    orch, loop, ctx = head
+    vlm = Encoder(ctx, orch, "enc-a", chat=True, chat_slots=8)
+    futures = [start_chat(loop, orch, f"c{i}", []) for i in range(9)]
+    tasks = [vlm.next(P.ChatTask) for _ in range(8)]
+    assert vlm.silent()  # the 9th waits
+    ids = {t.request_id for t in tasks}
+    state = described(loop, orch)
+    assert len(ids) == 8 and state["queues"]["chat"] == 1
+    (inst,) = [i for i in state["instances"] if i["id"] == "enc-a"]
+    assert (inst["free"], inst["chat_free"]) == (2, 0)  # encodes still have both slots
+    first = tasks[0]
+    vlm.send(P.ChatDone(first.request_id, first.generation, "enc-a", "ok", 5, 1, "stop"))
+    ninth = vlm.next(P.ChatTask)
+    assert ninth.request_id not in ids
+    for t in (*tasks[1:], ninth):
+        vlm.send(P.ChatDone(t.request_id, t.generation, "enc-a", "ok", 5, 1, "stop"))
+    assert all(f.result(30).text == "ok" for f in futures)
+
+    old = Encoder(ctx, orch, "enc-b", chat=True)
+    vlm.close()
+    loop.call_soon_threadsafe(orch.instance_dead, "enc-a", "test: gone")
+    wait_for(lambda: "enc-a" not in held(loop, orch), "enc-a forgotten")
+    futures = [start_chat(loop, orch, f"d{i}", []) for i in range(3)]
+    tasks = [old.next(P.ChatTask) for _ in range(2)]
+    assert old.silent()  # two encode slots: the third chat waits
+    for t in tasks:
+        old.send(P.ChatDone(t.request_id, t.generation, "enc-b", "ok", 5, 1, "stop"))
+    last = old.next(P.ChatTask)
+    old.send(P.ChatDone(last.request_id, last.generation, "enc-b", "ok", 5, 1, "stop"))
+    assert all(f.result(30).text == "ok" for f in futures)
 
 
 def test_a_dead_encoder_before_any_piece_retries_elsewhere_after_one_fails(head):

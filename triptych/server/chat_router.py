@@ -2,7 +2,8 @@
 
 A chat is a request like a generation, with its own table on the same state machine (QUEUED →
 CHATTING → DONE, or FAILED / CANCELLED / TIMED_OUT) and the same retry bookkeeping (``Attempts``).
-The head charges one slot of a chat-capable encoder, sends a ``ChatTask``, hands each ``ChatDelta``
+The head charges one of a chat-capable encoder's chat slots (``Register.chat_slots``: its engine's
+running chats plus a queue, apart from its encode slots), sends a ``ChatTask``, hands each ``ChatDelta``
 to the caller and ends on ``ChatDone`` or ``StageError``. No tensor moves. A chat whose encoder
 dies (or fails retryably) before any piece reached the caller is retried on another chat-capable
 encoder under a new generation; after a piece it fails, so a client never sees an answer start
@@ -24,6 +25,7 @@ from triptych.server import protocol as P
 from triptych.server import wire
 from triptych.server.attempts import Attempts
 from triptych.server.backend import Cancelled, ChatJob, Overloaded, StageFailed, TextFn
+from triptych.server.dispatch import ChatSlots
 from triptych.server.registry import InstanceRegistry
 from triptych.server.request_state import CHAT_TRANSITIONS, RequestMachine, RequestState, StateTimeouts
 
@@ -61,6 +63,7 @@ class ChatRouter:
         self.max_retries = max_retries
         self.max_queued = max_queued
         self.chats: dict[str, ChatTracked] = {}
+        self.policy = ChatSlots()  # chats count against an encoder's chat slots, not its encode slots
         self.waiting: deque[str] = deque()
 
     def submit(self, job: ChatJob, on_text: TextFn | None) -> asyncio.Future:
@@ -107,11 +110,11 @@ class ChatRouter:
         while self.waiting:
             ct = self.chats[self.waiting[0]]
             pool = [i for i in self.registry.pool("encoder") if i.chat]
-            inst = ct.attempts.pick(self.registry.policies["encoder"], "encoder", pool)
+            inst = ct.attempts.pick(self.policy, "encoder", pool)
             if inst is None:
                 return
             self.waiting.popleft()
-            inst.hold(ct.job.request_id)
+            inst.hold_chat(ct.job.request_id)
             ct.instance = inst.instance_id
             ct.machine.to(S.CHATTING)
             task = wire.chat_to_wire(ct.job.request_id, ct.machine.generation, ct.job.params, ct.job.stream)

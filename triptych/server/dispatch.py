@@ -35,11 +35,26 @@ class Instance:
     report: dict = field(default_factory=dict)  # last heartbeat's load report
     stats: StatsReport | None = None  # last cumulative stats report (the base of the next window)
     chat: bool = False  # an encoder that answers chats (its text encoder is a VLM)
+    chat_slots: int = 0  # chats it may hold apart from its slots (0: each chat takes a slot)
+    chat_held: set[str] = field(default_factory=set)  # the chats among ``held``
     draining: bool = False  # being scaled in: no new request is routed here; it finishes what it holds
 
     @property
     def free(self) -> int:
-        return self.capacity - len(self.held)
+        return self.capacity - len(self.held) + len(self.chat_held)
+
+    @property
+    def chat_free(self) -> int:
+        """Free chat slots (an instance without its own takes chats in its encode slots)."""
+        return self.chat_slots - len(self.chat_held) if self.chat_slots else self.free
+
+    def hold_chat(self, request_id: str) -> None:
+        if not self.chat_slots:
+            return self.hold(request_id)
+        assert self.chat_free > 0 and request_id not in self.held, (self.instance_id, request_id)
+        self.held.add(request_id)
+        self.chat_held.add(request_id)
+        self.assigned += 1
 
     def hold(self, request_id: str) -> None:
         assert self.free > 0 and request_id not in self.held, (self.instance_id, request_id)
@@ -49,6 +64,7 @@ class Instance:
     def unhold(self, request_id: str) -> bool:
         if request_id in self.held:
             self.held.discard(request_id)
+            self.chat_held.discard(request_id)
             return True
         return False
 
@@ -95,6 +111,27 @@ class MaxFreeSlots(DispatchPolicy):
     def _choose(self, candidates: Sequence[Instance]) -> Instance:
         best = max(i.free for i in candidates)
         tied = [i for i in candidates if i.free == best]
+        return tied[next(self._tiebreak) % len(tied)]
+
+
+class ChatSlots(DispatchPolicy):
+    """Chat-capable encoders by free chat slots: the most free first, ties round robin."""
+
+    name = "chat_slots"
+
+    def __init__(self) -> None:
+        self._tiebreak = itertools.count()
+
+    def pick(self, instances: Iterable[Instance], exclude: frozenset[str] = frozenset()) -> Instance | None:
+        candidates = sorted(
+            (i for i in instances if i.chat and i.chat_free > 0 and not i.draining and i.instance_id not in exclude),
+            key=lambda i: i.instance_id,
+        )
+        return self._choose(candidates) if candidates else None
+
+    def _choose(self, candidates: Sequence[Instance]) -> Instance:
+        best = max(i.chat_free for i in candidates)
+        tied = [i for i in candidates if i.chat_free == best]
         return tied[next(self._tiebreak) % len(tied)]
 
 

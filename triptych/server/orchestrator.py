@@ -203,7 +203,7 @@ class Orchestrator(GenerationBackend):
         depth, wait = self.generations.backlog(now)["decoder" if role == "decoder" else "encode"]
         if any(i.free > 0 for i in live):
             depth, wait = 0, 0.0
-        if role == "encoder" and not any(i.free > 0 for i in live if i.chat):  # chats wait for encoders too
+        if role == "encoder" and not any(i.chat_free > 0 for i in live if i.chat):  # chats wait for encoders too
             chats, chat_wait = self.chats.backlog(now)
             depth, wait = depth + chats, max(wait, chat_wait)
         return PoolLoad(

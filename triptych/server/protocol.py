@@ -79,6 +79,9 @@ class Register(msgspec.Struct, frozen=True, tag="register"):
     revision: str  # hash of the model directory's configs; must equal the head's
     pid: int  # process id, for operators and tests
     chat: bool = False  # an encoder that also answers ``ChatTask`` (its text encoder is a VLM)
+    #: chats it may hold at once, apart from its encode slots (its chat engine's running chats
+    #: plus as many waiting); 0 from a worker that predates it: each chat takes an encode slot
+    chat_slots: int = 0
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat"):

@@ -63,7 +63,16 @@ class InstanceRegistry:
             self.control.bind(m.instance_id, identity)
             self._rejoin_sent.pop(m.instance_id, None)
             inst = Instance(
-                m.instance_id, m.role, m.capacity, m.control, m.data, m.transfer, m.pid, time.monotonic(), chat=m.chat
+                m.instance_id,
+                m.role,
+                m.capacity,
+                m.control,
+                m.data,
+                m.transfer,
+                m.pid,
+                time.monotonic(),
+                chat=m.chat,
+                chat_slots=m.chat_slots,
             )
             last = self._last_stats.pop(m.instance_id, None)
             if last is not None and last[0] == m.pid:  # the same process rejoining: its counters continue
@@ -146,6 +155,8 @@ class InstanceRegistry:
                 "state": "draining" if i.draining else "busy" if i.held else "idle",
                 "capacity": i.capacity,
                 "free": i.free,
+                "chat_slots": i.chat_slots,
+                "chat_free": i.chat_free if i.chat else 0,
                 "held": sorted(i.held),
                 "assigned": i.assigned,
                 "transfer": i.transfer,

@@ -184,6 +184,7 @@ class Worker:
                 model_revision(self.config.model_dir),
                 os.getpid(),
                 chat,
+                self.config.chat.chat_slots if chat else 0,
             )
         )
         deadline = time.monotonic() + self.config.register_timeout_s

@@ -39,5 +39,11 @@ class ChatEngineConfig:
             raise ValueError(f"ChatEngineConfig.prefix_cache_mb={self.prefix_cache_mb}: must be >= 0 (0 = off)")
 
     @property
+    def chat_slots(self) -> int:
+        """Chats the head may route to one encoder at once: the running ones plus as many waiting
+        (advertised in its ``Register``, apart from its encode slots)."""
+        return 2 * self.max_running_chats
+
+    @property
     def prefix_cache_bytes(self) -> int:
         return int(self.prefix_cache_mb * (1 << 20))
