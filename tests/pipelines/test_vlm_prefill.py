@@ -52,7 +52,9 @@ def test_chats_admitted_together_prefill_in_one_forward_and_answer_as_alone(chat
     ]
     lengths = {len(chat.inputs(p)["input_ids"][0]) for p in prompts}
     assert len(lengths) == len(prompts)  # rows of different lengths: the padding is exercised
-    engine = ChatEngine(chat, ChatEngineConfig(prefill_tokens_per_step=4096, prefix_cache_mb=0))
+    engine = ChatEngine(
+        chat, ChatEngineConfig(prefill_tokens_per_step=4096, prefill_images_per_step=16, prefix_cache_mb=0)
+    )
     chats = [engine.submit(i, p) for i, p in enumerate(prompts)]
     engine.step()
     assert engine.stats.prefill_forwards == 1 and engine.stats.prefill_rows == len(prompts)
@@ -63,25 +65,34 @@ def test_chats_admitted_together_prefill_in_one_forward_and_answer_as_alone(chat
         assert c.result == chat.run(p), c.id
 
 
-def test_a_long_prompt_prefills_in_chunks_while_the_running_chats_decode(chat, images):
-    budget = 32
-    engine = ChatEngine(chat, ChatEngineConfig(prefill_tokens_per_step=budget, prefix_cache_mb=0))
+def test_a_long_prompt_prefills_in_chunks_while_the_running_chats_decode(chat, images, monkeypatch):
+    """Each step prefills at most ``prefill_tokens_per_step`` tokens and runs the vision tower for at
+    most ``prefill_images_per_step`` images, and every running chat gets its next token."""
+    budget, per_step = 32, 2
+    tower = chat.model.model.get_image_features
+    calls = []
+    monkeypatch.setattr(chat.model.model, "get_image_features", lambda *a, **k: calls.append(1) or tower(*a, **k))
+    config = ChatEngineConfig(prefill_tokens_per_step=budget, prefill_images_per_step=per_step, prefix_cache_mb=0)
+    engine = ChatEngine(chat, config)
     streams = [engine.submit(i, ask("Describe it", images[i], max_tokens=40, ignore_eos=True)) for i in range(2)]
     while len(engine.running) < 2:
         engine.step()
     long_prompt = ask("Compare them all", *images, max_tokens=8, ignore_eos=True)
     length = len(chat.inputs(long_prompt)["input_ids"][0])
     big = engine.submit("big", long_prompt)
-    forwards, steps = engine.stats.prefill_forwards, 0
+    forwards = engine.stats.prefill_forwards
+    calls.clear()
     while not big.tokens:
-        before = [len(s.tokens) for s in streams]
+        before, runs = [len(s.tokens) for s in streams], len(calls)
         computed = engine.stats.prefill_computed
         engine.step()
-        steps += 1
         assert engine.stats.prefill_computed - computed <= budget
+        assert len(calls) - runs <= per_step
         assert [len(s.tokens) for s in streams] == [n + 1 for n in before]  # nobody waited a step
-    assert steps == engine.stats.prefill_forwards - forwards == math.ceil(length / budget) > 1
+    assert len(calls) == len(images)  # each image's tower ran once, across the chunks
+    assert engine.stats.prefill_forwards - forwards >= max(math.ceil(length / budget), len(images) / per_step)
     drain(engine)
+    monkeypatch.undo()  # generate below runs the tower its own way
     assert big.result == chat.run(long_prompt)
     for i, s in enumerate(streams):
         assert s.result == chat.run(ask("Describe it", images[i], max_tokens=40, ignore_eos=True))
@@ -89,7 +100,9 @@ def test_a_long_prompt_prefills_in_chunks_while_the_running_chats_decode(chat, i
 
 def test_prefix_hits_of_different_lengths_prefill_together_computing_only_new_tokens(chat, images):
     system = "You describe images."
-    engine = ChatEngine(chat, ChatEngineConfig(prefill_tokens_per_step=4096, prefix_cache_mb=8))
+    engine = ChatEngine(
+        chat, ChatEngineConfig(prefill_tokens_per_step=4096, prefill_images_per_step=16, prefix_cache_mb=8)
+    )
     first = engine.submit(0, ask("What is in this image?", images[0], system=system, max_tokens=4))
     drain(engine)
     assert first.result is not None

@@ -118,6 +118,12 @@ class Metrics:
             "Batched chat decode forwards (each advances every running chat of an encoder by one token)",
             registry=r,
         )
+        self.chat_max_batch = Gauge(
+            "triptych_chat_max_batch",
+            "The most chats an encoder's chat engine ever decoded in one forward",
+            ["instance"],
+            registry=r,
+        )
         self.chat_decode_tokens = Counter(
             "triptych_chat_decode_tokens",
             "Tokens produced by batched chat decode forwards (divided by the forwards: the mean batch size)",
@@ -217,6 +223,7 @@ class Metrics:
             self.chat_decode_forwards.inc(chat.decode_forwards)
             self.chat_decode_tokens.inc(chat.decode_tokens)
             self.chat_prefix_bytes.labels(window.instance_id).set(chat.prefix_nbytes)
+            self.chat_max_batch.labels(window.instance_id).set(chat.max_batch)
         e = window.engine
         if e is None:
             return
@@ -238,7 +245,7 @@ class Metrics:
 
     def forget_instance(self, instance_id: str) -> None:
         """Drop the per-instance series of an instance that left (died or shut down)."""
-        for gauge in (self.denoiser_step_rate, self.mm_cache_bytes, self.chat_prefix_bytes):
+        for gauge in (self.denoiser_step_rate, self.mm_cache_bytes, self.chat_prefix_bytes, self.chat_max_batch):
             try:
                 gauge.remove(instance_id)
             except KeyError:

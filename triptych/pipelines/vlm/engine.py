@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Hashable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -58,6 +59,7 @@ class Chat:
     features: dict[int, torch.Tensor] = field(default_factory=dict)  # images' tower outputs, while prefilling
     prefix: Entry | None = None  # the prefix-cache entry this chat holds
     eos: tuple[int, ...] = ()  # tokens that end the answer (none with ignore_eos)
+    pending: Future | None = None  # its prompt, being built on the engine's prompt thread
     _streamer: _Pieces | None = None
 
     @property
@@ -79,11 +81,20 @@ class ChatEngine:
         self.prefilling: list[Chat] = []  # admitted, their prompt KV being computed chunk by chunk
         self.running: list[Chat] = []  # row i of the batch is running[i]
         self.batch = KVBatch(self.model.config)
+        self._preparer: ThreadPoolExecutor | None = None
 
     def submit(self, chat_id: Hashable, params: ChatParams, stream: bool = False) -> Chat:
         chat = Chat(chat_id, params, stream)
+        if self._preparer is None:
+            self._preparer = ThreadPoolExecutor(1, thread_name_prefix="chat-prompt")
+        chat.pending = self._preparer.submit(self._build, params)
         self.waiting.append(chat)
         return chat
+
+    def _build(self, params: ChatParams) -> Prompt:
+        """The processor (chat template, image preprocessing) and rope positions: off the step's
+        thread, so a chat with 8 images does not hold the running chats' next token for it."""
+        return build_prompt(self.model, self.chat.inputs(params), params.tenant)
 
     def cancel(self, chat_id: Hashable) -> None:
         """The chat leaves at the next step (``finish_reason`` cancelled), its KV freed."""
@@ -107,6 +118,8 @@ class ChatEngine:
         ended in this step (ended ones are gone)."""
         touched = self._drop_cancelled()
         while self.waiting and len(self.running) + len(self.prefilling) < self.config.max_running_chats:
+            if self.running and not self.waiting[0].pending.done():
+                break  # its prompt is still being built: the running chats go on (with none, wait for it)
             chat = self.waiting.popleft()
             if self._prepare(chat):
                 self.prefilling.append(chat)
@@ -141,7 +154,8 @@ class ChatEngine:
         params = chat.params
         chat.kv, chat.features, chat.prefilled = None, {}, 0
         try:
-            prompt = chat.prompt = build_prompt(self.model, self.chat.inputs(params), params.tenant)
+            pending, chat.pending = chat.pending, None
+            prompt = chat.prompt = pending.result() if pending is not None else self._build(params)
         except (ValueError, RuntimeError) as e:  # InvalidParam is a ValueError: the user's error
             chat.error = e
             return False
@@ -159,14 +173,23 @@ class ChatEngine:
     def _chunks(self) -> list[tuple[Chat, int]]:
         """The prefilling chats of this step and the end of each one's chunk: in admission order,
         within the token budget (the first one always gets a chunk)."""
-        budget = self.config.prefill_tokens_per_step
+        budget, images = self.config.prefill_tokens_per_step, self.config.prefill_images_per_step
         chunks = []
         for chat in self.prefilling:
             if budget <= 0:
                 break
-            take = min(len(chat.prompt) - chat.prefilled, budget)
-            chunks.append((chat, chat.prefilled + take))
-            budget -= take
+            start = chat.prefilled
+            end = start + min(len(chat.prompt) - start, budget)
+            for j, (t0, t1, _, _) in enumerate(chat.prompt.images):  # images whose tower runs in this chunk
+                if t1 <= start or t0 >= end or j in chat.features:
+                    continue
+                if images == 0:
+                    end = t0  # the chunk stops before it: its tower runs in a later step
+                    break
+                images -= 1
+            if end > start:
+                chunks.append((chat, end))
+                budget -= end - start
         return chunks
 
     def _prefill_step(self) -> list[Chat]:

@@ -17,6 +17,9 @@ class ChatEngineConfig:
     a long prompt (a chat with 8 images) is prefilled in chunks across steps, each step's decode
     of the running chats in between, so its arrival does not stall their next token for its whole
     prefill; its vision tower runs per image, in the step whose chunk first reaches that image."""
+    prefill_images_per_step: int = 2
+    """Images whose vision tower runs per engine step (a chunk stops before the next image past it):
+    with ``prefill_tokens_per_step`` it bounds what a step adds to the running chats' next token."""
     prefix_cache_mb: float = 64.0
     """Budget in MiB (2**20 bytes) of the chat prefix KV cache (prompt KV keyed by the token ids and
     the content hashes of the images in them); least recently used entries not in use are evicted
@@ -33,6 +36,12 @@ class ChatEngineConfig:
             )
         if self.prefill_tokens_per_step < 1:
             raise ValueError(f"ChatEngineConfig.prefill_tokens_per_step={self.prefill_tokens_per_step}: must be >= 1")
+        if isinstance(self.prefill_images_per_step, bool) or not isinstance(self.prefill_images_per_step, int):
+            raise ValueError(
+                f"ChatEngineConfig.prefill_images_per_step={self.prefill_images_per_step!r}: must be an integer"
+            )
+        if self.prefill_images_per_step < 1:
+            raise ValueError(f"ChatEngineConfig.prefill_images_per_step={self.prefill_images_per_step}: must be >= 1")
         if not (isinstance(self.prefix_cache_mb, (int, float)) and math.isfinite(self.prefix_cache_mb)):
             raise ValueError(f"ChatEngineConfig.prefix_cache_mb={self.prefix_cache_mb!r}: must be a finite number")
         if self.prefix_cache_mb < 0:

@@ -1,0 +1,186 @@
+"""Chats over HTTP through a real ``triptych serve`` on the default model (one encoder, its chat
+engine; the head routes chats against the encoder's chat slots).
+
+1. Tokens/s at 1, 4 and 8 concurrent chats (``POST /v1/chat/completions``, max_tokens 32,
+   ignore_eos, greedy, one distinct image each), the concurrencies alternating within each repeat,
+   after a warm-up round. Wall-clock tokens/s (all completion tokens over the round's wall time)
+   and tokens per CPU-second of the server's process tree (head and workers), with the load
+   average beside them. Each answer is checked token-identical to its answer alone (asked first,
+   one at a time), and the engine's largest decode batch is read from ``/metrics``.
+2. Streaming: the time between streamed pieces of 4 streaming chats (max_tokens 64, ignore_eos),
+   idle vs while chats with 8 images each arrive (one every ``--burst-every-s``); p99 of each, over
+   all repeats.
+
+    python benchmarks/chat_served.py [--repeats 5] [--prefill-tokens-per-step 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import httpx  # noqa: E402
+import psutil  # noqa: E402
+from serving import Server  # noqa: E402
+
+from triptych.models import PACKAGED_DEFAULT  # noqa: E402
+from triptych.world import render, sample_scenes  # noqa: E402
+
+QUESTION = "What is in this image?"
+
+
+def data_url(image) -> str:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def body(model: str, urls: list[str], max_tokens: int, stream: bool = False, question: str = QUESTION) -> dict:
+    content = [{"type": "image_url", "image_url": {"url": u}} for u in urls] + [{"type": "text", "text": question}]
+    return {
+        "model": model,
+        "messages": [{"role": "system", "content": "You describe images."}, {"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+
+
+def tree_cpu(pid: int) -> float:
+    root = psutil.Process(pid)
+    total = 0.0
+    for p in [root, *root.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+async def ask(client: httpx.AsyncClient, b: dict) -> dict:
+    r = await client.post("/v1/chat/completions", json=b)
+    r.raise_for_status()
+    return r.json()
+
+
+async def round_of(client, server, bodies: list[dict]) -> tuple[float, float, list[dict]]:
+    cpu, t = tree_cpu(server.proc.pid), time.perf_counter()
+    out = await asyncio.gather(*(ask(client, b) for b in bodies))
+    return time.perf_counter() - t, tree_cpu(server.proc.pid) - cpu, out
+
+
+async def stream_gaps(client, b: dict) -> list[float]:
+    gaps, last = [], None
+    async with client.stream("POST", "/v1/chat/completions", json=b) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]" or '"content"' not in line:
+                continue
+            now = time.perf_counter()
+            if last is not None:
+                gaps.append(now - last)
+            last = now
+    return gaps
+
+
+async def streaming(client, model, urls, burst: bool, every_s: float) -> list[float]:
+    streams = [asyncio.create_task(stream_gaps(client, body(model, [urls[i]], 64, stream=True))) for i in range(4)]
+    bursts = []
+    while burst and not all(s.done() for s in streams):
+        bursts.append(asyncio.create_task(ask(client, body(model, urls[:8], 4, question="Compare them"))))
+        await asyncio.sleep(every_s)
+    gaps = [g for s in await asyncio.gather(*streams) for g in s]
+    await asyncio.gather(*bursts)
+    return gaps
+
+
+def p99(values: list[float]) -> float:
+    return statistics.quantiles(values, n=100)[98]
+
+
+def max_batch(base: str) -> float:
+    text = httpx.get(f"{base}/metrics", timeout=30).text
+    values = [float(v) for v in re.findall(r"^triptych_chat_max_batch\{[^}]*\} (\S+)$", text, re.M)]
+    return max(values, default=float("nan"))
+
+
+async def bench(server: Server, args) -> None:
+    async with httpx.AsyncClient(base_url=server.base, timeout=600) as client:
+        models = (await client.get("/v1/models")).json()["data"]
+        model = next(m["id"] for m in models if m.get("chat"))
+        images = [render(s, 64) for s in sample_scenes(8, "chat-served-bench", "heldout")]
+        urls = [data_url(im) for im in images]
+        bodies = [body(model, [u], 32) for u in urls]
+        alone = [(await ask(client, b))["choices"][0]["message"]["content"] for b in bodies]
+        for n in (1, 4, 8):  # warm-up
+            await round_of(client, server, bodies[:n])
+        wall: dict[int, list[float]] = {}
+        cpu: dict[int, list[float]] = {}
+        mismatches = total = 0
+        for _ in range(args.repeats):
+            for n in (1, 4, 8):
+                seconds, cpu_s, out = await round_of(client, server, bodies[:n])
+                tokens = sum(o["usage"]["completion_tokens"] for o in out)
+                wall.setdefault(n, []).append(tokens / seconds)
+                cpu.setdefault(n, []).append(tokens / cpu_s)
+                mismatches += sum(o["choices"][0]["message"]["content"] != a for o, a in zip(out, alone))
+                total += n
+        load = os.getloadavg()
+        print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}, {os.cpu_count()} CPUs\n")
+        print("| concurrent chats | tokens/s (wall) | vs 1 chat | tokens per CPU-s (server tree) | vs 1 chat |")
+        print("|---|---|---|---|---|")
+        w1, c1 = statistics.median(wall[1]), statistics.median(cpu[1])
+        for n in (1, 4, 8):
+            w, c = statistics.median(wall[n]), statistics.median(cpu[n])
+            print(f"| {n} | {w:.0f} | {w / w1:.2f}x | {c:.0f} | {c / c1:.2f}x |")
+        print(f"\nanswers differing from their answer alone: {mismatches} of {total}")
+        print(f"largest chat decode batch seen by the engine: {max_batch(server.base):.0f}\n")
+
+        idle, busy = [], []
+        for _ in range(args.repeats):
+            idle += await streaming(client, model, urls, False, args.burst_every_s)
+            busy += await streaming(client, model, urls, True, args.burst_every_s)
+        load = os.getloadavg()
+        print(
+            f"streaming p99 time between pieces: idle {p99(idle) * 1e3:.1f} ms, with 8-image chats arriving "
+            f"every {args.burst_every_s}s {p99(busy) * 1e3:.1f} ms ({p99(busy) / p99(idle):.2f}x); "
+            f"load average {load[0]:.2f}"
+        )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--burst-every-s", type=float, default=0.25)
+    ap.add_argument("--prefill-tokens-per-step", type=int, default=None, help="passed to serve (default: its own)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    args = ap.parse_args()
+    tmp = tempfile.mkdtemp(prefix="chat-served-")
+    cmd = [sys.executable, "-m", "triptych.cli", "serve", "--model", str(PACKAGED_DEFAULT), "--threads"]
+    cmd += [str(args.threads), "--transfer", "zmq", "--data-dir", str(Path(tmp) / "head")]
+    if args.prefill_tokens_per_step is not None:
+        cmd += ["--prefill-tokens-per-step", str(args.prefill_tokens_per_step)]
+    server = Server("serve", cmd, tmp)
+    try:
+        server.wait()
+        asyncio.run(bench(server, args))
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    main()
