@@ -60,15 +60,20 @@ def body(model: str, urls: list[str], max_tokens: int, stream: bool = False, que
 
 
 def tree_cpu(pid: int) -> float:
+    """CPU seconds of the server (the head) and every process under it (its workers)."""
+    return sum(process_cpu(pid).values())
+
+
+def process_cpu(pid: int) -> dict[int, float]:
     root = psutil.Process(pid)
-    total = 0.0
+    out = {}
     for p in [root, *root.children(recursive=True)]:
         try:
             t = p.cpu_times()
-            total += t.user + t.system
+            out[p.pid] = t.user + t.system
         except psutil.NoSuchProcess:
             pass
-    return total
+    return out
 
 
 async def ask(client: httpx.AsyncClient, b: dict) -> dict:
@@ -128,6 +133,7 @@ async def bench(server: Server, args) -> None:
         alone = [(await ask(client, b))["choices"][0]["message"]["content"] for b in bodies]
         for n in (1, 4, 8):  # warm-up
             await round_of(client, server, bodies[:n])
+        before = process_cpu(server.proc.pid)
         wall: dict[int, list[float]] = {}
         cpu: dict[int, list[float]] = {}
         mismatches = total = 0
@@ -139,7 +145,11 @@ async def bench(server: Server, args) -> None:
                 cpu.setdefault(n, []).append(tokens / cpu_s)
                 mismatches += sum(o["choices"][0]["message"]["content"] != a for o, a in zip(out, alone))
                 total += n
+        after = process_cpu(server.proc.pid)
+        spent = {pid: after[pid] - before.get(pid, 0.0) for pid in after}
+        head = spent.pop(server.proc.pid, 0.0)
         load = os.getloadavg()
+        print(f"CPU seconds of the tokens/s rounds: head {head:.1f}, workers {sum(spent.values()):.1f}")
         print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}, {os.cpu_count()} CPUs\n")
         print("| concurrent chats | tokens/s (wall) | vs 1 chat | tokens per CPU-s (server tree) | vs 1 chat |")
         print("|---|---|---|---|---|")

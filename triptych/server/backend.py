@@ -119,7 +119,8 @@ class GenerationBackend(ABC):
 
 
 class InProcessBackend(GenerationBackend):
-    """Runs one job at a time in a worker thread of the head process (no pools)."""
+    """Runs one generation at a time in a worker thread of the head process (no pools); chats run in
+    one batched chat engine there, an engine step at a time between generations."""
 
     def __init__(self, family: Family, max_queued: int = 64):
         from triptych.pipelines.teacache import make_teacache
@@ -131,6 +132,7 @@ class InProcessBackend(GenerationBackend):
         self._waiting = 0
         self._active: set[str] = set()  # queued or running request ids
         self._cancelled: set[str] = set()  # subset of _active
+        self._chats = None  # InProcessChats, built at the first chat
 
     @contextlib.asynccontextmanager
     async def _turn(self, request_id: str):
@@ -183,29 +185,27 @@ class InProcessBackend(GenerationBackend):
             return await asyncio.to_thread(encode_frames, frames.to_uint8(), job.output_format, job.fps, job.quality)
 
     async def cancel(self, request_id: str) -> bool:
+        if self._chats is not None and self._chats.cancel(request_id):
+            return True
         if request_id not in self._active:
             return False
         self._cancelled.add(request_id)
         return True
 
     async def chat(self, job: ChatJob, on_text: TextFn | None = None) -> ChatResult:
-        """In the head's process, one job at a time (shared with generations); pieces are handed to
-        ``on_text`` on the event loop; a cancel stops generation at the next token."""
+        """In the head's process, in one chat engine (``inprocess_chat``): chats decode together, one
+        forward per token, taking turns with generations for the model; a cancel ends the chat at
+        the next token."""
         model = self.family.chat_model()
         if model is None:
             raise InvalidParam("model", self.family.name, "this model has no VLM to chat with")
-        loop = asyncio.get_running_loop()
-        async with self._turn(job.request_id):
-            emit = None if on_text is None else (lambda text: loop.call_soon_threadsafe(on_text, text))
-            running = asyncio.ensure_future(
-                asyncio.to_thread(model.run, job.params, emit, lambda: job.request_id in self._cancelled)
-            )
-            try:
-                result = await asyncio.shield(running)
-            except asyncio.CancelledError:
-                self._cancelled.add(job.request_id)  # the thread stops at its next token
-                await asyncio.gather(running, return_exceptions=True)  # the model is free before the lock is
-                raise
-            if result.finish_reason == "cancelled":
-                raise Cancelled(job.request_id)
-            return result
+        if self._chats is None:
+            from triptych.server.inprocess_chat import InProcessChats
+
+            self._chats = InProcessChats(model, self._lock)
+        if len(self._chats) + self._waiting >= self.max_queued:
+            raise Overloaded(f"queue is full ({self.max_queued} requests)", retry_after=1.0)
+        result = await self._chats.chat(job.request_id, job.params, job.stream, on_text)
+        if result.finish_reason == "cancelled":
+            raise Cancelled(job.request_id)
+        return result

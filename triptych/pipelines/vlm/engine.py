@@ -33,7 +33,7 @@ from triptych.pipelines.vlm.kvbatch import KV, KVBatch
 from triptych.pipelines.vlm.prefill import Row, prefill
 from triptych.pipelines.vlm.prefix import Entry, PrefixCache
 from triptych.pipelines.vlm.prompt import Prompt, build_prompt, chunk_embeddings
-from triptych.pipelines.vlm.sampler import Sampler
+from triptych.pipelines.vlm.sampler import Sampler, pick
 
 logger = logging.getLogger(__name__)
 
@@ -284,9 +284,9 @@ class ChatEngine:
         self.batch.appended()
         self.stats.decode_forwards += 1
         self.stats.decode_tokens += len(running)
-        for i, chat in enumerate(running):
+        for chat, token in zip(running, pick([c.sampler for c in running], out.logits[:, -1])):
             chat.next_position += 1
-            self._emit(chat, chat.sampler(out.logits[i, -1]))
+            self._emit(chat, token)
         self._keep_unfinished()
         return list(running)
 

@@ -34,3 +34,14 @@ class Sampler:
             scores = warp(None, scores)
         probs = scores.softmax(-1)
         return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+def pick(samplers: list[Sampler], logits: torch.Tensor) -> list[int]:
+    """The next token of every row of ``logits`` (rows, vocab): the greedy rows in one argmax over
+    the batch (their EOS masked where they ignore it), the sampled ones each from its own generator."""
+    scores = logits.float().clone()
+    for i, s in enumerate(samplers):
+        if s.greedy and s.eos is not None:
+            scores[i, s.eos] = -float("inf")
+    best = scores.argmax(-1).tolist()
+    return [best[i] if s.greedy else s(logits[i]) for i, s in enumerate(samplers)]
