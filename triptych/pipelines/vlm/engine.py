@@ -172,8 +172,11 @@ class ChatEngine:
 
     def _chunks(self) -> list[tuple[Chat, int]]:
         """The prefilling chats of this step and the end of each one's chunk: in admission order,
-        within the token budget (the first one always gets a chunk)."""
+        within the token and image budgets (the first one always gets a chunk). With no chat decoding
+        nobody waits for the prefill: the admitted prompts prefill whole, in one forward."""
         budget, images = self.config.prefill_tokens_per_step, self.config.prefill_images_per_step
+        if not self.running:
+            budget = images = 1 << 30
         chunks = []
         for chat in self.prefilling:
             if budget <= 0:

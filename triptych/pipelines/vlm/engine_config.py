@@ -13,13 +13,14 @@ class ChatEngineConfig:
     max_running_chats: int = 16
     """Chats that decode together, one batched forward per token; more wait in arrival order."""
     prefill_tokens_per_step: int = 64
-    """Prompt tokens prefilled per engine step, over all newly admitted chats (one batched forward):
-    a long prompt (a chat with 8 images) is prefilled in chunks across steps, each step's decode
-    of the running chats in between, so its arrival does not stall their next token for its whole
-    prefill; its vision tower runs per image, in the step whose chunk first reaches that image."""
+    """Prompt tokens prefilled per engine step while chats are decoding, over all newly admitted
+    chats (one batched forward): a long prompt (a chat with 8 images) is prefilled in chunks
+    across steps, the running chats' decode in each, so its arrival does not stall their next
+    token for its whole prefill. With no chat decoding, admitted prompts prefill whole at once."""
     prefill_images_per_step: int = 2
-    """Images whose vision tower runs per engine step (a chunk stops before the next image past it):
-    with ``prefill_tokens_per_step`` it bounds what a step adds to the running chats' next token."""
+    """Images whose vision tower runs per engine step while chats are decoding (a chunk stops before
+    the next image past it): with ``prefill_tokens_per_step`` it bounds what a step adds to the
+    running chats' next token. A chat's processor (image preprocessing) runs on a thread of its own."""
     prefix_cache_mb: float = 64.0
     """Budget in MiB (2**20 bytes) of the chat prefix KV cache (prompt KV keyed by the token ids and
     the content hashes of the images in them); least recently used entries not in use are evicted
