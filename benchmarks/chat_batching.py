@@ -12,8 +12,8 @@ KV cache on five questions about one image; same weights, same run, configuratio
 2. Five questions about one image (same system prompt and image, different question; max_tokens 16)
    asked in turn, prefix cache off vs on: prompt tokens each question's prefill computed, and its
    latency (submit to answer).
-3. Streaming: p99 time between tokens of 4 streaming chats, idle vs while chats with 8 images each
-   arrive (one every 8 steps).
+3. Streaming: p99 time between tokens of 4 streaming chats (max_tokens 64), idle vs while chats
+   with 8 images each arrive (one every ``--burst-every-s`` of wall time, 0.25 s).
 
 Medians over ``--repeats`` (after a warm-up). Tokens/s in part 1 are per second of process CPU time
 (one torch thread), which a loaded shared machine disturbs far less than wall time; latencies and
@@ -88,18 +88,20 @@ def five_questions(chat, image, prefix_mb: float) -> tuple[list[int], list[float
     return computed, latency
 
 
-def gaps(chat, images, burst: bool) -> list[float]:
-    """Seconds between consecutive tokens of 4 streaming chats (``burst``: 8-image chats arrive)."""
+def gaps(chat, images, burst: bool, every_s: float = 0.25) -> list[float]:
+    """Seconds between consecutive tokens of 4 streaming chats (``burst``: a chat with 8 images
+    arrives every ``every_s`` seconds of wall time, the first at the 4th step)."""
     engine = ChatEngine(chat, ChatEngineConfig(prefix_cache_mb=0))
     prompts = [ask("Describe it", [images[i]], max_tokens=64, ignore_eos=True) for i in range(4)]
     streams = [engine.submit(i, p, stream=True) for i, p in enumerate(prompts)]
     seen = [0] * 4
     when: list[float | None] = [None] * 4
     out: list[float] = []
-    step = 0
+    step, next_burst = 0, None
     while not all(s.done for s in streams):
-        if burst and step % 8 == 4:
+        if burst and step >= 4 and (next_burst is None or time.perf_counter() >= next_burst):
             engine.submit(f"b{step}", ask("Compare them", images[:8], max_tokens=4))
+            next_burst = time.perf_counter() + every_s
         engine.step()
         now = time.perf_counter()
         for i, s in enumerate(streams):
@@ -115,19 +117,12 @@ def p99(values: list[float]) -> float:
     return statistics.quantiles(values, n=100)[98]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--repeats", type=int, default=5)
-    args = ap.parse_args()
-    chat = family_class(PACKAGED_DEFAULT)(PACKAGED_DEFAULT, roles={Role.ENCODER}).chat_model()
-    images = [render(s, 64) for s in sample_scenes(8, "chat-batching-bench", "heldout")]
-    prompts = [ask(QUESTIONS[0], [images[i]], max_tokens=32, ignore_eos=True) for i in range(8)]
+def throughput(chat, images, prompts, repeats: int) -> None:
     alone = [chat.run(p) for p in prompts]  # also the warm-up
-
     modes = ("generate", "one", "batched")
     rates: dict[tuple[int, str], list[float]] = {}
     mismatches = 0
-    for _ in range(args.repeats):
+    for _ in range(repeats):
         for n in (1, 4, 8):
             for mode in modes:
                 seconds, results = concurrent(chat, prompts[:n], mode)
@@ -141,9 +136,9 @@ def main() -> None:
     for n in (1, 4, 8):
         m = {mode: statistics.median(rates[(n, mode)]) for mode in modes}
         print(f"| {n} | {m['generate']:.0f} | {m['one']:.0f} | {m['batched']:.0f} | {m['batched'] / base:.2f}x |")
-    print(f"\nanswers differing from their generate answer alone: {mismatches} of {args.repeats * 13 * 3}\n")
+    print(f"\nanswers differing from their generate answer alone: {mismatches} of {repeats * 13 * 3}\n")
 
-    runs = {mb: [five_questions(chat, images[0], mb) for _ in range(args.repeats)] for mb in (0, 64)}
+    runs = {mb: [five_questions(chat, images[0], mb) for _ in range(repeats)] for mb in (0, 64)}
     print("| question | prefill tokens computed, cache off | on | latency ms, off | on |")
     print("|---|---|---|---|---|")
     for q in range(5):
@@ -151,13 +146,27 @@ def main() -> None:
         on = statistics.median(r[1][q] for r in runs[64]) * 1e3
         print(f"| {q + 1} | {runs[0][0][0][q]} | {runs[64][0][0][q]} | {off:.1f} | {on:.1f} |")
 
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--burst-every-s", type=float, default=0.25)
+    ap.add_argument("--only-streaming", action="store_true", help="part 3 only")
+    args = ap.parse_args()
+    chat = family_class(PACKAGED_DEFAULT)(PACKAGED_DEFAULT, roles={Role.ENCODER}).chat_model()
+    images = [render(s, 64) for s in sample_scenes(8, "chat-batching-bench", "heldout")]
+    prompts = [ask(QUESTIONS[0], [images[i]], max_tokens=32, ignore_eos=True) for i in range(8)]
+    if not args.only_streaming:
+        throughput(chat, images, prompts, args.repeats)
+
+    gaps(chat, images, burst=True, every_s=args.burst_every_s)  # warm-up
     idle, busy = [], []
     for _ in range(args.repeats):
         idle += gaps(chat, images, burst=False)
-        busy += gaps(chat, images, burst=True)
+        busy += gaps(chat, images, burst=True, every_s=args.burst_every_s)
     print(
-        f"\nstreaming p99 time between tokens: idle {p99(idle) * 1e3:.1f} ms, "
-        f"with 8-image chats arriving {p99(busy) * 1e3:.1f} ms ({p99(busy) / p99(idle):.2f}x)"
+        f"\nstreaming p99 time between tokens: idle {p99(idle) * 1e3:.1f} ms, with 8-image chats arriving "
+        f"every {args.burst_every_s} s {p99(busy) * 1e3:.1f} ms ({p99(busy) / p99(idle):.2f}x)"
     )
 
 

@@ -3,8 +3,9 @@ engine; the head routes chats against the encoder's chat slots).
 
 1. Tokens/s at 1, 4 and 8 concurrent chats (``POST /v1/chat/completions``, max_tokens 32,
    ignore_eos, greedy, one distinct image each), the concurrencies alternating within each repeat,
-   after a warm-up round. Wall-clock tokens/s (all completion tokens over the round's wall time)
-   and tokens per CPU-second of the server's process tree (head and workers), with the load
+   after a warm-up round. Wall-clock tokens/s (all completion tokens over the round's wall time;
+   the median round) and tokens per CPU-second of the server's process tree (head and workers;
+   all rounds of a concurrency summed, psutil counts 10 ms ticks), with the load
    average beside them. Each answer is checked token-identical to its answer alone (asked first,
    one at a time), and the engine's largest decode batch is read from ``/metrics``.
 2. Streaming: the time between streamed pieces of 4 streaming chats (max_tokens 64, ignore_eos),
@@ -135,14 +136,14 @@ async def bench(server: Server, args) -> None:
             await round_of(client, server, bodies[:n])
         before = process_cpu(server.proc.pid)
         wall: dict[int, list[float]] = {}
-        cpu: dict[int, list[float]] = {}
+        cpu: dict[int, list[float]] = {}  # (tokens, CPU s) per round: summed (psutil ticks are 10 ms)
         mismatches = total = 0
         for _ in range(args.repeats):
             for n in (1, 4, 8):
                 seconds, cpu_s, out = await round_of(client, server, bodies[:n])
                 tokens = sum(o["usage"]["completion_tokens"] for o in out)
                 wall.setdefault(n, []).append(tokens / seconds)
-                cpu.setdefault(n, []).append(tokens / cpu_s)
+                cpu.setdefault(n, []).append((tokens, cpu_s))
                 mismatches += sum(o["choices"][0]["message"]["content"] != a for o, a in zip(out, alone))
                 total += n
         after = process_cpu(server.proc.pid)
@@ -153,9 +154,13 @@ async def bench(server: Server, args) -> None:
         print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}, {os.cpu_count()} CPUs\n")
         print("| concurrent chats | tokens/s (wall) | vs 1 chat | tokens per CPU-s (server tree) | vs 1 chat |")
         print("|---|---|---|---|---|")
-        w1, c1 = statistics.median(wall[1]), statistics.median(cpu[1])
+
+        def per_cpu_s(n: int) -> float:
+            return sum(t for t, _ in cpu[n]) / sum(c for _, c in cpu[n])
+
+        w1, c1 = statistics.median(wall[1]), per_cpu_s(1)
         for n in (1, 4, 8):
-            w, c = statistics.median(wall[n]), statistics.median(cpu[n])
+            w, c = statistics.median(wall[n]), per_cpu_s(n)
             print(f"| {n} | {w:.0f} | {w / w1:.2f}x | {c:.0f} | {c / c1:.2f}x |")
         print(f"\nanswers differing from their answer alone: {mismatches} of {total}")
         print(f"largest chat decode batch seen by the engine: {max_batch(server.base):.0f}\n")
