@@ -60,7 +60,7 @@ class InstanceRegistry:
         elif m.instance_id in self.instances:
             reason = f"instance id {m.instance_id!r} is already registered"
         if reason is None:
-            self.control.bind(m.instance_id, identity)
+            self.control.bind(m.instance_id, identity, m.channels)
             self._rejoin_sent.pop(m.instance_id, None)
             inst = Instance(
                 m.instance_id, m.role, m.capacity, m.control, m.data, m.transfer, m.pid, time.monotonic(), chat=m.chat
