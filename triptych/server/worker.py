@@ -33,6 +33,7 @@ from triptych.server import protocol as P
 from triptych.server.auth import ControlKey, SequencedSender
 from triptych.server.control_client import ControlClient
 from triptych.server.engine import EngineConfig
+from triptych.server.parent_death import die_with_parent
 from triptych.server.runners import RunnerBroken, StageRunner, make_runner
 from triptych.server.transfer import TransferConfig, make_endpoint
 from triptych.server.worker_port import JobPort
@@ -85,7 +86,8 @@ class WorkerConfig:
     """``torch.set_num_threads`` (0 = leave torch's default)."""
     parent_pid: int = 0
     """Exit when this process (the head that spawned us) is gone: a head killed with SIGKILL leaves no
-    orphan workers holding memory and devices. 0 = independent (remote workers)."""
+    orphan workers holding memory and devices (the kernel's parent-death signal on Linux, a watch of
+    the parent pid everywhere). 0 = independent (remote workers)."""
     parent_grace_s: float = 10.0
     """After the parent is gone, how long the loop may take to stop (a forward may be running)
     before the process exits hard."""
@@ -335,7 +337,11 @@ class Worker:
 
 
 def run_worker(config: WorkerConfig) -> int:
-    """Process entry: build, register, serve until shutdown. Returns the exit code."""
+    """Process entry: build, register, serve until shutdown. Returns the exit code. A worker spawned
+    by a head (``parent_pid``) first asks the kernel to end it when the head exits
+    (``parent_death.die_with_parent``), before it spends time loading its model."""
+    if config.parent_pid > 0:
+        die_with_parent(config.parent_pid)
     worker = Worker(config)
     try:
         worker.run()
