@@ -12,7 +12,7 @@ from orchestrator_support import job
 
 from triptych.pipelines.registry import load_family, make_tiny
 from triptych.server import protocol as P
-from triptych.server.auth import ControlKey
+from triptych.server.auth import ControlKey, SequencedSender
 from triptych.server.backend import Cancelled
 from triptych.server.control_client import ControlClient
 from triptych.server.orchestrator import Orchestrator, OrchestratorConfig
@@ -337,4 +337,70 @@ def test_replayed_register_and_heartbeats_register_nothing_and_are_counted(head,
     text = orch.metrics.render().decode()
     line = next(x for x in text.splitlines() if x.startswith('triptych_head_events_total{event="replays_refused"}'))
     assert float(line.split()[-1]) >= refused + 1 + len(beats)
+    ctx.destroy(linger=0)
+
+
+def test_a_job_a_worker_reports_that_the_head_does_not_hold_is_cancelled(head, model):
+    """Issue 24 item 4: a worker's stats report lists the jobs it holds; each whose request (at that
+    generation) the head does not hold on it is answered with a ``Cancel`` and counted
+    (``orphans_cancelled``), while the job the head did route to it is left running."""
+    orch, loop = head
+    ctx = zmq.Context()
+    enc, den, dec = (FakeWorker(ctx, orch, f"{r}-0", r) for r in ("encoder", "denoiser", "decoder"))
+    pending = asyncio.run_coroutine_threadsafe(orch.run(job(model[1], "live-1")), loop)
+    _next(enc, P.EncodeTask)
+    enc.send(P.EncodeDone("live-1", 1, "encoder-0", SPEC))
+    _next(den, P.DenoiseTask)
+    transfer = P.TransferStats("zmq")
+    held = (("live-1", 1), ("live-1", 0), ("gone-7", 3))  # the routed job, an older attempt, an unknown one
+    den.send(P.StatsReport("denoiser-0", 1.0, None, transfer, None, held))
+    cancels = {(m.request_id, m.generation) for m in (_next(den, P.Cancel), _next(den, P.Cancel))}
+    assert cancels == {("live-1", 0), ("gone-7", 3)}
+    assert _stat(loop, orch, "orphans_cancelled") == 2
+    den.send(P.StatsReport("denoiser-0", 2.0, None, transfer, None, (("live-1", 1),)))
+    den.send(P.Heartbeat("denoiser-0", 1, 3, 4, 1))  # its answer, if any, would come before this one's none
+    assert not den.sock.poll(500) and _stat(loop, orch, "orphans_cancelled") == 2
+    assert on_loop(loop, orch.describe)["requests"] == {"denoising": 1}
+    asyncio.run_coroutine_threadsafe(orch.cancel("live-1"), loop).result(30)
+    with pytest.raises(Cancelled):
+        pending.result(30)
+    ctx.destroy(linger=0)
+
+
+def test_a_worker_declared_dead_is_asked_to_rejoin_on_its_control_socket(head):
+    """The heartbeat socket never reads: a ``Rejoin`` sent in answer to a heartbeat would be lost and,
+    once per interval, keep the one in answer to the worker's next control frame from being sent (a
+    stalled worker kept stepping a batch nobody waited for). A heartbeat is not answered; the control
+    socket's next frame is."""
+    orch, loop = head
+    ctx = zmq.Context()
+    beat_sock = ctx.socket(zmq.DEALER)
+    beat_sock.setsockopt(zmq.IDENTITY, b"denoiser-3#heartbeat")
+    beat_sock.setsockopt(zmq.LINGER, 0)
+    beat_sock.connect(orch.control_address)
+    beats = SequencedSender(ControlKey(orch.token), beat_sock.send_multipart)
+
+    class WithHeartbeats(FakeWorker):
+        def __init__(self):
+            self.id, self.key = "denoiser-3", ControlKey(orch.token)
+            self.sock = ctx.socket(zmq.DEALER)
+            self.sock.setsockopt(zmq.IDENTITY, b"denoiser-3#control")
+            self.sock.setsockopt(zmq.LINGER, 0)
+            self.sock.connect(orch.control_address)
+            self.client = ControlClient(self.sock, self.key)
+            reg = P.Register(
+                "denoiser-3", "denoiser", 2, "denoiser-3", "tcp://127.0.0.1:1", "zmq", orch.revision, 3,
+                channels=(b"denoiser-3#heartbeat",),
+            )  # fmt: skip
+            self.ack = self.client.register(reg, 30.0, on_skipped=print)
+
+    den = WithHeartbeats()
+    assert den.ack.accepted
+    beats.session = den.client.session
+    on_loop(loop, lambda: orch.instance_dead("denoiser-3", "declared dead by the test"))
+    beats.send(P.encode(P.Heartbeat("denoiser-3", 0, 4, 4, 0)))
+    _wait_stat(loop, orch, "from_unknown_instance", 1)
+    den.send(P.StatsReport("denoiser-3", 1.0, None, P.TransferStats("zmq"), None))
+    assert isinstance(_next(den, P.Rejoin), P.Rejoin)
+    assert not beat_sock.poll(200)  # nothing was sent where nobody reads
     ctx.destroy(linger=0)

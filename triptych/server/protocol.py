@@ -103,11 +103,11 @@ class StatsReport(msgspec.Struct, frozen=True, tag="stats_report"):
     engine: EngineStats | None  # the denoiser's engine; None for roles without one
     transfer: TransferStats  # its transfer endpoint
     mm_cache: MMCacheStats | None = None  # the encoder's mm-hash cache; None where there is none
+    jobs: tuple[tuple[str, int], ...] = ()  # (request id, generation) it holds: the head cancels any it does not
 
 
 class WorkerReply(msgspec.Struct, frozen=True):
-    """The envelope of every message a worker sends the head about one request: which request,
-    which attempt (``generation``; a reply from an older attempt is dropped) and which instance."""
+    """What every worker message about one request carries (an older ``generation`` is dropped)."""
 
     request_id: str
     generation: int

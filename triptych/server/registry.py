@@ -86,7 +86,8 @@ class InstanceRegistry:
         if inst is None:
             self.stats["from_unknown_instance"] += 1
             logger.debug("message from unknown instance %s dropped", msg.instance_id)
-            self._tell_rejoin(identity, msg.instance_id)
+            if not isinstance(msg, P.Heartbeat):  # the heartbeat socket never reads: answer the control one
+                self._tell_rejoin(identity, msg.instance_id)
             return None
         inst.last_seen = time.monotonic()
         if isinstance(msg, P.Heartbeat):

@@ -247,8 +247,9 @@ class Worker:
     def report_stats(self) -> None:
         """Send cumulative ``StatsReport`` counters, at most once per heartbeat interval.
 
-        Sent from the loop thread (which owns the engine's stats), not the heartbeat thread: stats
-        may lag during a long forward; liveness never does.
+        Sent from the loop thread (which owns the engine's stats and the job table), not the heartbeat
+        thread: stats may lag during a long forward; liveness never does. It lists the jobs held, so
+        the head cancels any whose request it no longer holds (an orphan) within one report.
         """
         now = time.monotonic()
         if now < self._next_report:
@@ -256,8 +257,11 @@ class Worker:
         self._next_report = now + self._hb_interval
         transfer = self.endpoint.stats.snapshot()
         runner = self.runner
+        jobs = tuple((rid, job.generation) for rid, job in self.port.jobs.items())
         self.send(
-            P.StatsReport(self.instance_id, now - self._started, runner.engine_stats(), transfer, runner.cache_stats())
+            P.StatsReport(
+                self.instance_id, now - self._started, runner.engine_stats(), transfer, runner.cache_stats(), jobs
+            )
         )
 
     def _wake(self) -> None:
