@@ -404,3 +404,19 @@ def test_a_worker_declared_dead_is_asked_to_rejoin_on_its_control_socket(head):
     assert isinstance(_next(den, P.Rejoin), P.Rejoin)
     assert not beat_sock.poll(200)  # nothing was sent where nobody reads
     ctx.destroy(linger=0)
+
+
+def test_a_worker_of_a_previous_head_is_asked_to_rejoin(head):
+    """A remote worker outliving its head keeps its session; a head started at the same address never
+    issued it, and answers the worker's first control frame with ``Rejoin`` (it registers anew)."""
+    orch, loop = head
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(orch.control_address)
+    client = ControlClient(sock, ControlKey(orch.token))
+    client.sender.session = bytes(range(16))  # issued by the head that died
+    client.send(P.StatsReport("encoder-9", 1.0, None, P.TransferStats("zmq"), None))
+    assert sock.poll(30_000) and isinstance(client.recv(), P.Rejoin)
+    assert _stat(loop, orch, "replays_refused") == 0
+    ctx.destroy(linger=0)
