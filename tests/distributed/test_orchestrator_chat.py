@@ -19,6 +19,7 @@ from triptych.pipelines.vlm import ChatParams, ChatTurn
 from triptych.server import protocol as P
 from triptych.server.auth import ControlKey
 from triptych.server.backend import Cancelled, ChatJob, StageFailed
+from triptych.server.control_client import ControlClient
 from triptych.server.orchestrator import Orchestrator, OrchestratorConfig
 
 MODEL = PACKAGED_DEFAULT.parent / "default_edit"
@@ -48,17 +49,18 @@ class Encoder:
         self.sock.setsockopt(zmq.IDENTITY, instance_id.encode())
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(head.control_address)
-        self.send(
-            P.Register(instance_id, "encoder", 2, instance_id, "tcp://127.0.0.1:1", "zmq", head.revision, 1, chat)
+        self.client = ControlClient(self.sock, self.key)
+        register = P.Register(
+            instance_id, "encoder", 2, instance_id, "tcp://127.0.0.1:1", "zmq", head.revision, 1, chat
         )
-        assert self.recv().accepted
+        assert self.client.register(register, 30.0, on_skipped=print).accepted
 
     def send(self, msg) -> None:
-        self.sock.send_multipart(self.key.seal(P.encode(msg)))
+        self.client.send(msg)
 
     def recv(self, timeout_s: float = 30.0):
         assert self.sock.poll(timeout_s * 1000), f"{self.id}: no message from the head"
-        return P.decode_from_head(self.key.open(self.sock.recv_multipart()))
+        return self.client.recv()
 
     def next(self, kind: type):
         """The next message of ``kind`` (skipping others: PeerDown, the Cancel that follows a failure)."""

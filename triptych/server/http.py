@@ -22,6 +22,7 @@ import contextlib
 import hmac
 import logging
 import re
+from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -159,6 +160,18 @@ def install_error_handlers(app: FastAPI) -> None:
 
 # ---- the app --------------------------------------------------------------------------------------
 ERROR_RESPONSES = {code: {"model": ErrorResponse} for code in (400, 401, 404, 409, 429, 502)}
+
+
+def pool_counts(describe: dict) -> dict[str, dict[str, int]]:
+    """Each role that has local workers: its live instances (registered, not draining) against the
+    local workers configured for it (scaled-in ones excluded). Remote-only pools have no configured
+    size and are not listed."""
+    workers = describe.get("local_workers", {}).get("workers", {}).values()
+    configured = Counter(w["role"] for w in workers if "role" in w and not w.get("retired"))
+    live = Counter(i.get("role") for i in describe.get("instances", ()) if i.get("state") != "draining")
+    return {role: {"live": live[role], "configured": n} for role, n in sorted(configured.items())}
+
+
 OPEN_PATHS = ("/health", "/metrics", "/v1/files/")  # never behind the API key
 
 
@@ -226,22 +239,26 @@ def create_app(backends: GenerationBackend | Mapping[str, GenerationBackend], co
 
     @app.get("/health")
     async def health():
-        """``ok``; ``degraded`` (200) while a local worker is down or given up but every role of every
-        model still has a live instance; ``unavailable`` (503) while a role of some model has none.
-        ``models`` has each model's pools; ``model``, ``backend`` and ``missing_roles`` the first
-        model's (what a one-model head always showed)."""
+        """``ok``; ``degraded`` (200) while a local worker is down or given up, or a role has fewer
+        live instances than local workers configured for it (``roles``: live against configured,
+        e.g. one of two denoisers during a replacement), but every role of every model still has a
+        live instance; ``unavailable`` (503) while a role of some model has none. ``models`` has each
+        model's pools; ``model``, ``backend``, ``roles`` and ``missing_roles`` the first model's
+        (what a one-model head always showed)."""
         models, statuses = {}, []
         for m in head.models:
             desc = m.backend.describe()
             empty = desc.get("empty_roles", [])
             down = [iid for iid, w in desc.get("local_workers", {}).get("workers", {}).items() if not w["running"]]
-            statuses.append("unavailable" if empty else "degraded" if down else "ok")
+            roles = pool_counts(desc)
+            short = any(r["live"] < r["configured"] for r in roles.values())
+            statuses.append("unavailable" if empty else "degraded" if down or short else "ok")
             models[m.name] = {"status": statuses[-1], "kind": m.kind, "in_flight": m.admission.in_flight}
-            models[m.name].update({"missing_roles": empty} if empty else {}, backend=desc)
+            models[m.name].update({"missing_roles": empty} if empty else {}, roles=roles, backend=desc)
         status = next((s for s in ("unavailable", "degraded") if s in statuses), "ok")
         first = models[head.models.first.name]
         body = {"status": status, "model": head.models.first.name, "in_flight": head.in_flight()}
-        body.update(backend=first["backend"], models=models)
+        body.update(roles=first["roles"], backend=first["backend"], models=models)
         missing = sorted({r for m in models.values() for r in m.get("missing_roles", [])})
         if missing:
             body["missing_roles"] = missing

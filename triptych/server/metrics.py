@@ -150,7 +150,7 @@ class Metrics:
         self.head_events = Counter(
             "triptych_head_events",
             "Head events by kind: retries, instances_lost, worker_restarts, rejoins_requested, unauthenticated, "
-            "malformed, dropped_stale, ... (the orchestrator's counters)",
+            "replays_refused, stale_session, malformed, dropped_stale, ... (the orchestrator's counters)",
             ["event"],
             registry=r,
         )

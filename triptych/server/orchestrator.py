@@ -269,13 +269,29 @@ class Orchestrator(GenerationBackend):
             if self.registry.register(identity, msg):
                 self._pump()
             return
-        if self.registry.seen(identity, msg) is None or isinstance(msg, P.Heartbeat | P.StatsReport):
+        inst = self.registry.seen(identity, msg)
+        if inst is not None and isinstance(msg, P.StatsReport):
+            self._cancel_orphans(inst, msg.jobs)
+        if inst is None or isinstance(msg, P.Heartbeat | P.StatsReport):
             return
         if self.chats.owns(msg):
             self.chats.handle(msg)
         else:
             self.generations.handle(msg)
         self._pump()
+
+    def _cancel_orphans(self, inst: Instance, jobs) -> None:
+        """Cancel each job a worker reports holding whose request (at that generation) the head does
+        not hold on it: a Cancel lost while the worker was unreachable, work of a request that ended
+        meanwhile. What the head charged it is left alone; a job that finished since its report was
+        sent gets a Cancel the worker ignores."""
+        for rid, generation in jobs:
+            tracked = self.generations.requests.get(rid) or self.chats.chats.get(rid)
+            if rid in inst.held and tracked is not None and tracked.machine.generation == generation:
+                continue
+            self.stats["orphans_cancelled"] += 1
+            logger.info("%s holds %s g%d, which the head does not: cancelling it", inst.instance_id, rid, generation)
+            self.control.send(inst.instance_id, P.Cancel(rid, generation, "the head no longer holds this request"))
 
     async def _tick_loop(self) -> None:
         while True:

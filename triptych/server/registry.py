@@ -60,7 +60,7 @@ class InstanceRegistry:
         elif m.instance_id in self.instances:
             reason = f"instance id {m.instance_id!r} is already registered"
         if reason is None:
-            self.control.bind(m.instance_id, identity)
+            self.control.bind(m.instance_id, identity, m.channels)
             self._rejoin_sent.pop(m.instance_id, None)
             inst = Instance(
                 m.instance_id, m.role, m.capacity, m.control, m.data, m.transfer, m.pid, time.monotonic(), chat=m.chat
@@ -86,7 +86,8 @@ class InstanceRegistry:
         if inst is None:
             self.stats["from_unknown_instance"] += 1
             logger.debug("message from unknown instance %s dropped", msg.instance_id)
-            self._tell_rejoin(identity, msg.instance_id)
+            if not isinstance(msg, P.Heartbeat):  # the heartbeat socket never reads: answer the control one
+                self._tell_rejoin(identity, msg.instance_id)
             return None
         inst.last_seen = time.monotonic()
         if isinstance(msg, P.Heartbeat):
