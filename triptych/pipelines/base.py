@@ -34,7 +34,9 @@ import torch
 from triptych.cache.mm import MMCacheConfig
 from triptych.devices import DeviceConfig
 from triptych.errors import InvalidParam
+from triptych.pipelines.geometry import model_defaults
 from triptych.pipelines.placement import place, vae_tiling
+from triptych.world.prompts import normaliser
 
 logger = logging.getLogger(__name__)
 
@@ -228,7 +230,20 @@ class Family(ABC):
         self.pipe = self.pipeline_class.from_pretrained(str(self.model_dir), dtype=self.dtype, **skipped, **built)
         place(self.pipe, self.device_config)
         self.pipe.set_progress_bar_config(disable=True)
+        #: ``triptych.world.prompts`` normaliser named by the model's ``triptych.json``
+        #: (``"prompt_normaliser"``; only the shipped shape-world models name one), else None.
+        self.prompt_normaliser = normaliser(model_defaults(self.model_dir).get("prompt_normaliser"))
         self._post_load()
+
+    def encoder_prompt(self, prompt: str, edit: bool = False) -> str:
+        """The prompt as the text encoder gets it: normalised for the shipped shape-world models
+        (``triptych.world.prompts``), unchanged for every other model."""
+        if self.prompt_normaliser is None or not isinstance(prompt, str):
+            return prompt
+        normal = self.prompt_normaliser(prompt, edit)
+        if normal != prompt:
+            logger.debug("prompt %r normalised to %r", prompt, normal)
+        return normal
 
     def vae_mode(self, params: GenerationParams):
         """Context for one VAE decode of ``params``' size: tiling on or off as the config says."""
