@@ -230,8 +230,7 @@ class Family(ABC):
         self.pipe = self.pipeline_class.from_pretrained(str(self.model_dir), dtype=self.dtype, **skipped, **built)
         place(self.pipe, self.device_config)
         self.pipe.set_progress_bar_config(disable=True)
-        #: ``triptych.world.prompts`` normaliser named by the model's ``triptych.json``
-        #: (``"prompt_normaliser"``; only the shipped shape-world models name one), else None.
+        #: ``triptych.json``'s ``"prompt_normaliser"`` (only the shipped shape-world models name one)
         self.prompt_normaliser = normaliser(model_defaults(self.model_dir).get("prompt_normaliser"))
         self._post_load()
 
@@ -241,8 +240,7 @@ class Family(ABC):
         if self.prompt_normaliser is None or not isinstance(prompt, str):
             return prompt
         normal = self.prompt_normaliser(prompt, edit)
-        if normal != prompt:
-            logger.debug("prompt %r normalised to %r", prompt, normal)
+        logger.debug("prompt %r normalised to %r", prompt, normal)
         return normal
 
     def vae_mode(self, params: GenerationParams):
