@@ -97,7 +97,10 @@ class QwenImageFamily(Family):
         ):
             from triptych.pipelines.vlm import ChatModel
 
-            self._chat = ChatModel(self.pipe.text_encoder, self.processor)
+            # The shipped default captioner knows image-then-text only: its triptych.json says
+            # "chat_parts": "image-first" (a user's model does not, and gets its messages as sent).
+            image_first = model_defaults(self.model_dir).get("chat_parts") == "image-first"
+            self._chat = ChatModel(self.pipe.text_encoder, self.processor, image_first=image_first)
         return self._chat
 
     @property
