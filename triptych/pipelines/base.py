@@ -34,7 +34,9 @@ import torch
 from triptych.cache.mm import MMCacheConfig
 from triptych.devices import DeviceConfig
 from triptych.errors import InvalidParam
+from triptych.pipelines.geometry import model_defaults
 from triptych.pipelines.placement import place, vae_tiling
+from triptych.world.prompts import normaliser
 
 logger = logging.getLogger(__name__)
 
@@ -231,7 +233,14 @@ class Family(ABC):
         self.pipe = self.pipeline_class.from_pretrained(str(self.model_dir), dtype=self.dtype, **skipped, **built)
         place(self.pipe, self.device_config)
         self.pipe.set_progress_bar_config(disable=True)
+        # triptych.json's "prompt_normaliser": only the shipped shape-world models name one.
+        self.prompt_normaliser = normaliser(model_defaults(self.model_dir).get("prompt_normaliser"))
         self._post_load()
+
+    def encoder_prompt(self, prompt: str, edit: bool = False) -> str:
+        """The prompt the text encoder gets: normalised (``triptych.world.prompts``) or as sent."""
+        normal = self.prompt_normaliser is not None and isinstance(prompt, str)
+        return self.prompt_normaliser(prompt, edit) if normal else prompt
 
     def vae_mode(self, params: GenerationParams):
         """Context for one VAE decode of ``params``' size: tiling on or off as the config says."""

@@ -98,7 +98,10 @@ class QwenImageFamily(Family):
         ):
             from triptych.pipelines.vlm import ChatModel
 
-            self._chat = ChatModel(self.pipe.text_encoder, self.processor)
+            # The shipped default captioner knows image-then-text only: its triptych.json says
+            # "chat_parts": "image-first" (a user's model does not, and gets its messages as sent).
+            image_first = model_defaults(self.model_dir).get("chat_parts") == "image-first"
+            self._chat = ChatModel(self.pipe.text_encoder, self.processor, image_first=image_first)
         return self._chat
 
     @property
@@ -134,6 +137,7 @@ class QwenImageFamily(Family):
 
     @torch.no_grad()
     def encode(self, params: GenerationParams) -> Conditioning:
+        params = params.replace(prompt=self.encoder_prompt(params.prompt))
         return enc.encode_text(self.pipe, params, self.uses_cfg(params), self.max_sequence_length)
 
     def prepare(self, request_id: str, params: GenerationParams, cond: Conditioning) -> DenoiseState:
@@ -152,7 +156,7 @@ class QwenImageFamily(Family):
 
     def _reference_kwargs(self, params: GenerationParams) -> dict[str, Any]:
         return dict(
-            prompt=params.prompt,
+            prompt=self.encoder_prompt(params.prompt),
             negative_prompt=params.negative_prompt,
             true_cfg_scale=params.guidance,
             height=params.height,
@@ -230,12 +234,15 @@ class QwenImageEditFamily(QwenImageFamily):
 
     @torch.no_grad()
     def encode(self, params: GenerationParams) -> Conditioning:
+        params = params.replace(prompt=self.encoder_prompt(params.prompt, edit=True))
         return enc.encode_edit(
             self.pipe, params, self.uses_cfg(params), self.max_sequence_length, self.dtype, self.condition_area
         )
 
     def _reference_kwargs(self, params: GenerationParams) -> dict[str, Any]:
-        return dict(super()._reference_kwargs(params), image=params.image)
+        return dict(
+            super()._reference_kwargs(params), prompt=self.encoder_prompt(params.prompt, edit=True), image=params.image
+        )
 
 
 def _is_image(obj: Any) -> bool:
