@@ -6,7 +6,8 @@ model id → backend (in serving order: the first of a kind is that kind's defau
 ``AdmissionLimits`` and the model's family (a weightless adapter is enough), turns it into
 ``GenerationJob``s and awaits ``backend.run``; it never sees a tensor. Errors leave in OpenAI's shape
 ``{"error": {"message", "type", "param", "code"}}``: bad input is a 400 naming the field, the value
-and the limit; ``Overloaded`` is a 429 with Retry-After; ``StageFailed`` is a 502.
+and the limit; ``Overloaded`` is a 429 with Retry-After; ``StageFailed`` is a 502; ``Unavailable`` (a
+role with no live instance) a 503 with Retry-After; a request past ``request_timeout_s`` a 504.
 
 This module only wires: it builds the ``Head`` (``server/head.py``), installs the error handlers and
 the API-key check, and adds the routes: images (``http_images``), videos (``http_videos``), chat
@@ -34,9 +35,9 @@ from starlette.exceptions import HTTPException
 from triptych.errors import InvalidParam
 from triptych.server.admission import retry_after_header
 from triptych.server.api_models import ErrorResponse, ModelCard, ModelList
-from triptych.server.backend import Cancelled, GenerationBackend, Overloaded, StageFailed
+from triptych.server.backend import Cancelled, GenerationBackend, Overloaded, StageFailed, Unavailable
 from triptych.server.body_limit import BodyLimit
-from triptych.server.head import TENANT, ClientGone, Head, HeadConfig, tenant_of_key
+from triptych.server.head import TENANT, ClientGone, DeadlineExceeded, Head, HeadConfig, tenant_of_key
 from triptych.server.http_chat import add_chat_routes
 from triptych.server.http_images import add_image_routes
 from triptych.server.http_playground import add_playground_routes
@@ -138,6 +139,21 @@ def install_error_handlers(app: FastAPI) -> None:
         outcome(request, "cancelled")
         return error_response(499, "client disconnected; the request was cancelled", "invalid_request_error")
 
+    @app.exception_handler(DeadlineExceeded)
+    async def on_deadline(request: Request, exc: DeadlineExceeded):
+        outcome(request, "timed_out")
+        message = (
+            f"request not answered within its deadline of {exc.limit_s:g}s (request_timeout_s, "
+            "--request-timeout-s); it was cancelled"
+        )
+        return error_response(504, message, "server_error", None, "timeout")
+
+    @app.exception_handler(Unavailable)
+    async def on_unavailable(request: Request, exc: Unavailable):
+        outcome(request, "unavailable")
+        headers = {"Retry-After": retry_after_header(exc.retry_after)}
+        return error_response(503, str(exc), "server_error", None, "unavailable", headers)
+
     @app.exception_handler(StageFailed)
     async def on_stage_failed(request: Request, exc: StageFailed):
         outcome(request, "failed")
@@ -160,7 +176,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 # ---- the app --------------------------------------------------------------------------------------
-ERROR_RESPONSES = {code: {"model": ErrorResponse} for code in (400, 401, 404, 409, 429, 502)}
+ERROR_RESPONSES = {code: {"model": ErrorResponse} for code in (400, 401, 404, 409, 429, 502, 503, 504)}
 OPEN_PATHS = ("/health", "/metrics", "/v1/files/")  # never behind the API key
 
 

@@ -1,13 +1,16 @@
 """Request plumbing the route modules share: API fields → ``GenerationParams`` (``build_params``),
 model validation with API field names (``resolve``), bounded multipart parsing (``read_form``,
 ``read_upload``, ``text_fields``) and running jobs while watching for a client disconnect
-(``run_jobs``, ``wait_disconnect``). Every function takes the app's ``Head`` and keeps no state.
+(``run_jobs``, ``wait_disconnect``) under the request's deadline (``deadline``). Every function
+takes the app's ``Head`` and keeps no state.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
+import time
 from typing import Any
 
 from fastapi import Request
@@ -17,7 +20,7 @@ from triptych.errors import InvalidParam
 from triptych.pipelines.base import GenerationParams
 from triptych.pipelines.teacache import check_teacache
 from triptych.server.backend import GenerationJob
-from triptych.server.head import TENANT, ClientGone, Head
+from triptych.server.head import TENANT, ClientGone, DeadlineExceeded, Head, ModelHead
 from triptych.server.media import decode_image
 
 #: GenerationParams field → the API field a user set.
@@ -122,6 +125,22 @@ def text_fields(form, skip: tuple[str, ...]) -> dict[str, Any]:
                 raise InvalidParam(key, v.filename, "must be a text field, not a file")
         out[key] = values[0] if len(values) == 1 else values
     return out
+
+
+@contextlib.asynccontextmanager
+async def deadline(head: Head | ModelHead, t0: float):
+    """The request's deadline: ``head.config.request_timeout_s`` from ``t0`` (``time.perf_counter``
+    when the route began). Past it, what runs inside is cancelled (it cancels its jobs in the backend
+    on the way out) and ``DeadlineExceeded`` (HTTP 504) is raised."""
+    limit = head.config.request_timeout_s
+    scope = asyncio.timeout(limit - (time.perf_counter() - t0))
+    try:
+        async with scope:
+            yield
+    except TimeoutError:
+        if scope.expired():
+            raise DeadlineExceeded(limit) from None
+        raise
 
 
 async def wait_disconnect(request: Request) -> None:

@@ -35,7 +35,7 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 _SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 #: Outcomes ``record_request`` accepts (a closed set keeps label cardinality bounded).
-OUTCOMES = ("success", "invalid", "overloaded", "cancelled", "failed", "error")
+OUTCOMES = ("success", "invalid", "overloaded", "cancelled", "failed", "unavailable", "timed_out", "error")
 #: Outcomes ``record_video_job`` accepts.
 JOB_OUTCOMES = ("completed", "cancelled", "failed", "interrupted")
 
