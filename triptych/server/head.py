@@ -29,7 +29,7 @@ from starlette.requests import Request
 
 from triptych.server.admission import AdmissionLimits
 from triptych.server.files import FileStore
-from triptych.server.metrics import Metrics, render_labelled
+from triptych.server.metrics import LoopMetrics, Metrics, render_labelled
 from triptych.server.served import ServedModel, ServedModels
 
 if TYPE_CHECKING:
@@ -126,6 +126,9 @@ class DeadlineExceeded(Exception):
         self.limit_s = limit_s
 
 
+#: How often the head measures its event loop's lag (``Head.watch_loop_forever``), seconds.
+LOOP_WATCH_S = 0.1
+
 #: Response header carrying a note on the result (e.g. a size the model was not trained at); the same
 #: text is in the body's ``warnings`` list.
 WARNING_HEADER = "X-Triptych-Warning"
@@ -157,6 +160,8 @@ class Head:
         self.models = ServedModels(backends, config.limits)
         self.unrouted_metrics = Metrics()
         """Outcomes of requests refused before a model was chosen (the ``model=""`` series)."""
+        self.loop_metrics = LoopMetrics()
+        """The event loop's lag (``watch_loop_forever``)."""
         self.files: FileStore | None = None
         self.videos: VideoJobs | None = None
 
@@ -180,7 +185,8 @@ class Head:
         """Every model's collectors, each series labelled ``model`` (``""``: refused before routing)."""
         for m in self.models:
             m.backend.metrics.update_from_describe(m.backend.describe(), head_in_flight=m.admission.in_flight)
-        return render_labelled({m.name: m.backend.metrics for m in self.models}, unrouted=self.unrouted_metrics)
+        by_model = render_labelled({m.name: m.backend.metrics for m in self.models}, unrouted=self.unrouted_metrics)
+        return by_model + self.loop_metrics.render()
 
     def base_url(self, request: Request) -> str:
         return (self.config.public_base_url or str(request.base_url)).rstrip("/")
@@ -210,6 +216,14 @@ class Head:
             removed = self.files.sweep() + self.videos.sweep()
             if removed:
                 logger.info("removed %d expired files/videos", removed)
+
+    async def watch_loop_forever(self, every_s: float = LOOP_WATCH_S) -> None:
+        """Measure the event loop's lag: how much later than asked a sleep of ``every_s`` wakes."""
+        loop = asyncio.get_running_loop()
+        while True:
+            asked = loop.time() + every_s
+            await asyncio.sleep(every_s)
+            self.loop_metrics.record_loop_lag(max(0.0, loop.time() - asked))
 
 
 class ModelHead:

@@ -33,12 +33,14 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from triptych.errors import InvalidParam
+from triptych.server import offload
 from triptych.server.admission import retry_after_header
 from triptych.server.api_models import ErrorResponse, ModelCard, ModelList
 from triptych.server.backend import Cancelled, GenerationBackend, Overloaded, StageFailed, Unavailable
 from triptych.server.body_limit import BodyLimit
 from triptych.server.head import TENANT, ClientGone, DeadlineExceeded, Head, HeadConfig, tenant_of_key
 from triptych.server.http_chat import add_chat_routes
+from triptych.server.http_common import OffloadRoute
 from triptych.server.http_images import add_image_routes
 from triptych.server.http_playground import add_playground_routes
 from triptych.server.http_videos import add_video_routes
@@ -208,15 +210,18 @@ def create_app(backends: GenerationBackend | Mapping[str, GenerationBackend], co
     if isinstance(backends, GenerationBackend):
         backends = {config.served_model_name or Path(backends.family.model_dir).name: backends}
     head = Head(backends, config)
+    offload.configure(config.media_threads)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         await head.open()
         sweeper = asyncio.create_task(head.sweep_forever(), name="head-sweeper")
+        watcher = asyncio.create_task(head.watch_loop_forever(), name="head-loop-lag")
         try:
             yield
         finally:
             sweeper.cancel()
+            watcher.cancel()
             await head.close()
 
     app = FastAPI(
@@ -227,6 +232,7 @@ def create_app(backends: GenerationBackend | Mapping[str, GenerationBackend], co
         dependencies=[Depends(api_key_check(config.api_keys))],
     )
     app.state.head = head
+    app.router.route_class = OffloadRoute  # large JSON bodies are parsed off the event loop
     app.add_middleware(BodyLimit, max_json_bytes=config.max_json_bytes, read_timeout_s=config.body_read_timeout_s)
     install_error_handlers(app)
     add_image_routes(app, head)

@@ -26,6 +26,7 @@ from fastapi.responses import StreamingResponse
 
 from triptych.errors import InvalidParam, TriptychError
 from triptych.pipelines.vlm import ChatParams, ChatResult, ChatTurn
+from triptych.server import offload
 from triptych.server.api_models import ChatChoice, ChatCompletion, ChatCompletionRequest, ChatMessageOut, ChatUsage
 from triptych.server.backend import ChatJob
 from triptych.server.head import TENANT, ClientGone, DeadlineExceeded, Head, ModelHead
@@ -256,7 +257,7 @@ def add_chat_routes(app: FastAPI, head: Head) -> None:
             )
         if req.stream_options is not None and not req.stream:
             raise InvalidParam("stream_options", req.stream_options.model_dump(), "is only allowed with stream=true")
-        params = await asyncio.to_thread(build_chat, model, req)
+        params = await offload.run(build_chat, model, req)
         job = ChatJob(f"chatcmpl-{secrets.token_hex(12)}", params, stream=bool(req.stream))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         if job.stream:
