@@ -39,6 +39,7 @@ class ChatTracked:
     machine: RequestMachine
     future: asyncio.Future
     on_text: TextFn | None
+    images_png: list[bytes] | None = None  # the images as sent on the wire (encoded off the loop)
     instance: str | None = None  # the encoder charged a slot for it
     streamed: bool = False  # a piece reached the client: it cannot be retried elsewhere
     attempts: Attempts = field(default_factory=Attempts)
@@ -63,12 +64,14 @@ class ChatRouter:
         self.chats: dict[str, ChatTracked] = {}
         self.waiting: deque[str] = deque()
 
-    def submit(self, job: ChatJob, on_text: TextFn | None) -> asyncio.Future:
+    def submit(self, job: ChatJob, on_text: TextFn | None, images_png: list[bytes] | None = None) -> asyncio.Future:
+        """``images_png``: ``wire.chat_images(job.params)`` made already (off the event loop: large
+        images take seconds to encode); None = made at each dispatch."""
         if len(self.waiting) >= self.max_queued:
             raise Overloaded(f"chat queue is full ({self.max_queued} requests)", retry_after=1.0)
         future = asyncio.get_running_loop().create_future()
         machine = RequestMachine(job.request_id, self.timeouts, CHAT_TRANSITIONS)
-        self.chats[job.request_id] = ChatTracked(job, machine, future, on_text)
+        self.chats[job.request_id] = ChatTracked(job, machine, future, on_text, images_png)
         self.waiting.append(job.request_id)
         return future
 
@@ -114,7 +117,9 @@ class ChatRouter:
             inst.hold(ct.job.request_id)
             ct.instance = inst.instance_id
             ct.machine.to(S.CHATTING)
-            task = wire.chat_to_wire(ct.job.request_id, ct.machine.generation, ct.job.params, ct.job.stream)
+            task = wire.chat_to_wire(
+                ct.job.request_id, ct.machine.generation, ct.job.params, ct.job.stream, ct.images_png
+            )
             self.send(inst.instance_id, task)
 
     def handle(self, msg) -> None:

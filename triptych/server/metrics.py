@@ -35,7 +35,7 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 _SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 #: Outcomes ``record_request`` accepts (a closed set keeps label cardinality bounded).
-OUTCOMES = ("success", "invalid", "overloaded", "cancelled", "failed", "error")
+OUTCOMES = ("success", "invalid", "overloaded", "cancelled", "failed", "unavailable", "timed_out", "error")
 #: Outcomes ``record_video_job`` accepts.
 JOB_OUTCOMES = ("completed", "cancelled", "failed", "interrupted")
 
@@ -285,6 +285,36 @@ class Metrics:
             if delta > 0:  # the head's counters only grow; a restart of the head restarts both
                 self.head_events.labels(event).inc(delta)
                 self._events_seen[event] = total
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class LoopMetrics:
+    """The head process's own series, not any model's (no ``model`` label): how late its event loop
+    runs. Everything the head serves (requests, heartbeats, stream events) waits while the loop is
+    held, so a large lag says work runs on the loop that should not."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        self.lag = Histogram(
+            "triptych_head_event_loop_lag_seconds",
+            "How late the head's event loop woke a periodic timer: the time it was held by other work",
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=r,
+        )
+        self.last = Gauge("triptych_head_event_loop_lag_last_seconds", "The latest event loop lag measured", registry=r)
+        self.max = Gauge(
+            "triptych_head_event_loop_lag_max_seconds", "The largest event loop lag since the head started", registry=r
+        )
+        self._max = 0.0
+
+    def record_loop_lag(self, lag_s: float) -> None:
+        self.lag.observe(lag_s)
+        self.last.set(lag_s)
+        if lag_s > self._max:
+            self._max = lag_s
+            self.max.set(lag_s)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
