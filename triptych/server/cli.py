@@ -71,8 +71,14 @@ class WorkerFlags:
         transfer = ConfigFlags(group, TransferConfig, prefix="transfer-", only=WORKER_TRANSFER_FIELDS)
         group = parser.add_argument_group("multi-rank denoiser (ParallelConfig)")
         parallel = ConfigFlags(group, ParallelConfig, rename={"cfg": "cfg-parallel"})
-        group = parser.add_argument_group("encoder mm-hash cache (MMCacheConfig)")
-        mm_cache = ConfigFlags(group, MMCacheConfig, rename={"max_mb": "mm-cache-mb"})
+        group = parser.add_argument_group("encoder layer: mm-hash caches and vision batching (MMCacheConfig)")
+        names = {
+            "max_mb": "mm-cache-mb",
+            "processor_mb": "mm-processor-cache-mb",
+            "step_images": "encoder-step-images",
+            "step_vision_tokens": "encoder-step-vision-tokens",
+        }
+        mm_cache = ConfigFlags(group, MMCacheConfig, rename=names)
         if os.environ.get("TRIPTYCH_MM_CACHE_MB"):  # the environment as the flag's default, nothing more
             parser.set_defaults(mm_cache_mb=float(os.environ["TRIPTYCH_MM_CACHE_MB"]))
         add_device_flags(parser)
