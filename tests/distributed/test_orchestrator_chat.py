@@ -210,3 +210,38 @@ def test_chats_waiting_for_an_encoder_count_in_the_encoder_pools_load(head):
 
 async def _load(orch):
     return orch.load("encoder", time.monotonic())
+
+
+def test_image_affinity_sends_an_image_back_to_the_encoder_that_holds_it_within_its_tenant(head):
+    """Image affinity: a second chat about an image goes to the encoder the first one went to (where
+    its processor outputs and embeddings are), though the policy alone would alternate; the same
+    image of another tenant is not steered; a busy or gone holder leaves the policy to choose."""
+    import numpy as np
+    from PIL import Image
+
+    orch, loop, ctx = head
+    workers = {w.id: w for w in (Encoder(ctx, orch, "enc-a", chat=True), Encoder(ctx, orch, "enc-b", chat=True))}
+    picture = Image.fromarray((np.random.RandomState(3).rand(32, 32, 3) * 255).astype("uint8"))
+
+    def chat(rid, tenant, image):
+        params = ChatParams((ChatTurn("user", (0, "what is it?")),), (image,), max_tokens=4, tenant=tenant)
+        future = asyncio.run_coroutine_threadsafe(orch.chat(ChatJob(rid, params, False), lambda t: None), loop)
+        for w in workers.values():  # whoever got it answers
+            if not w.silent(1.0):
+                task = w.next(P.ChatTask)
+                w.send(P.ChatDone(rid, task.generation, w.id, "ok", 20, 1, "stop"))
+                future.result(30)
+                return w.id
+        raise AssertionError("no encoder got the chat")
+
+    first = chat("c1", "t1", picture)
+    assert chat("c2", "t1", picture.copy()) == first  # the same pixels, another object
+    assert chat("c3", "t1", picture) == first
+    preferred = orch.registry.affinity.preferred
+    chat("c4", "t2", picture)  # another tenant: its own key, which no encoder holds yet
+    assert orch.registry.affinity.preferred == preferred
+    loop.call_soon_threadsafe(orch.instance_dead, first, "test: gone")
+    wait_for(lambda: first not in held(loop, orch), "the holder to leave")
+    workers.pop(first).close()
+    (other,) = workers
+    assert chat("c5", "t1", picture) == other  # the holder is gone: the policy chooses

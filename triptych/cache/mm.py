@@ -90,6 +90,15 @@ class MMCacheConfig:
         return int(self.processor_mb * (1 << 20))
 
 
+#: ``MMCacheConfig``'s command-line flags (``triptych serve`` / ``triptych worker``).
+FLAG_NAMES = {
+    "max_mb": "mm-cache-mb",
+    "processor_mb": "mm-processor-cache-mb",
+    "step_images": "encoder-step-images",
+    "step_vision_tokens": "encoder-step-vision-tokens",
+}
+
+
 def content_hash(*tensors: torch.Tensor, extra: str = "") -> str:
     """SHA-256 of each tensor's dtype, shape and bytes (in order), then ``extra``."""
     h = hashlib.sha256()

@@ -60,7 +60,7 @@ class WorkerFlags:
 
     @classmethod
     def add(cls, parser: argparse.ArgumentParser) -> WorkerFlags:
-        from triptych.cache.mm import MMCacheConfig
+        from triptych.cache.mm import FLAG_NAMES, MMCacheConfig
         from triptych.devices import add_device_flags
         from triptych.parallel import ParallelConfig
         from triptych.server.engine.config import EngineConfig
@@ -72,13 +72,7 @@ class WorkerFlags:
         group = parser.add_argument_group("multi-rank denoiser (ParallelConfig)")
         parallel = ConfigFlags(group, ParallelConfig, rename={"cfg": "cfg-parallel"})
         group = parser.add_argument_group("encoder layer: mm-hash caches and vision batching (MMCacheConfig)")
-        names = {
-            "max_mb": "mm-cache-mb",
-            "processor_mb": "mm-processor-cache-mb",
-            "step_images": "encoder-step-images",
-            "step_vision_tokens": "encoder-step-vision-tokens",
-        }
-        mm_cache = ConfigFlags(group, MMCacheConfig, rename=names)
+        mm_cache = ConfigFlags(group, MMCacheConfig, rename=FLAG_NAMES)
         if os.environ.get("TRIPTYCH_MM_CACHE_MB"):  # the environment as the flag's default, nothing more
             parser.set_defaults(mm_cache_mb=float(os.environ["TRIPTYCH_MM_CACHE_MB"]))
         add_device_flags(parser)
