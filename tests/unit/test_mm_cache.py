@@ -134,6 +134,15 @@ def test_an_entry_with_another_token_count_is_a_miss_not_a_crash():
     assert store.get("k", tokens=4) is not None and store.stats.hits == 1
 
 
+def test_a_placeholder_count_that_differs_from_the_embeddings_is_an_error_naming_both():
+    from triptych.cache.mm import check_placeholders
+
+    embeds = torch.zeros(16, 8)
+    assert check_placeholders(16, embeds) is embeds
+    with pytest.raises(ValueError, match="12 image placeholder tokens but its images' embeddings have 16 rows"):
+        check_placeholders(12, embeds)
+
+
 def test_unkeyable_calls_bypass():
     enc = Toy()
     cache = install(enc, MMEmbeddingCache(1 << 20))

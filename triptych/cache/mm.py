@@ -248,6 +248,18 @@ def _split_call(args, kwargs) -> tuple[torch.Tensor, torch.Tensor, str] | None:
     return pixels, grid, repr(sorted(simple.items()))
 
 
+def check_placeholders(placeholders: int, embeds: torch.Tensor) -> torch.Tensor:
+    """``embeds`` (the images' embeddings, concatenated) when their rows match the prompt's image
+    placeholder tokens; a clear error naming both counts otherwise (for an engine that scatters the
+    layer's embeddings into a prompt itself; transformers' own forward checks the same)."""
+    if embeds.shape[0] != placeholders:
+        raise ValueError(
+            f"the prompt has {placeholders} image placeholder tokens but its images' embeddings have "
+            f"{embeds.shape[0]} rows: the prompt and the images were processed with different settings"
+        )
+    return embeds
+
+
 @contextlib.contextmanager
 def tenant_scope(tenant: str):
     """Key the mm-hash cache lookups made inside this block by ``tenant`` ("" = the shared scope)."""
