@@ -8,9 +8,10 @@
 2. Two encoders: a chat about an image on one, then a chat about the same image: vision-tower forwards
    in total when the head sends the second where the first went (``server.affinity``) vs round robin.
 3. Soak: N chats (max_tokens 1) about images drawn from 200 distinct ones, with a 0.25 MiB embedding
-   budget (64 of the 200 fit): process RSS after the first tenth and at the end, the cache's bytes and entries, its
-   evictions, and the references still held at the end (must be 0). Lookups count twice per image:
-   once when the layer prefetches it, once at the request's own call.
+   budget (64 of the 200 fit) and a 2 MiB processor budget (about 27 fit): process RSS after the
+   first tenth and at the end, the tiers' bytes, entries and
+   evictions, and the references still held at the end (must be 0). Lookups count once per
+   image of a request (the layer's; the request's own read of what it fetched is not counted).
 """
 
 from __future__ import annotations
@@ -157,7 +158,7 @@ def main(soak: int = 1000) -> int:
     for mode, n in two.items():
         print(f"| head {mode} | {n} |")
     print()
-    fam = load(max_mb=0.25)
+    fam = load(max_mb=0.25, processor_mb=2)
     runner = EncoderRunner(fam, Port())
     pool = [render(s, 64) for s in sample_scenes(200, "bench-encoder-soak", "heldout")]
     rng = random.Random(0)
@@ -175,15 +176,15 @@ def main(soak: int = 1000) -> int:
     snap = fam.mm_cache.snapshot()
     held = fam.mm_cache.store.holder_count()
     print(
-        f"soak: {soak} chats (max_tokens 1) about 200 distinct images, 0.25 MiB embedding budget, {time.monotonic() - start:.0f} s"
+        f"soak: {soak} chats (max_tokens 1) about 200 distinct images, 0.25 MiB embedding + 2 MiB processor budgets, {time.monotonic() - start:.0f} s"
     )
     print(
-        f"| RSS after {soak // 10} | RSS after {soak} | cache bytes (peak / budget) | entries | evictions | hits / misses | processor tier hits / misses | references held at the end |"
+        f"| RSS after {soak // 10} | RSS after {soak} | embedding bytes (peak / budget) | entries | evictions | hits / misses | processor tier bytes / hits / misses / evictions | references held at the end |"
     )
     print("|---|---|---|---|---|---|---|---|")
     print(
         f"| {rss[0]:.0f} MiB | {rss[1]:.0f} MiB | {peak_bytes} / {fam.mm_cache.max_bytes} | {snap.entries} | "
-        f"{snap.evictions} | {snap.hits} / {snap.misses} | {snap.processor.hits} / {snap.processor.misses} | {held} |"
+        f"{snap.evictions} | {snap.hits} / {snap.misses} | {snap.processor.nbytes} / {snap.processor.hits} / {snap.processor.misses} / {snap.processor.evictions} | {held} |"
     )
     ok = n_layer <= 2 and chats == want_chats and diff == 0 and two["affinity"] == 1 and held == 0
     return 0 if ok and peak_bytes <= fam.mm_cache.max_bytes else 1

@@ -94,7 +94,7 @@ def test_eight_mixed_requests_run_the_tower_once_and_each_equals_it_alone(family
     pics = images(8, "encoder-layer-batch")
     runner = EncoderRunner(family, Port())
     stats = family.mm_cache.stats
-    forwards = stats.forwards
+    forwards, hits, misses = stats.forwards, stats.hits, stats.misses
     edits = {}
     for i, image in enumerate(pics):
         if i % 2:
@@ -107,6 +107,8 @@ def test_eight_mixed_requests_run_the_tower_once_and_each_equals_it_alone(family
     sums = {key: checksum(e.tensor) for key, e in family.mm_cache.store._entries.items()}
     drain(runner)
     assert stats.forwards == forwards + 1  # every encode and chat found its image in the tier
+    # one lookup per image (the layer's); the requests' own reads of what it fetched are not counted
+    assert (stats.hits - hits, stats.misses - misses) == (0, 8)
     assert not runner.port.failed
     done = {m.request_id: m.text for m in runner.port.sent if isinstance(m, P.ChatDone)}
     for i, image in enumerate(pics):

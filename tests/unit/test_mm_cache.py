@@ -183,3 +183,14 @@ def test_one_tenants_entry_never_serves_another_tenant():
         call(enc, a)
     call(enc, a)  # no tenant: the shared scope, its own entry
     assert enc.calls == 3 and (cache.stats.hits, cache.stats.misses) == (2, 3)
+
+
+def test_a_request_reading_what_it_holds_is_not_counted_twice():
+    store = EmbeddingStore(1 << 20)
+    store.put("k", torch.ones(4, 8), holder="r1")
+    store.get("k", 4, holder="r2")  # another request's lookup (the layer's, for r2): a hit
+    store.get("k", 4)  # r1 or r2 reading it in its own call: already counted
+    assert store.stats.hits == 1
+    store.release("r1"), store.release("r2")
+    store.get("k", 4)  # nobody holds it: a plain lookup, counted
+    assert store.stats.hits == 2

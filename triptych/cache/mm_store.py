@@ -64,14 +64,17 @@ class EmbeddingStore:
 
     def get(self, key: str, tokens: int | None = None, holder: str | None = None) -> torch.Tensor | None:
         """The stored tensor (no copy; counted as a hit), or None (a miss, counted). An entry whose
-        token count (first dimension) is not ``tokens`` is a miss: it was made for another input."""
+        token count (first dimension) is not ``tokens`` is a miss: it was made for another input.
+        A lookup outside any request (``holder`` None) of an entry running requests hold is one of
+        them reading what the encoder layer fetched for it, already counted then: not counted again."""
         with self.lock:
             entry = self._entries.get(key)
             if entry is None or (tokens is not None and entry.tensor.shape[0] != tokens):
                 self.stats.misses += 1
                 return None
             self._entries.move_to_end(key)
-            self.stats.hits += 1
+            if holder is not None or not entry.holders:
+                self.stats.hits += 1
             if holder is not None:
                 self._hold(key, entry, holder)
             return entry.tensor
