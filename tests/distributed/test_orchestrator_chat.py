@@ -41,16 +41,14 @@ def head():
 
 
 class Encoder:
-    def __init__(self, ctx, head: Orchestrator, instance_id: str, chat: bool):
+    def __init__(self, ctx, head: Orchestrator, instance_id: str, chat: bool, role: str = "encoder"):
         self.id = instance_id
         self.key = ControlKey(head.token)
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, instance_id.encode())
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(head.control_address)
-        self.send(
-            P.Register(instance_id, "encoder", 2, instance_id, "tcp://127.0.0.1:1", "zmq", head.revision, 1, chat)
-        )
+        self.send(P.Register(instance_id, role, 2, instance_id, "tcp://127.0.0.1:1", "zmq", head.revision, 1, chat))
         assert self.recv().accepted
 
     def send(self, msg) -> None:
@@ -245,3 +243,30 @@ def test_image_affinity_sends_an_image_back_to_the_encoder_that_holds_it_within_
     workers.pop(first).close()
     (other,) = workers
     assert chat("c5", "t1", picture) == other  # the holder is gone: the policy chooses
+
+
+def test_an_edit_of_an_image_goes_to_the_encoder_already_encoding_it(head):
+    """Image affinity for generations: a second edit of the same condition image goes to the encoder
+    the first went to, though that one has fewer free slots (the policy alone would pick the other)."""
+    import numpy as np
+    from PIL import Image
+
+    from triptych.pipelines.base import GenerationParams
+    from triptych.server.backend import GenerationJob
+
+    orch, loop, ctx = head
+    workers = [Encoder(ctx, orch, i, chat=True) for i in ("enc-a", "enc-b")]
+    Encoder(ctx, orch, "den-0", chat=False, role="denoiser"), Encoder(ctx, orch, "dec-0", chat=False, role="decoder")
+    picture = Image.fromarray((np.random.RandomState(5).rand(64, 64, 3) * 255).astype("uint8"))
+    params = orch.family.resolve(GenerationParams("make it red", image=picture, seed=0))
+    got = {}
+    futures = []
+    for rid in ("e1", "e2"):
+        job = GenerationJob(rid, params.replace(image=picture.copy()), "png")
+        futures.append(asyncio.run_coroutine_threadsafe(orch.run(job), loop))
+        got[rid] = next(w.id for w in workers if not w.silent(2.0) and isinstance(w.next(P.EncodeTask), P.EncodeTask))
+    assert got["e1"] == got["e2"]
+    for rid, future in zip(("e1", "e2"), futures):
+        asyncio.run_coroutine_threadsafe(orch.cancel(rid), loop).result(10)
+        with pytest.raises(Cancelled):
+            future.result(30)
