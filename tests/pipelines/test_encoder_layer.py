@@ -192,3 +192,25 @@ def test_the_processor_tier_keys_by_pixels_settings_and_tenant(family):
         both["image_grid_thw"], want["image_grid_thw"]
     )
     assert 0 < tier.nbytes <= tier.max_bytes and type(ip).__name__ == "Qwen2VLImageProcessorPil"
+
+
+def test_two_encoders_sharing_a_directory_run_the_tower_once_per_image_and_tenant(tmp_path):
+    """An image chatted about on encoder A and then on encoder B (the same model, one host,
+    ``shared_dir``): B reads A's embedding instead of running its tower, and answers the same; another
+    tenant's identical image is its own key and runs the tower."""
+    from triptych.pipelines.vlm import ChatParams, ChatTurn
+
+    a, b = load(shared_dir=str(tmp_path)), load(shared_dir=str(tmp_path))
+    (image,) = images(1, "encoder-layer-shared")
+
+    def ask(tenant=""):
+        return ChatParams((ChatTurn("user", (0, "What is in this image?")),), (image,), max_tokens=3, tenant=tenant)
+
+    first = a.chat_model().run(ask())
+    assert (a.mm_cache.stats.forwards, b.mm_cache.stats.forwards) == (1, 0)
+    again = b.chat_model().run(ask())
+    assert b.mm_cache.stats.forwards == 0 and b.mm_cache.shared.stats.hits == 1 and again.text == first.text
+    b.chat_model().run(ask("tenant-b"))
+    assert b.mm_cache.stats.forwards == 1
+    shared = b.mm_cache.snapshot().shared
+    assert shared.entries == 2 and 0 < shared.nbytes <= b.mm_cache.shared.max_bytes

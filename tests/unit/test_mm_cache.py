@@ -5,6 +5,8 @@ token counts miss, calls it cannot key run uncached."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
@@ -194,3 +196,19 @@ def test_a_request_reading_what_it_holds_is_not_counted_twice():
     store.release("r1"), store.release("r2")
     store.get("k", 4)  # nobody holds it: a plain lookup, counted
     assert store.stats.hits == 2
+
+
+def test_the_shared_directory_is_bounded_and_a_bad_or_other_shaped_file_is_a_miss(tmp_path):
+    from triptych.cache.mm_shared import SharedStore
+
+    store = SharedStore(tmp_path, max_bytes=2 * 1024)
+    for i, key in enumerate("abc"):
+        store.save(key, torch.full((16, 8), float(i)))  # 512 bytes of data each, plus a header
+        os.utime(tmp_path / f"{key}.safetensors", (i, i))  # a written order the filesystem keeps
+    store.save("d", torch.zeros(16, 8))
+    assert store.snapshot().nbytes <= 2 * 1024 and store.stats.evictions >= 1
+    assert store.load("a", 16) is None  # the least recently written went first
+    assert torch.equal(store.load("d", 16), torch.zeros(16, 8))
+    assert store.load("d", 15) is None  # another token count: a miss
+    (tmp_path / "e.safetensors").write_bytes(b"not a tensor file")
+    assert store.load("e", 16) is None and store.stats.hits == 1

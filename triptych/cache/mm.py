@@ -69,8 +69,15 @@ class MMCacheConfig:
     """Most vision tokens (after the merger) in one batched forward per step; an image larger than
     this alone still runs, alone."""
 
+    shared_dir: str = ""
+    """A directory the encoders of one host share (``cache.mm_shared``): embeddings one computed are
+    written there and read by another's miss before it runs its tower. Empty: not shared."""
+
+    shared_mb: float = 1024.0
+    """Budget in MiB of the shared directory; past it the least recently written files are removed."""
+
     def __post_init__(self) -> None:
-        for name in ("max_mb", "processor_mb"):
+        for name in ("max_mb", "processor_mb", "shared_mb"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"MMCacheConfig.{name}={value!r}: must be a number of MiB (0 turns it off)")
@@ -96,6 +103,8 @@ FLAG_NAMES = {
     "processor_mb": "mm-processor-cache-mb",
     "step_images": "encoder-step-images",
     "step_vision_tokens": "encoder-step-vision-tokens",
+    "shared_dir": "mm-shared-dir",
+    "shared_mb": "mm-shared-mb",
 }
 
 
@@ -130,6 +139,7 @@ class MMEmbeddingCache:
         self.store = EmbeddingStore(max_bytes, self.stats)
         self.scope = scope
         self.processor = None  # the processor tier (``mm_processor.ProcessorCache``), when installed
+        self.shared = None  # the host's shared store (``mm_shared.SharedStore``), when configured
 
     def __len__(self) -> int:
         return len(self.store)
@@ -170,6 +180,13 @@ class MMEmbeddingCache:
                 todo.append(i)
             else:
                 found[item.key, n] = hit
+        if todo and self.shared is not None:  # another encoder of this host may have computed it
+            for i in list(todo):
+                stored = self.shared.load(items[i].key, tokens[i])
+                if stored is not None:
+                    stored = stored.to(items[i].patches.device)
+                    found[items[i].key, tokens[i]] = self.store.put(items[i].key, stored, items[i].holder)
+                    todo.remove(i)
         if todo:
             out = run(
                 torch.cat([items[i].patches for i in todo]), torch.stack([items[i].grid_row for i in todo]), **kwargs
@@ -181,6 +198,8 @@ class MMEmbeddingCache:
                 raise ValueError(f"the vision tower returned {merged.shape[0]} embeddings for {want} image tokens")
             for i, piece in zip(todo, torch.split(merged, [tokens[i] for i in todo])):
                 found[items[i].key, tokens[i]] = self.store.put(items[i].key, piece, items[i].holder)
+                if self.shared is not None:
+                    self.shared.save(items[i].key, found[items[i].key, tokens[i]])
         for item in items:  # the batch's duplicates are held for their own requests
             if item.holder is not None:
                 self.store.acquire(item.key, item.holder)
@@ -194,6 +213,8 @@ class MMEmbeddingCache:
             )
         if self.processor is not None:
             snap = msgspec.structs.replace(snap, processor=self.processor.snapshot())
+        if self.shared is not None:
+            snap = msgspec.structs.replace(snap, shared=self.shared.snapshot())
         return snap
 
 

@@ -49,6 +49,7 @@ class MMCacheStats(msgspec.Struct):
     held: int = 0  # a level: entries some running request holds (never evicted)
     processor: TierStats | None = None
     prefix: TierStats | None = None
+    shared: TierStats | None = None  # the host's shared directory (``cache.mm_shared``), when configured
 
     def since(self, prev: MMCacheStats) -> MMCacheStats:
         """The window from ``prev`` to this report: counter deltas, the levels as they are now."""
@@ -64,14 +65,15 @@ class MMCacheStats(msgspec.Struct):
             held=self.held,
             processor=None if self.processor is None else self.processor.since(prev.processor),
             prefix=None if self.prefix is None else self.prefix.since(prev.prefix),
+            shared=None if self.shared is None else self.shared.since(prev.shared),
         )
 
     def tiers(self) -> dict[str, TierStats]:
-        """Every tier present, by name (``embedding``, ``processor``, ``prefix``)."""
+        """Every tier present, by name (``embedding``, ``processor``, ``prefix``, ``shared``)."""
         out = {
             "embedding": TierStats(self.hits, self.misses, self.evictions, self.not_stored, self.entries, self.nbytes)
         }
-        for name in ("processor", "prefix"):
+        for name in ("processor", "prefix", "shared"):
             tier = getattr(self, name)
             if tier is not None:
                 out[name] = tier

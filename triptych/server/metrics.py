@@ -246,7 +246,7 @@ class Metrics:
             except KeyError:
                 pass
         for gauge in (self.encoder_cache_bytes, self.encoder_cache_entries):
-            for tier in ("embedding", "processor", "prefix"):
+            for tier in ("embedding", "processor", "prefix", "shared"):
                 try:
                     gauge.remove(tier, instance_id)
                 except KeyError:

@@ -82,6 +82,11 @@ class QwenImageFamily(Family):
 
                 tier = mm_processor.ProcessorCache(self.mm_cache_config.processor_bytes)
                 self.mm_cache.processor = mm_processor.install(image_processor, tier)
+            if self.mm_cache_config.shared_dir:
+                from triptych.cache.mm_shared import SharedStore
+
+                shared_bytes = int(self.mm_cache_config.shared_mb * (1 << 20))
+                self.mm_cache.shared = SharedStore(self.mm_cache_config.shared_dir, shared_bytes)
         self._chat = None
 
     @property
