@@ -214,3 +214,16 @@ def test_two_encoders_sharing_a_directory_run_the_tower_once_per_image_and_tenan
     assert b.mm_cache.stats.forwards == 1
     shared = b.mm_cache.snapshot().shared
     assert shared.entries == 2 and 0 < shared.nbytes <= b.mm_cache.shared.max_bytes
+
+
+def test_the_vision_token_budget_bounds_a_step_and_an_image_over_it_still_runs(family):
+    cache = family.mm_cache
+    visual = family.pipe.text_encoder.model.visual
+    pics = images(5, "encoder-layer-token-budget")  # 16 vision tokens each with the packaged processor
+    layer = EncoderLayer(cache, visual, family.processor.image_processor, MMCacheConfig(step_vision_tokens=40))
+    layer.add("r", "", pics)
+    assert [layer.step(), layer.step(), layer.step()] == [2, 2, 1] and layer.ready("r")
+    tiny = EncoderLayer(cache, visual, family.processor.image_processor, MMCacheConfig(step_vision_tokens=1))
+    tiny.add("s", "", pics[:2])
+    assert [tiny.step(), tiny.step()] == [1, 1] and tiny.ready("s")  # one image per step, never none
+    layer.release("r"), tiny.release("s")
