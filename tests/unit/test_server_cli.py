@@ -229,3 +229,20 @@ def test_building_the_command_line_imports_no_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_encoder_layer_flags_reach_the_config_and_the_workers_argv(capsys):
+    import argparse
+
+    from triptych.cache.mm import MMCacheConfig
+    from triptych.server.cli import WorkerFlags
+
+    parser = argparse.ArgumentParser()
+    flags = WorkerFlags.add(parser)
+    argv = ["--mm-processor-cache-mb", "8", "--encoder-step-images", "4", "--encoder-step-vision-tokens", "512"]
+    config = flags.mm_cache_config(parser.parse_args(argv))
+    assert config == MMCacheConfig(processor_mb=8.0, step_images=4, step_vision_tokens=512)
+    assert flags.mm_cache.argv(config) == ["--mm-processor-cache-mb", "8.0", *argv[2:]]
+    with pytest.raises(SystemExit):
+        flags.mm_cache_config(parser.parse_args(["--encoder-step-images", "0"]))
+    assert "step_images" in capsys.readouterr().err

@@ -110,11 +110,15 @@ class ChatRouter:
         while self.waiting:
             ct = self.chats[self.waiting[0]]
             pool = [i for i in self.registry.pool("encoder") if i.chat]
-            inst = ct.attempts.pick(self.registry.policies["encoder"], "encoder", pool)
+            affinity = self.registry.affinity
+            if ct.attempts.image_keys is None:
+                ct.attempts.image_keys = affinity.keys(ct.job.params.tenant, ct.job.params.images)
+            inst = ct.attempts.pick(self.registry.policies["encoder"], "encoder", pool, affinity)
             if inst is None:
                 return
             self.waiting.popleft()
             inst.hold(ct.job.request_id)
+            affinity.record(ct.attempts.image_keys, inst.instance_id)
             ct.instance = inst.instance_id
             ct.machine.to(S.CHATTING)
             task = wire.chat_to_wire(

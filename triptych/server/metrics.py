@@ -129,6 +129,29 @@ class Metrics:
             ["instance"],
             registry=r,
         )
+        self.encoder_cache_lookups = Counter(
+            "triptych_encoder_cache_lookups",
+            "Lookups in the encoder layer's cache tiers (processor, embedding, prefix), by tier and result",
+            ["tier", "result"],
+            registry=r,
+        )
+        self.encoder_cache_evictions = Counter(
+            "triptych_encoder_cache_evictions",
+            "Entries evicted from an encoder-layer tier (evicted) or never stored for want of room (not_stored)",
+            ["tier", "reason"],
+            registry=r,
+        )
+        self.encoder_cache_bytes = Gauge(
+            "triptych_encoder_cache_bytes", "Bytes stored in an encoder-layer tier", ["tier", "instance"], registry=r
+        )
+        self.encoder_cache_entries = Gauge(
+            "triptych_encoder_cache_entries", "Entries in an encoder-layer tier", ["tier", "instance"], registry=r
+        )
+        self.vision_forwards = Counter(
+            "triptych_vision_tower_forwards",
+            "Vision-tower forwards the encoders ran (a batch of many images counts one)",
+            registry=r,
+        )
         self.chat_tokens = Counter(
             "triptych_chat_tokens",
             "Tokens of answered chats: prompt (images included) and completion",
@@ -210,6 +233,14 @@ class Metrics:
             for result in ("hits", "misses", "bypassed"):
                 self.mm_cache_lookups.labels(result).inc(getattr(c, result))
             self.mm_cache_bytes.labels(window.instance_id).set(c.nbytes)
+            self.vision_forwards.inc(c.forwards)
+            for tier, t in c.tiers().items():
+                for result in ("hits", "misses"):
+                    self.encoder_cache_lookups.labels(tier, result).inc(getattr(t, result))
+                self.encoder_cache_evictions.labels(tier, "evicted").inc(t.evictions)
+                self.encoder_cache_evictions.labels(tier, "not_stored").inc(t.not_stored)
+                self.encoder_cache_bytes.labels(tier, window.instance_id).set(t.nbytes)
+                self.encoder_cache_entries.labels(tier, window.instance_id).set(t.entries)
         chat = window.chat
         if chat is not None:
             self.chat_prefill_tokens.labels("computed").inc(chat.prefill_computed)
@@ -243,6 +274,12 @@ class Metrics:
                 gauge.remove(instance_id)
             except KeyError:
                 pass
+        for gauge in (self.encoder_cache_bytes, self.encoder_cache_entries):
+            for tier in ("embedding", "processor", "prefix", "shared"):
+                try:
+                    gauge.remove(tier, instance_id)
+                except KeyError:
+                    pass
 
     def record_request(self, endpoint: str, outcome: str, latency_s: float | None = None) -> None:
         """One finished API request; ``latency_s`` (successful generations) feeds the latency histogram."""

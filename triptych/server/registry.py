@@ -17,6 +17,7 @@ from collections import Counter
 import msgspec
 
 from triptych.server import protocol as P
+from triptych.server.affinity import ImageAffinity
 from triptych.server.control import ControlPlane
 from triptych.server.dispatch import DispatchPolicy, Instance, bound_ids, make_policy
 from triptych.server.metrics import Metrics
@@ -44,6 +45,7 @@ class InstanceRegistry:
         self.policies: dict[str, DispatchPolicy] = {
             r: make_policy(dispatch) for r in ("encoder", "denoiser", "decoder")
         }
+        self.affinity = ImageAffinity()  # which encoder holds which tenant's images (``affinity``)
         self._rejoin_sent: dict[str, float] = {}  # unknown instance id -> when it was last told to rejoin
         self._last_stats: dict[str, tuple[int, P.StatsReport]] = {}  # dead instance -> (pid, last report)
         now = time.monotonic()
@@ -121,6 +123,7 @@ class InstanceRegistry:
         if not self.pool(inst.role):
             self._empty_since[inst.role] = time.monotonic()
         self.metrics.forget_instance(instance_id)
+        self.affinity.forget(instance_id)
         self.control.forget(instance_id)
         if inst.stats is not None:
             self._last_stats[instance_id] = (inst.pid, inst.stats)

@@ -169,6 +169,7 @@ class GenerationRouter:
                 break
             tr, enc, den = placed
             self._charge(tr, enc)
+            self.registry.affinity.record(tr.attempts.image_keys or [], enc.instance_id)
             self._charge(tr, den)
             now = time.monotonic()
             tr.waited_s = now - tr.machine.entered_at
@@ -215,7 +216,12 @@ class GenerationRouter:
         return None
 
     def _pick(self, role: str, tr: Tracked) -> Instance | None:
-        return tr.attempts.pick(self.registry.policies[role], role, self.registry.pool(role))
+        affinity = None
+        if role == "encoder":  # prefer the encoder that holds the condition image (``affinity``)
+            affinity = self.registry.affinity
+            if tr.attempts.image_keys is None:
+                tr.attempts.image_keys = affinity.keys(tr.job.params.tenant, [tr.job.params.image])
+        return tr.attempts.pick(self.registry.policies[role], role, self.registry.pool(role), affinity)
 
     def _charge(self, tr: Tracked, inst: Instance) -> None:
         inst.hold(tr.job.request_id)

@@ -77,6 +77,17 @@ class QwenImageFamily(Family):
         if visual is not None and budget > 0:
             scope = model_identity(self.model_dir, ("text_encoder",))
             self.mm_cache = mm.install(visual, mm.MMEmbeddingCache(budget, scope=scope))
+            image_processor = getattr(self.processor, "image_processor", None)
+            if image_processor is not None and self.mm_cache_config.processor_bytes > 0:
+                from triptych.cache import mm_processor
+
+                tier = mm_processor.ProcessorCache(self.mm_cache_config.processor_bytes)
+                self.mm_cache.processor = mm_processor.install(image_processor, tier)
+            if self.mm_cache_config.shared_dir:
+                from triptych.cache.mm_shared import SharedStore
+
+                shared_bytes = int(self.mm_cache_config.shared_mb * (1 << 20))
+                self.mm_cache.shared = SharedStore(self.mm_cache_config.shared_dir, shared_bytes)
         self._chat = None
 
     @property
@@ -103,6 +114,15 @@ class QwenImageFamily(Family):
             image_first = model_defaults(self.model_dir).get("chat_parts") == "image-first"
             self._chat = ChatModel(self.pipe.text_encoder, self.processor, image_first=image_first)
         return self._chat
+
+    def vision_images(self, params) -> list:
+        """The images this request hands the vision tower, in the order it does (the encoder layer
+        encodes them ahead, batched with other requests'): a chat's, in message order."""
+        from triptych.pipelines.vlm import ChatParams
+
+        if isinstance(params, ChatParams):
+            return [params.images[p] for t in params.turns for p in t.parts if isinstance(p, int)]
+        return []
 
     @property
     def multiple(self) -> int:
@@ -227,6 +247,13 @@ class QwenImageEditFamily(QwenImageFamily):
                 f"aspect ratio {max(w, h) / min(w, h):.0f}:1 is too extreme: the model resizes it to "
                 f"{width}x{height} and each side must be at least {self.multiple} px",
             )
+
+    def vision_images(self, params) -> list:
+        """An edit's condition image as its prompt encoding resizes it (``enc.encode_edit``)."""
+        if isinstance(params, GenerationParams) and _is_image(params.image):
+            height, width = enc.condition_size(params.image, self.condition_area)
+            return [self.pipe.image_processor.resize(params.image, height, width)]
+        return super().vision_images(params)
 
     def compat_key(self, state: DenoiseState) -> tuple:
         """Rows also share the condition image's latent shape (it is part of the sequence)."""
