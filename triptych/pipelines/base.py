@@ -33,7 +33,7 @@ import torch
 
 from triptych.cache.mm import MMCacheConfig
 from triptych.devices import DeviceConfig
-from triptych.errors import InvalidParam
+from triptych.errors import InvalidParam, TriptychError
 from triptych.pipelines.placement import place, vae_tiling
 
 logger = logging.getLogger(__name__)
@@ -245,6 +245,14 @@ class Family(ABC):
     def chat_model(self):
         """This instance's ``triptych.pipelines.vlm.ChatModel``, or None (no VLM loaded here)."""
         return None
+
+    def vllm_export(self, out: Path, vision: str = "copy") -> Path:
+        """Write the model folder a vLLM server loads to answer this model's chats (files only)."""
+        raise TriptychError(f"{self.name} has no VLM that vLLM can serve")
+
+    def vllm_inputs(self, chat) -> tuple[int, dict]:
+        """A chat's prompt length and its images as vLLM embedding items (``pipelines/qwenimage/vllm``)."""
+        raise TriptychError(f"{self.name} has no VLM to encode a chat's images for vLLM")
 
     def _build_components(self, wanted: frozenset[str]) -> dict[str, Any]:
         """Components the family constructs itself instead of letting ``from_pretrained`` load them.

@@ -12,7 +12,12 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
+import os
 import secrets
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 _CONTEXT = b"triptych control plane v1\0"
 
@@ -38,3 +43,14 @@ class ControlKey:
         payload, mac = frames
         good = hmac.new(self._key, payload, hashlib.sha256).digest()
         return payload if hmac.compare_digest(good, bytes(mac)) else None
+
+
+def write_token(data_dir: Path, token: str) -> Path:
+    """The control-plane token where an operator starting remote workers finds it (owner-only)."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    path = data_dir / "worker.token"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    logger.info('remote workers: triptych worker --token "$(cat %s)" --head %s ...', path, "<control address>")
+    return path

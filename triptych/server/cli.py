@@ -32,7 +32,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from triptych.config_flags import ConfigFlags, add_flags_later
+from triptych.server.auth import write_token
 from triptych.server.dispatch import POLICIES
+from triptych.vllm_chat.launch import chat_engines
 
 if TYPE_CHECKING:
     from triptych.server.engine.config import EngineConfig
@@ -113,6 +115,7 @@ class ServeFlags:
     cluster: ConfigFlags
     roles: dict[str, ConfigFlags]  # role -> its RoleResources flags (--denoiser-cpus, ...)
     autoscale: ConfigFlags
+    vllm: ConfigFlags  # the chat engine (VllmConfig)
 
     @classmethod
     def add(cls, parser: argparse.ArgumentParser) -> ServeFlags:
@@ -122,6 +125,7 @@ class ServeFlags:
         from triptych.server.launch import MOONCAKE_LOG_LEVELS, TopologyConfig
         from triptych.server.orchestrator import OrchestratorConfig
         from triptych.server.request_state import StateTimeouts
+        from triptych.vllm_chat import VllmConfig
 
         def group(title: str):
             return parser.add_argument_group(title)
@@ -168,6 +172,7 @@ class ServeFlags:
                 prefix="autoscale-",
                 rename={"pools": "autoscale"},
             ),
+            vllm=ConfigFlags(group("chat engine (VllmConfig)"), VllmConfig),
         )
 
     def cluster_config(self, args: argparse.Namespace):
@@ -247,6 +252,7 @@ def add_server_commands(sub) -> None:
         "--collective-timeout", type=float, default=60.0, help="multi-rank denoiser: collective timeout, seconds"
     )
     w.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    w.add_argument("--vllm-url", default="", help="encoder: the vLLM server answering its chats (--chat-engine vllm)")
     w.add_argument(
         "--exit-with-parent",
         type=int,
@@ -283,6 +289,7 @@ def worker_config(args: argparse.Namespace):
         parallel=flags.parallel_config(args),
         collective_timeout_s=args.collective_timeout,
         mm_cache=flags.mm_cache_config(args),
+        chat_vllm_url=args.vllm_url,
     )
 
 
@@ -319,7 +326,7 @@ def build_backends(
 ) -> dict:
     """One ``EmbeddedBackend`` (orchestrator + its pools: local processes, or ``pool``'s Ray actors) per
     model. They share one control-plane token; a fixed ``control_port`` P gives the models P, P+1, ...
-    in order (0: each a free port)."""
+    in order (0: each a free port). ``topology``: one for all, or model id → its own."""
     from triptych.server.auth import new_token
     from triptych.server.launch import EmbeddedBackend
 
@@ -329,7 +336,8 @@ def build_backends(
         port = shared.control_port + i if shared.control_port else 0
         config = dataclasses.replace(shared, control_port=port)
         extra = {} if pool is None else {"pool": pool}
-        backends[name] = EmbeddedBackend(model_dir, config, topology, autoscale=autoscale, **extra)
+        topo = topology[name] if isinstance(topology, dict) else topology
+        backends[name] = EmbeddedBackend(model_dir, config, topo, autoscale=autoscale, **extra)
     return backends
 
 
@@ -354,12 +362,14 @@ def cmd_serve(args) -> int:
         from triptych.cluster.ray_backend import ray_pool
 
         pool, stop_ray = ray_pool(cluster, topology, autoscale, copies=len(models))
-    backends = build_backends(models, flags.orchestrator_config(args), topology, pool=pool, autoscale=autoscale)
-    for name, model_dir in models.items():
-        logger.info("serving %s from %s", name, model_dir)
-    write_token(head_config.data_dir, next(iter(backends.values())).orchestrator.token)
     try:
-        return _serve_http(args, backends, head_config)
+        with chat_engines(flags.vllm.build(args, flags.parser), models, head_config.data_dir, topology) as topologies:
+            orchestrator = flags.orchestrator_config(args)
+            backends = build_backends(models, orchestrator, topologies, pool=pool, autoscale=autoscale)
+            for name, model_dir in models.items():
+                logger.info("serving %s from %s", name, model_dir)
+            write_token(head_config.data_dir, next(iter(backends.values())).orchestrator.token)
+            return _serve_http(args, backends, head_config)
     finally:
         if stop_ray is not None:
             stop_ray()
@@ -377,17 +387,6 @@ def _serve_http(args, backends: dict, head_config) -> int:
         backends = next(iter(backends.values()))
     uvicorn.run(create_app(backends, head_config), host=args.host, port=args.port, log_level="info")
     return 0
-
-
-def write_token(data_dir: Path, token: str) -> Path:
-    """The control-plane token where an operator starting remote workers finds it (owner-only)."""
-    data_dir.mkdir(parents=True, exist_ok=True)
-    path = data_dir / "worker.token"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
-    logger.info('remote workers: triptych worker --token "$(cat %s)" --head %s ...', path, "<control address>")
-    return path
 
 
 async def _control_plane_only(backend) -> int:

@@ -78,6 +78,9 @@ class WorkerConfig:
     whole instance out of service."""
     mm_cache: MMCacheConfig = field(default_factory=MMCacheConfig)
     """The encoder's mm-hash cache budget (ignored by other roles)."""
+    chat_vllm_url: str = ""
+    """Encoder: the vLLM server that answers this encoder's chats (``triptych serve --chat-engine
+    vllm`` passes it); empty = the built-in decoder."""
     register_timeout_s: float = 120.0
     """How long to wait for the head's ``RegisterAck``."""
     torch_threads: int = 0

@@ -11,6 +11,7 @@ from triptych.server import protocol as P
 from triptych.server import wire
 from triptych.server.runners.base import Job, StageRunner, owned, specs_of
 from triptych.server.runners.chat import ChatSession
+from triptych.server.runners.remote_chat import RemoteChats
 from triptych.server.transfer.staging import to_host
 
 
@@ -21,20 +22,27 @@ class EncoderRunner(StageRunner):
     stage = "encode"
     tasks = (P.EncodeTask, P.ChatTask)
 
-    def __init__(self, family, port):
+    def __init__(self, family, port, chat_engine=None):
+        """``chat_engine``: a remote LLM engine (``triptych.vllm_chat.engine.VllmChatEngine``) that
+        answers the chats (this encoder encodes their images); None: the built-in decoder."""
         super().__init__(family, port)
         self.chats: list[tuple[Job, ChatSession | None]] = []  # in arrival order; the first one runs
+        self.remote = None if chat_engine is None else RemoteChats(family, port, chat_engine)
 
     def take(self, task) -> None:
-        if isinstance(task, P.ChatTask):
+        if isinstance(task, P.ChatTask) and self.remote is not None:
+            self.remote.take(self.new_job(task, None))
+        elif isinstance(task, P.ChatTask):
             self.chats.append((self.new_job(task, None), None))
         else:
             self.ready.append(self.new_job(task, wire.params_from_wire(task.params)))
 
     def has_work(self) -> bool:
-        return bool(self.ready) or bool(self.chats)
+        return bool(self.ready) or bool(self.chats) or (self.remote is not None and self.remote.has_work())
 
     def execute(self) -> None:
+        if self.remote is not None and self.remote.has_work():
+            return self.remote.step()
         if self.ready:
             return super().execute()
         self._chat_step()
@@ -47,6 +55,8 @@ class EncoderRunner(StageRunner):
 
     def abort(self, job: Job) -> None:
         super().abort(job)
+        if self.remote is not None and self.remote.abort(job):
+            return
         for i, (held, session) in enumerate(self.chats):
             if held is job:
                 del self.chats[i]
@@ -56,6 +66,8 @@ class EncoderRunner(StageRunner):
 
     def close(self) -> None:
         """A shutdown ends the running answer at its next token, answered as a retryable failure."""
+        if self.remote is not None:
+            self.remote.close()
         chats, self.chats = self.chats, []
         for job, session in chats:
             if session is not None:
