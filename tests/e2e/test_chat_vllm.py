@@ -178,7 +178,7 @@ def test_the_mm_hash_keys_vllms_prefix_cache(served):
 def test_a_cancelled_stream_frees_vllm_and_the_head(served):
     base, vllm_url = served
     image = render(sample_scenes(1, "vllm-cancel", "heldout")[0], 64)
-    aborted = vllm_metric(vllm_url, "vllm:request_success_total", 'finished_reason="abort"')
+    generated = vllm_metric(vllm_url, "vllm:generation_tokens_total")
     body = {
         "model": "default",
         "messages": [{"role": "user", "content": [image_part(image), {"type": "text", "text": QUESTION}]}],
@@ -193,7 +193,8 @@ def test_a_cancelled_stream_frees_vllm_and_the_head(served):
         assert any(line.startswith("data: ") for line in got)
     wait_for(lambda: vllm_metric(vllm_url, "vllm:num_requests_running") == 0, "vLLM's request aborted", 60)
     wait_for(lambda: httpx.get(f"{base}/health").json()["in_flight"] == 0, "the head's chat ended", 60)
-    assert vllm_metric(vllm_url, "vllm:request_success_total", 'finished_reason="abort"') == aborted + 1
+    produced = vllm_metric(vllm_url, "vllm:generation_tokens_total") - generated
+    assert 0 < produced < 900  # it started, and stopped before the end
 
 
 def test_a_chat_past_vllms_context_is_a_400_naming_max_tokens(served):
