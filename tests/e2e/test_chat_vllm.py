@@ -10,6 +10,7 @@ CI (``CI=true``), where ``.ci/run`` installs it.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import os
@@ -17,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -175,7 +177,21 @@ def test_the_mm_hash_keys_vllms_prefix_cache(served):
     assert vllm_metric(vllm_url, "vllm:prefix_cache_hits_total") - before >= 32  # one block (32 tokens) at least
 
 
-def test_a_cancelled_stream_frees_vllm_and_the_head(served):
+async def _leave_once_running(url: str, body: dict, vllm_url: str) -> None:
+    async with httpx.AsyncClient(timeout=60) as http:
+        task = asyncio.create_task(http.post(url, json=body))
+        end = time.monotonic() + 60
+        while vllm_metric(vllm_url, "vllm:num_requests_running") == 0:
+            assert not task.done() and time.monotonic() < end, "the chat never reached vLLM"
+            await asyncio.sleep(0.05)
+        task.cancel()  # closes the connection: the head cancels the chat
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_leaves_frees_vllm_and_the_head(served, stream):
+    """Streamed: the client closes after a few pieces; whole: it goes once vLLM runs the request."""
     base, vllm_url = served
     image = render(sample_scenes(1, "vllm-cancel", "heldout")[0], 64)
     generated = vllm_metric(vllm_url, "vllm:generation_tokens_total")
@@ -184,13 +200,16 @@ def test_a_cancelled_stream_frees_vllm_and_the_head(served):
         "messages": [{"role": "user", "content": [image_part(image), {"type": "text", "text": QUESTION}]}],
         "max_tokens": 900,
         "ignore_eos": True,
-        "stream": True,
+        "stream": stream,
     }
-    with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=60) as resp:
-        assert resp.status_code == 200
-        lines = resp.iter_lines()
-        got = [next(lines) for _ in range(6)]
-        assert any(line.startswith("data: ") for line in got)
+    if stream:
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=60) as resp:
+            assert resp.status_code == 200
+            lines = resp.iter_lines()
+            got = [next(lines) for _ in range(6)]
+            assert any(line.startswith("data: ") for line in got)
+    else:
+        asyncio.run(_leave_once_running(f"{base}/v1/chat/completions", body, vllm_url))
     wait_for(lambda: vllm_metric(vllm_url, "vllm:num_requests_running") == 0, "vLLM's request aborted", 60)
     wait_for(lambda: httpx.get(f"{base}/health").json()["in_flight"] == 0, "the head's chat ended", 60)
     produced = vllm_metric(vllm_url, "vllm:generation_tokens_total") - generated

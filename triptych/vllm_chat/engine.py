@@ -1,15 +1,17 @@
-"""The encoder's client of a vLLM server: chats in, answer pieces out, on threads beside the loop.
+"""The encoder's client of a vLLM server: chats in, answer pieces out, on a thread beside the loop.
 
-``VllmChatEngine.submit(key, body)`` posts one streaming chat completion on a thread of its own;
-``poll()`` hands the loop what arrived since (``ChatEvent``: a piece of text, the end with its usage,
-or a failure), ``cancel(key)`` closes that request's connection (vLLM aborts a request whose client
-went away, freeing its KV blocks) and ``close()`` cancels them all. Each arrival calls ``wake`` so an
+``VllmChatEngine.submit(key, body)`` posts one chat completion (streamed when the caller streams)
+as a task on the engine's event-loop thread; ``poll()`` hands the worker loop what arrived since
+(``ChatEvent``: a piece of text, the end with its usage, or a failure), ``cancel(key)`` cancels the
+task, closing its connection (vLLM aborts a request whose client went away, freeing its KV blocks),
+and ``close()`` cancels them all. A chat nobody streams is asked for whole (no per-token traffic). Each arrival calls ``wake`` so an
 idle worker loop collects it at once. ``chat_body`` builds the request: text parts as they are,
 each image as a precomputed ``image_embeds`` part whose ``uuid`` is the image's mm-hash.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
@@ -40,8 +42,9 @@ def tensor_b64(t: torch.Tensor) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def chat_body(model: str, params: ChatParams, items: dict) -> dict:
-    """The OpenAI chat completion request of ``params``; ``items``: image index → ``EmbeddingItem``."""
+def chat_body(model: str, params: ChatParams, items: dict, stream: bool = True) -> dict:
+    """The OpenAI chat completion request of ``params``; ``items``: image index → ``EmbeddingItem``.
+    ``stream=False`` asks for the whole answer at once (no per-token events to relay)."""
     messages = []
     for turn in params.turns:
         content = []
@@ -65,8 +68,8 @@ def chat_body(model: str, params: ChatParams, items: dict) -> dict:
         "top_p": 1.0 if greedy else params.top_p,
         "seed": params.seed,
         "ignore_eos": params.ignore_eos,
-        "stream": True,
-        "stream_options": {"include_usage": True},
+        "stream": stream,
+        **({"stream_options": {"include_usage": True}} if stream else {}),
     }
 
 
@@ -80,15 +83,18 @@ class ChatEvent:
 
 
 class VllmChatEngine:
-    """Ownership: one thread per running chat; ``cancel``/``close`` end them, each joins on its own."""
+    """Ownership: one event-loop thread (started by the first ``submit``) runs every chat's request as
+    a task; ``cancel`` cancels the task (its connection closes, so vLLM aborts the request, streamed
+    or not) and ``close`` cancels them all and stops the thread."""
 
     def __init__(self, url: str, model: str = "", wake: Callable[[], None] = lambda: None):
         self.url = url.rstrip("/")
         self.wake = wake
-        self._client = httpx.Client(base_url=self.url, timeout=httpx.Timeout(None, connect=10.0))
         self._events: deque[ChatEvent] = deque()
-        self._cancel: dict[str, threading.Event] = {}
+        self._tasks: dict[str, asyncio.Future] = {}
         self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._client: httpx.AsyncClient | None = None
         self.model = model
         self.max_model_len = 0
         self.items_sent = 0  # image embedding items sent (no pixels ever are)
@@ -99,7 +105,7 @@ class VllmChatEngine:
         if self.max_model_len:
             return
         try:
-            models = self._client.get("/v1/models", timeout=10.0).json()["data"]
+            models = httpx.get(f"{self.url}/v1/models", timeout=10.0).json()["data"]
         except (httpx.HTTPError, KeyError, ValueError) as e:
             raise VllmUnavailable(f"vLLM at {self.url} does not answer /v1/models: {e}") from e
         served = next((m for m in models if not self.model or m["id"] == self.model), None)
@@ -118,56 +124,71 @@ class VllmChatEngine:
         return out
 
     def submit(self, key: str, body: dict) -> None:
-        stop = threading.Event()
-        with self._lock:
-            self._cancel[key] = stop
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+            threading.Thread(target=self._loop.run_forever, name="vllm-chats", daemon=True).start()
         self.chats_sent += 1
         self.items_sent += sum(p.get("type") == "image_embeds" for m in body["messages"] for p in m["content"])
-        threading.Thread(target=self._run, args=(key, body, stop), name=f"vllm-{key}", daemon=True).start()
+        with self._lock:
+            self._tasks[key] = asyncio.run_coroutine_threadsafe(self._run(key, body), self._loop)
 
     def cancel(self, key: str) -> None:
         with self._lock:
-            stop = self._cancel.pop(key, None)
-        if stop is not None:
-            stop.set()
+            task = self._tasks.pop(key, None)
+        if task is not None:
+            task.cancel()  # thread-safe: the loop cancels the coroutine at its next await
 
     def running(self) -> int:
-        return len(self._cancel)
+        return len(self._tasks)
 
     def close(self) -> None:
         with self._lock:
-            stops, self._cancel = list(self._cancel.values()), {}
-        for stop in stops:
-            stop.set()
+            tasks, self._tasks = list(self._tasks.values()), {}
+        for task in tasks:
+            task.cancel()
+        if self._loop is not None:
+            loop, self._loop = self._loop, None
+            if self._client is not None:
+                asyncio.run_coroutine_threadsafe(self._client.aclose(), loop)
+            loop.call_soon_threadsafe(loop.stop)
 
-    # ---- a chat's thread -------------------------------------------------------------------------
+    # ---- on the engine's loop ---------------------------------------------------------------------
     def _emit(self, event: ChatEvent) -> None:
         with self._lock:
             if event.result is not None or event.error is not None:
-                self._cancel.pop(event.key, None)
+                self._tasks.pop(event.key, None)
             self._events.append(event)
         self.wake()
 
-    def _run(self, key: str, body: dict, stop: threading.Event) -> None:
+    async def _run(self, key: str, body: dict) -> None:
+        if self._client is None:
+            self._client = httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(None, connect=10.0))
         try:
-            result = self._stream(key, body, stop)
+            result = await (self._stream(key, body) if body["stream"] else self._whole(body))
         except httpx.HTTPError as e:
             self._emit(ChatEvent(key, error=VllmUnavailable(f"vLLM at {self.url}: {e}"), retryable=True))
-            return
         except TriptychError as e:
             self._emit(ChatEvent(key, error=e))
-            return
-        if result is not None:  # None: cancelled, nobody waits for it
+        else:
             self._emit(ChatEvent(key, result=result))
 
-    def _stream(self, key: str, body: dict, stop: threading.Event) -> ChatResult | None:
+    async def _whole(self, body: dict) -> ChatResult:
+        resp = await self._client.post("/v1/chat/completions", json=body)
+        if resp.status_code != 200:
+            raise _refusal(resp, body)
+        out = resp.json()
+        choice, usage = out["choices"][0], out.get("usage") or {}
+        text = choice["message"].get("content") or ""
+        reason = choice.get("finish_reason") or "length"
+        return ChatResult(text, int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0)), reason)
+
+    async def _stream(self, key: str, body: dict) -> ChatResult:
         text, reason, usage = [], "length", {}
-        with self._client.stream("POST", "/v1/chat/completions", json=body) as resp:
+        async with self._client.stream("POST", "/v1/chat/completions", json=body) as resp:
             if resp.status_code != 200:
+                await resp.aread()
                 raise _refusal(resp, body)
-            for line in resp.iter_lines():
-                if stop.is_set():
-                    return None  # leaving the block closes the connection: vLLM aborts the request
+            async for line in resp.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[len("data: ") :])
@@ -178,15 +199,12 @@ class VllmChatEngine:
                         text.append(piece)
                         self._emit(ChatEvent(key, text=piece))
                     reason = choice.get("finish_reason") or reason
-        if stop.is_set():
-            return None
         return ChatResult(
             "".join(text), int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0)), reason
         )
 
 
 def _refusal(resp: httpx.Response, body: dict) -> TriptychError:
-    resp.read()
     try:
         error = resp.json()
         message = (error.get("error") or error).get("message", resp.text)

@@ -84,7 +84,7 @@ class RemoteChats:
                     f"the prompt is {prompt_tokens} tokens and prompt + max_tokens must fit "
                     f"the chat engine's context of {limit} tokens",
                 )
-            body = chat_body(self.engine.model, params, items)
+            body = chat_body(self.engine.model, params, items, stream=job.task.stream)
         except VllmUnavailable as e:
             return port.fail(job, e, retryable=True)
         except (TriptychError, RuntimeError, ValueError) as e:
