@@ -45,13 +45,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_serve(engine: str, port: int, data: Path, vllm_port: int, vllm_python: Path) -> subprocess.Popen:
+def start_serve(
+    engine: str, port: int, data: Path, vllm_port: int, vllm_python: Path, threads: int
+) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "triptych.cli", "serve", "--model", f"default={PACKAGED_DEFAULT}"]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--data-dir", str(data)]
     cmd += ["--encoders", "1", "--denoisers", "0", "--decoders", "0", "--capacity", "16", "--transfer", "zmq"]
     cmd += ["--chat-engine", engine]
     if engine == "vllm":
-        cmd += ["--vllm-python", str(vllm_python), "--vllm-port", str(vllm_port)]
+        # one torch thread for the encoder: it only preprocesses and hits its mm-hash cache, and a
+        # second OpenMP thread spinning between ops takes CPU from vLLM's pinned core
+        cmd += ["--vllm-python", str(vllm_python), "--vllm-port", str(vllm_port), "--threads", str(threads)]
     data.mkdir(parents=True, exist_ok=True)
     with open(data / "serve.log", "wb") as log:
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -128,10 +132,11 @@ def main() -> None:
     p.add_argument("--vllm-python", type=Path, default=ROOT / ".venv-vllm" / "bin" / "python")
     p.add_argument("--data", type=Path, default=ROOT / "out" / "chat_vllm")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--vllm-threads", type=int, default=1, help="torch threads of the vLLM-engine serve's encoder")
     args = p.parse_args()
     ports = {"builtin": free_port(), "vllm": free_port()}
     vllm_port = free_port()
-    procs = {e: start_serve(e, ports[e], args.data / e, vllm_port, args.vllm_python) for e in ports}
+    procs = {e: start_serve(e, ports[e], args.data / e, vllm_port, args.vllm_python, args.vllm_threads) for e in ports}
     targets = {
         "builtin": f"http://127.0.0.1:{ports['builtin']}",
         "triptych+vllm": f"http://127.0.0.1:{ports['vllm']}",
