@@ -16,8 +16,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
+import os
 import secrets
 import struct
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 _CONTEXT = b"triptych control plane v1\0"
 SESSION_BYTES = 16
@@ -82,3 +87,15 @@ class SequencedSender:
     def send(self, payload: bytes) -> None:
         self._seq += 1
         self._send(self.key.seal_sequenced(self.session, self._seq, payload))
+
+
+def write_token(data_dir: Path, token: str) -> Path:
+    """The control-plane token where an operator starting remote workers finds it (owner-only)."""
+    from triptych.server.private import private_dir
+
+    path = private_dir(data_dir) / "worker.token"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    logger.info('remote workers: triptych worker --token "$(cat %s)" --head %s ...', path, "<control address>")
+    return path

@@ -83,6 +83,9 @@ class WorkerConfig:
     """The encoder's mm-hash cache budget (ignored by other roles)."""
     chat: ChatEngineConfig = field(default_factory=ChatEngineConfig)
     """The encoder's chat engine: running chats per instance, prefix KV budget (ignored by other roles)."""
+    chat_vllm_url: str = ""
+    """Encoder: the vLLM server that answers this encoder's chats (``triptych serve --chat-engine
+    vllm`` passes it); empty = the built-in decoder."""
     register_timeout_s: float = 120.0
     """How long to wait for the head's ``RegisterAck``."""
     torch_threads: int = 0

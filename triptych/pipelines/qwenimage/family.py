@@ -16,7 +16,7 @@ import torch
 from diffusers import QwenImageEditPipeline, QwenImagePipeline
 from diffusers.image_processor import VaeImageProcessor
 
-from triptych.errors import InvalidParam
+from triptych.errors import InvalidParam, TriptychError
 from triptych.identity import model_identity
 from triptych.pipelines.base import Conditioning, DenoiseState, Family, Frames, GenerationParams, Role, Row
 from triptych.pipelines.geometry import model_defaults, vae_config
@@ -123,6 +123,20 @@ class QwenImageFamily(Family):
         if isinstance(params, ChatParams):
             return [params.images[p] for t in params.turns for p in t.parts if isinstance(p, int)]
         return []
+
+    def vllm_export(self, out, vision: str = "copy"):
+        from triptych.pipelines.qwenimage.vllm import export_vllm_folder
+
+        return export_vllm_folder(self.model_dir, out, vision)
+
+    def vllm_inputs(self, chat):
+        from triptych.pipelines.qwenimage.vllm import embedding_items
+
+        model = self.chat_model()
+        if model is None:
+            raise TriptychError(f"{self.name} at {self.model_dir} has no VLM to chat with")
+        scope = self.mm_cache.scope if self.mm_cache is not None else model_identity(self.model_dir, ("text_encoder",))
+        return embedding_items(model, chat, scope)
 
     @property
     def multiple(self) -> int:

@@ -35,8 +35,17 @@ def _denoiser(family, port: WorkerPort, config) -> StageRunner:
     return DenoiserRunner(family, port, config.engine, accel=make_teacache(family))
 
 
+def _encoder(family, port: WorkerPort, config) -> StageRunner:
+    engine = None
+    if getattr(config, "chat_vllm_url", ""):
+        from triptych.vllm_chat.engine import VllmChatEngine
+
+        engine = VllmChatEngine(config.chat_vllm_url, wake=getattr(port, "wake", lambda: None))
+    return EncoderRunner(family, port, config.chat, chat_engine=engine)
+
+
 RUNNERS: dict[Role, Callable[..., StageRunner]] = {
-    Role.ENCODER: lambda family, port, config: EncoderRunner(family, port, config.chat),
+    Role.ENCODER: _encoder,
     Role.DENOISER: _denoiser,
     Role.DECODER: lambda family, port, config: DecoderRunner(family, port),
 }

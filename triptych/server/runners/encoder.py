@@ -12,6 +12,7 @@ from triptych.pipelines.vlm.engine_config import ChatEngineConfig
 from triptych.server import protocol as P
 from triptych.server import wire
 from triptych.server.runners.base import Job, StageRunner, owned, specs_of
+from triptych.server.runners.remote_chat import RemoteChats
 from triptych.server.transfer.staging import to_host
 
 
@@ -24,13 +25,19 @@ class EncoderRunner(StageRunner):
     Every ``execute()`` first lets the encoder layer (``cache.mm_layer``) encode the images of the
     requests taken so far, within its per-step budget, as one batched vision forward; an encode
     runs, and a chat joins the engine, once its images are in. A job holds its layer entries from
-    ``take`` until it finishes, fails or is aborted (``_release``)."""
+    ``take`` until it finishes, fails or is aborted (``_release``).
+
+    With a remote LLM engine (``chat_engine``, vLLM) the chats go to ``RemoteChats`` instead: this
+    encoder computes their vision embeddings (through the same mm-hash cache), the engine decodes."""
 
     stage = "encode"
     tasks = (P.EncodeTask, P.ChatTask)
 
-    def __init__(self, family, port, chat_config: ChatEngineConfig = ChatEngineConfig()):
+    def __init__(self, family, port, chat_config: ChatEngineConfig = ChatEngineConfig(), chat_engine=None):
+        """``chat_engine``: a remote LLM engine (``triptych.vllm_chat.engine.VllmChatEngine``) that
+        answers the chats; None: the built-in batched engine (``chat_config``)."""
         super().__init__(family, port)
+        self.remote = None if chat_engine is None else RemoteChats(family, port, chat_engine)
         self.chat_config = chat_config
         self.engine = None  # the ChatEngine, built at the first chat
         self.chats: dict[tuple[str, int], Job] = {}  # engine chat id -> job, for the chats held
@@ -44,6 +51,8 @@ class EncoderRunner(StageRunner):
             self.ready.append(job)
             return self._hold_images(job, job.params)
         job = self.new_job(task, None)
+        if self.remote is not None:
+            return self.remote.take(job)
         if self._chat_engine() is None:
             return self.port.fail(
                 job, TriptychError(f"{self.port.instance_id} has no VLM to chat with"), retryable=False
@@ -56,11 +65,14 @@ class EncoderRunner(StageRunner):
         self._hold_images(job, params)
 
     def has_work(self) -> bool:
-        return bool(self.ready) or bool(self.waiting) or (self.engine is not None and self.engine.has_work())
+        engine = self.engine is not None and self.engine.has_work()
+        return bool(self.ready) or bool(self.waiting) or engine or (self.remote is not None and self.remote.has_work())
 
     def execute(self) -> None:
         if self.layer is not None:
             self.layer.step()
+        if self.remote is not None and self.remote.has_work():
+            self.remote.step()  # hands on the engine's answers, sends the next waiting chat
         self._admit_chats()
         chats = self.engine is not None and self.engine.has_work()
         job = next((j for j in self.ready if self._vision_ready(j)), None)
@@ -87,6 +99,8 @@ class EncoderRunner(StageRunner):
     def abort(self, job: Job) -> None:
         super().abort(job)
         self._release(job)
+        if self.remote is not None and self.remote.abort(job):
+            return
         key = (job.request_id, job.generation)
         self.waiting.pop(key, None)
         if self.chats.pop(key, None) is not None:
@@ -94,6 +108,8 @@ class EncoderRunner(StageRunner):
 
     def close(self) -> None:
         """A shutdown fails the running answers as retryable (another encoder answers them)."""
+        if self.remote is not None:
+            self.remote.close()
         chats, self.chats = self.chats, {}
         waiting, self.waiting = self.waiting, {}
         for key in chats:
