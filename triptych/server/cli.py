@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 
 from triptych.config_flags import ConfigFlags, add_flags_later
 from triptych.server.auth import write_token
+from triptych.server.cli_worker import cmd_worker
 from triptych.server.dispatch import POLICIES
 from triptych.server.worker_flags import WorkerFlags
 from triptych.vllm_chat.launch import chat_engines
@@ -46,7 +47,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 TRANSFER_KINDS = ("auto", "mooncake", "zmq")
-HEAD_FLAGS, HEAD_RENAMED = {"data_dir": "--data-dir", "api_keys": "--api-key"}, {"model_aliases": "model-alias"}
+HEAD_FLAGS = {"data_dir": "--data-dir", "api_keys": "--api-key", "teacache_profiles_root": None}
+HEAD_RENAMED = {"model_aliases": "model-alias"}
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,8 @@ class ServeFlags:
         return self.autoscale.build(args, self.parser)
 
     def head_config(self, args: argparse.Namespace, default_data_dir: Path) -> HeadConfig:
+        from triptych.cli_profiles import user_profiles_root  # calibrate's directory, as generate reads it
+
         env_keys = os.environ.get("TRIPTYCH_API_KEYS", "").split(",")
         keys = [*args.api_key, *(k for k in env_keys if k.strip())]
         return self.head.build(
@@ -137,6 +141,7 @@ class ServeFlags:
             data_dir=Path(args.data_dir) if args.data_dir else default_data_dir,
             limits=self.limits.build(args, self.parser),
             api_keys=tuple(k.strip() for k in keys),
+            teacache_profiles_root=user_profiles_root(),
         )
 
     def topology_config(self, args: argparse.Namespace) -> TopologyConfig:
@@ -208,45 +213,6 @@ def add_server_commands(sub) -> None:
     )
     w.set_defaults(func=cmd_worker)
     add_flags_later(w, lambda parser: parser.set_defaults(worker_flags=WorkerFlags.add(parser)))
-
-
-def worker_config(args: argparse.Namespace):
-    """The ``WorkerConfig`` of parsed ``triptych worker`` flags."""
-    from triptych.devices import device_config_from_args
-    from triptych.models import resolve_model
-    from triptych.pipelines.base import Role
-    from triptych.server.worker import WorkerConfig
-
-    flags: WorkerFlags = args.worker_flags
-    return WorkerConfig(
-        role=Role(args.role),
-        head=args.head,
-        token=args.token,
-        model_dir=Path(resolve_model(args.model, os.environ.get("TRIPTYCH_CACHE"))),
-        instance_id=args.instance_id,
-        capacity=args.capacity,
-        transfer=args.transfer,
-        host=args.host,
-        transfer_max_bytes=flags.transfer_config(args).max_bytes,
-        device=device_config_from_args(args),
-        torch_threads=args.threads,
-        parent_pid=args.exit_with_parent,
-        engine=flags.engine_config(args),
-        parallel=flags.parallel_config(args),
-        collective_timeout_s=args.collective_timeout,
-        mm_cache=flags.mm_cache_config(args),
-        chat=flags.chat_config(args),
-        chat_vllm_url=args.vllm_url,
-    )
-
-
-def cmd_worker(args) -> int:
-    from triptych.server.worker import run_worker
-
-    if len(args.token) < 16:
-        print("triptych worker: --token (or $TRIPTYCH_TOKEN) must be the head's control-plane token", file=sys.stderr)
-        return 2
-    return run_worker(worker_config(args))
 
 
 def served_models(specs: list[str], cache_root: str | None = None) -> dict[str, Path]:

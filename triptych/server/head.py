@@ -115,6 +115,12 @@ class HeadConfig:
     empty = no authentication. ``/health``, ``/metrics`` and ``/v1/files/…`` links (unguessable
     ids, handed out like pre-signed URLs) stay open."""
 
+    teacache_profiles_root: Path | None = None
+    """TeaCache profiles looked up before each model's own ``teacache/``: ``<root>/<model identity>/``
+    (``teacache_profile.profiles_dir_in``) — what ``teacache_threshold: "auto"`` is checked against at
+    the door. ``serve`` sets it to the user directory ``triptych calibrate`` writes
+    (``$XDG_DATA_HOME/triptych/teacache``); None = the models' own profiles only."""
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir))
         if self.max_json_bytes < 1024:

@@ -19,6 +19,7 @@ from fastapi import Request
 from fastapi.routing import APIRoute
 from starlette.datastructures import UploadFile
 
+from triptych.cache.teacache_profile import profiles_dir_in
 from triptych.errors import InvalidParam
 from triptych.pipelines.base import GenerationParams
 from triptych.pipelines.teacache import check_teacache
@@ -122,7 +123,8 @@ def resolve(head: Head, params: GenerationParams, size: str | None, frames_field
     head.limits.check_resolved(p.width, p.height, p.frames, p.steps)
     frames = f", {p.frames} frames" if head.family.is_video else ""
     head.limits.check_tokens(head.family.sequence_tokens(p), f"{p.width}x{p.height}{frames}")
-    check_teacache(head.family, p)  # refused at the door rather than as a failed stage
+    root = head.config.teacache_profiles_root  # the workers look in the same place (WorkerConfig)
+    check_teacache(head.family, p, root and profiles_dir_in(root, head.family.model_dir))  # at the door
     return p
 
 

@@ -90,6 +90,10 @@ class WorkerConfig:
     """How long to wait for the head's ``RegisterAck``."""
     torch_threads: int = 0
     """``torch.set_num_threads`` (0 = leave torch's default)."""
+    teacache_profiles_dir: Path | None = None
+    """Denoiser: TeaCache profiles looked up before the model's own ``teacache/`` (what ``auto``
+    resolves to). ``triptych worker`` sets it to the user directory of the model
+    (``cli_profiles.user_profiles_dir``), the one the head checks requests against."""
     parent_pid: int = 0
     """Exit when this process (the head that spawned us) is gone: a head killed with SIGKILL leaves no
     orphan workers holding memory and devices (the kernel's parent-death signal on Linux, a watch of

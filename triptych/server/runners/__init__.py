@@ -29,10 +29,11 @@ def _denoiser(family, port: WorkerPort, config) -> StageRunner:
             config.device.device,
             dtype=config.device.dtype,
             threads=config.torch_threads,
+            profiles_dir=config.teacache_profiles_dir,
         )
     from triptych.pipelines.teacache import make_teacache
 
-    return DenoiserRunner(family, port, config.engine, accel=make_teacache(family))
+    return DenoiserRunner(family, port, config.engine, accel=make_teacache(family, config.teacache_profiles_dir))
 
 
 def _encoder(family, port: WorkerPort, config) -> StageRunner:
