@@ -126,6 +126,7 @@ def test_serve_flags_build_aliases_hosts_and_the_header_timeout(tmp_path, monkey
         model_aliases=("gpt-image-1=default", "dall-e-3=default"),
         allowed_hosts=("gen.example.com",),
         header_timeout_s=5.0,
+        teacache_profiles_root=user_profiles_root(),
     )
     assert args.serve_flags.head_config(args, tmp_path) == expected
 
