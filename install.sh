@@ -1,9 +1,17 @@
 #!/usr/bin/env bash
 # Installs Triptych into ./.venv: torch 2.13.0 (CPU wheel) first and on its own, then the package
 # with its test, Mooncake and Ray extras (so CI runs the Ray tests, which skip without Ray).
-# Mooncake's engine needs libibverbs1 from Debian (root only).
+# Mooncake's engine needs libibverbs1 from Debian (root only). With --vllm (or TRIPTYCH_VLLM=1) it
+# also runs ./install_vllm.sh: vLLM in its own .venv-vllm, for `triptych serve --chat-engine vllm`.
 set -euo pipefail
 cd "$(dirname "$0")"
+VLLM=${TRIPTYCH_VLLM:-0}
+for arg in "$@"; do
+  case "$arg" in
+    --vllm) VLLM=1 ;;
+    *) echo "install.sh: unknown argument $arg (known: --vllm)" >&2; exit 2 ;;
+  esac
+done
 PY=${PYTHON:-python3}
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! ldconfig -p | grep -q libibverbs.so.1; then
   (apt-get update -qq && apt-get install -y -qq libibverbs1 >/dev/null) || echo "install.sh: libibverbs1 not installed; Mooncake transfer will be unavailable" >&2
@@ -17,3 +25,6 @@ fi
 .venv/bin/pip install -q -e ".[test,mooncake,ray]"
 .venv/bin/python -c "import torch, triptych; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 echo "install.sh: Triptych installed in $(pwd)/.venv"
+if [ "$VLLM" = 1 ]; then
+  PYTHON="$PY" ./install_vllm.sh
+fi

@@ -3,10 +3,16 @@
 For each kill it records how the requests in flight ended (completed, or failed with which status
 and message), how long until the killed worker was replaced (a new pid registered under its id),
 and whether any zombie or orphan process is left. Killing the head must take every worker with it
-(they watch their parent). Everything runs on 127.0.0.1; every process group started here is ended
-by its pgid.
+(the kernel's parent-death signal). Everything runs on 127.0.0.1; every process group started here
+is ended by its pgid.
 
-    python benchmarks/chaos.py --out benchmarks/reliability
+Before the load starts, a replay probe registers a fake encoder with the deployment's token (read
+from the data directory), records its signed frames, and replays them from a second socket while it
+lives and again after it is gone; the head's ``replays_refused`` count and whether a ghost appeared
+are recorded. ``--cpu-hogs N`` runs N busy-loop processes beside everything (ended by pid), and each
+row carries the 1-minute load average when it was measured.
+
+    python benchmarks/chaos.py --out benchmarks/reliability [--cpu-hogs 2]
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import argparse
 import json
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -23,9 +30,69 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
+import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.soak import Server  # noqa: E402
+from triptych.server import protocol as P  # noqa: E402
+from triptych.server.auth import ControlKey  # noqa: E402
+from triptych.server.control_client import ControlClient  # noqa: E402
+
+HOG = "while True: pass"
+
+
+def load1() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+def replay_probe(url: str, token: str, beats: int = 20) -> dict:
+    """Register a fake encoder, record its frames, replay them from other sockets (see the module
+    docstring); returns the counts. Run before any load, so no request is routed to the probe."""
+    backend = httpx.get(f"{url}/health", timeout=10).json()["backend"]
+    ctx = zmq.Context()
+
+    def dealer(identity: bytes) -> zmq.Socket:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, identity)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(backend["control"])
+        return sock
+
+    try:
+        real = ControlClient(dealer(b"chaos-probe#control"), ControlKey(token))
+        frames: list[list[bytes]] = []
+        send = real.sender._send
+        real.sender._send = lambda f: (frames.append([bytes(x) for x in f]), send(f))
+        register = P.Register(
+            "chaos-probe", "encoder", 1, "chaos-probe", "tcp://127.0.0.1:1", "zmq", backend["revision"], os.getpid()
+        )
+        assert real.register(register, 30.0, on_skipped=lambda m: None).accepted
+        for _ in range(beats):
+            real.send(P.Heartbeat("chaos-probe", 0, 1, 1, 0))
+        before = backend["stats"].get("replays_refused", 0)
+        rogue = dealer(b"chaos-rogue")
+        for f in frames[1:]:  # the Register and the heartbeats
+            rogue.send_multipart(f)
+        real.sock.close(0)
+        t0 = time.monotonic()  # the head declares the silent probe dead after its heartbeat timeout
+        while time.monotonic() - t0 < 60:
+            desc = httpx.get(f"{url}/health", timeout=10).json()["backend"]
+            if "chaos-probe" not in {i["id"] for i in desc["instances"]}:
+                break
+            time.sleep(0.2)
+        late = dealer(b"chaos-rogue-late")
+        for f in frames[1:]:
+            late.send_multipart(f)
+        time.sleep(2.0)
+        desc = httpx.get(f"{url}/health", timeout=10).json()["backend"]
+        return {
+            "replayed": 2 * (len(frames) - 1),
+            "replays_refused": desc["stats"].get("replays_refused", 0) - before,
+            "ghost_registered": "chaos-probe" in {i["id"] for i in desc["instances"]},
+            "load1": load1(),
+        }
+    finally:
+        ctx.destroy(linger=0)
 
 
 def proc_state(pid: int) -> str | None:
@@ -79,6 +146,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/reliability")
     ap.add_argument("--settle-s", type=float, default=15.0)
+    ap.add_argument("--cpu-hogs", type=int, default=0, help="busy-loop processes running beside everything")
     args = ap.parse_args()
     from triptych.models import PACKAGED_DEFAULT
 
@@ -86,9 +154,12 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     data = Path(tempfile.mkdtemp(prefix="triptych-chaos-"))
     server = Server("chaos", str(PACKAGED_DEFAULT), 2, data)
-    rows, ok = [], True
+    rows, ok, probe = [], True, None
+    hogs = [subprocess.Popen([sys.executable, "-c", HOG]) for _ in range(args.cpu_hogs)]
     try:
         server.wait_ready()
+        probe = replay_probe(server.url, (data / "chaos" / "worker.token").read_text().strip())
+        ok &= probe["replays_refused"] == probe["replayed"] and not probe["ghost_registered"]
         load = Load(server.url)
         for t in load.threads:
             t.start()
@@ -108,7 +179,7 @@ def main() -> int:
                 time.sleep(0.2)
             time.sleep(args.settle_s)
             zombies = [c for c in children(server.proc.pid) if proc_state(c) == "Z"]
-            rows.append({"kill": victim, "replaced_s": replaced, "zombies": zombies})
+            rows.append({"kill": victim, "replaced_s": replaced, "zombies": zombies, "load1": load1()})
             ok &= replaced is not None and replaced < 30 and not zombies
         load.phase = "kill head"
         workers = children(server.proc.pid)
@@ -118,14 +189,21 @@ def main() -> int:
         while any(proc_state(p) not in (None, "Z") for p in workers) and time.monotonic() - t0 < 60:
             time.sleep(0.2)
         orphans = [p for p in workers if proc_state(p) not in (None, "Z")]
-        rows.append({"kill": "head", "workers_gone_s": time.monotonic() - t0, "orphans": orphans})
+        gone_s = time.monotonic() - t0
+        rows.append({"kill": "head", "workers_gone_s": gone_s, "orphans": orphans, "load1": load1()})
         ok &= not orphans
         load.stop.set()
         for t in load.threads:
             t.join(150)
     finally:
         server.stop()
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
     result = {
+        "cpu_hogs": args.cpu_hogs,
+        "cpus": os.cpu_count(),
+        "replay_probe": probe,
         "rows": rows,
         "outcomes": {k: dict(v) for k, v in load.outcomes.items()},
         "errors": {k: sorted(v) for k, v in load.errors.items()},

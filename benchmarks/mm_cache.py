@@ -19,6 +19,12 @@ tower, far from Qwen2.5-VL's (32 layers x 1280, ~1,300 tokens for the pipeline's
 
     python benchmarks/mm_cache.py [--size tiny|small] [--area 262144] [--repeats 3]
                                   [--vision-layers 8 --vision-dim 256]
+
+``--encoder-layer`` measures the encoder layer instead, on the packaged edit model through the
+encoder runner (``benchmarks/encoder_layer.py``): vision-tower forwards for 8 concurrent requests
+with 8 distinct images (4 chats, 4 edits) with and without cross-request batching, the largest
+difference from each request alone, two encoders with and without the head's image affinity, and a
+soak of ``--soak`` chats with images (RSS, cache bytes, references left).
 """
 
 from __future__ import annotations
@@ -76,7 +82,13 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--vision-layers", type=int, help="vision tower depth (default: the size's)")
     ap.add_argument("--vision-dim", type=int, help="vision tower width (default: the size's)")
+    ap.add_argument("--encoder-layer", action="store_true", help="measure the encoder layer (see above)")
+    ap.add_argument("--soak", type=int, default=1000, help="chats in the encoder layer's soak")
     args = ap.parse_args(argv)
+    if args.encoder_layer:
+        from encoder_layer import main as layer_main  # this folder is on the path of a script
+
+        return layer_main(args.soak)
     global AREA
     AREA = args.area
     original = pipeline_qwenimage_edit.calculate_dimensions

@@ -3,8 +3,9 @@
 ``triptych calibrate`` writes to ``user_profiles_dir(model)`` (``$XDG_DATA_HOME/triptych/teacache/
 <model identity>/``, default ``~/.local/share/triptych/...``) unless ``--out`` names a file; the
 installed package's shipped profiles are never rewritten (``teacache_profile.save_profile`` refuses).
-``generate --teacache-threshold auto`` and ``quality`` look in that directory first, then in the
-model's shipped ``teacache/`` (``find_profile``'s ``profiles_dir``). The environment is read here, in
+``generate --teacache-threshold auto``, ``quality`` and ``serve`` (its head's check and its workers,
+local or remote ``triptych worker``) look in that directory first, then in the model's shipped
+``teacache/`` (``find_profile``'s ``profiles_dir``). The environment is read here, in
 the CLI layer; the library takes the directory as a parameter.
 """
 
@@ -13,9 +14,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from triptych.cache.teacache_profile import PACKAGE_DIR, PROFILED_COMPONENTS, inside_package
+from triptych.cache.teacache_profile import PACKAGE_DIR, inside_package, profiles_dir_in
 from triptych.errors import InvalidParam
-from triptych.identity import model_identity
 
 
 def user_data_dir() -> Path:
@@ -24,10 +24,18 @@ def user_data_dir() -> Path:
     return Path(root) / "triptych"
 
 
+def user_profiles_root() -> Path:
+    """``$XDG_DATA_HOME/triptych/teacache``: one directory per model identity below it. ``serve`` hands
+    it to its head (``HeadConfig.teacache_profiles_root``)."""
+    return user_data_dir() / "teacache"
+
+
 def user_profiles_dir(model_dir: str | Path) -> Path:
     """This user's profiles of the model in ``model_dir``: one directory per model identity (the
-    transformer's configs, ``PROFILED_COMPONENTS``), so two models never share a file."""
-    return user_data_dir() / "teacache" / model_identity(model_dir, PROFILED_COMPONENTS)
+    transformer's configs, ``PROFILED_COMPONENTS``), so two models never share a file. The one place
+    every command resolves it: generate, quality, calibrate, and serve's head and workers (``triptych
+    worker`` sets ``WorkerConfig.teacache_profiles_dir`` from it)."""
+    return profiles_dir_in(user_profiles_root(), model_dir)
 
 
 def check_out(out: str | None) -> None:

@@ -19,6 +19,7 @@ from triptych.pipelines.vlm import ChatParams, ChatTurn
 from triptych.server import protocol as P
 from triptych.server.auth import ControlKey
 from triptych.server.backend import Cancelled, ChatJob, StageFailed
+from triptych.server.control_client import ControlClient
 from triptych.server.orchestrator import Orchestrator, OrchestratorConfig
 
 MODEL = PACKAGED_DEFAULT.parent / "default_edit"
@@ -41,26 +42,27 @@ def head():
 
 
 class Encoder:
-    def __init__(self, ctx, head: Orchestrator, instance_id: str, chat: bool, chat_slots: int = 0):
+    def __init__(
+        self, ctx, head: Orchestrator, instance_id: str, chat: bool, role: str = "encoder", chat_slots: int = 0
+    ):
         self.id = instance_id
         self.key = ControlKey(head.token)
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, instance_id.encode())
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(head.control_address)
-        self.send(
-            P.Register(
-                instance_id, "encoder", 2, instance_id, "tcp://127.0.0.1:1", "zmq", head.revision, 1, chat, chat_slots
-            )
+        self.client = ControlClient(self.sock, self.key)
+        register = P.Register(
+            instance_id, role, 2, instance_id, "tcp://127.0.0.1:1", "zmq", head.revision, 1, chat, chat_slots=chat_slots
         )
-        assert self.recv().accepted
+        assert self.client.register(register, 30.0, on_skipped=print).accepted
 
     def send(self, msg) -> None:
-        self.sock.send_multipart(self.key.seal(P.encode(msg)))
+        self.client.send(msg)
 
     def recv(self, timeout_s: float = 30.0):
         assert self.sock.poll(timeout_s * 1000), f"{self.id}: no message from the head"
-        return P.decode_from_head(self.key.open(self.sock.recv_multipart()))
+        return self.client.recv()
 
     def next(self, kind: type):
         """The next message of ``kind`` (skipping others: PeerDown, the Cancel that follows a failure)."""
@@ -254,3 +256,65 @@ def test_chats_waiting_for_an_encoder_count_in_the_encoder_pools_load(head):
 
 async def _load(orch):
     return orch.load("encoder", time.monotonic())
+
+
+def test_image_affinity_sends_an_image_back_to_the_encoder_that_holds_it_within_its_tenant(head):
+    """Image affinity: a second chat about an image goes to the encoder the first one went to (where
+    its processor outputs and embeddings are), though the policy alone would alternate; the same
+    image of another tenant is not steered; a busy or gone holder leaves the policy to choose."""
+    import numpy as np
+    from PIL import Image
+
+    orch, loop, ctx = head
+    workers = {w.id: w for w in (Encoder(ctx, orch, "enc-a", chat=True), Encoder(ctx, orch, "enc-b", chat=True))}
+    picture = Image.fromarray((np.random.RandomState(3).rand(32, 32, 3) * 255).astype("uint8"))
+
+    def chat(rid, tenant, image):
+        params = ChatParams((ChatTurn("user", (0, "what is it?")),), (image,), max_tokens=4, tenant=tenant)
+        future = asyncio.run_coroutine_threadsafe(orch.chat(ChatJob(rid, params, False), lambda t: None), loop)
+        for w in workers.values():  # whoever got it answers
+            if not w.silent(1.0):
+                task = w.next(P.ChatTask)
+                w.send(P.ChatDone(rid, task.generation, w.id, "ok", 20, 1, "stop"))
+                future.result(30)
+                return w.id
+        raise AssertionError("no encoder got the chat")
+
+    first = chat("c1", "t1", picture)
+    assert chat("c2", "t1", picture.copy()) == first  # the same pixels, another object
+    assert chat("c3", "t1", picture) == first
+    preferred = orch.registry.affinity.preferred
+    chat("c4", "t2", picture)  # another tenant: its own key, which no encoder holds yet
+    assert orch.registry.affinity.preferred == preferred
+    loop.call_soon_threadsafe(orch.instance_dead, first, "test: gone")
+    wait_for(lambda: first not in held(loop, orch), "the holder to leave")
+    workers.pop(first).close()
+    (other,) = workers
+    assert chat("c5", "t1", picture) == other  # the holder is gone: the policy chooses
+
+
+def test_an_edit_of_an_image_goes_to_the_encoder_already_encoding_it(head):
+    """Image affinity for generations: a second edit of the same condition image goes to the encoder
+    the first went to, though that one has fewer free slots (the policy alone would pick the other)."""
+    import numpy as np
+    from PIL import Image
+
+    from triptych.pipelines.base import GenerationParams
+    from triptych.server.backend import GenerationJob
+
+    orch, loop, ctx = head
+    workers = [Encoder(ctx, orch, i, chat=True) for i in ("enc-a", "enc-b")]
+    Encoder(ctx, orch, "den-0", chat=False, role="denoiser"), Encoder(ctx, orch, "dec-0", chat=False, role="decoder")
+    picture = Image.fromarray((np.random.RandomState(5).rand(64, 64, 3) * 255).astype("uint8"))
+    params = orch.family.resolve(GenerationParams("make it red", image=picture, seed=0))
+    got = {}
+    futures = []
+    for rid in ("e1", "e2"):
+        job = GenerationJob(rid, params.replace(image=picture.copy()), "png")
+        futures.append(asyncio.run_coroutine_threadsafe(orch.run(job), loop))
+        got[rid] = next(w.id for w in workers if not w.silent(2.0) and isinstance(w.next(P.EncodeTask), P.EncodeTask))
+    assert got["e1"] == got["e2"]
+    for rid, future in zip(("e1", "e2"), futures):
+        asyncio.run_coroutine_threadsafe(orch.cancel(rid), loop).result(10)
+        with pytest.raises(Cancelled):
+            future.result(30)

@@ -12,8 +12,9 @@ from orchestrator_support import job
 
 from triptych.pipelines.registry import load_family, make_tiny
 from triptych.server import protocol as P
-from triptych.server.auth import ControlKey
+from triptych.server.auth import ControlKey, SequencedSender
 from triptych.server.backend import Cancelled
+from triptych.server.control_client import ControlClient
 from triptych.server.orchestrator import Orchestrator, OrchestratorConfig
 
 SPEC = {"cond.prompt_embeds": P.TensorSpec("float32", (1, 4, 8))}
@@ -39,24 +40,27 @@ def head(model):
 
 
 class FakeWorker:
-    def __init__(self, ctx, head: Orchestrator, instance_id: str, role: str, revision: str | None = None):
+    def __init__(
+        self, ctx, head: Orchestrator, instance_id: str, role: str, revision: str | None = None, identity: bytes = b""
+    ):
         self.id = instance_id
         self.key = ControlKey(head.token)
         self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.IDENTITY, instance_id.encode())
+        self.sock.setsockopt(zmq.IDENTITY, identity or instance_id.encode())
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(head.control_address)
-        self.send(
-            P.Register(instance_id, role, 2, instance_id, "tcp://127.0.0.1:1", "zmq", revision or head.revision, 1)
+        self.client = ControlClient(self.sock, self.key)
+        register = P.Register(
+            instance_id, role, 2, instance_id, "tcp://127.0.0.1:1", "zmq", revision or head.revision, 1
         )
-        self.ack = self.recv()
+        self.ack = self.client.register(register, 30.0, on_skipped=print)
 
     def send(self, msg) -> None:
-        self.sock.send_multipart(self.key.seal(P.encode(msg)))
+        self.client.send(msg)
 
     def recv(self, timeout_s: float = 30.0):
         assert self.sock.poll(timeout_s * 1000), f"{self.id}: no message from the head"
-        return P.decode_from_head(self.key.open(self.sock.recv_multipart()))
+        return self.client.recv()
 
 
 def on_loop(loop, fn):
@@ -84,7 +88,7 @@ def test_stale_and_malformed_messages_are_dropped_and_cancel_reaches_every_holde
     task = enc.recv()
     assert isinstance(task, P.EncodeTask) and task.denoiser == "denoiser-0" and task.generation == 1
 
-    enc.sock.send_multipart(enc.key.seal(b"\xc1 not msgpack"))
+    enc.client.sender.send(b"\xc1 not msgpack")
     enc.send(P.EncodeDone("p-1", 7, "encoder-0", SPEC))  # a generation that does not exist
     den.send(P.EncodeDone("p-1", 1, "denoiser-0", SPEC))  # right generation, wrong sender
     enc.send(P.EncodeDone("p-1", 1, "encoder-0", SPEC))
@@ -180,10 +184,11 @@ def test_a_second_worker_reusing_an_instance_id_is_refused_at_once(head):
             self.sock.setsockopt(zmq.IDENTITY, b"denoiser-7#another-process")
             self.sock.setsockopt(zmq.LINGER, 0)
             self.sock.connect(orch.control_address)
+            self.client = ControlClient(self.sock, self.key)
 
     second = Second()
-    second.send(P.Register("denoiser-7", "denoiser", 2, "denoiser-7", "tcp://127.0.0.1:2", "zmq", orch.revision, 2))
-    ack = second.recv(timeout_s=10)
+    register = P.Register("denoiser-7", "denoiser", 2, "denoiser-7", "tcp://127.0.0.1:2", "zmq", orch.revision, 2)
+    ack = second.client.register(register, 10.0, on_skipped=print)
     assert ack.accepted is False and "already registered" in ack.reason
     assert [i["pid"] for i in on_loop(loop, orch.describe)["instances"]] == [1]
     ctx.destroy(linger=0)
@@ -213,4 +218,205 @@ def test_a_denoiser_is_asked_for_step_progress_only_when_someone_follows_it(head
     with pytest.raises(Cancelled):
         pending.result(30)
     assert seen == ([(1, 2), (2, 2)] if follow else [])
+    ctx.destroy(linger=0)
+
+
+class Recorder:
+    """Keeps a copy of every frame a socket sends (what an eavesdropper on loopback captures)."""
+
+    def __init__(self, worker: FakeWorker):
+        self.frames: list[list[bytes]] = []
+        send = worker.client.sender._send
+
+        def record(frames):
+            self.frames.append([bytes(f) for f in frames])
+            send(frames)
+
+        worker.client.sender._send = record
+
+
+def _replayer(ctx, orch, identity: bytes | None = None):
+    sock = ctx.socket(zmq.DEALER)
+    if identity is not None:
+        sock.setsockopt(zmq.IDENTITY, identity)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(orch.control_address)
+    return sock
+
+
+def _stat(loop, orch, name):
+    return on_loop(loop, orch.describe)["stats"].get(name, 0)
+
+
+def _wait_stat(loop, orch, name, at_least, deadline_s=30.0):
+    end = time.monotonic() + deadline_s
+    while (n := _stat(loop, orch, name)) < at_least and time.monotonic() < end:
+        time.sleep(0.02)
+    assert n >= at_least, f"{name}={n}, expected >= {at_least} (stats {on_loop(loop, orch.describe)['stats']})"
+
+
+def test_replayed_register_and_heartbeats_register_nothing_and_are_counted(head, model):
+    """Issue 24 item 2: a worker's signed Hello/Register/Heartbeat frames, captured and replayed from
+    a second socket (while it lives, and under its own identity after it died), register no ghost,
+    keep nothing alive and are counted (``replays_refused``, a Prometheus head event); the real worker
+    keeps working, and a replacement under the same instance id registers after it died."""
+    orch, loop = head
+    ctx = zmq.Context()
+
+    class Captured(FakeWorker):  # the same handshake, recording every frame the socket sends
+        def __init__(self, instance_id, role):
+            self.id = instance_id
+            self.key = ControlKey(orch.token)
+            self.sock = ctx.socket(zmq.DEALER)
+            self.sock.setsockopt(zmq.IDENTITY, instance_id.encode())
+            self.sock.setsockopt(zmq.LINGER, 0)
+            self.sock.connect(orch.control_address)
+            self.client = ControlClient(self.sock, self.key)
+            self.tap = Recorder(self)
+            register = P.Register(instance_id, role, 2, instance_id, "tcp://127.0.0.1:1", "zmq", orch.revision, 1)
+            self.ack = self.client.register(register, 30.0, on_skipped=print)
+
+    den = Captured("denoiser-0", "denoiser")
+    enc, dec = FakeWorker(ctx, orch, "encoder-0", "encoder"), FakeWorker(ctx, orch, "decoder-0", "decoder")
+    assert den.ack.accepted and enc.ack.accepted and dec.ack.accepted
+    for _ in range(3):
+        den.send(P.Heartbeat("denoiser-0", 0, 4, 4, 0))
+    hello, register, *beats = den.tap.frames
+    assert P.decode_any(register[1]) == P.Register(
+        "denoiser-0", "denoiser", 2, "denoiser-0", "tcp://127.0.0.1:1", "zmq", orch.revision, 1
+    )
+
+    # while the worker lives: another socket replays its frames
+    rogue = _replayer(ctx, orch)
+    for frames in (register, *beats):
+        rogue.send_multipart(frames)
+    assert rogue.poll(30_000)
+    refusal = P.decode_from_head(den.key.open(rogue.recv_multipart()))
+    assert isinstance(refusal, P.RegisterAck) and not refusal.accepted and "replayed" in refusal.reason
+    _wait_stat(loop, orch, "replays_refused", 1 + len(beats))
+    # ... and the real worker keeps working: a request reaches it, its heartbeats count
+    pending = asyncio.run_coroutine_threadsafe(orch.run(job(model[1], "r-1")), loop)
+    assert isinstance(_next(enc, P.EncodeTask), P.EncodeTask)
+    enc.send(P.EncodeDone("r-1", 1, "encoder-0", SPEC))
+    assert _next(den, P.DenoiseTask).request_id == "r-1"
+    refused = _stat(loop, orch, "replays_refused")
+    den.send(P.Heartbeat("denoiser-0", 1, 3, 4, 1))
+    end = time.monotonic() + 30
+    while time.monotonic() < end:
+        reports = {i["id"]: i["report"] for i in on_loop(loop, orch.describe)["instances"]}
+        if reports["denoiser-0"].get("active") == 1:
+            break
+        time.sleep(0.02)
+    assert reports["denoiser-0"]["active"] == 1 and _stat(loop, orch, "replays_refused") == refused
+    asyncio.run_coroutine_threadsafe(orch.cancel("r-1"), loop).result(30)
+    with pytest.raises(Cancelled):
+        pending.result(30)
+
+    # the worker dies; a socket taking over its very identity replays its whole conversation
+    den.sock.close(0)
+    on_loop(loop, lambda: orch.instance_dead("denoiser-0", "killed by the test"))
+    ghost = _replayer(ctx, orch, identity=b"denoiser-0")
+    end = time.monotonic() + 30  # the ROUTER lets the identity be reused once it saw the old socket go
+    while not ghost.poll(200):
+        assert time.monotonic() < end, "the dead worker's identity never became free"
+        ghost.send_multipart(hello)
+    assert isinstance(P.decode_from_head(den.key.open(ghost.recv_multipart())), P.Challenge)
+    for frames in (register, *beats):
+        ghost.send_multipart(frames)
+    while not isinstance(answer := P.decode_from_head(den.key.open(ghost.recv_multipart())), P.RegisterAck):
+        assert isinstance(answer, P.Challenge)  # one per Hello sent while the identity was taken
+    assert not answer.accepted and "refused" in answer.reason  # sealed under a spent challenge
+    _wait_stat(loop, orch, "replays_refused", refused + 1 + len(beats))
+    assert "denoiser-0" not in {i["id"] for i in on_loop(loop, orch.describe)["instances"]}
+
+    # a replacement under the same id registers, and the count is a Prometheus series
+    ghost.close(0)
+    replacement = FakeWorker(ctx, orch, "denoiser-0", "denoiser", identity=b"denoiser-0#replacement")
+    assert replacement.ack.accepted
+    orch.metrics.update_from_describe(on_loop(loop, orch.describe))
+    text = orch.metrics.render().decode()
+    line = next(x for x in text.splitlines() if x.startswith('triptych_head_events_total{event="replays_refused"}'))
+    assert float(line.split()[-1]) >= refused + 1 + len(beats)
+    ctx.destroy(linger=0)
+
+
+def test_a_job_a_worker_reports_that_the_head_does_not_hold_is_cancelled(head, model):
+    """Issue 24 item 4: a worker's stats report lists the jobs it holds; each whose request (at that
+    generation) the head does not hold on it is answered with a ``Cancel`` and counted
+    (``orphans_cancelled``), while the job the head did route to it is left running."""
+    orch, loop = head
+    ctx = zmq.Context()
+    enc, den, dec = (FakeWorker(ctx, orch, f"{r}-0", r) for r in ("encoder", "denoiser", "decoder"))
+    pending = asyncio.run_coroutine_threadsafe(orch.run(job(model[1], "live-1")), loop)
+    _next(enc, P.EncodeTask)
+    enc.send(P.EncodeDone("live-1", 1, "encoder-0", SPEC))
+    _next(den, P.DenoiseTask)
+    transfer = P.TransferStats("zmq")
+    held = (("live-1", 1), ("live-1", 0), ("gone-7", 3))  # the routed job, an older attempt, an unknown one
+    den.send(P.StatsReport("denoiser-0", 1.0, None, transfer, jobs=held))
+    cancels = {(m.request_id, m.generation) for m in (_next(den, P.Cancel), _next(den, P.Cancel))}
+    assert cancels == {("live-1", 0), ("gone-7", 3)}
+    assert _stat(loop, orch, "orphans_cancelled") == 2
+    den.send(P.StatsReport("denoiser-0", 2.0, None, transfer, jobs=(("live-1", 1),)))
+    den.send(P.Heartbeat("denoiser-0", 1, 3, 4, 1))  # its answer, if any, would come before this one's none
+    assert not den.sock.poll(500) and _stat(loop, orch, "orphans_cancelled") == 2
+    assert on_loop(loop, orch.describe)["requests"] == {"denoising": 1}
+    asyncio.run_coroutine_threadsafe(orch.cancel("live-1"), loop).result(30)
+    with pytest.raises(Cancelled):
+        pending.result(30)
+    ctx.destroy(linger=0)
+
+
+def test_a_worker_declared_dead_is_asked_to_rejoin_on_its_control_socket(head):
+    """The heartbeat socket never reads: a ``Rejoin`` sent in answer to a heartbeat would be lost and,
+    once per interval, keep the one in answer to the worker's next control frame from being sent (a
+    stalled worker kept stepping a batch nobody waited for). A heartbeat is not answered; the control
+    socket's next frame is."""
+    orch, loop = head
+    ctx = zmq.Context()
+    beat_sock = ctx.socket(zmq.DEALER)
+    beat_sock.setsockopt(zmq.IDENTITY, b"denoiser-3#heartbeat")
+    beat_sock.setsockopt(zmq.LINGER, 0)
+    beat_sock.connect(orch.control_address)
+    beats = SequencedSender(ControlKey(orch.token), beat_sock.send_multipart)
+
+    class WithHeartbeats(FakeWorker):
+        def __init__(self):
+            self.id, self.key = "denoiser-3", ControlKey(orch.token)
+            self.sock = ctx.socket(zmq.DEALER)
+            self.sock.setsockopt(zmq.IDENTITY, b"denoiser-3#control")
+            self.sock.setsockopt(zmq.LINGER, 0)
+            self.sock.connect(orch.control_address)
+            self.client = ControlClient(self.sock, self.key)
+            reg = P.Register(
+                "denoiser-3", "denoiser", 2, "denoiser-3", "tcp://127.0.0.1:1", "zmq", orch.revision, 3,
+                channels=(b"denoiser-3#heartbeat",),
+            )  # fmt: skip
+            self.ack = self.client.register(reg, 30.0, on_skipped=print)
+
+    den = WithHeartbeats()
+    assert den.ack.accepted
+    beats.session = den.client.session
+    on_loop(loop, lambda: orch.instance_dead("denoiser-3", "declared dead by the test"))
+    beats.send(P.encode(P.Heartbeat("denoiser-3", 0, 4, 4, 0)))
+    _wait_stat(loop, orch, "from_unknown_instance", 1)
+    den.send(P.StatsReport("denoiser-3", 1.0, None, P.TransferStats("zmq"), None))
+    assert isinstance(_next(den, P.Rejoin), P.Rejoin)
+    assert not beat_sock.poll(200)  # nothing was sent where nobody reads
+    ctx.destroy(linger=0)
+
+
+def test_a_worker_of_a_previous_head_is_asked_to_rejoin(head):
+    """A remote worker outliving its head keeps its session; a head started at the same address never
+    issued it, and answers the worker's first control frame with ``Rejoin`` (it registers anew)."""
+    orch, loop = head
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(orch.control_address)
+    client = ControlClient(sock, ControlKey(orch.token))
+    client.sender.session = bytes(range(16))  # issued by the head that died
+    client.send(P.StatsReport("encoder-9", 1.0, None, P.TransferStats("zmq"), None))
+    assert sock.poll(30_000) and isinstance(client.recv(), P.Rejoin)
+    assert _stat(loop, orch, "replays_refused") == 0
     ctx.destroy(linger=0)

@@ -51,10 +51,16 @@ def wait_for(cond, what: str, deadline_s: float = 30.0, every_s: float = 0.02):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+CHAT_ANSWER = "a red circle on a blue background"
+
+
 class FakeBackend(GenerationBackend):
     """Returns a constant frame per job (value from the seed); ``gate`` set → jobs block until opened.
     With ``on_preview``, a job's ``partial_images`` previews (constant frames, value seed + index + 1)
     are handed over first, before the gate.
+
+    ``chat`` answers ``CHAT_ANSWER``: its first piece at once (unless ``chat_first_piece`` is False),
+    the rest after the gate.
 
     Records ``running`` (ids inside ``run``), ``cancelled`` (ids passed to ``cancel``), ``started``.
     """
@@ -65,6 +71,7 @@ class FakeBackend(GenerationBackend):
         self.running: set[str] = set()
         self.cancelled: list[str] = []
         self.jobs: list[GenerationJob] = []
+        self.chat_first_piece = True
         self.lifecycle: list[str] = []
         self._gate: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -86,25 +93,47 @@ class FakeBackend(GenerationBackend):
     async def run(self, job, on_progress=None, on_preview=None):
         self.jobs.append(job)
         self.running.add(job.request_id)
-        cancel = self._cancel_events.setdefault(job.request_id, asyncio.Event())
         try:
             p = job.params
             for index in range(job.partial_images if on_preview else 0):
                 frame = np.full((1, p.height, p.width, 3), (p.seed + index + 1) % 251, dtype=np.uint8)
                 on_preview(index, await asyncio.to_thread(encode_frames, frame, job.output_format, job.fps))
-            gate = asyncio.ensure_future(self._gate.wait())
-            stop = asyncio.ensure_future(cancel.wait())
-            await asyncio.wait({gate, stop}, return_when=asyncio.FIRST_COMPLETED)
-            gate.cancel(), stop.cancel()
-            if cancel.is_set():
-                raise Cancelled(job.request_id)
-            p = job.params
+            await self._gate_or_cancel(job.request_id)
             total = p.steps or 1
             for step in range(1, total + 1):
                 if on_progress:
                     on_progress(step, total)
             frames = np.full(((p.frames or 1), p.height, p.width, 3), p.seed % 251, dtype=np.uint8)
             return await asyncio.to_thread(encode_frames, frames, job.output_format, job.fps)
+        finally:
+            self.running.discard(job.request_id)
+
+    async def _gate_or_cancel(self, request_id: str) -> None:
+        cancel = self._cancel_events.setdefault(request_id, asyncio.Event())
+        gate = asyncio.ensure_future(self._gate.wait())
+        stop = asyncio.ensure_future(cancel.wait())
+        try:
+            await asyncio.wait({gate, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gate.cancel(), stop.cancel()
+        if cancel.is_set():
+            raise Cancelled(request_id)
+
+    async def chat(self, job, on_text=None):
+        from triptych.pipelines.vlm import ChatResult
+
+        self.running.add(job.request_id)
+        try:
+            first, rest = CHAT_ANSWER.split(" ", 1)
+            if on_text and self.chat_first_piece:
+                on_text(first)
+            await self._gate_or_cancel(job.request_id)
+            if on_text:
+                on_text(" " + rest if self.chat_first_piece else CHAT_ANSWER)
+            return ChatResult(CHAT_ANSWER, 5, len(CHAT_ANSWER.split()), "stop")
+        except asyncio.CancelledError:  # a caller that goes away cancels the job (``Orchestrator._await``)
+            self.cancelled.append(job.request_id)
+            raise
         finally:
             self.running.discard(job.request_id)
 
@@ -120,10 +149,11 @@ class FakeBackend(GenerationBackend):
 class FakeFamily:
     """Just enough of ``Family`` for the head: geometry defaults and checks (multiples of 16)."""
 
-    def __init__(self, model_dir: Path, is_video=False, accepts_image=False, requires_image=False):
+    def __init__(self, model_dir: Path, is_video=False, accepts_image=False, requires_image=False, chat=False):
         self.name = "fake"
         self.model_dir = Path(model_dir)
         self.is_video, self.accepts_image, self.requires_image = is_video, accepts_image, requires_image
+        self.supports_chat = chat
 
     def resolve(self, p: GenerationParams) -> GenerationParams:
         p = p.replace(

@@ -159,17 +159,31 @@ def test_concurrent_tenants_do_not_leak_into_each_other(tmp_path):
     assert len(by_prompt) == 8 and len(set(by_prompt.values())) == 8
 
 
+def _pool(live: int, configured: int) -> dict:
+    """A describe() of a head with ``configured`` local denoisers (all running), ``live`` registered."""
+    workers = {f"denoiser-{i}": {"role": "denoiser", "running": True} for i in range(configured)}
+    instances = [{"id": f"denoiser-{i}", "role": "denoiser", "state": "idle"} for i in range(live)]
+    return {"empty_roles": [] if live else ["denoiser"], "instances": instances, "local_workers": {"workers": workers}}
+
+
 @pytest.mark.parametrize(
     "describe,status,code",
     [
         ({}, "ok", 200),
         ({"empty_roles": [], "local_workers": {"workers": {"denoiser-0": {"running": False}}}}, "degraded", 200),
         ({"empty_roles": ["denoiser"]}, "unavailable", 503),
+        (_pool(2, 2), "ok", 200),
+        (_pool(1, 2), "degraded", 200),  # a replacement restarted (running) but not yet registered
+        (_pool(0, 2), "unavailable", 503),
     ],
 )
 def test_health_says_degraded_or_unavailable_and_the_status_code_follows(tmp_path, describe, status, code):
+    """Issue 24 item 5: a role below its configured pool is ``degraded`` and named with its counts."""
     backend, server = make_server(tmp_path)
     backend.describe = lambda: describe
     with server as base:
         r = httpx.get(f"{base}/health")
     assert (r.status_code, r.json()["status"]) == (code, status)
+    if "instances" in describe:
+        live = len(describe["instances"])
+        assert r.json()["roles"] == {"denoiser": {"live": live, "configured": 2}}

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from triptych.cli import build_parser
+from triptych.cli_profiles import user_profiles_root
 from triptych.cluster.config import AutoscaleConfig, ClusterConfig, RoleResources
 from triptych.devices import DeviceConfig
 from triptych.parallel import ParallelConfig
@@ -31,7 +32,13 @@ SERVE_CONFIGS = [
     (
         HeadConfig,
         "",
-        {"data_dir": "--data-dir", "api_keys": "--api-key", "limits": None, "model_aliases": "--model-alias"},
+        {
+            "data_dir": "--data-dir",
+            "api_keys": "--api-key",
+            "limits": None,
+            "model_aliases": "--model-alias",
+            "teacache_profiles_root": None,
+        },
     ),
     (TopologyConfig, "", {"torch_threads": "--threads", "extra_args": None, "parallel": None, "device": None}),
     (ParallelConfig, "", {"cfg": "--cfg-parallel"}),
@@ -88,7 +95,8 @@ def serve_args(*argv: str):
 def test_serve_flags_build_the_head_config(tmp_path, monkeypatch):
     monkeypatch.delenv("TRIPTYCH_API_KEYS", raising=False)
     args = serve_args()
-    assert args.serve_flags.head_config(args, tmp_path) == HeadConfig(data_dir=tmp_path)
+    root = user_profiles_root()  # the user's TeaCache profiles (calibrate's), as generate reads them
+    assert args.serve_flags.head_config(args, tmp_path) == HeadConfig(data_dir=tmp_path, teacache_profiles_root=root)
 
     monkeypatch.setenv("TRIPTYCH_API_KEYS", "env-key-123, env-key-456")
     args = serve_args(
@@ -102,6 +110,7 @@ def test_serve_flags_build_the_head_config(tmp_path, monkeypatch):
         video_ttl_s=None,
         video_fps=24,
         api_keys=("flag-key-789", "env-key-123", "env-key-456"),
+        teacache_profiles_root=root,
     )
     assert args.serve_flags.head_config(args, Path("unused")) == expected
 
@@ -117,6 +126,7 @@ def test_serve_flags_build_aliases_hosts_and_the_header_timeout(tmp_path, monkey
         model_aliases=("gpt-image-1=default", "dall-e-3=default"),
         allowed_hosts=("gen.example.com",),
         header_timeout_s=5.0,
+        teacache_profiles_root=user_profiles_root(),
     )
     assert args.serve_flags.head_config(args, tmp_path) == expected
 
@@ -189,7 +199,7 @@ def test_a_bad_serve_setting_exits_2_naming_its_flag(tmp_path, monkeypatch, caps
 
 
 def worker_config(*argv: str):
-    from triptych.server.cli import worker_config
+    from triptych.server.cli_worker import worker_config
 
     token = ("--token", "a-deployment-token-for-tests")
     return worker_config(
@@ -229,3 +239,20 @@ def test_building_the_command_line_imports_no_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_encoder_layer_flags_reach_the_config_and_the_workers_argv(capsys):
+    import argparse
+
+    from triptych.cache.mm import MMCacheConfig
+    from triptych.server.cli import WorkerFlags
+
+    parser = argparse.ArgumentParser()
+    flags = WorkerFlags.add(parser)
+    argv = ["--mm-processor-cache-mb", "8", "--encoder-step-images", "4", "--encoder-step-vision-tokens", "512"]
+    config = flags.mm_cache_config(parser.parse_args(argv))
+    assert config == MMCacheConfig(processor_mb=8.0, step_images=4, step_vision_tokens=512)
+    assert flags.mm_cache.argv(config) == ["--mm-processor-cache-mb", "8.0", *argv[2:]]
+    with pytest.raises(SystemExit):
+        flags.mm_cache_config(parser.parse_args(["--encoder-step-images", "0"]))
+    assert "step_images" in capsys.readouterr().err

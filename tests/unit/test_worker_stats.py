@@ -108,3 +108,54 @@ def test_chat_engine_counters_become_prefill_and_decode_series():
     assert sample("triptych_chat_decode_forwards_total") - forwards == 20
     assert sample("triptych_chat_decode_tokens_total") - tokens == 80
     assert sample("triptych_chat_prefix_cache_bytes", '{instance="enc-c"}') == 2000
+
+
+def test_each_encoder_layer_tier_has_its_series_and_tower_forwards_are_counted():
+    """The embedding and processor tiers (and a prefix tier, where the chat engine reports one)
+    each become hits/misses/evictions/not_stored deltas and bytes/entries gauges, by tier."""
+    from triptych.cache.mm_stats import TierStats
+
+    tiers = ("embedding", "processor", "prefix")
+    lookups = {
+        (t, r): sample("triptych_encoder_cache_lookups_total", f'{{result="{r}",tier="{t}"}}')
+        for t in tiers
+        for r in ("hits", "misses")
+    }
+    forwards = sample("triptych_vision_tower_forwards_total")
+    prev = MMCacheStats(4, 2, 0, 0, 2, 1000, forwards=3, processor=TierStats(1, 1, 0, 0, 1, 50))
+    cur = MMCacheStats(
+        9,
+        3,
+        0,
+        1,
+        2,
+        900,
+        not_stored=2,
+        forwards=5,
+        processor=TierStats(6, 2, 1, 0, 2, 80),
+        prefix=TierStats(3, 1, 0, 0, 1, 4096),
+    )
+    w = stats_window(
+        "encoder",
+        P.StatsReport("enc-t", 10.0, None, transfer(0, 0, 0.0), prev),
+        P.StatsReport("enc-t", 12.0, None, transfer(0, 0, 0.0), cur),
+    )
+    metrics.record_worker_window(w)
+    got = {
+        k: sample("triptych_encoder_cache_lookups_total", f'{{result="{k[1]}",tier="{k[0]}"}}') - v
+        for k, v in lookups.items()
+    }
+    assert got == {
+        ("embedding", "hits"): 5,
+        ("embedding", "misses"): 1,
+        ("processor", "hits"): 5,
+        ("processor", "misses"): 1,
+        ("prefix", "hits"): 3,
+        ("prefix", "misses"): 1,
+    }
+    assert sample("triptych_vision_tower_forwards_total") - forwards == 2
+    assert sample("triptych_encoder_cache_bytes", '{instance="enc-t",tier="processor"}') == 80
+    assert sample("triptych_encoder_cache_entries", '{instance="enc-t",tier="embedding"}') == 2
+    assert sample("triptych_encoder_cache_evictions_total", '{reason="not_stored",tier="embedding"}') >= 2
+    metrics.forget_instance("enc-t")
+    assert 'instance="enc-t"' not in metrics.render().decode()

@@ -13,12 +13,12 @@ class ChatEngineStats(msgspec.Struct):
     prefill_computed: int = 0  # prompt tokens run through the model at admission
     prefill_reused: int = 0  # prompt tokens whose KV came from the prefix cache
     prefill_forwards: int = 0  # batched prefill forwards (one per step with prefill work)
-    prefill_rows: int = 0  # chat chunks those forwards ran (sum of their batch sizes)
     decode_forwards: int = 0  # batched decode steps (one forward each, all running chats)
     decode_tokens: int = 0  # tokens those steps produced (sum of the batch sizes)
     prefix_evictions: int = 0
     prefix_entries: int = 0  # a level, not a counter: a window keeps the latest
     prefix_nbytes: int = 0  # a level, like prefix_entries
+    prefill_rows: int = 0  # chat chunks the prefill forwards ran (sum of their batch sizes)
     max_batch: int = 0  # the most chats that ever decoded in one forward (a level: the latest)
 
     def since(self, prev: ChatEngineStats) -> ChatEngineStats:

@@ -171,6 +171,13 @@ def profile_filename(family: str, steps: int) -> str:
     return f"{family}-{steps}steps.json"
 
 
+def profiles_dir_in(root: str | Path, model_dir: str | Path) -> Path:
+    """The model's directory under a profiles root: ``<root>/<model identity>/`` (its transformer's
+    configs, ``PROFILED_COMPONENTS``), so two models never share a file. The CLI's root is the user's
+    (``cli_profiles``); serve hands it to its head (``HeadConfig.teacache_profiles_root``)."""
+    return Path(root) / model_identity(model_dir, PROFILED_COMPONENTS)
+
+
 def find_profile(
     model_dir: str | Path,
     steps: int,

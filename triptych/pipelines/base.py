@@ -19,171 +19,37 @@ held to a stated tolerance.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from enum import Enum
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 
 from triptych.cache.mm import MMCacheConfig
 from triptych.devices import DeviceConfig
-from triptych.errors import InvalidParam
+from triptych.errors import InvalidParam, TriptychError
+from triptych.pipelines.geometry import model_defaults
 from triptych.pipelines.placement import place, vae_tiling
+from triptych.pipelines.types import (  # noqa: F401 - re-exported: the stage protocol's values
+    ALL_ROLES,
+    BRANCH_ORDER,
+    COND,
+    UNCOND,
+    Conditioning,
+    DenoiseState,
+    ForwardFn,
+    Frames,
+    GenerationParams,
+    Role,
+    Row,
+    StepStats,
+    to_frames,
+)
+from triptych.world.prompts import normaliser
 
 logger = logging.getLogger(__name__)
-
-COND = "cond"
-UNCOND = "uncond"
-BRANCH_ORDER = (COND, UNCOND)
-
-
-class Role(str, Enum):
-    """The pools an instance can serve; each loads only its components."""
-
-    ENCODER = "encoder"
-    DENOISER = "denoiser"
-    DECODER = "decoder"
-
-
-ALL_ROLES = frozenset(Role)
-
-
-@dataclass(frozen=True)
-class GenerationParams:
-    """One request's user-facing parameters, after ``Family.resolve`` filled defaults and checked rules.
-
-    ``guidance`` is the family's guidance: the true-CFG scale for Qwen-Image and Wan (CFG runs when it
-    is > 1), the distilled guidance for FLUX.
-    """
-
-    prompt: str
-    negative_prompt: str | None = None
-    height: int | None = None
-    width: int | None = None
-    frames: int | None = None  # video families only; images are one frame
-    steps: int | None = None
-    guidance: float | None = None
-    seed: int = 0
-    image: Any = None  # PIL.Image condition image (edit / image-to-video), None for text-only
-    true_cfg: float = 1.0  # FLUX only: true CFG with the negative prompt when > 1 (Qwen/Wan use guidance)
-    teacache_threshold: float = 0.0  # 0 = off (see triptych.cache.teacache)
-    tenant: str = ""  # who asked (a hash of the API key at the head); scopes the mm-hash cache
-
-    def replace(self, **changes: Any) -> GenerationParams:
-        return dataclasses.replace(self, **changes)
-
-
-@dataclass
-class Conditioning:
-    """Encoder output for one request. Owns its tensors (no views into batch buffers).
-
-    ``branches`` maps a CFG branch name (``cond``/``uncond``) to that branch's model inputs;
-    ``shared`` holds branch-independent tensors (e.g. image latents for edit / image-to-video).
-    """
-
-    branches: dict[str, dict[str, torch.Tensor]]
-    shared: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    def to(self, device: torch.device) -> Conditioning:
-        """The same conditioning with every tensor on ``device`` (no copy for those already there)."""
-        return Conditioning(
-            branches={b: {k: v.to(device) for k, v in d.items()} for b, d in self.branches.items()},
-            shared={k: v.to(device) for k, v in self.shared.items()},
-        )
-
-    def flat(self) -> dict[str, torch.Tensor]:
-        """Flatten to ``"<branch>.<name>"`` keys for transport; ``from_flat`` inverts it."""
-        out = {f"{b}.{k}": v for b, d in self.branches.items() for k, v in d.items()}
-        out.update({f"shared.{k}": v for k, v in self.shared.items()})
-        return out
-
-    @classmethod
-    def from_flat(cls, flat: dict[str, torch.Tensor]) -> Conditioning:
-        branches: dict[str, dict[str, torch.Tensor]] = {}
-        shared: dict[str, torch.Tensor] = {}
-        for key, tensor in flat.items():
-            scope, name = key.split(".", 1)
-            (shared if scope == "shared" else branches.setdefault(scope, {}))[name] = tensor
-        return cls(branches=branches, shared=shared)
-
-
-@dataclass
-class DenoiseState:
-    """Per-request denoising state; owned by exactly one denoiser instance at a time.
-
-    The scheduler is this request's own instance (multistep schedulers keep history), so requests
-    at different steps, with different step counts, can share a batch.
-    """
-
-    request_id: str
-    params: GenerationParams
-    latents: torch.Tensor  # batch dim 1, the family's packed layout
-    scheduler: Any  # a diffusers scheduler instance owned by this request
-    timesteps: torch.Tensor  # (steps,)
-    cond: Conditioning
-    aux: dict[str, torch.Tensor] = field(default_factory=dict)  # family-specific per-request tensors
-    step: int = 0
-    #: steps (1-based counts of steps done) after which a preview of the predicted clean latents is
-    #: kept in ``x0``; empty = none. Previews read the step's prediction and never change ``latents``.
-    preview_steps: frozenset[int] = frozenset()
-    x0: torch.Tensor | None = None  # the last preview's predicted clean latents, until its owner takes it
-
-    @property
-    def done(self) -> bool:
-        return self.step >= len(self.timesteps)
-
-    @property
-    def total_steps(self) -> int:
-        return len(self.timesteps)
-
-    @property
-    def timestep(self) -> torch.Tensor:
-        return self.timesteps[self.step]
-
-    def branches(self) -> list[str]:
-        return [b for b in BRANCH_ORDER if b in self.cond.branches]
-
-
-@dataclass
-class Frames:
-    """Decoded output: float32 array (frames, H, W, 3) in [0, 1]; an image is one frame. Whether it
-    is a video is the family's ``is_video`` (a one-frame Wan output is still a video), not the count."""
-
-    array: np.ndarray
-
-    def to_pil(self) -> list:
-        from PIL import Image
-
-        return [Image.fromarray(f) for f in self.to_uint8()]
-
-    def to_uint8(self) -> np.ndarray:
-        # Same rounding as diffusers' numpy_to_pil.
-        return (self.array * 255).round().astype("uint8")
-
-
-@dataclass
-class Row:
-    """One transformer input row: one request's one CFG branch at its current step."""
-
-    state: DenoiseState
-    branch: str
-
-
-ForwardFn = Callable[[Sequence[Row]], torch.Tensor]
-
-
-@dataclass
-class StepStats:
-    """What one ``denoise_step`` did: forwards and rows computed, for metrics and tests."""
-
-    forwards: int = 0
-    rows: int = 0
 
 
 class Family(ABC):
@@ -231,7 +97,14 @@ class Family(ABC):
         self.pipe = self.pipeline_class.from_pretrained(str(self.model_dir), dtype=self.dtype, **skipped, **built)
         place(self.pipe, self.device_config)
         self.pipe.set_progress_bar_config(disable=True)
+        # triptych.json's "prompt_normaliser": only the shipped shape-world models name one.
+        self.prompt_normaliser = normaliser(model_defaults(self.model_dir).get("prompt_normaliser"))
         self._post_load()
+
+    def encoder_prompt(self, prompt: str, edit: bool = False) -> str:
+        """The prompt the text encoder gets: normalised (``triptych.world.prompts``) or as sent."""
+        normal = self.prompt_normaliser is not None and isinstance(prompt, str)
+        return self.prompt_normaliser(prompt, edit) if normal else prompt
 
     def vae_mode(self, params: GenerationParams):
         """Context for one VAE decode of ``params``' size: tiling on or off as the config says."""
@@ -248,6 +121,14 @@ class Family(ABC):
     def chat_model(self):
         """This instance's ``triptych.pipelines.vlm.ChatModel``, or None (no VLM loaded here)."""
         return None
+
+    def vllm_export(self, out: Path, vision: str = "copy") -> Path:
+        """Write the model folder a vLLM server loads to answer this model's chats (files only)."""
+        raise TriptychError(f"{self.name} has no VLM that vLLM can serve")
+
+    def vllm_inputs(self, chat) -> tuple[int, dict]:
+        """A chat's prompt length and its images as vLLM embedding items (``pipelines/qwenimage/vllm``)."""
+        raise TriptychError(f"{self.name} has no VLM to encode a chat's images for vLLM")
 
     def _build_components(self, wanted: frozenset[str]) -> dict[str, Any]:
         """Components the family constructs itself instead of letting ``from_pretrained`` load them.
@@ -379,11 +260,3 @@ def as_device_config(device: str | DeviceConfig, dtype: str | torch.dtype | None
     if isinstance(dtype, torch.dtype):
         dtype = str(dtype).removeprefix("torch.")
     return DeviceConfig(device=str(device), dtype=dtype)
-
-
-def to_frames(array: np.ndarray) -> Frames:
-    """Normalise a pipeline's np output to (frames, H, W, 3) float32."""
-    a = np.asarray(array, dtype=np.float32)
-    if a.ndim == 3:
-        a = a[None]
-    return Frames(a)

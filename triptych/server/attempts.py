@@ -12,6 +12,8 @@ from triptych.server.dispatch import DispatchPolicy, Instance
 class Attempts:
     retries: int = 0
     avoid: dict[str, set[str]] = field(default_factory=dict)  # role -> instances that failed this request
+    #: (tenant, image hash) of the request's images, for the encoder's image affinity (set once)
+    image_keys: list[tuple[str, str]] | None = None
 
     def refusal(self, max_retries: int, role: str | None, pool: list[Instance], failed: str | None) -> str | None:
         """Why no retry may happen (None: it may): retries exhausted, or no other instance of the role."""
@@ -27,10 +29,18 @@ class Attempts:
             self.avoid.setdefault(role, set()).add(failed)
         self.retries += 1
 
-    def pick(self, policy: DispatchPolicy, role: str, pool: list[Instance]) -> Instance | None:
+    def pick(
+        self, policy: DispatchPolicy, role: str, pool: list[Instance], affinity=None, chat: bool = False
+    ) -> Instance | None:
         """The policy's choice among ``pool``, leaving out the instances that failed this request while
-        any other is registered (it waits for that one's free slot rather than go back)."""
+        any other is registered (it waits for that one's free slot rather than go back). With
+        ``affinity`` (an ``affinity.ImageAffinity``; ``image_keys`` set), a free instance that holds
+        the request's images comes first (``chat``: free in its chat slots)."""
         avoid = frozenset(self.avoid.get(role, ()))
         if avoid and all(i.instance_id in avoid for i in pool):
             avoid = frozenset()
+        if affinity is not None and self.image_keys:
+            preferred = affinity.prefer(self.image_keys, pool, exclude=avoid, chat=chat)
+            if preferred is not None:
+                return preferred
         return policy.pick(pool, exclude=avoid)

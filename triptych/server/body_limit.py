@@ -7,7 +7,9 @@
 - A POST to the API must be ``application/json`` or ``multipart/form-data`` (415 otherwise): a
   ``text/plain`` body is what any web page may send cross-site without a preflight.
 - A client that stops sending in the middle of its body (a slow or half-open connection) gets 408
-  after ``read_timeout_s`` without a byte, and its connection is closed.
+  after ``read_timeout_s`` without a byte, and its connection is closed. The timeout covers the body
+  only: once its last part arrived, a ``receive()`` (a route watching for the client to disconnect
+  while its request runs) waits as long as the request lives (``HeadConfig.request_timeout_s``).
 """
 
 from __future__ import annotations
@@ -48,9 +50,12 @@ class BodyLimit:
 
     def _bounded(self, receive, limit: int | None):
         seen = 0
+        complete = False  # the body's last part arrived: what follows is a disconnect, unbounded
 
         async def bounded_receive():
-            nonlocal seen
+            nonlocal seen, complete
+            if complete:
+                return await receive()
             try:
                 message = await asyncio.wait_for(receive(), self.read_timeout_s)
             except TimeoutError:
@@ -59,6 +64,7 @@ class BodyLimit:
                 seen += len(message.get("body", b""))
                 if limit is not None and seen > limit:
                     raise HTTPException(413, _too_large(seen, limit, at_least=True))
+                complete = not message.get("more_body", False)
             return message
 
         return bounded_receive

@@ -41,6 +41,7 @@ class ChatTracked:
     machine: RequestMachine
     future: asyncio.Future
     on_text: TextFn | None
+    images_png: list[bytes] | None = None  # the images as sent on the wire (encoded off the loop)
     instance: str | None = None  # the encoder charged a slot for it
     streamed: bool = False  # a piece reached the client: it cannot be retried elsewhere
     attempts: Attempts = field(default_factory=Attempts)
@@ -66,12 +67,14 @@ class ChatRouter:
         self.policy = ChatSlots()  # chats count against an encoder's chat slots, not its encode slots
         self.waiting: deque[str] = deque()
 
-    def submit(self, job: ChatJob, on_text: TextFn | None) -> asyncio.Future:
+    def submit(self, job: ChatJob, on_text: TextFn | None, images_png: list[bytes] | None = None) -> asyncio.Future:
+        """``images_png``: ``wire.chat_images(job.params)`` made already (off the event loop: large
+        images take seconds to encode); None = made at each dispatch."""
         if len(self.waiting) >= self.max_queued:
             raise Overloaded(f"chat queue is full ({self.max_queued} requests)", retry_after=1.0)
         future = asyncio.get_running_loop().create_future()
         machine = RequestMachine(job.request_id, self.timeouts, CHAT_TRANSITIONS)
-        self.chats[job.request_id] = ChatTracked(job, machine, future, on_text)
+        self.chats[job.request_id] = ChatTracked(job, machine, future, on_text, images_png)
         self.waiting.append(job.request_id)
         return future
 
@@ -110,14 +113,20 @@ class ChatRouter:
         while self.waiting:
             ct = self.chats[self.waiting[0]]
             pool = [i for i in self.registry.pool("encoder") if i.chat]
-            inst = ct.attempts.pick(self.policy, "encoder", pool)
+            affinity = self.registry.affinity
+            if ct.attempts.image_keys is None:
+                ct.attempts.image_keys = affinity.keys(ct.job.params.tenant, ct.job.params.images)
+            inst = ct.attempts.pick(self.policy, "encoder", pool, affinity, chat=True)
             if inst is None:
                 return
             self.waiting.popleft()
             inst.hold_chat(ct.job.request_id)
+            affinity.record(ct.attempts.image_keys, inst.instance_id)
             ct.instance = inst.instance_id
             ct.machine.to(S.CHATTING)
-            task = wire.chat_to_wire(ct.job.request_id, ct.machine.generation, ct.job.params, ct.job.stream)
+            task = wire.chat_to_wire(
+                ct.job.request_id, ct.machine.generation, ct.job.params, ct.job.stream, ct.images_png
+            )
             self.send(inst.instance_id, task)
 
     def handle(self, msg) -> None:

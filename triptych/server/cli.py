@@ -33,8 +33,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from triptych.config_flags import ConfigFlags, add_flags_later
+from triptych.server.auth import write_token
+from triptych.server.cli_worker import cmd_worker
 from triptych.server.dispatch import POLICIES
 from triptych.server.worker_flags import WorkerFlags
+from triptych.vllm_chat.launch import chat_engines
 
 if TYPE_CHECKING:
     from triptych.server.head import HeadConfig
@@ -44,7 +47,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 TRANSFER_KINDS = ("auto", "mooncake", "zmq")
-HEAD_FLAGS, HEAD_RENAMED = {"data_dir": "--data-dir", "api_keys": "--api-key"}, {"model_aliases": "model-alias"}
+HEAD_FLAGS = {"data_dir": "--data-dir", "api_keys": "--api-key", "teacache_profiles_root": None}
+HEAD_RENAMED = {"model_aliases": "model-alias"}
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,7 @@ class ServeFlags:
     cluster: ConfigFlags
     roles: dict[str, ConfigFlags]  # role -> its RoleResources flags (--denoiser-cpus, ...)
     autoscale: ConfigFlags
+    vllm: ConfigFlags  # the chat engine (VllmConfig)
 
     @classmethod
     def add(cls, parser: argparse.ArgumentParser) -> ServeFlags:
@@ -70,6 +75,7 @@ class ServeFlags:
         from triptych.server.launch import MOONCAKE_LOG_LEVELS, TopologyConfig
         from triptych.server.orchestrator import OrchestratorConfig
         from triptych.server.request_state import StateTimeouts
+        from triptych.vllm_chat import VllmConfig
 
         def group(title: str):
             return parser.add_argument_group(title)
@@ -114,6 +120,7 @@ class ServeFlags:
                 prefix="autoscale-",
                 rename={"pools": "autoscale"},
             ),
+            vllm=ConfigFlags(group("chat engine (VllmConfig)"), VllmConfig),
         )
 
     def cluster_config(self, args: argparse.Namespace):
@@ -124,6 +131,8 @@ class ServeFlags:
         return self.autoscale.build(args, self.parser)
 
     def head_config(self, args: argparse.Namespace, default_data_dir: Path) -> HeadConfig:
+        from triptych.cli_profiles import user_profiles_root  # calibrate's directory, as generate reads it
+
         env_keys = os.environ.get("TRIPTYCH_API_KEYS", "").split(",")
         keys = [*args.api_key, *(k for k in env_keys if k.strip())]
         return self.head.build(
@@ -132,6 +141,7 @@ class ServeFlags:
             data_dir=Path(args.data_dir) if args.data_dir else default_data_dir,
             limits=self.limits.build(args, self.parser),
             api_keys=tuple(k.strip() for k in keys),
+            teacache_profiles_root=user_profiles_root(),
         )
 
     def topology_config(self, args: argparse.Namespace) -> TopologyConfig:
@@ -193,6 +203,7 @@ def add_server_commands(sub) -> None:
         "--collective-timeout", type=float, default=60.0, help="multi-rank denoiser: collective timeout, seconds"
     )
     w.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    w.add_argument("--vllm-url", default="", help="encoder: the vLLM server answering its chats (--chat-engine vllm)")
     w.add_argument(
         "--exit-with-parent",
         type=int,
@@ -202,44 +213,6 @@ def add_server_commands(sub) -> None:
     )
     w.set_defaults(func=cmd_worker)
     add_flags_later(w, lambda parser: parser.set_defaults(worker_flags=WorkerFlags.add(parser)))
-
-
-def worker_config(args: argparse.Namespace):
-    """The ``WorkerConfig`` of parsed ``triptych worker`` flags."""
-    from triptych.devices import device_config_from_args
-    from triptych.models import resolve_model
-    from triptych.pipelines.base import Role
-    from triptych.server.worker import WorkerConfig
-
-    flags: WorkerFlags = args.worker_flags
-    return WorkerConfig(
-        role=Role(args.role),
-        head=args.head,
-        token=args.token,
-        model_dir=Path(resolve_model(args.model, os.environ.get("TRIPTYCH_CACHE"))),
-        instance_id=args.instance_id,
-        capacity=args.capacity,
-        transfer=args.transfer,
-        host=args.host,
-        transfer_max_bytes=flags.transfer_config(args).max_bytes,
-        device=device_config_from_args(args),
-        torch_threads=args.threads,
-        parent_pid=args.exit_with_parent,
-        engine=flags.engine_config(args),
-        parallel=flags.parallel_config(args),
-        collective_timeout_s=args.collective_timeout,
-        mm_cache=flags.mm_cache_config(args),
-        chat=flags.chat_config(args),
-    )
-
-
-def cmd_worker(args) -> int:
-    from triptych.server.worker import run_worker
-
-    if len(args.token) < 16:
-        print("triptych worker: --token (or $TRIPTYCH_TOKEN) must be the head's control-plane token", file=sys.stderr)
-        return 2
-    return run_worker(worker_config(args))
 
 
 def served_models(specs: list[str], cache_root: str | None = None) -> dict[str, Path]:
@@ -266,7 +239,7 @@ def build_backends(
 ) -> dict:
     """One ``EmbeddedBackend`` (orchestrator + its pools: local processes, or ``pool``'s Ray actors) per
     model. They share one control-plane token; a fixed ``control_port`` P gives the models P, P+1, ...
-    in order (0: each a free port)."""
+    in order (0: each a free port). ``topology``: one for all, or model id → its own."""
     from triptych.server.auth import new_token
     from triptych.server.launch import EmbeddedBackend
 
@@ -276,7 +249,8 @@ def build_backends(
         port = shared.control_port + i if shared.control_port else 0
         config = dataclasses.replace(shared, control_port=port)
         extra = {} if pool is None else {"pool": pool}
-        backends[name] = EmbeddedBackend(model_dir, config, topology, autoscale=autoscale, **extra)
+        topo = topology[name] if isinstance(topology, dict) else topology
+        backends[name] = EmbeddedBackend(model_dir, config, topo, autoscale=autoscale, **extra)
     return backends
 
 
@@ -301,12 +275,14 @@ def cmd_serve(args) -> int:
         from triptych.cluster.ray_backend import ray_pool
 
         pool, stop_ray = ray_pool(cluster, topology, autoscale, copies=len(models))
-    backends = build_backends(models, flags.orchestrator_config(args), topology, pool=pool, autoscale=autoscale)
-    for name, model_dir in models.items():
-        logger.info("serving %s from %s", name, model_dir)
-    write_token(head_config.data_dir, next(iter(backends.values())).orchestrator.token)
     try:
-        return _serve_http(args, backends, head_config)
+        with chat_engines(flags.vllm.build(args, flags.parser), models, head_config.data_dir, topology) as topologies:
+            orchestrator = flags.orchestrator_config(args)
+            backends = build_backends(models, orchestrator, topologies, pool=pool, autoscale=autoscale)
+            for name, model_dir in models.items():
+                logger.info("serving %s from %s", name, model_dir)
+            write_token(head_config.data_dir, next(iter(backends.values())).orchestrator.token)
+            return _serve_http(args, backends, head_config)
     finally:
         if stop_ray is not None:
             stop_ray()
@@ -323,18 +299,6 @@ def _serve_http(args, backends: dict, head_config) -> int:
     if len(backends) == 1 and head_config.served_model_name:
         backends = next(iter(backends.values()))
     return run_head(create_app(backends, head_config), head_config, args.host, args.port)
-
-
-def write_token(data_dir: Path, token: str) -> Path:
-    """The control-plane token where an operator starting remote workers finds it (owner-only)."""
-    from triptych.server.private import private_dir
-
-    path = private_dir(data_dir) / "worker.token"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
-    logger.info('remote workers: triptych worker --token "$(cat %s)" --head %s ...', path, "<control address>")
-    return path
 
 
 async def _control_plane_only(backend) -> int:

@@ -1,5 +1,5 @@
 """The head's per-app state, shared by every route module: ``HeadConfig``, ``Head``, ``ModelHead``,
-``ClientGone``.
+``ClientGone``, ``DeadlineExceeded``.
 
 ``create_app`` (``server/http.py``) builds one ``Head`` over the served models (``served.py``: one
 backend, with its own pools, per model) and hands it to each ``add_*_routes(app, head)``. A route
@@ -31,7 +31,7 @@ from starlette.requests import Request
 from triptych.errors import shown
 from triptych.server.admission import AdmissionLimits
 from triptych.server.files import FileStore
-from triptych.server.metrics import Metrics, render_labelled
+from triptych.server.metrics import LoopMetrics, Metrics, render_labelled
 from triptych.server.private import private_dir
 from triptych.server.served import ServedModel, ServedModels
 
@@ -91,7 +91,19 @@ class HeadConfig:
 
     body_read_timeout_s: float = 30.0
     """A client that sends no byte of its body for this long gets 408 (slow or half-open clients).
-    Bounds: > 0."""
+    Covers reading the body only, never the wait for the answer (``request_timeout_s``). Bounds: > 0."""
+
+    request_timeout_s: float = 7200.0
+    """Longest a request may wait for its answer once its body was read: images and edits until
+    their images, a stream until its first event, a chat until its answer (a video job is
+    answered at once). Past it the request is cancelled and answered 504 naming this limit. The
+    default is about 3x the default model's 2048² image at 100 steps on one CPU thread (2,600 s
+    measured on a loaded 2-core machine, ``benchmarks/RELIABILITY.md``). Bounds: > 0."""
+
+    media_threads: int = 2
+    """Threads that parse large JSON bodies and decode, check and re-encode uploaded images off the
+    event loop (one pool per head process), so heartbeats and other requests are still served while
+    a 60 MiB body is read. Bounds: >= 1."""
 
     header_timeout_s: float = 20.0
     """A connection that has not sent a complete request line and headers this long after it opened
@@ -103,15 +115,23 @@ class HeadConfig:
     empty = no authentication. ``/health``, ``/metrics`` and ``/v1/files/…`` links (unguessable
     ids, handed out like pre-signed URLs) stay open."""
 
+    teacache_profiles_root: Path | None = None
+    """TeaCache profiles looked up before each model's own ``teacache/``: ``<root>/<model identity>/``
+    (``teacache_profile.profiles_dir_in``) — what ``teacache_threshold: "auto"`` is checked against at
+    the door. ``serve`` sets it to the user directory ``triptych calibrate`` writes
+    (``$XDG_DATA_HOME/triptych/teacache``); None = the models' own profiles only."""
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir))
         if self.max_json_bytes < 1024:
             raise ValueError(f"HeadConfig.max_json_bytes={self.max_json_bytes!r}: must be >= 1024")
-        for name in ("url_ttl_s", "sweep_interval_s", "body_read_timeout_s", "header_timeout_s"):
+        for name in ("url_ttl_s", "sweep_interval_s", "body_read_timeout_s", "header_timeout_s", "request_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"HeadConfig.{name}={getattr(self, name)!r}: must be > 0")
         if self.video_ttl_s is not None and not self.video_ttl_s > 0:
             raise ValueError(f"HeadConfig.video_ttl_s={self.video_ttl_s!r}: must be > 0 or None (keep forever)")
+        if not isinstance(self.media_threads, int) or self.media_threads < 1:
+            raise ValueError(f"HeadConfig.media_threads={self.media_threads!r}: must be an integer >= 1")
         if not 1 <= self.video_fps <= 120:
             raise ValueError(f"HeadConfig.video_fps={self.video_fps!r}: must be between 1 and 120")
         if self.public_base_url is not None and not self.public_base_url.startswith(("http://", "https://")):
@@ -139,6 +159,17 @@ class HeadConfig:
 class ClientGone(Exception):
     """The client disconnected while its request was running; its jobs were cancelled."""
 
+
+class DeadlineExceeded(Exception):
+    """The request was not answered within ``HeadConfig.request_timeout_s``; its jobs were cancelled."""
+
+    def __init__(self, limit_s: float):
+        super().__init__(f"request not answered within {limit_s:g}s")
+        self.limit_s = limit_s
+
+
+#: How often the head measures its event loop's lag (``Head.watch_loop_forever``), seconds.
+LOOP_WATCH_S = 0.1
 
 #: Response header carrying a note on the result (e.g. a size the model was not trained at); the same
 #: text is in the body's ``warnings`` list.
@@ -171,6 +202,8 @@ class Head:
         self.models = ServedModels(backends, config.limits, config.aliases())
         self.unrouted_metrics = Metrics()
         """Outcomes of requests refused before a model was chosen (the ``model=""`` series)."""
+        self.loop_metrics = LoopMetrics()
+        """The event loop's lag (``watch_loop_forever``)."""
         self.files: FileStore | None = None
         self.videos: VideoJobs | None = None
 
@@ -194,7 +227,8 @@ class Head:
         """Every model's collectors, each series labelled ``model`` (``""``: refused before routing)."""
         for m in self.models:
             m.backend.metrics.update_from_describe(m.backend.describe(), head_in_flight=m.admission.in_flight)
-        return render_labelled({m.name: m.backend.metrics for m in self.models}, unrouted=self.unrouted_metrics)
+        by_model = render_labelled({m.name: m.backend.metrics for m in self.models}, unrouted=self.unrouted_metrics)
+        return by_model + self.loop_metrics.render()
 
     def base_url(self, request: Request) -> str:
         """Where ``url`` links point (``HeadConfig.public_base_url`` and ``allowed_hosts``)."""
@@ -235,6 +269,14 @@ class Head:
             removed = self.files.sweep() + self.videos.sweep()
             if removed:
                 logger.info("removed %d expired files/videos", removed)
+
+    async def watch_loop_forever(self, every_s: float = LOOP_WATCH_S) -> None:
+        """Measure the event loop's lag: how much later than asked a sleep of ``every_s`` wakes."""
+        loop = asyncio.get_running_loop()
+        while True:
+            asked = loop.time() + every_s
+            await asyncio.sleep(every_s)
+            self.loop_metrics.record_loop_lag(max(0.0, loop.time() - asked))
 
 
 class ModelHead:

@@ -6,7 +6,8 @@ model id → backend (in serving order: the first of a kind is that kind's defau
 ``AdmissionLimits`` and the model's family (a weightless adapter is enough), turns it into
 ``GenerationJob``s and awaits ``backend.run``; it never sees a tensor. Errors leave in OpenAI's shape
 ``{"error": {"message", "type", "param", "code"}}``: bad input is a 400 naming the field, the value
-and the limit; ``Overloaded`` is a 429 with Retry-After; ``StageFailed`` is a 502.
+and the limit; ``Overloaded`` is a 429 with Retry-After; ``StageFailed`` is a 502; ``Unavailable`` (a
+role with no live instance) a 503 with Retry-After; a request past ``request_timeout_s`` a 504.
 
 This module only wires: it builds the ``Head`` (``server/head.py``), installs the error handlers and
 the API-key check, and adds the routes: images (``http_images``), videos (``http_videos``), chat
@@ -22,6 +23,7 @@ import contextlib
 import hmac
 import logging
 import re
+from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -32,12 +34,14 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from triptych.errors import InvalidParam, shown, shown_name
+from triptych.server import offload
 from triptych.server.admission import retry_after_header
 from triptych.server.api_models import PEER_HINTS, ErrorResponse, ModelCard, ModelList
-from triptych.server.backend import Cancelled, GenerationBackend, Overloaded, StageFailed
+from triptych.server.backend import Cancelled, GenerationBackend, Overloaded, StageFailed, Unavailable
 from triptych.server.body_limit import BodyLimit
-from triptych.server.head import TENANT, ClientGone, Head, HeadConfig, tenant_of_key
+from triptych.server.head import TENANT, ClientGone, DeadlineExceeded, Head, HeadConfig, tenant_of_key
 from triptych.server.http_chat import add_chat_routes
+from triptych.server.http_common import OffloadRoute
 from triptych.server.http_images import add_image_routes
 from triptych.server.http_playground import add_playground_routes
 from triptych.server.http_videos import add_video_routes
@@ -136,6 +140,21 @@ def install_error_handlers(app: FastAPI) -> None:
         outcome(request, "cancelled")
         return error_response(499, "client disconnected; the request was cancelled", "invalid_request_error")
 
+    @app.exception_handler(DeadlineExceeded)
+    async def on_deadline(request: Request, exc: DeadlineExceeded):
+        outcome(request, "timed_out")
+        message = (
+            f"request not answered within its deadline of {exc.limit_s:g}s (request_timeout_s, "
+            "--request-timeout-s); it was cancelled"
+        )
+        return error_response(504, message, "server_error", None, "timeout")
+
+    @app.exception_handler(Unavailable)
+    async def on_unavailable(request: Request, exc: Unavailable):
+        outcome(request, "unavailable")
+        headers = {"Retry-After": retry_after_header(exc.retry_after)}
+        return error_response(503, str(exc), "server_error", None, "unavailable", headers)
+
     @app.exception_handler(StageFailed)
     async def on_stage_failed(request: Request, exc: StageFailed):
         outcome(request, "failed")
@@ -158,7 +177,19 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 # ---- the app --------------------------------------------------------------------------------------
-ERROR_RESPONSES = {code: {"model": ErrorResponse} for code in (400, 401, 404, 409, 429, 502)}
+ERROR_RESPONSES = {code: {"model": ErrorResponse} for code in (400, 401, 404, 409, 429, 502, 503, 504)}
+
+
+def pool_counts(describe: dict) -> dict[str, dict[str, int]]:
+    """Each role that has local workers: its live instances (registered, not draining) against the
+    local workers configured for it (scaled-in ones excluded). Remote-only pools have no configured
+    size and are not listed."""
+    workers = describe.get("local_workers", {}).get("workers", {}).values()
+    configured = Counter(w["role"] for w in workers if "role" in w and not w.get("retired"))
+    live = Counter(i.get("role") for i in describe.get("instances", ()) if i.get("state") != "draining")
+    return {role: {"live": live[role], "configured": n} for role, n in sorted(configured.items())}
+
+
 OPEN_PATHS = ("/health", "/metrics", "/v1/files/")  # never behind the API key
 
 
@@ -190,15 +221,18 @@ def create_app(backends: GenerationBackend | Mapping[str, GenerationBackend], co
     if isinstance(backends, GenerationBackend):
         backends = {config.served_model_name or Path(backends.family.model_dir).name: backends}
     head = Head(backends, config)
+    offload.configure(config.media_threads)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         await head.open()
         sweeper = asyncio.create_task(head.sweep_forever(), name="head-sweeper")
+        watcher = asyncio.create_task(head.watch_loop_forever(), name="head-loop-lag")
         try:
             yield
         finally:
             sweeper.cancel()
+            watcher.cancel()
             await head.close()
 
     app = FastAPI(
@@ -209,6 +243,7 @@ def create_app(backends: GenerationBackend | Mapping[str, GenerationBackend], co
         dependencies=[Depends(api_key_check(config.api_keys))],
     )
     app.state.head = head
+    app.router.route_class = OffloadRoute  # large JSON bodies are parsed off the event loop
     app.add_middleware(BodyLimit, max_json_bytes=config.max_json_bytes, read_timeout_s=config.body_read_timeout_s)
     install_error_handlers(app)
     add_image_routes(app, head)
@@ -226,22 +261,26 @@ def create_app(backends: GenerationBackend | Mapping[str, GenerationBackend], co
 
     @app.get("/health")
     async def health():
-        """``ok``; ``degraded`` (200) while a local worker is down or given up but every role of every
-        model still has a live instance; ``unavailable`` (503) while a role of some model has none.
-        ``models`` has each model's pools; ``model``, ``backend`` and ``missing_roles`` the first
-        model's (what a one-model head always showed)."""
+        """``ok``; ``degraded`` (200) while a local worker is down or given up, or a role has fewer
+        live instances than local workers configured for it (``roles``: live against configured,
+        e.g. one of two denoisers during a replacement), but every role of every model still has a
+        live instance; ``unavailable`` (503) while a role of some model has none. ``models`` has each
+        model's pools; ``model``, ``backend``, ``roles`` and ``missing_roles`` the first model's
+        (what a one-model head always showed)."""
         models, statuses = {}, []
         for m in head.models:
             desc = m.backend.describe()
             empty = desc.get("empty_roles", [])
             down = [iid for iid, w in desc.get("local_workers", {}).get("workers", {}).items() if not w["running"]]
-            statuses.append("unavailable" if empty else "degraded" if down else "ok")
+            roles = pool_counts(desc)
+            short = any(r["live"] < r["configured"] for r in roles.values())
+            statuses.append("unavailable" if empty else "degraded" if down or short else "ok")
             models[m.name] = {"status": statuses[-1], "kind": m.kind, "in_flight": m.admission.in_flight}
-            models[m.name].update({"missing_roles": empty} if empty else {}, backend=desc)
+            models[m.name].update({"missing_roles": empty} if empty else {}, roles=roles, backend=desc)
         status = next((s for s in ("unavailable", "degraded") if s in statuses), "ok")
         first = models[head.models.first.name]
         body = {"status": status, "model": head.models.first.name, "in_flight": head.in_flight()}
-        body.update(backend=first["backend"], models=models)
+        body.update(roles=first["roles"], backend=first["backend"], models=models)
         missing = sorted({r for m in models.values() for r in m.get("missing_roles", [])})
         if missing:
             body["missing_roles"] = missing

@@ -10,7 +10,8 @@ is there, so a refused request is never a 200 with an error inside.
 Streaming follows OpenAI's server-sent events: a first chunk with the assistant role, one chunk per
 decoded piece, a last chunk with ``finish_reason``, a usage chunk when
 ``stream_options.include_usage`` is set, then ``data: [DONE]``. A client that disconnects cancels
-the chat: the worker stops at its next token and frees its slot.
+the chat: the worker stops at its next token and frees its slot. An answer (a stream: its first
+piece) not there within ``request_timeout_s`` is cancelled too, and answered 504.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ from fastapi.responses import StreamingResponse
 
 from triptych.errors import InvalidParam, TriptychError
 from triptych.pipelines.vlm import ChatParams, ChatResult, ChatTurn
+from triptych.server import offload
 from triptych.server.api_models import ChatChoice, ChatCompletion, ChatCompletionRequest, ChatMessageOut, ChatUsage
 from triptych.server.backend import ChatJob
-from triptych.server.head import TENANT, ClientGone, Head, ModelHead
-from triptych.server.http_common import wait_disconnect
+from triptych.server.head import TENANT, ClientGone, DeadlineExceeded, Head, ModelHead
+from triptych.server.http_common import deadline, wait_disconnect
 from triptych.server.media import decode_data_url
 
 ENDPOINT = "/v1/chat/completions"
@@ -128,15 +130,20 @@ def _error_event(exc: BaseException) -> dict:
     return {"error": {"message": f"chat failed: {exc}", "type": "server_error", "param": None, "code": "stage_failed"}}
 
 
-async def _answer(head: ModelHead, request: Request, job: ChatJob) -> ChatResult:
-    """The whole answer; a client disconnect cancels the chat (``ClientGone``)."""
+async def _answer(head: ModelHead, request: Request, job: ChatJob, t0: float) -> ChatResult:
+    """The whole answer; a client disconnect cancels the chat (``ClientGone``), so does the deadline
+    (``DeadlineExceeded``)."""
     task = asyncio.create_task(head.backend.chat(job))
     watcher = asyncio.create_task(wait_disconnect(request))
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            async with deadline(head, t0):
+                await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        except DeadlineExceeded:
+            await _stop(head, job, task)
+            raise
         if not task.done():
-            await head.backend.cancel(job.request_id)
-            await asyncio.gather(task, return_exceptions=True)
+            await _stop(head, job, task)
             raise ClientGone()
         return task.result()
     finally:
@@ -144,20 +151,31 @@ async def _answer(head: ModelHead, request: Request, job: ChatJob) -> ChatResult
         task.cancel()  # a no-op when it finished; otherwise the backend's chat frees what it holds
 
 
+async def _stop(head: ModelHead, job: ChatJob, task: asyncio.Task) -> None:
+    await head.backend.cancel(job.request_id)
+    await asyncio.gather(task, return_exceptions=True)
+
+
 def _record(head: ModelHead, result: ChatResult, t0: float) -> None:
     head.metrics.record_request(ENDPOINT, "success", time.perf_counter() - t0)
     head.metrics.record_chat(result.prompt_tokens, result.completion_tokens)
 
 
-async def _stream(head: ModelHead, job: ChatJob, model: str, include_usage: bool, t0: float) -> StreamingResponse:
+async def _stream(
+    head: ModelHead, request: Request, job: ChatJob, model: str, include_usage: bool, t0: float
+) -> StreamingResponse:
     """Start the chat, wait for its first piece (or its end, or its error: raised here, so the client
-    gets a proper status), then stream the rest."""
+    gets a proper status; or the client leaving, or the deadline), then stream the rest."""
     pieces: asyncio.Queue[str] = asyncio.Queue()
     head.admission.reserve(1)
     task = asyncio.create_task(head.backend.chat(job, on_text=pieces.put_nowait))
     getter = asyncio.create_task(pieces.get())
+    watcher = asyncio.create_task(wait_disconnect(request))
     try:
-        await asyncio.wait({task, getter}, return_when=asyncio.FIRST_COMPLETED)
+        async with deadline(head, t0):
+            await asyncio.wait({task, getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if watcher.done() and not task.done() and not getter.done():
+            raise ClientGone()
         if task.done() and task.exception() is not None and not getter.done():
             raise task.exception()
     except BaseException:
@@ -165,6 +183,8 @@ async def _stream(head: ModelHead, job: ChatJob, model: str, include_usage: bool
         getter.cancel()
         task.cancel()  # the backend's chat cleans up on its own (frees the worker's slot)
         raise
+    finally:
+        watcher.cancel()
     created = int(time.time())
 
     def chunk(delta: dict, finish: str | None = None) -> bytes:
@@ -240,13 +260,13 @@ def add_chat_routes(app: FastAPI, head: Head) -> None:
             )
         if req.stream_options is not None and not req.stream:
             raise InvalidParam("stream_options", req.stream_options.model_dump(), "is only allowed with stream=true")
-        params = await asyncio.to_thread(build_chat, model, req)
+        params = await offload.run(build_chat, model, req)
         job = ChatJob(f"chatcmpl-{secrets.token_hex(12)}", params, stream=bool(req.stream))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         if job.stream:
-            return await _stream(model, job, model.model_id, include_usage, t0)
+            return await _stream(model, request, job, model.model_id, include_usage, t0)
         with model.admission.admit(1):
-            result = await _answer(model, request, job)
+            result = await _answer(model, request, job, t0)
         _record(model, result, t0)
         usage = ChatUsage(
             prompt_tokens=result.prompt_tokens,

@@ -1,23 +1,31 @@
 """Request plumbing the route modules share: API fields → ``GenerationParams`` (``build_params``),
 model validation with API field names (``resolve``), bounded multipart parsing (``read_form``,
-``read_upload``, ``text_fields``) and running jobs while watching for a client disconnect
-(``run_jobs``, ``wait_disconnect``). Every function takes the app's ``Head`` and keeps no state.
+``read_upload``, ``text_fields``), large JSON bodies parsed off the event loop (``OffloadRoute``,
+``parse_json``: ``server/offload.py``) and running jobs while watching for a client disconnect
+(``run_jobs``, ``wait_disconnect``) under the request's deadline (``deadline``). Every function
+takes the app's ``Head`` and keeps no state.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import secrets
+import time
 from typing import Any
 
 from fastapi import Request
+from fastapi.routing import APIRoute
 from starlette.datastructures import UploadFile
 
+from triptych.cache.teacache_profile import profiles_dir_in
 from triptych.errors import InvalidParam
 from triptych.pipelines.base import GenerationParams
 from triptych.pipelines.teacache import check_teacache
+from triptych.server import offload
 from triptych.server.backend import GenerationJob
-from triptych.server.head import TENANT, ClientGone, Head
+from triptych.server.head import TENANT, ClientGone, DeadlineExceeded, Head, ModelHead
 from triptych.server.media import decode_image
 
 #: GenerationParams field → the API field a user set.
@@ -30,6 +38,34 @@ API_FIELD = {
     "teacache_threshold": "teacache_threshold",
 }
 FORM_TEXT_LIMIT = 4 * 1024 * 1024  # largest non-file multipart field (prompts are capped lower later)
+#: JSON bodies from this size on are parsed in the offload pool (a 50 MiB chat body: ~0.3 s of parse);
+#: smaller ones on the loop, where the hop to a thread would cost more than the parse.
+OFFLOAD_JSON_BYTES = 256 * 1024
+
+
+async def parse_json(body: bytes) -> Any:
+    """``json.loads(body)``, off the event loop when the body is large."""
+    return json.loads(body) if len(body) < OFFLOAD_JSON_BYTES else await offload.run(json.loads, body)
+
+
+class _OffloadedRequest(Request):
+    async def json(self) -> Any:  # what FastAPI awaits for a route's JSON body
+        if not hasattr(self, "_json"):
+            self._json = await parse_json(await self.body())
+        return self._json
+
+
+class OffloadRoute(APIRoute):
+    """The app's route class: FastAPI parses a route's JSON body with ``request.json()``, which
+    here runs ``parse_json`` (a large body is parsed off the event loop)."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def offloaded(request: Request):
+            return await handler(_OffloadedRequest(request.scope, request.receive))
+
+        return offloaded
 
 
 def same_knob(ours: str, our_value, theirs: str, their_value):
@@ -87,7 +123,8 @@ def resolve(head: Head, params: GenerationParams, size: str | None, frames_field
     head.limits.check_resolved(p.width, p.height, p.frames, p.steps)
     frames = f", {p.frames} frames" if head.family.is_video else ""
     head.limits.check_tokens(head.family.sequence_tokens(p), f"{p.width}x{p.height}{frames}")
-    check_teacache(head.family, p)  # refused at the door rather than as a failed stage
+    root = head.config.teacache_profiles_root  # the workers look in the same place (WorkerConfig)
+    check_teacache(head.family, p, root and profiles_dir_in(root, head.family.model_dir))  # at the door
     return p
 
 
@@ -117,7 +154,7 @@ async def read_upload(head: Head, value: Any, field: str):
     if not isinstance(value, UploadFile):
         raise InvalidParam(field, _short_text(value), "must be an uploaded image file (multipart)")
     data = await value.read(head.limits.max_upload_bytes + 1)
-    return await asyncio.to_thread(decode_image, data, head.limits.image_limits, field)
+    return await offload.run(decode_image, data, head.limits.image_limits, field)
 
 
 def _short_text(value) -> str:
@@ -137,6 +174,22 @@ def text_fields(form, skip: tuple[str, ...]) -> dict[str, Any]:
                 raise InvalidParam(key, v.filename, "must be a text field, not a file")
         out[key] = values[0] if len(values) == 1 else values
     return out
+
+
+@contextlib.asynccontextmanager
+async def deadline(head: Head | ModelHead, t0: float):
+    """The request's deadline: ``head.config.request_timeout_s`` from ``t0`` (``time.perf_counter``
+    when the route began). Past it, what runs inside is cancelled (it cancels its jobs in the backend
+    on the way out) and ``DeadlineExceeded`` (HTTP 504) is raised."""
+    limit = head.config.request_timeout_s
+    scope = asyncio.timeout(limit - (time.perf_counter() - t0))
+    try:
+        async with scope:
+            yield
+    except TimeoutError:
+        if scope.expired():
+            raise DeadlineExceeded(limit) from None
+        raise
 
 
 async def wait_disconnect(request: Request) -> None:

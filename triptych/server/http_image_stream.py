@@ -12,7 +12,8 @@ The head never waits on a slow client: the backend hands previews to an unbounde
 at most ``partial_images`` per attempt, and only this response's generator waits on the socket. The
 headers go out with the first event, so a refused request is a proper 4xx/5xx, not a 200 with an
 error inside; an error after that is an ``error`` event. A client that disconnects cancels the job
-and frees its slots (the generator's ``finally``).
+and frees its slots (the generator's ``finally``). No first event within ``request_timeout_s``:
+the job is cancelled and the answer is a 504.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from fastapi.responses import StreamingResponse
 from triptych.errors import InvalidParam, TriptychError
 from triptych.server.backend import GenerationJob
 from triptych.server.head import ClientGone, Head
-from triptych.server.http_common import wait_disconnect
+from triptych.server.http_common import deadline, wait_disconnect
 
 _CANCELLING: set[asyncio.Task] = set()
 
@@ -66,7 +67,8 @@ async def stream_image(
     getter = asyncio.create_task(queue.get())
     watcher = asyncio.create_task(wait_disconnect(request))
     try:
-        await asyncio.wait({task, getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        async with deadline(head, t0):
+            await asyncio.wait({task, getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if watcher.done() and not task.done():
             raise ClientGone()
         if task.done() and task.exception() is not None and not getter.done():

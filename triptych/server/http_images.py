@@ -4,6 +4,8 @@ The request's ``model`` picks the served model (default: the first image model, 
 edit-capable one for edits). At a size the model was not trained at, the response carries a note in
 ``warnings`` and in the ``X-Triptych-Warning`` header.
 ``stream=true`` (one image, b64_json) answers with server-sent events (``http_image_stream``).
+A request waits for its images until they come, its client disconnects (499) or
+``request_timeout_s`` passes (504); a stream, until its first event.
 """
 
 from __future__ import annotations
@@ -19,7 +21,15 @@ from triptych.errors import InvalidParam
 from triptych.server.api_models import ImageData, ImageEditForm, ImageGenerationRequest, ImagesResponse, inline_schema
 from triptych.server.backend import GenerationJob
 from triptych.server.head import WARNING_HEADER, Head, ModelHead
-from triptych.server.http_common import build_params, read_form, read_upload, resolve, run_jobs, text_fields
+from triptych.server.http_common import (
+    build_params,
+    deadline,
+    read_form,
+    read_upload,
+    resolve,
+    run_jobs,
+    text_fields,
+)
 from triptych.server.http_image_stream import stream_image
 
 
@@ -63,7 +73,8 @@ async def generate_images(head: ModelHead, request: Request, req, image, endpoin
         size = f"{params.width}x{params.height}"
         return await stream_image(head, request, jobs[0], prefix, endpoint, size, t0)
     with head.admission.admit(len(jobs)):
-        outputs = await run_jobs(head, request, jobs)
+        async with deadline(head, t0):
+            outputs = await run_jobs(head, request, jobs)
     expires = None
     if req.response_format == "url":
         data = []

@@ -7,7 +7,6 @@ or JSON (``input_reference`` as ``{"image_url": "data:image/png;base64,..."}``).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import secrets
@@ -20,6 +19,7 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
 
 from triptych.errors import InvalidParam, shown
+from triptych.server import offload
 from triptych.server.api_models import (
     VideoCreateRequest,
     VideoDeleted,
@@ -30,7 +30,15 @@ from triptych.server.api_models import (
 )
 from triptych.server.backend import GenerationJob
 from triptych.server.head import WARNING_HEADER, Head, ModelHead
-from triptych.server.http_common import build_params, read_form, read_upload, resolve, same_knob, text_fields
+from triptych.server.http_common import (
+    build_params,
+    parse_json,
+    read_form,
+    read_upload,
+    resolve,
+    same_knob,
+    text_fields,
+)
 from triptych.server.jobs import VideoRecord
 from triptych.server.media import decode_data_url
 
@@ -70,7 +78,7 @@ async def parse_create(head: Head, request: Request):
         req = VideoCreateRequest.model_validate(fields)
     else:
         try:
-            body = json.loads(await request.body())
+            body = await parse_json(await request.body())
         except (ValueError, UnicodeDecodeError) as e:
             raise InvalidParam("body", "<request body>", f"must be a JSON object or multipart form ({e})") from None
         if not isinstance(body, dict):
@@ -79,7 +87,7 @@ async def parse_create(head: Head, request: Request):
     if isinstance(upload, UploadFile):
         return req, await read_upload(head, upload, "input_reference")
     if req.input_reference is not None:
-        return req, await asyncio.to_thread(_decode_reference, head, req.input_reference)
+        return req, await offload.run(_decode_reference, head, req.input_reference)
     return req, None
 
 

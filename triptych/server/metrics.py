@@ -35,7 +35,7 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 _SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 #: Outcomes ``record_request`` accepts (a closed set keeps label cardinality bounded).
-OUTCOMES = ("success", "invalid", "overloaded", "cancelled", "failed", "error")
+OUTCOMES = ("success", "invalid", "overloaded", "cancelled", "failed", "unavailable", "timed_out", "error")
 #: Outcomes ``record_video_job`` accepts.
 JOB_OUTCOMES = ("completed", "cancelled", "failed", "interrupted")
 
@@ -135,6 +135,29 @@ class Metrics:
             ["instance"],
             registry=r,
         )
+        self.encoder_cache_lookups = Counter(
+            "triptych_encoder_cache_lookups",
+            "Lookups in the encoder layer's cache tiers (processor, embedding, prefix), by tier and result",
+            ["tier", "result"],
+            registry=r,
+        )
+        self.encoder_cache_evictions = Counter(
+            "triptych_encoder_cache_evictions",
+            "Entries evicted from an encoder-layer tier (evicted) or never stored for want of room (not_stored)",
+            ["tier", "reason"],
+            registry=r,
+        )
+        self.encoder_cache_bytes = Gauge(
+            "triptych_encoder_cache_bytes", "Bytes stored in an encoder-layer tier", ["tier", "instance"], registry=r
+        )
+        self.encoder_cache_entries = Gauge(
+            "triptych_encoder_cache_entries", "Entries in an encoder-layer tier", ["tier", "instance"], registry=r
+        )
+        self.vision_forwards = Counter(
+            "triptych_vision_tower_forwards",
+            "Vision-tower forwards the encoders ran (a batch of many images counts one)",
+            registry=r,
+        )
         self.chat_tokens = Counter(
             "triptych_chat_tokens",
             "Tokens of answered chats: prompt (images included) and completion",
@@ -156,7 +179,7 @@ class Metrics:
         self.head_events = Counter(
             "triptych_head_events",
             "Head events by kind: retries, instances_lost, worker_restarts, rejoins_requested, unauthenticated, "
-            "malformed, dropped_stale, ... (the orchestrator's counters)",
+            "replays_refused, stale_session, malformed, dropped_stale, ... (the orchestrator's counters)",
             ["event"],
             registry=r,
         )
@@ -216,6 +239,14 @@ class Metrics:
             for result in ("hits", "misses", "bypassed"):
                 self.mm_cache_lookups.labels(result).inc(getattr(c, result))
             self.mm_cache_bytes.labels(window.instance_id).set(c.nbytes)
+            self.vision_forwards.inc(c.forwards)
+            for tier, t in c.tiers().items():
+                for result in ("hits", "misses"):
+                    self.encoder_cache_lookups.labels(tier, result).inc(getattr(t, result))
+                self.encoder_cache_evictions.labels(tier, "evicted").inc(t.evictions)
+                self.encoder_cache_evictions.labels(tier, "not_stored").inc(t.not_stored)
+                self.encoder_cache_bytes.labels(tier, window.instance_id).set(t.nbytes)
+                self.encoder_cache_entries.labels(tier, window.instance_id).set(t.entries)
         chat = window.chat
         if chat is not None:
             self.chat_prefill_tokens.labels("computed").inc(chat.prefill_computed)
@@ -250,6 +281,12 @@ class Metrics:
                 gauge.remove(instance_id)
             except KeyError:
                 pass
+        for gauge in (self.encoder_cache_bytes, self.encoder_cache_entries):
+            for tier in ("embedding", "processor", "prefix", "shared"):
+                try:
+                    gauge.remove(tier, instance_id)
+                except KeyError:
+                    pass
 
     def record_request(self, endpoint: str, outcome: str, latency_s: float | None = None) -> None:
         """One finished API request; ``latency_s`` (successful generations) feeds the latency histogram."""
@@ -292,6 +329,36 @@ class Metrics:
             if delta > 0:  # the head's counters only grow; a restart of the head restarts both
                 self.head_events.labels(event).inc(delta)
                 self._events_seen[event] = total
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class LoopMetrics:
+    """The head process's own series, not any model's (no ``model`` label): how late its event loop
+    runs. Everything the head serves (requests, heartbeats, stream events) waits while the loop is
+    held, so a large lag says work runs on the loop that should not."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        self.lag = Histogram(
+            "triptych_head_event_loop_lag_seconds",
+            "How late the head's event loop woke a periodic timer: the time it was held by other work",
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=r,
+        )
+        self.last = Gauge("triptych_head_event_loop_lag_last_seconds", "The latest event loop lag measured", registry=r)
+        self.max = Gauge(
+            "triptych_head_event_loop_lag_max_seconds", "The largest event loop lag since the head started", registry=r
+        )
+        self._max = 0.0
+
+    def record_loop_lag(self, lag_s: float) -> None:
+        self.lag.observe(lag_s)
+        self.last.set(lag_s)
+        if lag_s > self._max:
+            self._max = lag_s
+            self.max.set(lag_s)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from triptych.errors import InvalidParam
 from triptych.pipelines.vlm import ChatResult
+from triptych.server import offload, wire
 from triptych.server import protocol as P
 from triptych.server.auth import ControlKey, new_token
 from triptych.server.backend import (
@@ -181,7 +182,10 @@ class Orchestrator(GenerationBackend):
         assert self.control.open, "Orchestrator.start() was not called"
         self._check_new(job.request_id)
         self._check_available(("encoder", "denoiser", "decoder"))
-        future = self.generations.submit(job, on_progress, on_preview)
+        wire_params = None
+        if job.params.image is not None:  # its PNG encode: seconds for a large image, not on the loop
+            wire_params = await offload.run(wire.params_to_wire, job.params)
+        future = self.generations.submit(job, on_progress, on_preview, wire_params)
         return await self._await(job.request_id, future)
 
     async def chat(self, job: ChatJob, on_text: TextFn | None = None) -> ChatResult:
@@ -190,7 +194,8 @@ class Orchestrator(GenerationBackend):
             raise InvalidParam("model", self.model_dir.name, "this model has no VLM to chat with")
         self._check_new(job.request_id)
         self._check_available(("encoder",))
-        future = self.chats.submit(job, on_text)
+        images_png = await offload.run(wire.chat_images, job.params) if job.params.images else []
+        future = self.chats.submit(job, on_text, images_png)
         return await self._await(job.request_id, future)
 
     async def cancel(self, request_id: str) -> bool:
@@ -269,7 +274,12 @@ class Orchestrator(GenerationBackend):
             if self.registry.register(identity, msg):
                 self._pump()
             return
-        if self.registry.seen(identity, msg) is None or isinstance(msg, P.Heartbeat | P.StatsReport):
+        if isinstance(msg, P.Heartbeat):
+            self.stats["heartbeats"] += 1
+        inst = self.registry.seen(identity, msg)
+        if inst is not None and isinstance(msg, P.StatsReport):
+            self._cancel_orphans(inst, msg.jobs)
+        if inst is None or isinstance(msg, P.Heartbeat | P.StatsReport):
             return
         if self.chats.owns(msg):
             self.chats.handle(msg)
@@ -277,10 +287,26 @@ class Orchestrator(GenerationBackend):
             self.generations.handle(msg)
         self._pump()
 
+    def _cancel_orphans(self, inst: Instance, jobs) -> None:
+        """Cancel each job a worker reports holding whose request (at that generation) the head does
+        not hold on it: a Cancel lost while the worker was unreachable, work of a request that ended
+        meanwhile. What the head charged it is left alone; a job that finished since its report was
+        sent gets a Cancel the worker ignores."""
+        for rid, generation in jobs:
+            tracked = self.generations.requests.get(rid) or self.chats.chats.get(rid)
+            if rid in inst.held and tracked is not None and tracked.machine.generation == generation:
+                continue
+            self.stats["orphans_cancelled"] += 1
+            logger.info("%s holds %s g%d, which the head does not: cancelling it", inst.instance_id, rid, generation)
+            self.control.send(inst.instance_id, P.Cancel(rid, generation, "the head no longer holds this request"))
+
     async def _tick_loop(self) -> None:
+        every = min(0.1, self.config.heartbeat_interval_s / 2)
         while True:
-            await asyncio.sleep(min(0.1, self.config.heartbeat_interval_s / 2))
+            before = time.monotonic()
+            await asyncio.sleep(every)
             now = time.monotonic()
+            self._excuse_stall(now - before - every)
             for inst in self.registry.silent(now, self.config.heartbeat_timeout_s):
                 self.instance_dead(inst.instance_id, f"silent for {now - inst.last_seen:.1f}s")
             self.generations.expire(now)
@@ -290,6 +316,17 @@ class Orchestrator(GenerationBackend):
                 if error is not None:
                     self.generations.fail_queued(error)
             self._pump()
+
+    def _excuse_stall(self, late_s: float) -> None:
+        """This tick ran ``late_s`` late: the head's own event loop was held (by work that should not
+        run there, or the machine starved the process). Heartbeats sent meanwhile are still unread in
+        the socket, so that time is not the workers' silence: it is added to each one's last sight."""
+        if late_s <= self.config.heartbeat_interval_s:
+            return
+        self.stats["head_stalls"] += 1
+        logger.warning("the head's event loop was held for %.1fs; not counted as worker silence", late_s)
+        for inst in self.registry.instances.values():
+            inst.last_seen += late_s
 
     def _pump(self) -> None:
         """Start whatever the free slots allow: generations first, then chats."""

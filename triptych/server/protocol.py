@@ -7,7 +7,8 @@ travel inside a message: a receiver reserves slots on its transfer endpoint and 
 
 Every request-scoped message carries ``request_id`` and ``generation``. The head bumps the
 generation when it retries a request elsewhere; any message of an older generation is dropped.
-``Register``/``RegisterAck``/``Heartbeat``/``StatsReport``/``PeerDown``/``Shutdown`` are instance-scoped.
+The others are instance-scoped; registration is a challenge-response, ``Hello`` → ``Challenge`` →
+``Register`` → ``RegisterAck`` (freshness and the frame envelope: ``sessions``, ``auth``).
 
 The handoff of tensors between two stages (conditioning encoder → denoiser, final latents
 denoiser → decoder) is the same five messages each time::
@@ -16,13 +17,9 @@ denoiser → decoder) is the same five messages each time::
     downstream reserves a bundle ──SlotsReserved(refs)──▶ head ──PushTask(refs)──▶ upstream
     upstream pushes P2P, frees its copy ──PushDone──▶ head; downstream waits ready and runs
 
-Previews (``partial_images``) are one more handoff of the same shape, denoiser → decoder, per
-preview: ``PreviewReady(specs)`` → head ``PreviewTask`` → ``SlotsReserved`` → ``PushTask`` → the
-decoder decodes and answers ``PreviewResult`` (media bytes). A preview that cannot move is dropped;
-it never fails its request.
-
-A chat is one encoder's work and moves no tensors: ``ChatTask`` (messages, images as PNG) →
-``ChatDelta`` per decoded piece (when streaming) → ``ChatDone`` or ``StageError``.
+Previews (``partial_images``) are one more handoff of that shape per preview (``PreviewReady`` → ``PreviewTask``
+→ ... → ``PreviewResult``); one that cannot move is dropped, never failing its request. A chat is one
+encoder's work and moves no tensors: ``ChatTask`` → ``ChatDelta``s → ``ChatDone`` or ``StageError``.
 """
 
 from __future__ import annotations
@@ -40,8 +37,7 @@ from triptych.server.transfer.stats import TransferStats
 
 RoleName = Literal["encoder", "denoiser", "decoder"]
 StageName = Literal["encode", "denoise", "decode", "chat"]
-#: which tensors a handoff moves: conditioning, final latents, or the k-th preview's predicted latents
-HandoffName = Literal["cond", "latents", "preview0", "preview1", "preview2"]
+HandoffName = Literal["cond", "latents", "preview0", "preview1", "preview2"]  # what moves: cond, latents, a preview
 PREVIEW_HANDOFFS = ("preview0", "preview1", "preview2")  # index k → its handoff name
 
 
@@ -67,6 +63,12 @@ class WireParams(msgspec.Struct, frozen=True):
 
 
 # ---- worker → head ---------------------------------------------------------------------------
+class Hello(msgspec.Struct, frozen=True, tag="hello"):
+    """A worker asks for a registration challenge; the head answers ``Challenge``."""
+
+    instance_id: str
+
+
 class Register(msgspec.Struct, frozen=True, tag="register"):
     """A worker announces itself; the head answers ``RegisterAck``."""
 
@@ -79,9 +81,9 @@ class Register(msgspec.Struct, frozen=True, tag="register"):
     revision: str  # hash of the model directory's configs; must equal the head's
     pid: int  # process id, for operators and tests
     chat: bool = False  # an encoder that also answers ``ChatTask`` (its text encoder is a VLM)
-    #: chats it may hold at once, apart from its encode slots (its chat engine's running chats
-    #: plus as many waiting); 0 from a worker that predates it: each chat takes an encode slot
-    chat_slots: int = 0
+    #: ZMQ identities of this process's other sockets (its heartbeat's); no other socket speaks for it
+    channels: tuple[bytes, ...] = ()
+    chat_slots: int = 0  # chats it may hold apart from its slots (running + waiting); 0: each takes a slot
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat"):
@@ -103,11 +105,11 @@ class StatsReport(msgspec.Struct, frozen=True, tag="stats_report"):
     transfer: TransferStats  # its transfer endpoint
     mm_cache: MMCacheStats | None = None  # the encoder's mm-hash cache; None where there is none
     chat: ChatEngineStats | None = None  # the encoder's chat engine; None where it has not chatted
+    jobs: tuple[tuple[str, int], ...] = ()  # (request id, generation) it holds: the head cancels any it does not
 
 
 class WorkerReply(msgspec.Struct, frozen=True):
-    """The envelope of every message a worker sends the head about one request: which request,
-    which attempt (``generation``; a reply from an older attempt is dropped) and which instance."""
+    """What every worker message about one request carries (an older ``generation`` is dropped)."""
 
     request_id: str
     generation: int
@@ -164,8 +166,7 @@ class MediaResult(WorkerReply, frozen=True, tag="media_result"):
 
 
 class PreviewResult(WorkerReply, frozen=True, tag="preview_result"):
-    """A decoded preview (media bytes, like ``MediaResult``); always sent before the request's
-    ``MediaResult`` by the decoder that holds the request."""
+    """A decoded preview (media bytes, like ``MediaResult``), sent before the request's ``MediaResult``."""
 
     index: int  # 0-based preview number
     step: int  # steps done when it was taken
@@ -196,12 +197,18 @@ class StageError(WorkerReply, frozen=True, tag="stage_error"):
     kind: str  # exception class name, for logs and metrics
     message: str  # user-safe description
     retryable: bool
-    #: (field, value, rule) when the request broke a rule only the worker can check (a chat prompt
-    #: longer than the model's context): the head answers the client's 400 with it.
+    #: (field, value, rule) of a rule only the worker can check (a chat prompt past the context): a 400
     invalid: tuple[str, str, str] | None = None
 
 
 # ---- head → worker ---------------------------------------------------------------------------
+class Challenge(msgspec.Struct, frozen=True, tag="challenge"):
+    """The answer to ``Hello``: seal the ``Register`` under ``nonce``, good once, for the asking socket."""
+
+    instance_id: str
+    nonce: bytes  # ``auth.SESSION_BYTES`` random bytes
+
+
 class RegisterAck(msgspec.Struct, frozen=True, tag="register_ack"):
     """Accept or refuse a ``Register`` (e.g. model revision mismatch)."""
 
@@ -249,9 +256,8 @@ class DecodeTask(msgspec.Struct, frozen=True, tag="decode_task"):
 
 
 class PreviewTask(msgspec.Struct, frozen=True, tag="preview_task"):
-    """Receive a preview's latents from ``source`` (the request's denoiser) into slots for
-    ``handoff``, decode them like final latents, answer ``PreviewResult``. Sent to the decoder already
-    charged for the request, before its ``DecodeTask``."""
+    """Receive a preview's latents from ``source`` (the request's denoiser) into slots for ``handoff``, decode
+    them like final latents, answer ``PreviewResult``. Sent to the request's decoder, before its ``DecodeTask``."""
 
     request_id: str
     generation: int
@@ -331,7 +337,8 @@ class Rejoin(msgspec.Struct, frozen=True, tag="rejoin"):
 
 
 WorkerMessage = (
-    Register
+    Hello
+    | Register
     | Heartbeat
     | StatsReport
     | EncodeDone
@@ -347,7 +354,8 @@ WorkerMessage = (
     | StageError
 )
 HeadMessage = (
-    RegisterAck
+    Challenge
+    | RegisterAck
     | EncodeTask
     | DenoiseTask
     | DecodeTask

@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
             setup.model_dir, roles={Role.DENOISER}, device=str(device), dtype=setup.dtype
         )
         parallelism = apply_parallel(family.pipe.transformer, groups)
-        engine = instance_engine(family, setup.engine, parallelism)
+        engine = instance_engine(family, setup.engine, parallelism, setup.teacache_profiles_dir)
         follow(family, engine, groups)
     finally:
         destroy()

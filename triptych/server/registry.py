@@ -17,6 +17,7 @@ from collections import Counter
 import msgspec
 
 from triptych.server import protocol as P
+from triptych.server.affinity import ImageAffinity
 from triptych.server.control import ControlPlane
 from triptych.server.dispatch import DispatchPolicy, Instance, bound_ids, make_policy
 from triptych.server.metrics import Metrics
@@ -44,6 +45,7 @@ class InstanceRegistry:
         self.policies: dict[str, DispatchPolicy] = {
             r: make_policy(dispatch) for r in ("encoder", "denoiser", "decoder")
         }
+        self.affinity = ImageAffinity()  # which encoder holds which tenant's images (``affinity``)
         self._rejoin_sent: dict[str, float] = {}  # unknown instance id -> when it was last told to rejoin
         self._last_stats: dict[str, tuple[int, P.StatsReport]] = {}  # dead instance -> (pid, last report)
         now = time.monotonic()
@@ -60,7 +62,7 @@ class InstanceRegistry:
         elif m.instance_id in self.instances:
             reason = f"instance id {m.instance_id!r} is already registered"
         if reason is None:
-            self.control.bind(m.instance_id, identity)
+            self.control.bind(m.instance_id, identity, m.channels)
             self._rejoin_sent.pop(m.instance_id, None)
             inst = Instance(
                 m.instance_id,
@@ -95,7 +97,8 @@ class InstanceRegistry:
         if inst is None:
             self.stats["from_unknown_instance"] += 1
             logger.debug("message from unknown instance %s dropped", msg.instance_id)
-            self._tell_rejoin(identity, msg.instance_id)
+            if not isinstance(msg, P.Heartbeat):  # the heartbeat socket never reads: answer the control one
+                self._tell_rejoin(identity, msg.instance_id)
             return None
         inst.last_seen = time.monotonic()
         if isinstance(msg, P.Heartbeat):
@@ -129,6 +132,7 @@ class InstanceRegistry:
         if not self.pool(inst.role):
             self._empty_since[inst.role] = time.monotonic()
         self.metrics.forget_instance(instance_id)
+        self.affinity.forget(instance_id)
         self.control.forget(instance_id)
         if inst.stats is not None:
             self._last_stats[instance_id] = (inst.pid, inst.stats)

@@ -91,13 +91,20 @@ class GenerationRouter:
         }
 
     def submit(
-        self, job: GenerationJob, on_progress: ProgressFn | None, on_preview: PreviewFn | None = None
+        self,
+        job: GenerationJob,
+        on_progress: ProgressFn | None,
+        on_preview: PreviewFn | None = None,
+        wire_params: P.WireParams | None = None,
     ) -> asyncio.Future:
+        """``wire_params``: ``wire.params_to_wire(job.params)`` made already (off the event loop: its
+        condition image's PNG encode takes seconds for a large one); None = made here."""
         rid = job.request_id
         if len(self.wait_encode) >= self.max_queued:
             raise Overloaded(f"queue is full ({self.max_queued} requests)", retry_after=1.0)
         future = asyncio.get_running_loop().create_future()
-        wire_params = wire.params_to_wire(job.params)
+        if wire_params is None:
+            wire_params = wire.params_to_wire(job.params)
         tracked = Tracked(job, RequestMachine(rid, self.timeouts), future, on_progress, wire_params)
         tracked.on_preview = on_preview
         self.requests[rid] = tracked
@@ -162,6 +169,7 @@ class GenerationRouter:
                 break
             tr, enc, den = placed
             self._charge(tr, enc)
+            self.registry.affinity.record(tr.attempts.image_keys or [], enc.instance_id)
             self._charge(tr, den)
             now = time.monotonic()
             tr.waited_s = now - tr.machine.entered_at
@@ -208,7 +216,12 @@ class GenerationRouter:
         return None
 
     def _pick(self, role: str, tr: Tracked) -> Instance | None:
-        return tr.attempts.pick(self.registry.policies[role], role, self.registry.pool(role))
+        affinity = None
+        if role == "encoder":  # prefer the encoder that holds the condition image (``affinity``)
+            affinity = self.registry.affinity
+            if tr.attempts.image_keys is None:
+                tr.attempts.image_keys = affinity.keys(tr.job.params.tenant, [tr.job.params.image])
+        return tr.attempts.pick(self.registry.policies[role], role, self.registry.pool(role), affinity)
 
     def _charge(self, tr: Tracked, inst: Instance) -> None:
         inst.hold(tr.job.request_id)

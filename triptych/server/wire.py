@@ -64,8 +64,14 @@ def params_from_wire(w: WireParams) -> GenerationParams:
 
 
 # ---- ChatParams <-> ChatTask -----------------------------------------------------------------
-def chat_to_wire(request_id: str, generation: int, p, stream: bool) -> ChatTask:
-    """``p``: a checked ``triptych.pipelines.vlm.ChatParams``; images travel as lossless PNG."""
+def chat_images(p) -> list[bytes]:
+    """The images of ``p`` (a ``ChatParams``) as they travel: lossless PNGs."""
+    return [png_bytes(im) for im in p.images]
+
+
+def chat_to_wire(request_id: str, generation: int, p, stream: bool, images_png: list[bytes] | None = None) -> ChatTask:
+    """``p``: a checked ``triptych.pipelines.vlm.ChatParams``; images travel as lossless PNG
+    (``images_png``: ``chat_images(p)`` made already; None = made here)."""
     messages = [
         ChatMessage(t.role, [ChatPart(image=x) if isinstance(x, int) else ChatPart(text=x) for x in t.parts])
         for t in p.turns
@@ -74,7 +80,7 @@ def chat_to_wire(request_id: str, generation: int, p, stream: bool) -> ChatTask:
         request_id,
         generation,
         messages,
-        [png_bytes(im) for im in p.images],
+        chat_images(p) if images_png is None else images_png,
         int(p.max_tokens),
         float(p.temperature),
         float(p.top_p),

@@ -31,8 +31,10 @@ from triptych.parallel import ParallelConfig
 from triptych.pipelines.base import Role
 from triptych.pipelines.vlm.engine_config import ChatEngineConfig
 from triptych.server import protocol as P
-from triptych.server.auth import ControlKey
+from triptych.server.auth import ControlKey, SequencedSender
+from triptych.server.control_client import ControlClient
 from triptych.server.engine import EngineConfig
+from triptych.server.parent_death import die_with_parent
 from triptych.server.runners import RunnerBroken, StageRunner, make_runner
 from triptych.server.transfer import TransferConfig, make_endpoint
 from triptych.server.worker_port import JobPort
@@ -81,13 +83,21 @@ class WorkerConfig:
     """The encoder's mm-hash cache budget (ignored by other roles)."""
     chat: ChatEngineConfig = field(default_factory=ChatEngineConfig)
     """The encoder's chat engine: running chats per instance, prefix KV budget (ignored by other roles)."""
+    chat_vllm_url: str = ""
+    """Encoder: the vLLM server that answers this encoder's chats (``triptych serve --chat-engine
+    vllm`` passes it); empty = the built-in decoder."""
     register_timeout_s: float = 120.0
     """How long to wait for the head's ``RegisterAck``."""
     torch_threads: int = 0
     """``torch.set_num_threads`` (0 = leave torch's default)."""
+    teacache_profiles_dir: Path | None = None
+    """Denoiser: TeaCache profiles looked up before the model's own ``teacache/`` (what ``auto``
+    resolves to). ``triptych worker`` sets it to the user directory of the model
+    (``cli_profiles.user_profiles_dir``), the one the head checks requests against."""
     parent_pid: int = 0
     """Exit when this process (the head that spawned us) is gone: a head killed with SIGKILL leaves no
-    orphan workers holding memory and devices. 0 = independent (remote workers)."""
+    orphan workers holding memory and devices (the kernel's parent-death signal on Linux, a watch of
+    the parent pid everywhere). 0 = independent (remote workers)."""
     parent_grace_s: float = 10.0
     """After the parent is gone, how long the loop may take to stop (a forward may be running)
     before the process exits hard."""
@@ -127,6 +137,10 @@ class Worker:
         self._key = ControlKey(config.token)
         self._ctx = zmq.Context()
         self._sock = self._dealer("control")
+        self._control = ControlClient(self._sock, self._key)
+        # The heartbeat thread's own socket, made here so its identity goes into ``Register.channels``.
+        self._hb_sock = self._dealer("heartbeat")
+        self._hb = SequencedSender(self._key, self._hb_sock.send_multipart)
         # A transfer that ends on the port's threads wakes the loop's poll at once (an idle loop would
         # otherwise see it only at its next 20 ms poll timeout: up to 20 ms per stage hop).
         self._wake_r, self._wake_w = os.pipe()
@@ -157,49 +171,37 @@ class Worker:
         return sock
 
     def send(self, msg: P.Message) -> None:
-        self._sock.send_multipart(self._key.seal(P.encode(msg)))
+        self._control.send(msg)
 
     def _recv(self) -> P.HeadMessage:
-        """The next control message; raises ``ProtocolError`` for an unsigned or malformed frame,
-        except the head's unsigned refusal of a worker that does not hold the token."""
-        frames = self._sock.recv_multipart()
-        payload = self._key.open(frames)
-        if payload is None:
-            msg = P.decode_from_head(frames[0])
-            if isinstance(msg, P.RegisterAck) and not msg.accepted:
-                return msg
-            raise P.ProtocolError("a control frame with a bad signature")
-        return P.decode_from_head(payload)
+        return self._control.recv()
 
     def register(self) -> None:
         chat = self.role is Role.ENCODER and self.family.chat_model() is not None
-        self.send(
-            P.Register(
-                self.instance_id,
-                self.role.value,
-                self.config.capacity,
-                self.instance_id,
-                self.endpoint.address,
-                self.endpoint.kind,
-                model_revision(self.config.model_dir),
-                os.getpid(),
-                chat,
-                self.config.chat.chat_slots if chat else 0,
-            )
+        register = P.Register(
+            self.instance_id,
+            self.role.value,
+            self.config.capacity,
+            self.instance_id,
+            self.endpoint.address,
+            self.endpoint.kind,
+            model_revision(self.config.model_dir),
+            os.getpid(),
+            chat,
+            (self._hb_sock.getsockopt(zmq.IDENTITY),),
+            self.config.chat.chat_slots if chat else 0,
         )
-        deadline = time.monotonic() + self.config.register_timeout_s
-        ack = None
-        while not isinstance(ack, P.RegisterAck):  # skips what the head sent before it (a stale Rejoin)
-            if not self._sock.poll(max(0.0, deadline - time.monotonic()) * 1000):
-                raise RegistrationRefused(
-                    f"no RegisterAck from {self.config.head} in {self.config.register_timeout_s}s"
-                )
-            try:
-                ack = self._recv()
-            except P.ProtocolError as e:
-                logger.warning("%s dropped a malformed control frame: %s", self.instance_id, e)
+
+        def skipped(what) -> None:  # a stale Rejoin, a malformed frame
+            logger.warning("%s skipped %s while registering", self.instance_id, what)
+
+        try:
+            ack = self._control.register(register, self.config.register_timeout_s, skipped)
+        except TimeoutError as e:
+            raise RegistrationRefused(f"{e} ({self.config.head}) in {self.config.register_timeout_s}s") from None
         if not ack.accepted:
-            raise RegistrationRefused(f"head refused {self.instance_id}: {getattr(ack, 'reason', ack)}")
+            raise RegistrationRefused(f"head refused {self.instance_id}: {ack.reason}")
+        self._hb.session = self._control.session  # heartbeats speak for the new session from now on
         self._hb_interval = ack.heartbeat_interval_s
         logger.info(
             "%s registered with %s (transfer %s at %s)",
@@ -221,18 +223,15 @@ class Worker:
         timer.start()
 
     def _heartbeats(self) -> None:
-        sock = self._dealer("heartbeat")
-        try:
-            while not self._stop.wait(self._hb_interval):
-                if self._parent_gone():
-                    return self._orphaned()
-                pool = self.endpoint.pool
-                beat = P.Heartbeat(
-                    self.instance_id, len(self.port.jobs), pool.free_slots, pool.max_slots, self.runner.engine_running()
-                )
-                sock.send_multipart(self._key.seal(P.encode(beat)))
-        finally:
-            sock.close(linger=0)
+        """The heartbeat thread: it alone uses ``_hb_sock`` while it runs."""
+        while not self._stop.wait(self._hb_interval):
+            if self._parent_gone():
+                return self._orphaned()
+            pool = self.endpoint.pool
+            beat = P.Heartbeat(
+                self.instance_id, len(self.port.jobs), pool.free_slots, pool.max_slots, self.runner.engine_running()
+            )
+            self._hb.send(P.encode(beat))
 
     # ---- main loop ----------------------------------------------------------------------------
     def run(self) -> None:
@@ -259,8 +258,9 @@ class Worker:
     def report_stats(self) -> None:
         """Send cumulative ``StatsReport`` counters, at most once per heartbeat interval.
 
-        Sent from the loop thread (which owns the engine's stats), not the heartbeat thread: stats
-        may lag during a long forward; liveness never does.
+        Sent from the loop thread (which owns the engine's stats and the job table), not the heartbeat
+        thread: stats may lag during a long forward; liveness never does. It lists the jobs held, so
+        the head cancels any whose request it no longer holds (an orphan) within one report.
         """
         now = time.monotonic()
         if now < self._next_report:
@@ -268,6 +268,7 @@ class Worker:
         self._next_report = now + self._hb_interval
         transfer = self.endpoint.stats.snapshot()
         runner = self.runner
+        jobs = tuple((rid, job.generation) for rid, job in self.port.jobs.items())
         self.send(
             P.StatsReport(
                 self.instance_id,
@@ -276,6 +277,7 @@ class Worker:
                 transfer,
                 runner.cache_stats(),
                 runner.chat_stats(),
+                jobs,
             )
         )
 
@@ -349,13 +351,18 @@ class Worker:
         self.port.close()
         self.endpoint.close()
         self._sock.close(linger=0)
+        self._hb_sock.close(linger=0)
         self._ctx.term()
         for fd in (self._wake_r, self._wake_w):
             os.close(fd)
 
 
 def run_worker(config: WorkerConfig) -> int:
-    """Process entry: build, register, serve until shutdown. Returns the exit code."""
+    """Process entry: build, register, serve until shutdown. Returns the exit code. A worker spawned
+    by a head (``parent_pid``) first asks the kernel to end it when the head exits
+    (``parent_death.die_with_parent``), before it spends time loading its model."""
+    if config.parent_pid > 0:
+        die_with_parent(config.parent_pid)
     worker = Worker(config)
     try:
         worker.run()

@@ -34,7 +34,7 @@ class WorkerFlags:
 
     @classmethod
     def add(cls, parser: argparse.ArgumentParser) -> WorkerFlags:
-        from triptych.cache.mm import MMCacheConfig
+        from triptych.cache.mm import FLAG_NAMES, MMCacheConfig
         from triptych.devices import add_device_flags
         from triptych.parallel import ParallelConfig
         from triptych.pipelines.vlm.engine_config import ChatEngineConfig
@@ -46,8 +46,8 @@ class WorkerFlags:
         transfer = ConfigFlags(group, TransferConfig, prefix="transfer-", only=WORKER_TRANSFER_FIELDS)
         group = parser.add_argument_group("multi-rank denoiser (ParallelConfig)")
         parallel = ConfigFlags(group, ParallelConfig, rename={"cfg": "cfg-parallel"})
-        group = parser.add_argument_group("encoder mm-hash cache (MMCacheConfig)")
-        mm_cache = ConfigFlags(group, MMCacheConfig, rename={"max_mb": "mm-cache-mb"})
+        group = parser.add_argument_group("encoder layer: mm-hash caches and vision batching (MMCacheConfig)")
+        mm_cache = ConfigFlags(group, MMCacheConfig, rename=FLAG_NAMES)
         if os.environ.get("TRIPTYCH_MM_CACHE_MB"):  # the environment as the flag's default, nothing more
             parser.set_defaults(mm_cache_mb=float(os.environ["TRIPTYCH_MM_CACHE_MB"]))
         chat = ConfigFlags(parser.add_argument_group("encoder chat engine (ChatEngineConfig)"), ChatEngineConfig)

@@ -125,6 +125,11 @@ def write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True))
 
 
+def update_json(path: Path, extra: dict[str, Any]) -> None:
+    """Add ``extra``'s keys to the JSON object in ``path`` (same layout as ``write_json``)."""
+    write_json(path, {**json.loads(path.read_text()), **extra})
+
+
 def file_sha256(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 

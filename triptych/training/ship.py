@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 
 from triptych.models import PACKAGED_DEFAULT
-from triptych.training.common import tree_sha256
+from triptych.training.common import tree_sha256, update_json
 
 PACKAGED_EDIT = PACKAGED_DEFAULT.parent / "default_edit"
 
@@ -20,6 +20,11 @@ PACKAGED_EDIT = PACKAGED_DEFAULT.parent / "default_edit"
 def _size(root: Path) -> int:
     """Bytes on disk, not following the edit directory's links to ``default/`` (os.walk does not)."""
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(root) for f in files)
+
+
+#: What only the shipped default gets (not a run's own model): the shape-world prompt normaliser
+#: (``triptych.world.prompts``) and image-first chat parts (``ChatModel.image_first``).
+SHIPPED_SETTINGS = {"prompt_normaliser": "shapes", "chat_parts": "image-first"}
 
 
 def _same_tree(a: Path, b: Path) -> bool:
@@ -45,6 +50,8 @@ def ship(run: Path, eval_dir: Path, notes: str = "") -> None:
             shutil.copytree(entry, PACKAGED_EDIT / entry.name)
         else:
             shutil.copy(entry, PACKAGED_EDIT / entry.name)
+    for shipped in (PACKAGED_DEFAULT, PACKAGED_EDIT):
+        update_json(shipped / "triptych.json", SHIPPED_SETTINGS)
     for name in ("gallery.png", "gallery_edit.png"):
         if (eval_dir / name).is_file():
             shutil.copy(eval_dir / name, PACKAGED_DEFAULT / name)

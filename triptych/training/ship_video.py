@@ -14,13 +14,15 @@ import shutil
 from pathlib import Path
 
 from triptych.models import PACKAGED_VIDEO
-from triptych.training.common import tree_sha256
+from triptych.training.common import tree_sha256, update_json
 
 
 def ship(run: Path, eval_dir: Path, notes: str = "") -> Path:
     if PACKAGED_VIDEO.exists():
         shutil.rmtree(PACKAGED_VIDEO)
     shutil.copytree(run / "model", PACKAGED_VIDEO)
+    # Only the shipped model normalises prompts (``triptych.world.prompts``), not a run's own.
+    update_json(PACKAGED_VIDEO / "triptych.json", {"prompt_normaliser": "shapes-video"})
     shutil.copy(eval_dir / "gallery.png", PACKAGED_VIDEO / "gallery.png")
     results = json.loads((eval_dir / "results.json").read_text())
     training = json.loads((run / "training.json").read_text()) if (run / "training.json").is_file() else {}

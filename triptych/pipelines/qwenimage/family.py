@@ -16,7 +16,7 @@ import torch
 from diffusers import QwenImageEditPipeline, QwenImagePipeline
 from diffusers.image_processor import VaeImageProcessor
 
-from triptych.errors import InvalidParam
+from triptych.errors import InvalidParam, TriptychError
 from triptych.identity import model_identity
 from triptych.pipelines.base import Conditioning, DenoiseState, Family, Frames, GenerationParams, Role, Row
 from triptych.pipelines.geometry import model_defaults, vae_config
@@ -77,6 +77,17 @@ class QwenImageFamily(Family):
         if visual is not None and budget > 0:
             scope = model_identity(self.model_dir, ("text_encoder",))
             self.mm_cache = mm.install(visual, mm.MMEmbeddingCache(budget, scope=scope))
+            image_processor = getattr(self.processor, "image_processor", None)
+            if image_processor is not None and self.mm_cache_config.processor_bytes > 0:
+                from triptych.cache import mm_processor
+
+                tier = mm_processor.ProcessorCache(self.mm_cache_config.processor_bytes)
+                self.mm_cache.processor = mm_processor.install(image_processor, tier)
+            if self.mm_cache_config.shared_dir:
+                from triptych.cache.mm_shared import SharedStore
+
+                shared_bytes = int(self.mm_cache_config.shared_mb * (1 << 20))
+                self.mm_cache.shared = SharedStore(self.mm_cache_config.shared_dir, shared_bytes)
         self._chat = None
 
     @property
@@ -98,8 +109,34 @@ class QwenImageFamily(Family):
         ):
             from triptych.pipelines.vlm import ChatModel
 
-            self._chat = ChatModel(self.pipe.text_encoder, self.processor)
+            # The shipped default captioner knows image-then-text only: its triptych.json says
+            # "chat_parts": "image-first" (a user's model does not, and gets its messages as sent).
+            image_first = model_defaults(self.model_dir).get("chat_parts") == "image-first"
+            self._chat = ChatModel(self.pipe.text_encoder, self.processor, image_first=image_first)
         return self._chat
+
+    def vision_images(self, params) -> list:
+        """The images this request hands the vision tower, in the order it does (the encoder layer
+        encodes them ahead, batched with other requests'): a chat's, in message order."""
+        from triptych.pipelines.vlm import ChatParams
+
+        if isinstance(params, ChatParams):
+            return [params.images[p] for t in params.turns for p in t.parts if isinstance(p, int)]
+        return []
+
+    def vllm_export(self, out, vision: str = "copy"):
+        from triptych.pipelines.qwenimage.vllm import export_vllm_folder
+
+        return export_vllm_folder(self.model_dir, out, vision)
+
+    def vllm_inputs(self, chat):
+        from triptych.pipelines.qwenimage.vllm import embedding_items
+
+        model = self.chat_model()
+        if model is None:
+            raise TriptychError(f"{self.name} at {self.model_dir} has no VLM to chat with")
+        scope = self.mm_cache.scope if self.mm_cache is not None else model_identity(self.model_dir, ("text_encoder",))
+        return embedding_items(model, chat, scope)
 
     @property
     def multiple(self) -> int:
@@ -134,6 +171,7 @@ class QwenImageFamily(Family):
 
     @torch.no_grad()
     def encode(self, params: GenerationParams) -> Conditioning:
+        params = params.replace(prompt=self.encoder_prompt(params.prompt))
         return enc.encode_text(self.pipe, params, self.uses_cfg(params), self.max_sequence_length)
 
     def prepare(self, request_id: str, params: GenerationParams, cond: Conditioning) -> DenoiseState:
@@ -152,7 +190,7 @@ class QwenImageFamily(Family):
 
     def _reference_kwargs(self, params: GenerationParams) -> dict[str, Any]:
         return dict(
-            prompt=params.prompt,
+            prompt=self.encoder_prompt(params.prompt),
             negative_prompt=params.negative_prompt,
             true_cfg_scale=params.guidance,
             height=params.height,
@@ -224,18 +262,28 @@ class QwenImageEditFamily(QwenImageFamily):
                 f"{width}x{height} and each side must be at least {self.multiple} px",
             )
 
+    def vision_images(self, params) -> list:
+        """An edit's condition image as its prompt encoding resizes it (``enc.encode_edit``)."""
+        if isinstance(params, GenerationParams) and _is_image(params.image):
+            height, width = enc.condition_size(params.image, self.condition_area)
+            return [self.pipe.image_processor.resize(params.image, height, width)]
+        return super().vision_images(params)
+
     def compat_key(self, state: DenoiseState) -> tuple:
         """Rows also share the condition image's latent shape (it is part of the sequence)."""
         return super().compat_key(state) + (tuple(state.cond.shared["image_shape"].tolist()),)
 
     @torch.no_grad()
     def encode(self, params: GenerationParams) -> Conditioning:
+        params = params.replace(prompt=self.encoder_prompt(params.prompt, edit=True))
         return enc.encode_edit(
             self.pipe, params, self.uses_cfg(params), self.max_sequence_length, self.dtype, self.condition_area
         )
 
     def _reference_kwargs(self, params: GenerationParams) -> dict[str, Any]:
-        return dict(super()._reference_kwargs(params), image=params.image)
+        return dict(
+            super()._reference_kwargs(params), prompt=self.encoder_prompt(params.prompt, edit=True), image=params.image
+        )
 
 
 def _is_image(obj: Any) -> bool:

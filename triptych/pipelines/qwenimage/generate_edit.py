@@ -66,6 +66,7 @@ class QwenImageGenerateEditFamily(QwenImageEditFamily):
     @torch.no_grad()
     def encode(self, params: GenerationParams) -> Conditioning:
         if params.image is None:
+            params = params.replace(prompt=self.encoder_prompt(params.prompt))
             return enc.encode_text(self.t2i_pipe, params, self.uses_cfg(params), self.max_sequence_length)
         return super().encode(params)
 

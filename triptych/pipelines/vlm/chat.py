@@ -114,8 +114,11 @@ class _Until(StoppingCriteria):
 class ChatModel:
     """Answers ``ChatParams`` with a Qwen2.5-VL model and its processor (one request at a time)."""
 
-    def __init__(self, model, processor, chat_template: str | None = None):
+    def __init__(self, model, processor, chat_template: str | None = None, image_first: bool = False):
+        """``image_first``: put a user message's images before its text, keeping each kind's order
+        (the shipped default captioner was trained on image-then-question only; see ``ordered``)."""
         self.model = model
+        self.image_first = image_first
         self.processor = processor
         self.tokenizer = processor.tokenizer
         self.chat_template = chat_template or processor.chat_template or self.tokenizer.chat_template
@@ -124,13 +127,23 @@ class ChatModel:
         text_config = getattr(model.config, "text_config", model.config)
         self.context = int(text_config.max_position_embeddings)
 
+    def ordered(self, params: ChatParams) -> tuple[ChatTurn, ...]:
+        """The turns as the model gets them: unchanged, or with ``image_first`` each user message's
+        image parts moved before its text parts (a stable sort: images and texts keep their order)."""
+        if not self.image_first:
+            return params.turns
+        return tuple(
+            ChatTurn(t.role, tuple(sorted(t.parts, key=lambda p: not isinstance(p, int)))) if t.role == "user" else t
+            for t in params.turns
+        )
+
     def prompt(self, params: ChatParams) -> str:
         messages = [
             {
                 "role": t.role,
                 "content": [{"type": "image"} if isinstance(p, int) else {"type": "text", "text": p} for p in t.parts],
             }
-            for t in params.turns
+            for t in self.ordered(params)
         ]
         return self.tokenizer.apply_chat_template(
             messages, chat_template=self.chat_template, tokenize=False, add_generation_prompt=True
@@ -138,7 +151,7 @@ class ChatModel:
 
     def inputs(self, params: ChatParams) -> dict[str, torch.Tensor]:
         # The template's image placeholders come in message order; the processor expands them in order.
-        order = [p for t in params.turns for p in t.parts if isinstance(p, int)]
+        order = [p for t in self.ordered(params) for p in t.parts if isinstance(p, int)]
         images = [params.images[i] for i in order] or None
         inputs = self.processor(text=[self.prompt(params)], images=images, return_tensors="pt")
         n = int(inputs["input_ids"].shape[1])

@@ -128,6 +128,7 @@ class WanFamily(Family):
     # ---- stages -------------------------------------------------------------------------------
     @torch.no_grad()
     def encode(self, params: GenerationParams) -> Conditioning:
+        params = params.replace(prompt=self.encoder_prompt(params.prompt))
         return enc.encode_text(self.pipe, params, self.uses_cfg(params), self.max_sequence_length, self.dtype)
 
     def prepare(self, request_id: str, params: GenerationParams, cond: Conditioning) -> DenoiseState:
@@ -147,7 +148,7 @@ class WanFamily(Family):
     # ---- reference ----------------------------------------------------------------------------
     def _reference_kwargs(self, params: GenerationParams, output_type: str) -> dict:
         return dict(
-            prompt=params.prompt,
+            prompt=self.encoder_prompt(params.prompt),
             negative_prompt=params.negative_prompt,
             height=params.height,
             width=params.width,

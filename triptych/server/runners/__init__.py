@@ -29,14 +29,24 @@ def _denoiser(family, port: WorkerPort, config) -> StageRunner:
             config.device.device,
             dtype=config.device.dtype,
             threads=config.torch_threads,
+            profiles_dir=config.teacache_profiles_dir,
         )
     from triptych.pipelines.teacache import make_teacache
 
-    return DenoiserRunner(family, port, config.engine, accel=make_teacache(family))
+    return DenoiserRunner(family, port, config.engine, accel=make_teacache(family, config.teacache_profiles_dir))
+
+
+def _encoder(family, port: WorkerPort, config) -> StageRunner:
+    engine = None
+    if getattr(config, "chat_vllm_url", ""):
+        from triptych.vllm_chat.engine import VllmChatEngine
+
+        engine = VllmChatEngine(config.chat_vllm_url, wake=getattr(port, "wake", lambda: None))
+    return EncoderRunner(family, port, config.chat, chat_engine=engine)
 
 
 RUNNERS: dict[Role, Callable[..., StageRunner]] = {
-    Role.ENCODER: lambda family, port, config: EncoderRunner(family, port, config.chat),
+    Role.ENCODER: _encoder,
     Role.DENOISER: _denoiser,
     Role.DECODER: lambda family, port, config: DecoderRunner(family, port),
 }

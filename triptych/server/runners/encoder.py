@@ -6,11 +6,13 @@ from __future__ import annotations
 import torch
 
 from triptych.cache.mm import tenant_scope
+from triptych.cache.mm_layer import encoder_layer
 from triptych.errors import TriptychError
 from triptych.pipelines.vlm.engine_config import ChatEngineConfig
 from triptych.server import protocol as P
 from triptych.server import wire
 from triptych.server.runners.base import Job, StageRunner, owned, specs_of
+from triptych.server.runners.remote_chat import RemoteChats
 from triptych.server.transfer.staging import to_host
 
 
@@ -18,42 +20,75 @@ class EncoderRunner(StageRunner):
     """Encodes run in arrival order. Chats run in the chat engine (``pipelines.vlm.engine``): one
     engine step (every running chat advances one token, in one forward) per ``execute()``, taking
     turns with encodes while both have work, so an image request never waits for a long answer and
-    a burst of encodes holds the chats back by one encode per token at most."""
+    a burst of encodes holds the chats back by one encode per token at most.
+
+    Every ``execute()`` first lets the encoder layer (``cache.mm_layer``) encode the images of the
+    requests taken so far, within its per-step budget, as one batched vision forward; an encode
+    runs, and a chat joins the engine, once its images are in. A job holds its layer entries from
+    ``take`` until it finishes, fails or is aborted (``_release``).
+
+    With a remote LLM engine (``chat_engine``, vLLM) the chats go to ``RemoteChats`` instead: this
+    encoder computes their vision embeddings (through the same mm-hash cache), the engine decodes."""
 
     stage = "encode"
     tasks = (P.EncodeTask, P.ChatTask)
 
-    def __init__(self, family, port, chat_config: ChatEngineConfig = ChatEngineConfig()):
+    def __init__(self, family, port, chat_config: ChatEngineConfig = ChatEngineConfig(), chat_engine=None):
+        """``chat_engine``: a remote LLM engine (``triptych.vllm_chat.engine.VllmChatEngine``) that
+        answers the chats; None: the built-in batched engine (``chat_config``)."""
         super().__init__(family, port)
+        self.remote = None if chat_engine is None else RemoteChats(family, port, chat_engine)
         self.chat_config = chat_config
         self.engine = None  # the ChatEngine, built at the first chat
         self.chats: dict[tuple[str, int], Job] = {}  # engine chat id -> job, for the chats held
+        self.waiting: dict[tuple[str, int], tuple[Job, object]] = {}  # chats whose images are not in yet
         self._chat_turn = False  # the next execute() is the chats' when encodes wait too
+        self.layer = encoder_layer(family)
 
     def take(self, task) -> None:
         if not isinstance(task, P.ChatTask):
-            self.ready.append(self.new_job(task, wire.params_from_wire(task.params)))
-            return
+            job = self.new_job(task, wire.params_from_wire(task.params))
+            self.ready.append(job)
+            return self._hold_images(job, job.params)
         job = self.new_job(task, None)
-        engine = self._chat_engine()
-        if engine is None:
+        if self.remote is not None:
+            return self.remote.take(job)
+        if self._chat_engine() is None:
             return self.port.fail(
                 job, TriptychError(f"{self.port.instance_id} has no VLM to chat with"), retryable=False
             )
-        key = (job.request_id, job.generation)
-        self.chats[key] = job
-        engine.submit(key, wire.chat_from_wire(task), task.stream)
+        try:
+            params = wire.chat_from_wire(task)
+        except (ValueError, OSError) as e:  # an image that does not decode (the head checked it)
+            return self.port.fail(job, TriptychError(f"the chat's images do not decode: {e}"), retryable=False)
+        self.waiting[(job.request_id, job.generation)] = (job, params)
+        self._hold_images(job, params)
 
     def has_work(self) -> bool:
-        return bool(self.ready) or (self.engine is not None and self.engine.has_work())
+        engine = self.engine is not None and self.engine.has_work()
+        return bool(self.ready) or bool(self.waiting) or engine or (self.remote is not None and self.remote.has_work())
 
     def execute(self) -> None:
+        if self.layer is not None:
+            self.layer.step()
+        if self.remote is not None and self.remote.has_work():
+            self.remote.step()  # hands on the engine's answers, sends the next waiting chat
+        self._admit_chats()
         chats = self.engine is not None and self.engine.has_work()
-        if self.ready and not (chats and self._chat_turn):
+        job = next((j for j in self.ready if self._vision_ready(j)), None)
+        if job is not None and not (chats and self._chat_turn):
             self._chat_turn = True
-            return super().execute()
+            self.ready.remove(job)
+            return self.run(job)
         self._chat_turn = False
-        self._chat_step()
+        if chats:
+            self._chat_step()
+
+    def run(self, job: Job) -> None:
+        try:
+            super().run(job)
+        finally:  # the encode is over: its embeddings are no longer needed by it
+            self._release(job)
 
     def compute(self, job: Job) -> None:
         with torch.no_grad(), tenant_scope(job.params.tenant):
@@ -63,15 +98,24 @@ class EncoderRunner(StageRunner):
 
     def abort(self, job: Job) -> None:
         super().abort(job)
+        self._release(job)
+        if self.remote is not None and self.remote.abort(job):
+            return
         key = (job.request_id, job.generation)
+        self.waiting.pop(key, None)
         if self.chats.pop(key, None) is not None:
             self.engine.cancel(key)  # it leaves the batch at the next step, its KV freed
 
     def close(self) -> None:
         """A shutdown fails the running answers as retryable (another encoder answers them)."""
+        if self.remote is not None:
+            self.remote.close()
         chats, self.chats = self.chats, {}
-        for key, job in chats.items():
+        waiting, self.waiting = self.waiting, {}
+        for key in chats:
             self.engine.cancel(key)
+        for job in [*chats.values(), *(job for job, _ in waiting.values())]:
+            self._release(job)
             self.port.fail(job, TriptychError(f"{self.port.instance_id} is shutting down"), retryable=True)
 
     def cache_stats(self):
@@ -80,6 +124,18 @@ class EncoderRunner(StageRunner):
 
     def chat_stats(self):
         return None if self.engine is None else self.engine.snapshot()
+
+    # ---- the encoder layer ------------------------------------------------------------------------
+    def _hold_images(self, job: Job, params) -> None:
+        if self.layer is not None:
+            self.layer.add(holder(job), params.tenant, self.family.vision_images(params))
+
+    def _vision_ready(self, job: Job) -> bool:
+        return self.layer is None or self.layer.ready(holder(job))
+
+    def _release(self, job: Job) -> None:
+        if self.layer is not None:
+            self.layer.release(holder(job))
 
     # ---- chat -----------------------------------------------------------------------------------
     def _chat_engine(self):
@@ -91,6 +147,14 @@ class EncoderRunner(StageRunner):
 
             self.engine = ChatEngine(model, self.chat_config)
         return self.engine
+
+    def _admit_chats(self) -> None:
+        """Chats whose images the layer holds join the engine (in arrival order)."""
+        for key, (job, params) in list(self.waiting.items()):
+            if self._vision_ready(job):
+                del self.waiting[key]
+                self.chats[key] = job
+                self.engine.submit(key, params, job.task.stream)
 
     def _chat_step(self) -> None:
         port = self.port
@@ -106,6 +170,7 @@ class EncoderRunner(StageRunner):
             chat.pieces.clear()
             if chat.done:
                 del self.chats[chat.id]
+                self._release(job)
                 self._chat_end(job, chat)
 
     def _chat_end(self, job: Job, chat) -> None:
@@ -127,3 +192,8 @@ class EncoderRunner(StageRunner):
                 result.finish_reason,
             )
         )
+
+
+def holder(job: Job) -> str:
+    """The id a job holds encoder-layer entries under (a newer generation is another holder)."""
+    return f"{job.request_id}#{job.generation}"

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 import torch
 
@@ -44,13 +45,14 @@ class ParallelDenoiserRunner(DenoiserRunner):
         device: str,
         dtype: str | None = None,
         threads: int = 0,
+        profiles_dir: str | Path | None = None,
     ):
         if parallel.cfg > 1 and not engine.fuse_cfg:
             raise ValueError("CFG parallel splits the rows of one fused forward: it needs fuse_cfg=True")
         super().__init__(family, port, engine, accel=None)
         self.ranks = InstanceRanks(parallel, collective_timeout_s, threads)
-        self.groups = self.ranks.start(family, model_dir, device, dtype, engine)
-        self.engine = instance_engine(family, engine, self.ranks.parallelism)
+        self.groups = self.ranks.start(family, model_dir, device, dtype, engine, profiles_dir)
+        self.engine = instance_engine(family, engine, self.ranks.parallelism, profiles_dir)
         self.keepalive_s = collective_timeout_s / 4
         self._joins: list[tuple[Job, dict[str, torch.Tensor]]] = []
         self._aborts: list[str] = []

@@ -33,7 +33,9 @@ class InstanceRanks:
         self.parallelism = None
         self.broken = False  # a collective failed: closing must not wait on another one
 
-    def start(self, family, model_dir: str, device: str, dtype: str | None, engine: EngineConfig) -> ParallelGroups:
+    def start(
+        self, family, model_dir: str, device: str, dtype: str | None, engine: EngineConfig, profiles_dir=None
+    ) -> ParallelGroups:
         world, port = self.parallel.world_size, free_port()
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}
         p = self.parallel
@@ -47,7 +49,9 @@ class InstanceRanks:
         try:
             dev = join_group(0, world, port, device=device, timeout=datetime.timedelta(seconds=self.timeout_s))
             self.groups = ParallelGroups.build(p, dev)
-            broadcast_message(RankSetup(str(model_dir), dtype, engine, p), RankSetup, self.groups)
+            broadcast_message(
+                RankSetup(str(model_dir), dtype, engine, p, profiles_dir and str(profiles_dir)), RankSetup, self.groups
+            )
             self.parallelism = apply_parallel(family.pipe.transformer, self.groups)
         except BaseException:
             self.kill()

@@ -42,6 +42,7 @@ class RankSetup(msgspec.Struct, frozen=True):
     dtype: str | None
     engine: EngineConfig
     parallel: ParallelConfig
+    teacache_profiles_dir: str | None = None  # the worker's (WorkerConfig.teacache_profiles_dir)
 
 
 class InstanceBroken(RunnerBroken):
@@ -49,13 +50,14 @@ class InstanceBroken(RunnerBroken):
     or a step raised on some rank): the instance must leave service as a whole."""
 
 
-def instance_engine(family, config: EngineConfig, parallelism) -> DenoiserEngine:
+def instance_engine(family, config: EngineConfig, parallelism, profiles_dir=None) -> DenoiserEngine:
     """The engine of one rank of an instance (every rank builds the same one): the family's forward
-    wrapped by the CFG split, and TeaCache composed with the ranks where the model allows it."""
+    wrapped by the CFG split, and TeaCache composed with the ranks where the model allows it
+    (``profiles_dir``: looked up before the model's own profiles, as ``make_teacache``)."""
     from triptych.pipelines.teacache import make_teacache
 
     try:
-        accel, why = make_teacache(family, ranks=parallelism.for_cache()), ""
+        accel, why = make_teacache(family, profiles_dir, ranks=parallelism.for_cache()), ""
     except ValueError as e:  # e.g. a model whose sequence split TeaCache's forward would bypass
         accel, why = None, str(e)
     return DenoiserEngine(family, config, accel=accel, wrap=parallelism.wrap, no_accel=why)

@@ -1,0 +1,230 @@
+"""``triptych serve --chat-engine vllm`` on the packaged default model: one serve (one vLLM start) for
+the module. The encoder encodes each image through its mm-hash cache and sends vLLM the embeddings
+with the mm-hash as the item's ``uuid``; vLLM decodes. vLLM's copy of the vision tower is NaN
+(``--vllm-vision-weights nan``), so an answer that matches the built-in engine token for token was
+decoded from Triptych's embeddings: vLLM's tower did not run.
+
+Needs ``.venv-vllm`` (``./install_vllm.sh``): skipped without it on a developer machine, a failure on
+CI (``CI=true``), where ``.ci/run`` installs it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.http_support import wait_for
+from triptych.models import PACKAGED_DEFAULT
+from triptych.world import render, sample_scenes
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+ON_CI = os.environ.get("CI") == "true"
+pytestmark = pytest.mark.skipif(not VLLM_PYTHON.is_file() and not ON_CI, reason="no .venv-vllm (run ./install_vllm.sh)")
+QUESTION = "What is in this image?"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def data_url(image) -> str:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def image_part(image) -> dict:
+    return {"type": "image_url", "image_url": {"url": data_url(image)}}
+
+
+def vllm_metric(url: str, name: str, label: str = "") -> float:
+    """The sum of vLLM's Prometheus samples of ``name`` (those whose labels hold ``label``)."""
+    total = 0.0
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if (line.startswith(name + "{") or line.startswith(name + " ")) and label in line:
+            total += float(line.split()[-1])
+    return total
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    assert VLLM_PYTHON.is_file(), f"CI=true but {VLLM_PYTHON} is missing: .ci/run runs ./install_vllm.sh"
+    port, vllm_port = _free_port(), _free_port()
+    data = tmp_path_factory.mktemp("vllm-serve")
+    cmd = [sys.executable, "-m", "triptych.cli", "serve", "--model", f"default={PACKAGED_DEFAULT}"]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--data-dir", str(data), "--threads", "1"]
+    cmd += ["--encoders", "1", "--denoisers", "0", "--decoders", "0", "--capacity", "8", "--transfer", "zmq"]
+    cmd += ["--chat-engine", "vllm", "--vllm-python", str(VLLM_PYTHON), "--vllm-port", str(vllm_port)]
+    cmd += ["--vllm-vision-weights", "nan"]
+    log = data / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    base, vllm_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{vllm_port}"
+
+    def healthy():  # its encoder registered (the 503 names the roles it runs without: denoiser, decoder)
+        assert proc.poll() is None, f"serve exited {proc.returncode}: {log.read_text()[-3000:]}"
+        try:
+            return "encoder" not in httpx.get(f"{base}/health", timeout=2).json().get("missing_roles", ["encoder"])
+        except (httpx.HTTPError, ValueError):
+            return False
+
+    try:
+        wait_for(healthy, "serve --chat-engine vllm healthy", deadline_s=900, every_s=0.5)  # vLLM's load: 1-3 min
+        yield base, vllm_url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    with pytest.raises(httpx.HTTPError):  # serve stopped its vLLM server
+        httpx.get(f"{vllm_url}/health", timeout=2)
+
+
+@pytest.fixture(scope="module")
+def builtin():
+    """The built-in engine on the same model, in this process (greedy: no seed involved)."""
+    import torch
+
+    from triptych.pipelines.registry import load_family
+
+    torch.set_num_threads(1)
+    return load_family(PACKAGED_DEFAULT).chat_model()
+
+
+def builtin_answer(chat, images, content):
+    from triptych.pipelines.vlm import ChatParams, ChatTurn
+
+    parts, n = [], 0
+    for part in content:
+        if part["type"] == "text":
+            parts.append(part["text"])
+        else:
+            parts.append(n)
+            n += 1
+    return chat.run(ChatParams((ChatTurn("user", tuple(parts)),), tuple(images), max_tokens=32))
+
+
+def test_greedy_answers_are_the_builtin_engines_token_for_token(served, builtin):
+    base, vllm_url = served
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+    scenes = sample_scenes(4, "vllm-chat", "heldout")
+    cases = [[render(s, 64)] for s in scenes[:3]] + [[render(scenes[3], 64), render(scenes[0], 64)]]
+    for images in cases:
+        content = [image_part(im) for im in images] + [{"type": "text", "text": QUESTION}]
+        out = client.chat.completions.create(
+            model="default", messages=[{"role": "user", "content": content}], max_tokens=32, temperature=0
+        )
+        ref = builtin_answer(builtin, images, content)
+        assert out.choices[0].message.content == ref.text
+        assert out.usage.prompt_tokens == ref.prompt_tokens and out.usage.completion_tokens == ref.completion_tokens
+        assert out.choices[0].finish_reason == ref.finish_reason
+    text = [{"type": "text", "text": "Say something."}]
+    out = client.chat.completions.create(model="default", messages=[{"role": "user", "content": text}], max_tokens=16)
+    assert out.choices[0].message.content == builtin_answer(builtin, [], text).text
+    # vLLM's multimodal processor never saw an item to process (measured: 0 queries for 5 images)
+    assert vllm_metric(vllm_url, "vllm:mm_cache_queries_total") == 0
+
+
+def test_vllms_own_vision_tower_is_poisoned(served, builtin):
+    """The check above can fail: the same image sent to vLLM as pixels runs its NaN tower."""
+    _, vllm_url = served
+    image = render(sample_scenes(1, "vllm-chat", "heldout")[0], 64)
+    content = [image_part(image), {"type": "text", "text": QUESTION}]
+    direct = openai.OpenAI(base_url=f"{vllm_url}/v1", api_key="unused", max_retries=0)
+    out = direct.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": content}], max_tokens=32, temperature=0
+    )
+    assert out.choices[0].message.content != builtin_answer(builtin, [image], content).text
+
+
+def test_streaming_gives_the_same_answer_in_pieces(served):
+    base, _ = served
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+    image = render(sample_scenes(2, "vllm-stream", "heldout")[1], 64)
+    messages = [{"role": "user", "content": [image_part(image), {"type": "text", "text": QUESTION}]}]
+    whole = client.chat.completions.create(model="default", messages=messages, max_tokens=32)
+    chunks = list(client.chat.completions.create(model="default", messages=messages, max_tokens=32, stream=True))
+    pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(pieces) > 1 and "".join(pieces) == whole.choices[0].message.content
+
+
+def test_the_mm_hash_keys_vllms_prefix_cache(served):
+    """Two questions about one image: the second reuses the blocks over the image (keyed by its uuid)."""
+    base, vllm_url = served
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+    image = render(sample_scenes(3, "vllm-prefix", "heldout")[2], 64)
+    before = vllm_metric(vllm_url, "vllm:prefix_cache_hits_total")
+    for question in (QUESTION, "What colour is the background?"):
+        content = [image_part(image), {"type": "text", "text": question}]
+        client.chat.completions.create(model="default", messages=[{"role": "user", "content": content}], max_tokens=4)
+    assert vllm_metric(vllm_url, "vllm:prefix_cache_hits_total") - before >= 32  # one block (32 tokens) at least
+
+
+async def _leave_once_running(url: str, body: dict, vllm_url: str) -> None:
+    async with httpx.AsyncClient(timeout=60) as http:
+        task = asyncio.create_task(http.post(url, json=body))
+        end = time.monotonic() + 60
+        while vllm_metric(vllm_url, "vllm:num_requests_running") == 0:
+            assert not task.done() and time.monotonic() < end, "the chat never reached vLLM"
+            await asyncio.sleep(0.05)
+        task.cancel()  # closes the connection: the head cancels the chat
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_leaves_frees_vllm_and_the_head(served, stream):
+    """Streamed: the client closes after a few pieces; whole: it goes once vLLM runs the request."""
+    base, vllm_url = served
+    image = render(sample_scenes(1, "vllm-cancel", "heldout")[0], 64)
+    generated = vllm_metric(vllm_url, "vllm:generation_tokens_total")
+    body = {
+        "model": "default",
+        "messages": [{"role": "user", "content": [image_part(image), {"type": "text", "text": QUESTION}]}],
+        "max_tokens": 900,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+    if stream:
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=60) as resp:
+            assert resp.status_code == 200
+            lines = resp.iter_lines()
+            got = [next(lines) for _ in range(6)]
+            assert any(line.startswith("data: ") for line in got)
+    else:
+        asyncio.run(_leave_once_running(f"{base}/v1/chat/completions", body, vllm_url))
+    wait_for(lambda: vllm_metric(vllm_url, "vllm:num_requests_running") == 0, "vLLM's request aborted", 60)
+    wait_for(lambda: httpx.get(f"{base}/health").json()["in_flight"] == 0, "the head's chat ended", 60)
+    produced = vllm_metric(vllm_url, "vllm:generation_tokens_total") - generated
+    assert 0 < produced < 900  # it started, and stopped before the end
+
+
+def test_a_chat_past_vllms_context_is_a_400_naming_max_tokens(served):
+    base, _ = served
+    image = render(sample_scenes(1, "vllm-long", "heldout")[0], 64)
+    body = {
+        "model": "default",
+        "messages": [{"role": "user", "content": [image_part(image), {"type": "text", "text": QUESTION}]}],
+        "max_tokens": 1000,
+    }
+    resp = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == "max_tokens" and "context of 1024 tokens" in error["message"], error
