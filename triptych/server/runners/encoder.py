@@ -27,8 +27,9 @@ class EncoderRunner(StageRunner):
     runs, and a chat joins the engine, once its images are in. A job holds its layer entries from
     ``take`` until it finishes, fails or is aborted (``_release``).
 
-    With a remote LLM engine (``chat_engine``, vLLM) the chats go to ``RemoteChats`` instead: this
-    encoder computes their vision embeddings (through the same mm-hash cache), the engine decodes."""
+    With a remote LLM engine (``chat_engine``, vLLM) the chats go to ``RemoteChats`` instead: their
+    images join the same layer (the same batched forward), every chat whose images are in is sent at
+    the same step, and the engine decodes."""
 
     stage = "encode"
     tasks = (P.EncodeTask, P.ChatTask)
@@ -37,13 +38,13 @@ class EncoderRunner(StageRunner):
         """``chat_engine``: a remote LLM engine (``triptych.vllm_chat.engine.VllmChatEngine``) that
         answers the chats; None: the built-in batched engine (``chat_config``)."""
         super().__init__(family, port)
-        self.remote = None if chat_engine is None else RemoteChats(family, port, chat_engine)
+        self.layer = encoder_layer(family)
+        self.remote = None if chat_engine is None else RemoteChats(family, port, chat_engine, self.layer)
         self.chat_config = chat_config
         self.engine = None  # the ChatEngine, built at the first chat
         self.chats: dict[tuple[str, int], Job] = {}  # engine chat id -> job, for the chats held
         self.waiting: dict[tuple[str, int], tuple[Job, object]] = {}  # chats whose images are not in yet
         self._chat_turn = False  # the next execute() is the chats' when encodes wait too
-        self.layer = encoder_layer(family)
 
     def take(self, task) -> None:
         if not isinstance(task, P.ChatTask):
@@ -72,7 +73,7 @@ class EncoderRunner(StageRunner):
         if self.layer is not None:
             self.layer.step()
         if self.remote is not None and self.remote.has_work():
-            self.remote.step()  # hands on the engine's answers, sends the next waiting chat
+            self.remote.step()  # hands on the engine's answers, sends the chats whose images are in
         self._admit_chats()
         chats = self.engine is not None and self.engine.has_work()
         job = next((j for j in self.ready if self._vision_ready(j)), None)

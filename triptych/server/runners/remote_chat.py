@@ -4,15 +4,20 @@ The encoder's part of a chat is what it does for an edit: preprocess the images 
 tower through the mm-hash cache (``family.vllm_inputs``). The embeddings go to the engine with their
 mm-hashes (``triptych.vllm_chat.engine``), which streams the answer back; the pieces become the
 same ``ChatDelta`` / ``ChatDone`` / ``StageError`` messages the built-in engine sends, so the head
-cannot tell the engines apart. Chats are submitted one per ``step()`` (the vision forward runs on
-the loop thread, between encodes) and then decode concurrently inside the engine.
+cannot tell the engines apart.
+
+A chat's images join the encoder layer at ``take`` (``cache.mm_layer``: the vision misses of every
+waiting request, chats and edits alike, run as one batched forward per step) and the chat holds its
+entries until it ends. Every ``step()`` submits ALL the waiting chats whose images the layer holds
+(their embeddings are then cache hits); they decode concurrently inside the engine, whose HTTP
+client runs on its own thread, so the loop never waits on vLLM.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import deque
 
+from triptych.cache.mm_layer import EncoderLayer
 from triptych.errors import InvalidParam, TriptychError
 from triptych.server import protocol as P
 from triptych.server import wire
@@ -23,38 +28,50 @@ logger = logging.getLogger(__name__)
 
 
 def _key(job: Job) -> str:
+    """The chat's engine key, also the id its encoder-layer entries are held under."""
     return f"{job.request_id}#{job.generation}"
 
 
 class RemoteChats:
     """The encoder runner's chats when a remote engine answers them (see the module docstring)."""
 
-    def __init__(self, family, port: WorkerPort, engine: VllmChatEngine):
+    def __init__(self, family, port: WorkerPort, engine: VllmChatEngine, layer: EncoderLayer | None = None):
+        """``layer``: the encoder runner's layer (None: each chat's images are encoded at its send)."""
         self.family = family
         self.port = port
         self.engine = engine
-        self.waiting: deque[Job] = deque()  # not yet sent: their images are encoded in turn
+        self.layer = layer
+        self.waiting: dict[str, tuple[Job, object]] = {}  # not yet sent (job, ChatParams), arrival order
         self.running: dict[str, Job] = {}  # sent, by engine key
 
     def take(self, job: Job) -> None:
-        self.waiting.append(job)
+        try:
+            params = wire.chat_from_wire(job.task)
+        except (ValueError, OSError) as e:  # an image that does not decode (the head checked it)
+            return self.port.fail(job, TriptychError(f"the chat's images do not decode: {e}"), retryable=False)
+        key = _key(job)
+        self.waiting[key] = (job, params)
+        if self.layer is not None:
+            self.layer.add(key, params.tenant, self.family.vision_images(params))
 
     def has_work(self) -> bool:
         return bool(self.waiting) or self.engine.has_events()
 
     def step(self) -> None:
-        """Hand on what the engine answered, then send the next waiting chat."""
+        """Hand on what the engine answered, then send every waiting chat whose images are in."""
         for event in self.engine.poll():
             self._event(event)
-        if self.waiting:
-            self._send(self.waiting.popleft())
+        for key, (job, params) in list(self.waiting.items()):
+            if self.layer is None or self.layer.ready(key):
+                del self.waiting[key]
+                self._send(job, params)
 
     def abort(self, job: Job) -> bool:
-        """Forget ``job`` (cancelled or superseded); True if it was one of these chats."""
-        if job in self.waiting:
-            self.waiting.remove(job)
-            return True
+        """Forget ``job`` (cancelled, superseded or failed); True if it was one of these chats."""
         key = _key(job)
+        self._release(key)
+        if self.waiting.pop(key, None) is not None:
+            return True
         if self.running.pop(key, None) is not None:
             self.engine.cancel(key)
             return True
@@ -63,18 +80,22 @@ class RemoteChats:
     def close(self) -> None:
         """A shutdown: every chat here is answered as a retryable failure."""
         self.engine.close()
-        jobs = [*self.waiting, *self.running.values()]
+        jobs = [*(job for job, _ in self.waiting.values()), *self.running.values()]
         self.waiting.clear()
         self.running.clear()
         for job in jobs:
+            self._release(_key(job))
             self.port.fail(job, TriptychError(f"{self.port.instance_id} is shutting down"), retryable=True)
 
     # ---- internals --------------------------------------------------------------------------------
-    def _send(self, job: Job) -> None:
+    def _release(self, key: str) -> None:
+        if self.layer is not None:
+            self.layer.release(key)
+
+    def _send(self, job: Job, params) -> None:
         port = self.port
         try:
             self.engine.connect()
-            params = wire.chat_from_wire(job.task)
             prompt_tokens, items = self.family.vllm_inputs(params)
             limit = self.engine.max_model_len
             if limit and prompt_tokens + params.max_tokens > limit:
@@ -100,12 +121,14 @@ class RemoteChats:
         port = self.port
         if event.error is not None:
             del self.running[event.key]
+            self._release(event.key)
             return port.fail(job, event.error, retryable=event.retryable)
         if event.result is None:
             if job.task.stream:
                 port.send(P.ChatDelta(job.request_id, job.generation, port.instance_id, event.text))
             return
         del self.running[event.key]
+        self._release(event.key)
         r = event.result
         port.finish(job)
         port.send(
