@@ -164,3 +164,26 @@ def test_one_forward_per_step_when_chats_join_while_others_decode(chat, images, 
     monkeypatch.undo()
     for chat_id, params in prompts.items():
         assert chats[chat_id].result == chat.run(params), chat_id
+
+
+def test_a_failed_mixed_forward_runs_its_prefill_and_decode_apart(chat, monkeypatch):
+    import triptych.pipelines.vlm.engine as engine_module
+
+    real = engine_module.prefill
+    failed = []
+
+    def mixed_fails(model, rows, decode=None):
+        if decode is not None:
+            failed.append(len(decode))
+            raise RuntimeError("mixed forward failed")
+        return real(model, rows)
+
+    monkeypatch.setattr(engine_module, "prefill", mixed_fails)
+    engine = ChatEngine(chat, ChatEngineConfig(prefix_cache_mb=0))
+    first = engine.submit("first", ask("hello there", max_tokens=12, ignore_eos=True))
+    engine.step()
+    joiner = engine.submit("joiner", ask("how are you", max_tokens=6, ignore_eos=True))
+    joiner.pending.result(timeout=60)
+    drain(engine)
+    assert failed == [1]  # the joiner's step tried one mixed forward, then ran its parts apart
+    assert first.result == chat.run(first.params) and joiner.result == chat.run(joiner.params)
