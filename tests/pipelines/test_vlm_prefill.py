@@ -127,3 +127,63 @@ def test_prefix_hits_of_different_lengths_prefill_together_computing_only_new_to
     drain(engine)
     for c, p in zip(chats, prompts):
         assert c.result == chat.run(p), c.id
+
+
+def test_one_forward_per_step_when_chats_join_while_others_decode(chat, images, monkeypatch):
+    """A joiner's prefill chunk runs in the running chats' decode forward (mixed prefill and
+    decode): every step is one model forward, with images, chunks over several steps and a
+    prefix hit, and every answer is the one it gets alone."""
+    system = "You describe images."
+    config = ChatEngineConfig(prefill_tokens_per_step=48, prefill_images_per_step=1, prefix_cache_mb=8)
+    engine = ChatEngine(chat, config)
+    forward = chat.model.model.forward
+    calls = []
+    monkeypatch.setattr(chat.model.model, "forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
+    prompts = {
+        "a": ask("Describe it", images[0], system=system, max_tokens=40, ignore_eos=True),
+        "b": ask("hello there", max_tokens=30, ignore_eos=True),
+        "c": ask("What colour is it?", images[0], system=system, max_tokens=12, ignore_eos=True),  # prefix hit
+        "d": ask("Compare these two", images[1], images[2], max_tokens=10, ignore_eos=True),  # several chunks
+        "e": ask("Where is it?", images[3], max_tokens=8),
+    }
+    arrivals = {0: "ab", 3: "c", 5: "de", 9: "e"}
+    chats, mixed = {}, 0
+    for step in range(500):
+        for chat_id in arrivals.get(step, ""):
+            chats[chat_id] = engine.submit(chat_id, prompts[chat_id])
+            chats[chat_id].pending.result(timeout=60)  # its prompt is built: it is admitted at this step
+        if not engine.has_work():
+            break
+        before = (len(calls), engine.stats.prefill_forwards, engine.stats.decode_forwards)
+        engine.step()
+        assert len(calls) - before[0] == 1, step
+        mixed += engine.stats.prefill_forwards > before[1] and engine.stats.decode_forwards > before[2]
+    assert engine.forwards == len(calls)
+    assert chats["c"].prefix is None and engine.stats.prefill_reused > 0
+    assert mixed >= 4, mixed  # c, d (at least twice: 48-token chunks) and e joined while others decoded
+    monkeypatch.undo()
+    for chat_id, params in prompts.items():
+        assert chats[chat_id].result == chat.run(params), chat_id
+
+
+def test_a_failed_mixed_forward_runs_its_prefill_and_decode_apart(chat, monkeypatch):
+    import triptych.pipelines.vlm.engine as engine_module
+
+    real = engine_module.prefill
+    failed = []
+
+    def mixed_fails(model, rows, decode=None):
+        if decode is not None:
+            failed.append(len(decode))
+            raise RuntimeError("mixed forward failed")
+        return real(model, rows)
+
+    monkeypatch.setattr(engine_module, "prefill", mixed_fails)
+    engine = ChatEngine(chat, ChatEngineConfig(prefix_cache_mb=0))
+    first = engine.submit("first", ask("hello there", max_tokens=12, ignore_eos=True))
+    engine.step()
+    joiner = engine.submit("joiner", ask("how are you", max_tokens=6, ignore_eos=True))
+    joiner.pending.result(timeout=60)
+    drain(engine)
+    assert failed == [1]  # the joiner's step tried one mixed forward, then ran its parts apart
+    assert first.result == chat.run(first.params) and joiner.result == chat.run(joiner.params)

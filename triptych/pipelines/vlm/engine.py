@@ -1,12 +1,13 @@
 """The built-in chat engine: continuous batching of chat decoding on one model.
 
-Every running chat advances in one model forward per token: ``step()`` admits waiting chats into
-free slots, runs one batched prefill forward (``prefill``) over the next chunks of the admitted
+Every running chat advances in one model forward per token, and a step runs one forward whoever
+joins: ``step()`` admits waiting chats into free slots, then runs the next chunks of the admitted
 chats' prompts (at most ``prefill_tokens_per_step`` tokens in all, so a long multimodal prompt
-spreads over several steps; a prefix-cache hit makes a row start after its reused tokens), then
-one batched decode forward over all running chats (``KVBatch``: their caches left-padded into one
-batch, an attention mask over the padding, explicit per-row rope positions) and picks each chat's
-next token with its own ``Sampler``. Chats join and leave between tokens: at most
+spreads over several steps; a prefix-cache hit makes a row start after its reused tokens) and the
+next token of every running chat (``KVBatch``: their caches left-padded into one batch, an
+attention mask over the padding, explicit per-row rope positions) in one forward (``prefill`` with
+``Decode`` rows: mixed prefill and decode), and picks each chat's next token with its own
+``Sampler``. A step with only prefill work or only decode work runs that alone. Chats join and leave between tokens: at most
 ``max_running_chats`` run, the rest wait in arrival order; a finished or cancelled chat's rows are
 dropped from the batch (its KV freed) before the next forward.
 
@@ -29,8 +30,8 @@ from triptych.cache.chat_stats import ChatEngineStats
 from triptych.cache.mm import tenant_scope
 from triptych.pipelines.vlm.chat import ChatModel, ChatParams, ChatResult, _Pieces
 from triptych.pipelines.vlm.engine_config import ChatEngineConfig
-from triptych.pipelines.vlm.kvbatch import KV, KVBatch
-from triptych.pipelines.vlm.prefill import Row, prefill
+from triptych.pipelines.vlm.kvbatch import KV, KVBatch, layers_of
+from triptych.pipelines.vlm.prefill import Decode, Row, prefill
 from triptych.pipelines.vlm.prefix import Entry, PrefixCache
 from triptych.pipelines.vlm.prompt import Prompt, build_prompt, chunk_embeddings
 from triptych.pipelines.vlm.sampler import Sampler, pick
@@ -82,6 +83,9 @@ class ChatEngine:
         self.running: list[Chat] = []  # row i of the batch is running[i]
         self.batch = KVBatch(self.model.config)
         self._preparer: ThreadPoolExecutor | None = None
+        #: model forwards run (a mixed one counts once here, but in both prefill_forwards and
+        #: decode_forwards of ``stats``)
+        self.forwards = 0
 
     def submit(self, chat_id: Hashable, params: ChatParams, stream: bool = False) -> Chat:
         chat = Chat(chat_id, params, stream)
@@ -112,10 +116,10 @@ class ChatEngine:
 
     @torch.no_grad()
     def step(self) -> list[Chat]:
-        """Admit waiting chats while slots are free, run one batched prefill forward over the
-        prefilling chats' next chunks (at most ``prefill_tokens_per_step`` prompt tokens in all),
-        then one decode forward for all running chats. Returns the chats that produced text or
-        ended in this step (ended ones are gone)."""
+        """Admit waiting chats while slots are free, then run one forward over the prefilling
+        chats' next chunks (at most ``prefill_tokens_per_step`` prompt tokens in all) and the next
+        token of all running chats. Returns the chats that produced text or ended in this step
+        (ended ones are gone); a chat that finishes its prefill here decodes from the next step."""
         touched = self._drop_cancelled()
         while self.waiting and len(self.running) + len(self.prefilling) < self.config.max_running_chats:
             if self.running and not self.waiting[0].pending.done():
@@ -125,9 +129,11 @@ class ChatEngine:
                 self.prefilling.append(chat)
             else:
                 touched.append(chat)
-        if self.prefilling:
+        if self.prefilling and self.running:
+            touched += self._mixed_step()
+        elif self.prefilling:
             touched += self._prefill_step()
-        if self.running:
+        elif self.running:
             touched += self._decode()
         return touched
 
@@ -195,7 +201,8 @@ class ChatEngine:
                 budget -= end - start
         return chunks
 
-    def _prefill_step(self) -> list[Chat]:
+    def _prefill_rows(self) -> tuple[list[tuple[Chat, int]], list[Row], list[Chat]]:
+        """This step's chunks and their rows; a chat whose images fail here fails alone (touched)."""
         chunks, rows, touched = [], [], []
         for chat, end in self._chunks():
             try:
@@ -207,17 +214,27 @@ class ChatEngine:
                 continue
             chunks.append((chat, end))
             rows.append(Row(embeds, chat.prompt.positions[:, chat.prefilled : end], chat.kv))
-        if not rows:
-            return touched
+        return chunks, rows, touched
+
+    def _prefill_step(self) -> list[Chat]:
+        chunks, rows, touched = self._prefill_rows()
+        return touched + (self._prefill_forward(chunks, rows) if rows else [])
+
+    def _prefill_forward(self, chunks: list[tuple[Chat, int]], rows: list[Row]) -> list[Chat]:
         try:
-            kvs, logits = prefill(self.model, rows)
+            kvs, logits, _ = prefill(self.model, rows)
         except (ValueError, RuntimeError) as e:
             logger.exception("a batched prefill of %d chats failed; they fail", len(rows))
             for chat, _ in chunks:
                 self._fail_prefill(chat, e)
-            return touched + [c for c, _ in chunks]
+            return [c for c, _ in chunks]
+        self.forwards += 1
+        return self._prefilled(chunks, kvs, logits)
+
+    def _prefilled(self, chunks: list[tuple[Chat, int]], kvs: list[KV], logits: torch.Tensor) -> list[Chat]:
         self.stats.prefill_forwards += 1
-        self.stats.prefill_rows += len(rows)
+        self.stats.prefill_rows += len(chunks)
+        touched = []
         for i, (chat, end) in enumerate(chunks):
             self.stats.prefill_computed += end - chat.prefilled
             chat.kv, chat.prefilled = kvs[i], end
@@ -226,6 +243,32 @@ class ChatEngine:
                 self._start(chat, logits[i])
                 touched.append(chat)
         return touched
+
+    def _mixed_step(self) -> list[Chat]:
+        """The prefill chunks and the running chats' next tokens in one forward (``prefill`` with
+        ``Decode`` rows): one forward per step whoever joins. If that forward fails, the two parts
+        run apart so that each fails (or not) on its own."""
+        chunks, rows, touched = self._prefill_rows()
+        if not rows:
+            return touched + self._decode()
+        running, device = self.running, self.model.device
+        ids = torch.tensor([c.tokens[-1] for c in running], device=device)
+        decode = Decode(
+            layers_of(self.batch.cache),
+            self.batch.mask,
+            self.model.get_input_embeddings()(ids),
+            torch.tensor([c.next_position for c in running]).view(1, -1).expand(3, -1),
+        )
+        try:
+            kvs, logits, stepped = prefill(self.model, rows, decode)
+        except (ValueError, RuntimeError):
+            logger.exception("a mixed forward (%d prefill rows, %d decode rows) failed", len(rows), len(running))
+            touched += self._prefill_forward(chunks, rows)
+            return touched + (self._decode() if self.running else [])
+        self.forwards += 1
+        self.batch.stepped(stepped)
+        touched += self._decoded(logits[: len(running)])  # before the joiners take their rows
+        return touched + self._prefilled(chunks, kvs, logits[len(running) :])
 
     def _fail_prefill(self, chat: Chat, error: BaseException) -> None:
         self.prefilling.remove(chat)
@@ -257,7 +300,7 @@ class ChatEngine:
             raise chat.error
         with tenant_scope(chat.params.tenant):
             embeds = chunk_embeddings(self.model, chat.prompt, chat.prefilled, len(chat.prompt), chat.features)
-        kvs, logits = prefill(self.model, [Row(embeds, chat.prompt.positions[:, chat.prefilled :], chat.kv)])
+        kvs, logits, _ = prefill(self.model, [Row(embeds, chat.prompt.positions[:, chat.prefilled :], chat.kv)])
         self.stats.prefill_forwards += 1
         self.stats.prefill_rows += 1
         self.stats.prefill_computed += len(chat.prompt) - chat.prefilled
@@ -284,10 +327,16 @@ class ChatEngine:
                 self._release(chat)
             self._keep_unfinished()
             return running
+        self.forwards += 1
         self.batch.appended()
+        return self._decoded(out.logits[:, -1])
+
+    def _decoded(self, logits: torch.Tensor) -> list[Chat]:
+        """Each running chat's next token from its row of ``logits``; the finished ones leave."""
+        running = self.running
         self.stats.decode_forwards += 1
         self.stats.decode_tokens += len(running)
-        for chat, token in zip(running, pick([c.sampler for c in running], out.logits[:, -1])):
+        for chat, token in zip(running, pick([c.sampler for c in running], logits)):
             chat.next_position += 1
             self._emit(chat, token)
         self._keep_unfinished()

@@ -2,7 +2,8 @@
 
 Row ``i`` of every layer's keys and values is chat ``i``'s cache, right-aligned: the columns before
 its own tokens are padding, masked out by ``mask`` (B, T) (1 = a real token). A decode step appends
-one column for every row (``step_inputs`` / ``appended``); a chat joins with its prefilled cache
+one column for every row (``step_mask`` / ``appended``, or ``stepped`` after a forward shared with
+prefill rows); a chat joins with its prefilled cache
 (the shorter side is padded on the left) and leaves by row selection, after which columns that are
 padding in every remaining row are dropped. Positions are per row and explicit (``Prompt``), so the
 padding never shifts a chat's rope positions.
@@ -85,3 +86,9 @@ class KVBatch:
     def appended(self) -> None:
         """The step's forward appended one column to the cache."""
         self.mask = F.pad(self.mask, (0, 1), value=1)
+
+    def stepped(self, kv: KV) -> None:
+        """A mixed forward (``prefill.prefill`` with ``Decode`` rows) gave every row's KV one column
+        longer, as a decode step does: it becomes the batch's cache."""
+        self.cache = cache_of(kv, self.config)
+        self.appended()

@@ -1,4 +1,5 @@
-"""Batched prefill: the prompt chunks of several chats in one model forward.
+"""Batched prefill: the prompt chunks of several chats in one model forward, optionally with the
+running chats' decode tokens in the same forward (mixed prefill and decode, as in chunked prefill).
 
 Each row is one chat's chunk: its new tokens' input embeddings (images already scattered in) and
 rope positions, and the KV of the chat's tokens before the chunk (``past``: a prefix-cache hit, the
@@ -7,6 +8,11 @@ out as ``[padding, past | new, padding]``: every row's past right-aligned at col
 longest past), its new tokens left-aligned after it, and the 2-D attention mask marks the padding.
 The padding of the new part comes after a row's real tokens, so a padded query always sees real
 keys (no fully masked softmax row, no NaN), and the real tokens never see the padding.
+
+``Decode`` rows (the running chats' ``KVBatch``: left-padded, so each row's past already ends at
+its last column) come first in the same layout, each with one new token: their query padding is
+the longest chunk's length minus one, masked as keys and never read. After the forward their KV is
+the batch's columns plus the one new column (``[P - width, P + 1)``), the batch one token longer.
 
 After the forward, row ``i``'s KV (its past and its new tokens) is the contiguous column range
 ``[P - past_i, P + new_i)`` of the batch cache; ``split`` copies it out so that each chat owns its
@@ -40,11 +46,31 @@ class Row:
         return 0 if self.past is None else int(self.past[0][0].shape[-2])
 
 
-def _batched_past(rows: list[Row], width: int) -> KV:
-    template = next(r.past for r in rows if r.past is not None)
+@dataclass
+class Decode:
+    """The running chats' next tokens, decoded in the same forward as the prefill rows."""
+
+    kv: KV  # the batch's KV (B, heads, width, head_dim), left-padded
+    mask: torch.Tensor  # (B, width) 1 = a real token
+    embeds: torch.Tensor  # (B, hidden) the input embeddings of each row's last token
+    positions: torch.Tensor  # (3, B) each row's next rope position
+
+    def __len__(self) -> int:
+        return int(self.mask.shape[0])
+
+    @property
+    def width(self) -> int:
+        return int(self.mask.shape[1])
+
+
+def _batched_past(rows: list[Row], width: int, decode: Decode | None) -> KV:
+    template = decode.kv if decode is not None else next(r.past for r in rows if r.past is not None)
     layers = []
     for layer, (k0, v0) in enumerate(template):
         keys, values = [], []
+        if decode is not None:
+            keys.append(F.pad(k0, (0, 0, width - decode.width, 0)))
+            values.append(F.pad(v0, (0, 0, width - decode.width, 0)))
         for row in rows:
             if row.past is None:
                 keys.append(k0.new_zeros(1, k0.shape[1], width, k0.shape[3]))
@@ -59,23 +85,33 @@ def _batched_past(rows: list[Row], width: int) -> KV:
 
 
 @torch.no_grad()
-def prefill(model, rows: list[Row]) -> tuple[list[KV], torch.Tensor]:
-    """One forward over ``rows``; returns each row's KV (past + chunk, its own storage) and the
-    logits of each row's last token, shape (rows, vocab)."""
+def prefill(model, rows: list[Row], decode: Decode | None = None) -> tuple[list[KV], torch.Tensor, KV | None]:
+    """One forward over ``decode``'s rows (if any) and ``rows``; returns each of ``rows``' KV (past +
+    chunk, its own storage), the logits of each row's last token, shape (decode rows + rows,
+    vocab), decode rows first, and the decode batch's KV one column longer (None without one)."""
     device = model.device
+    d = 0 if decode is None else len(decode)
     pasts = [r.past_length for r in rows]
-    width, longest = max(pasts), max(len(r) for r in rows)
+    width = max([*pasts, 0 if decode is None else decode.width])
+    longest = max([len(r) for r in rows] + [1])
     first = rows[0].embeds
-    embeds = first.new_zeros(len(rows), longest, first.shape[-1])
-    positions = torch.zeros(3, len(rows), longest, dtype=torch.long)
-    mask = torch.zeros(len(rows), width + longest, dtype=torch.long)
-    for i, (row, past) in enumerate(zip(rows, pasts)):
+    embeds = first.new_zeros(d + len(rows), longest, first.shape[-1])
+    positions = torch.zeros(3, d + len(rows), longest, dtype=torch.long)
+    mask = torch.zeros(d + len(rows), width + longest, dtype=torch.long)
+    if decode is not None:
+        embeds[:d, 0] = decode.embeds.to(embeds.device, embeds.dtype)
+        positions[:, :d] = decode.positions.cpu()[:, :, None]  # the padding: any position (masked as a key)
+        mask[:d, width - decode.width : width] = decode.mask.cpu()
+        mask[:d, width] = 1
+    for i, (row, past) in enumerate(zip(rows, pasts), start=d):
         n = len(row)
         embeds[i, :n] = row.embeds
         positions[:, i, :n] = row.positions
         positions[:, i, n:] = row.positions[:, -1:]  # padding: any position (masked as a key)
         mask[i, width - past : width + n] = 1
-    cache = DynamicCache(config=model.config) if width == 0 else cache_of(_batched_past(rows, width), model.config)
+    cache = (
+        DynamicCache(config=model.config) if width == 0 else cache_of(_batched_past(rows, width, decode), model.config)
+    )
     out = model.model(
         inputs_embeds=embeds.to(device),
         attention_mask=mask.to(device),
@@ -83,8 +119,8 @@ def prefill(model, rows: list[Row]) -> tuple[list[KV], torch.Tensor]:
         cache=cache,
         use_cache=True,
     )
-    last = torch.tensor([len(r) - 1 for r in rows], device=device)
-    hidden = out.last_hidden_state[torch.arange(len(rows), device=device), last]
+    last = torch.tensor([0] * d + [len(r) - 1 for r in rows], device=device)
+    hidden = out.last_hidden_state[torch.arange(d + len(rows), device=device), last]
     logits = model.lm_head(hidden[:, None])[:, -1]
     kv = layers_of(cache)
     split = [
@@ -95,6 +131,10 @@ def prefill(model, rows: list[Row]) -> tuple[list[KV], torch.Tensor]:
             )
             for k, v in kv
         ]
-        for i, (row, past) in enumerate(zip(rows, pasts))
+        for i, (row, past) in enumerate(zip(rows, pasts), start=d)
     ]
-    return split, logits
+    stepped = None
+    if decode is not None:
+        lo = width - decode.width
+        stepped = [(k[:d, :, lo : width + 1].contiguous(), v[:d, :, lo : width + 1].contiguous()) for k, v in kv]
+    return split, logits, stepped
