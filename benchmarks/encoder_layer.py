@@ -23,8 +23,10 @@ import shutil
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: tests.helpers
 
 import psutil  # noqa: E402
 import torch  # noqa: E402
@@ -34,6 +36,7 @@ import transformers  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 
+from tests.helpers import EncoderPort  # noqa: E402
 from triptych.cache.mm import MMCacheConfig  # noqa: E402
 from triptych.models import PACKAGED_DEFAULT  # noqa: E402
 from triptych.pipelines.base import GenerationParams, Role  # noqa: E402
@@ -46,33 +49,6 @@ from triptych.server.runners.encoder import EncoderRunner  # noqa: E402
 from triptych.world import render, sample_scenes  # noqa: E402
 
 MODEL = PACKAGED_DEFAULT.parent / "default_edit"
-
-
-class Port:
-    instance_id = "enc-0"
-
-    def __init__(self):
-        self.jobs, self.sent, self.failed = {}, [], []
-
-    def adopt(self, job):
-        self.jobs[job.request_id] = job
-
-    def owns(self, job):
-        return self.jobs.get(job.request_id) is job
-
-    def finish(self, job):
-        self.jobs.pop(job.request_id, None)
-
-    def send(self, msg):
-        if not isinstance(msg, P.ChatDelta):
-            self.sent.append(msg)
-
-    def fail(self, job, error, retryable):
-        self.jobs.pop(job.request_id, None)
-        self.failed.append((job.request_id, str(error)))
-
-    def stopping(self):
-        return False
 
 
 def load(**config):
@@ -106,7 +82,7 @@ def outputs(runner):
 
 
 def eight_mixed(pics, family, batched: bool, plain_visual_calls: list | None = None):
-    runner = EncoderRunner(family, Port())
+    runner = EncoderRunner(family, EncoderPort(keep_deltas=False))
     if not batched:
         runner.layer = None
     before = forwards_of(family)
@@ -154,7 +130,7 @@ def main(soak: int = 1000) -> int:
             keys = aff.keys("", [image])
             inst = (aff.prefer(keys, insts) if mode == "affinity" else None) or rr.pick(insts)
             aff.record(keys, inst.instance_id)
-            runner = EncoderRunner(fams[inst.instance_id], Port())
+            runner = EncoderRunner(fams[inst.instance_id], EncoderPort(keep_deltas=False))
             runner.accept(chat_task(rid, image, 1))
             drain(runner)
         two[mode] = sum(forwards_of(f) for f in fams.values())
@@ -165,7 +141,7 @@ def main(soak: int = 1000) -> int:
         print(f"| head {mode} | {n} |")
     print()
     fam = load(max_mb=0.25, processor_mb=2)
-    runner = EncoderRunner(fam, Port())
+    runner = EncoderRunner(fam, EncoderPort(keep_deltas=False))
     pool = [render(s, 64) for s in sample_scenes(200, "bench-encoder-soak", "heldout")]
     rng = random.Random(0)
     proc = psutil.Process()

@@ -75,3 +75,40 @@ def staged(family, params, fuse_cfg=False):
     while not state.done:
         family.denoise_step([state], fuse_cfg=fuse_cfg)
     return state, family.decode(state.latents, params)
+
+
+class EncoderPort:
+    """A ``WorkerPort`` stand-in for driving an ``EncoderRunner`` in process: it records what the
+    runner sends (``sent``; ``ChatDelta`` pieces too unless ``keep_deltas=False``) and fails
+    (``failed``: request id, error, retryable), and holds the jobs it adopted (``jobs``)."""
+
+    instance_id = "enc-0"
+
+    def __init__(self, keep_deltas: bool = True):
+        self.jobs, self.sent, self.failed = {}, [], []
+        self.keep_deltas = keep_deltas
+
+    def adopt(self, job):
+        self.jobs[job.request_id] = job
+
+    def owns(self, job):
+        return self.jobs.get(job.request_id) is job
+
+    def finish(self, job):
+        self.jobs.pop(job.request_id, None)
+
+    def reserve(self, *args):
+        raise AssertionError("an encoder reserves nothing")
+
+    def send(self, msg):
+        from triptych.server import protocol as P
+
+        if self.keep_deltas or not isinstance(msg, P.ChatDelta):
+            self.sent.append(msg)
+
+    def fail(self, job, error, retryable):
+        self.jobs.pop(job.request_id, None)
+        self.failed.append((job.request_id, error, retryable))
+
+    def stopping(self):
+        return False

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers import EncoderPort as Port
 from triptych.cache.mm import MMCacheConfig
 from triptych.cache.mm_layer import EncoderLayer
 from triptych.cache.mm_store import checksum
@@ -21,35 +22,6 @@ from triptych.server.runners.encoder import EncoderRunner
 from triptych.world import render, sample_scenes
 
 EDIT_MODEL = PACKAGED_DEFAULT.parent / "default_edit"
-
-
-class Port:
-    instance_id = "enc-0"
-
-    def __init__(self):
-        self.jobs, self.sent, self.failed = {}, [], []
-
-    def adopt(self, job):
-        self.jobs[job.request_id] = job
-
-    def owns(self, job):
-        return self.jobs.get(job.request_id) is job
-
-    def finish(self, job):
-        self.jobs.pop(job.request_id, None)
-
-    def reserve(self, *args):
-        raise AssertionError("the encoder reserves nothing")
-
-    def send(self, msg):
-        self.sent.append(msg)
-
-    def fail(self, job, error, retryable):
-        self.jobs.pop(job.request_id, None)
-        self.failed.append((job.request_id, str(error)))
-
-    def stopping(self):
-        return False
 
 
 def load(**config):
@@ -154,7 +126,7 @@ def test_references_are_released_on_failure_abort_and_close(family, monkeypatch)
     runner.accept(chat_task("closed", [pics[2]], max_tokens=50))
     monkeypatch.setattr(family, "encode", lambda params: (_ for _ in ()).throw(ValueError("boom")))
     runner.execute()  # prefetch all three, then the edit fails
-    assert [rid for rid, _ in runner.port.failed] == ["bad-edit"]
+    assert [rid for rid, _, _ in runner.port.failed] == ["bad-edit"]
     assert family.mm_cache.store.holder_count() == 2  # the two chats still hold their images
     runner.execute()  # the first chat starts
     runner.abort(runner.port.jobs["aborted"])

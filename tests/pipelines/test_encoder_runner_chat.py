@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.helpers import EncoderPort as Port
 from triptych.models import PACKAGED_DEFAULT
 from triptych.pipelines.base import GenerationParams, Role
 from triptych.pipelines.registry import family_class
@@ -15,32 +16,6 @@ from triptych.server import protocol as P
 from triptych.server import wire
 from triptych.server.runners.encoder import EncoderRunner
 from triptych.world import render, sample_scenes
-
-
-class Port:
-    instance_id = "enc-0"
-
-    def __init__(self):
-        self.jobs, self.sent, self.failed = {}, [], []
-
-    def adopt(self, job):
-        self.jobs[job.request_id] = job
-
-    def owns(self, job):
-        return self.jobs.get(job.request_id) is job
-
-    def finish(self, job):
-        self.jobs.pop(job.request_id, None)
-
-    def send(self, msg):
-        self.sent.append(msg)
-
-    def fail(self, job, error, retryable):
-        self.jobs.pop(job.request_id, None)
-        self.failed.append((job.request_id, error, retryable))
-
-    def stopping(self):
-        return False
 
 
 @pytest.fixture(scope="module")
