@@ -11,7 +11,8 @@ import io
 
 import torch
 
-from tests.pipelines.test_encoder_layer import Port, chat_task, drain, edit_task, images, load
+from tests.helpers import EncoderPort as Port
+from tests.pipelines.test_encoder_layer import chat_task, drain, edit_task, images, load
 from triptych.pipelines.qwenimage.vllm import embedding_items
 from triptych.pipelines.vlm import ChatParams, ChatResult, ChatTurn
 from triptych.server import protocol as P
@@ -90,7 +91,7 @@ def test_remote_chats_share_the_steps_batched_forward_and_are_all_sent_at_once()
     ]
     runner.execute()
     assert [m.request_id for m in runner.port.sent if isinstance(m, P.ChatDone)] == ["chat-1"]
-    assert [rid for rid, _ in runner.port.failed] == ["chat-3"]
+    assert [rid for rid, _, _ in runner.port.failed] == ["chat-3"]
     runner.abort(runner.port.jobs["chat-5"])
     assert engine.cancelled == ["chat-5#1"]
     assert family.mm_cache.store.holder_count() == 1  # chat-7 still answering
