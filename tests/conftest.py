@@ -54,3 +54,14 @@ def tiny_model_dir(tmp_path_factory):
         return built[key]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for a module's tests (``pytest.mark.usefixtures``), the count restored after."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 
 import pytest
-import torch
 
 from triptych.models import PACKAGED_DEFAULT
 
@@ -30,12 +29,7 @@ CAPTION_SCENES = 50  # MODEL_CARD.md's 50 held-out images (seed "eval-captions")
 RIGHT_AT_LEAST = 40  # the stated 80%; measured: see MODEL_CARD.md (image first / text first)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ its ``triptych.json``) gets the prompt exactly as sent.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from triptych.models import PACKAGED_DEFAULT, PACKAGED_VIDEO
 
@@ -20,12 +19,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _encoder_inputs(family, prompt, image=None):

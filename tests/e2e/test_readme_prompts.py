@@ -16,7 +16,6 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
 
 from triptych.models import PACKAGED_DEFAULT, PACKAGED_VIDEO
 
@@ -47,12 +46,7 @@ def readme_prompts(text: str) -> dict[str, list[str]]:
     return found
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
