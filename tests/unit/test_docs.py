@@ -3,7 +3,7 @@
 - README.md is at most 200 lines, and its first screen holds the install-and-generate command and
   the test command ``.ci/run`` runs.
 - Every page in docs/ is linked from the README and opens with a one-line summary under its title.
-- Every relative link in README.md and docs/*.md resolves inside the repository.
+- Every relative link in README.md and docs/*.md resolves inside the repository (none names ../shared).
 - Every file or folder of the repository they name (``triptych/...py``, ``tests/...``, ``server/x.py``
   for ``triptych/server/x.py``, a bare ``x.py`` somewhere in the tree) exists, and every
   ``path.py::name`` and ``module.name`` naming a triptych module (``triptych.cache.mm.tenant_scope``,
@@ -168,6 +168,7 @@ def test_every_docs_page_is_linked_from_the_readme_and_opens_with_one_line_sayin
 
 def test_every_relative_link_resolves_inside_the_repository():
     for path, text in texts().items():
+        assert "../shared" not in text, f"{path.name} points at ../shared, which is not in the repository"
         for target in LINK.findall(text):
             if re.match(r"^[a-z]+:", target) or target.startswith("#"):
                 continue
