@@ -226,7 +226,7 @@ def add_quality(sub) -> None:
         "--served and parallel: their measured rounding tolerance)",
     )
     p.add_argument("--report", metavar="DIR", help="--baseline: write report.html/.json/.md into DIR")
-    g = p.add_argument_group("--baseline: the configuration under test (one change at a time; gates in README)")
+    g = p.add_argument_group("--baseline: the configuration under test (one change at a time; gates in docs/cli.md)")
     g.add_argument(
         "--served", type=int, default=0, metavar="N", help="all cases at once through the serving engine, N per batch"
     )

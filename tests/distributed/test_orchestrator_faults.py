@@ -44,7 +44,7 @@ def start_long(cluster, family, rid: str, seed: int = 0):
 
 
 def replaced(cluster, victim: str, old_pid: int) -> dict:
-    """Wait (a liveness bound: the 30 s the README promises) until ``victim`` runs again in a new process."""
+    """Wait (a liveness bound: the 30 s docs/reliability.md promises) until ``victim`` runs again in a new process."""
     return cluster.wait_until(
         lambda d: any(i["id"] == victim and i["pid"] != old_pid for i in d["instances"]) and nothing_held(d),
         f"{victim} restarted and registered again",

@@ -1,6 +1,7 @@
-"""Every example prompt in README.md draws what it says, on the shipped default models.
+"""Every example prompt in README.md and docs/*.md draws what it says, on the shipped default models.
 
-Extraction (explicit): every ``--prompt "..."`` and ``"prompt": "..."`` in README.md. A prompt on a
+Extraction (explicit): every ``--prompt "..."`` and ``"prompt": "..."`` in README.md, then in each
+docs page in name order. A prompt on a
 line that names the video model (``triptych/assets/video``) or an ``.mp4`` output is a video example;
 on a ``triptych chat`` line, a question for the captioner (asked about the README's first image);
 every other one an image example for the default image model. ``"..."`` is a placeholder, not an
@@ -19,7 +20,9 @@ import pytest
 
 from triptych.models import PACKAGED_DEFAULT, PACKAGED_VIDEO
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+REPO = Path(__file__).resolve().parents[2]
+README = REPO / "README.md"
+PAGES = (README, *sorted((REPO / "docs").glob("*.md")))
 PROMPT = re.compile(r'(?:--prompt|"prompt":)\s*"([^"]*)"')
 PLACEHOLDER = "..."
 
@@ -51,7 +54,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def prompts():
-    return readme_prompts(README.read_text())
+    return readme_prompts("\n".join(page.read_text() for page in PAGES))
 
 
 def test_extraction_finds_the_readme_examples(prompts):

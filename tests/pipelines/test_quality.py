@@ -99,8 +99,8 @@ def test_bad_input_names_the_field(flux):
         quality_report(flux, [0.1], images=1, steps=3)
 
 
-def test_the_readme_quality_line_runs_on_the_default_model(capsys):
-    """README: ``triptych quality --teacache-threshold auto 0.1`` (with ``--images 2`` to keep it short;
+def test_the_cli_pages_quality_line_runs_on_the_default_model(capsys):
+    """docs/cli.md: ``triptych quality --teacache-threshold auto 0.1`` (with ``--images 2`` to keep it short;
     1.7 s in-process on the loaded 2-core machine). The shipped profile recommends no threshold, so ``auto``
     is reported as not run, naming the profile, and 0.1 is measured; the exit is the gates' (0 or 1)."""
     from triptych.models import PACKAGED_DEFAULT

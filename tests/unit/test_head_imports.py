@@ -1,4 +1,4 @@
-"""The head's config and state modules import without torch (the README's Architecture section says
+"""The head's config and state modules import without torch (docs/architecture.md, "The HTTP head", says
 which part of the head does need it, and why)."""
 
 from __future__ import annotations

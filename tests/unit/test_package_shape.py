@@ -1,4 +1,4 @@
-"""The package's shape, as the README states it: no import circle inside ``triptych/`` (imports inside
+"""The package's shape, as docs/architecture.md states it: no import circle inside ``triptych/`` (imports inside
 functions count too) and no module over 400 lines."""
 
 from __future__ import annotations
