@@ -25,7 +25,9 @@ def check_speed(config: SpeedConfig, device: str = "cpu", world_size: int = 1) -
             continue
         if not device.startswith("cuda"):
             raise InvalidParam(
-                "--quantize", f"{component}={mode}", f"fp8 needs a CUDA device (compute capability >= 8.9); this is {device}"
+                "--quantize",
+                f"{component}={mode}",
+                f"fp8 needs a CUDA device (compute capability >= 8.9); this is {device}",
             )
         import torch
 
@@ -44,13 +46,6 @@ def check_speed(config: SpeedConfig, device: str = "cpu", world_size: int = 1) -
         )
 
 
-def default_cache_dir(cache_root: str | Path | None = None) -> Path:
-    """``<user cache dir>/inductor`` ($TRIPTYCH_CACHE, passed in by the CLI, or ~/.cache/triptych)."""
-    from triptych.models import cache_dir
-
-    return cache_dir(cache_root) / "inductor"
-
-
 def apply_speed(pipe, config: SpeedConfig, device: str = "cpu") -> None:
     """Quantize the named components the pipeline has loaded, then compile its transformer's blocks."""
     if not config.active:
@@ -67,5 +62,6 @@ def apply_speed(pipe, config: SpeedConfig, device: str = "cpu") -> None:
     if config.compile and transformer is not None:
         from triptych.accel.compile import compile_repeated_blocks, set_cache_dir
 
-        set_cache_dir(Path(config.compile_cache_dir) if config.compile_cache_dir else default_cache_dir())
+        if config.compile_cache_dir is not None:  # None: inductor's own default (the CLIs always set one)
+            set_cache_dir(Path(config.compile_cache_dir))
         compile_repeated_blocks(transformer)

@@ -48,4 +48,7 @@ def compile_counts() -> dict[str, int]:
     (``recompiles``, compiles of a frame already compiled once, i.e. a guard failed)."""
     from torch._dynamo.utils import counters
 
-    return {"unique_graphs": int(counters["stats"]["unique_graphs"]), "recompiles": sum(counters["recompiles"].values())}
+    return {
+        "unique_graphs": int(counters["stats"]["unique_graphs"]),
+        "recompiles": sum(counters["recompiles"].values()),
+    }

@@ -135,7 +135,7 @@ class Worker:
             speed=config.speed,
         )
         if config.speed.compile and self.role is Role.DENOISER:
-            from triptych.accel.warmup import warm_up
+            from triptych.pipelines.warmup import warm_up
 
             warm_up(self.family)  # before registering: the head routes only to a warm instance
         self.endpoint = make_endpoint(

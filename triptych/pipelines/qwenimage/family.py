@@ -18,7 +18,17 @@ from diffusers.image_processor import VaeImageProcessor
 
 from triptych.errors import InvalidParam, TriptychError
 from triptych.identity import model_identity
-from triptych.pipelines.base import COND, UNCOND, Conditioning, DenoiseState, Family, Frames, GenerationParams, Role, Row
+from triptych.pipelines.base import (
+    COND,
+    UNCOND,
+    Conditioning,
+    DenoiseState,
+    Family,
+    Frames,
+    GenerationParams,
+    Role,
+    Row,
+)
 from triptych.pipelines.geometry import model_defaults, vae_config
 from triptych.pipelines.qwenimage import decode as dec
 from triptych.pipelines.qwenimage import denoise as den

@@ -1,4 +1,4 @@
-"""Warm-up of a compiled denoiser: every graph a mixed load needs, compiled before the worker registers.
+"""Warm-up of a compiled denoiser (``triptych.accel.compile``): every graph a mixed load needs, compiled before the worker registers.
 
 The shapes that make dynamo compile a new graph (``accel/compile.py``): one row alone (a size of 1
 is specialised, no text mask), several rows with prompts of different lengths (the padding mask),
