@@ -75,3 +75,22 @@ def test_mixed_load_compiles_nothing_after_warm_up(families):
     print(f"warm-up {counts}, after the mixed load {after}")
     assert after["unique_graphs"] == counts["unique_graphs"]
     assert after["recompiles"] == counts["recompiles"]
+
+
+def test_compile_composes_with_teacache_and_previews(families):
+    """TeaCache's piecewise forward and previews on the compiled family: the same skips and the same
+    image as on the eager one (within the tolerance), and the previews arrive."""
+    from triptych.pipelines.teacache import make_teacache
+
+    eager, compiled, _ = families
+    params = compiled.resolve(GenerationParams(prompt=PROMPTS[1], seed=5, teacache_threshold=0.1))
+    out = {}
+    for name, family in (("eager", eager), ("compiled", compiled)):
+        accel, previews = make_teacache(family), []
+        frames, _ = run_request(family, params, accel=accel, previews=2, on_preview=lambda i, f: previews.append(i))
+        out[name] = (frames.array, accel.stats.rows_skipped, previews)
+    diff = float(np.abs(out["compiled"][0] - out["eager"][0]).max())
+    print(f"TeaCache 0.1 + 2 previews, compiled vs eager: max abs {diff:.2e}, skipped {out['compiled'][1]}")
+    assert out["compiled"][1] == out["eager"][1] > 0
+    assert out["compiled"][2] == out["eager"][2] == [0, 1]
+    assert diff <= TOLERANCE
