@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 
 import pytest
 
@@ -32,10 +33,18 @@ def test_fp8_on_cpu_is_refused_with_the_reason():
 def test_multi_rank_is_refused(config):
     with pytest.raises(InvalidParam, match="multi-rank denoiser"):
         check_speed(config, "cpu", world_size=2)
-    check_speed(config, "cpu", world_size=1)
+    if config.compile or importlib.util.find_spec("torchao") is not None:
+        check_speed(config, "cpu", world_size=1)
 
 
-def test_flags_build_the_config_with_the_cache_dir_under_the_cache_root(tmp_path):
+def test_quantize_without_torchao_names_the_extra(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(InvalidParam, match=r"triptych\[quant\]"):
+        check_speed(SpeedConfig(quantize=("transformer=int8-dynamic",)), "cpu")
+
+
+def test_flags_build_the_config_with_the_cache_dir_under_the_cache_root(tmp_path, monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())  # as if torchao were installed
     parser = argparse.ArgumentParser()
     flags = add_speed_flags(parser)
     args = parser.parse_args(

@@ -18,8 +18,6 @@ FP8_CAPABILITY = (8, 9)
 def check_speed(config: SpeedConfig, device: str = "cpu", world_size: int = 1) -> None:
     """Raise ``InvalidParam`` naming the flag, before anything loads, for a setting that cannot run:
     torchao missing, fp8 off CUDA or on a GPU without fp8 matmuls, either with several denoiser ranks."""
-    if config.quantize and importlib.util.find_spec("torchao") is None:
-        raise InvalidParam("--quantize", ",".join(config.quantize), "needs torchao: pip install 'triptych[quant]'")
     for component, mode in config.quantized.items():
         if mode != "fp8":
             continue
@@ -44,6 +42,8 @@ def check_speed(config: SpeedConfig, device: str = "cpu", world_size: int = 1) -
             "is not supported on a multi-rank denoiser (--cfg-parallel/--ulysses/--ring): its follower ranks load "
             "their own transformer without it; run a single-rank denoiser",
         )
+    if config.quantize and importlib.util.find_spec("torchao") is None:
+        raise InvalidParam("--quantize", ",".join(config.quantize), "needs torchao: pip install 'triptych[quant]'")
 
 
 def apply_speed(pipe, config: SpeedConfig, device: str = "cpu") -> None:
