@@ -54,3 +54,16 @@ def test_flags_build_the_config_with_the_cache_dir_under_the_cache_root(tmp_path
     assert config.compile and config.compile_cache_dir == tmp_path / "inductor"
     assert config.quantized == {"transformer": "int8-dynamic", "text_encoder": "int8-weight-only"}
     assert flags.argv(config)[:1] == ["--compile"]
+
+
+def test_serve_passes_compile_and_its_cache_dir_on_to_its_workers(tmp_path, monkeypatch):
+    from triptych.server.worker_flags import WorkerFlags
+
+    monkeypatch.setenv("TRIPTYCH_CACHE", str(tmp_path))
+    parser = argparse.ArgumentParser()
+    flags = WorkerFlags.add(parser)
+    argv = flags.argv(parser.parse_args(["--compile"]))
+    assert "--compile" in argv
+    assert argv[argv.index("--compile-cache-dir") + 1] == str(tmp_path / "inductor")
+    with pytest.raises(InvalidParam, match="multi-rank"):
+        flags.argv(parser.parse_args(["--compile", "--ulysses", "2"]))
