@@ -3,13 +3,16 @@
 # with its test, Mooncake and Ray extras (so CI runs the Ray tests, which skip without Ray).
 # Mooncake's engine needs libibverbs1 from Debian (root only). With --vllm (or TRIPTYCH_VLLM=1) it
 # also runs ./install_vllm.sh: vLLM in its own .venv-vllm, for `triptych serve --chat-engine vllm`.
+# With --quant (or TRIPTYCH_QUANT=1) it adds the quant extra (torchao) for `--quantize`.
 set -euo pipefail
 cd "$(dirname "$0")"
 VLLM=${TRIPTYCH_VLLM:-0}
+QUANT=${TRIPTYCH_QUANT:-0}
 for arg in "$@"; do
   case "$arg" in
     --vllm) VLLM=1 ;;
-    *) echo "install.sh: unknown argument $arg (known: --vllm)" >&2; exit 2 ;;
+    --quant) QUANT=1 ;;
+    *) echo "install.sh: unknown argument $arg (known: --vllm, --quant)" >&2; exit 2 ;;
   esac
 done
 PY=${PYTHON:-python3}
@@ -23,6 +26,9 @@ fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/pip install -q torch==2.13.0
 .venv/bin/pip install -q -e ".[test,mooncake,ray]"
+if [ "$QUANT" = 1 ]; then
+  .venv/bin/pip install -q -e ".[quant]"
+fi
 .venv/bin/python -c "import torch, triptych; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 echo "install.sh: Triptych installed in $(pwd)/.venv"
 if [ "$VLLM" = 1 ]; then

@@ -11,6 +11,7 @@ import os
 import sys
 
 from triptych import cli_checks
+from triptych.accel.flags import add_speed_flags, speed_config
 from triptych.devices import add_device_flags, add_threads_flag, device_config_from_args, set_torch_threads
 from triptych.errors import InvalidParam, UnknownModel
 
@@ -67,6 +68,7 @@ def _add_generate(sub) -> None:
     _add_mm_cache_mb(p)
     add_device_flags(p)
     add_threads_flag(p)
+    p.set_defaults(speed_flags=add_speed_flags(p))
     g = p.add_argument_group("multi-rank denoiser (this process is rank 0 and spawns the others)")
     g.add_argument("--cfg-parallel", type=int, default=1, help="CFG-parallel degree: 1 or 2")
     g.add_argument("--ulysses", type=int, default=1, help="Ulysses sequence-parallel degree")
@@ -118,6 +120,8 @@ def cmd_generate(args) -> int:
     fmt, image = args.out_format, args.image_rgb  # checked before torch loaded (cli_checks.check_generate)
     parallel = _parallel_config(args)
     threads = set_torch_threads(args.threads, parallel.world_size)
+    cache_root = os.environ.get("TRIPTYCH_CACHE")
+    speed = speed_config(args.speed_flags, args, args.parser, device.device, parallel.world_size, cache_root)
     params = GenerationParams(
         prompt=args.prompt,
         negative_prompt=args.negative_prompt,
@@ -133,9 +137,10 @@ def cmd_generate(args) -> int:
     )
     t0 = time.perf_counter()
     family = load_family(
-        resolve_model(args.model, os.environ.get("TRIPTYCH_CACHE")),
+        resolve_model(args.model, cache_root),
         device=device,
         mm_cache_config=_mm_cache_config(args),
+        speed=speed,
     )
     load_s = time.perf_counter() - t0
     params = family.resolve(params)

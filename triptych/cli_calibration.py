@@ -242,7 +242,9 @@ def add_quality(sub) -> None:
     )
     add_device_flags(p)
     add_threads_flag(p)
-    p.set_defaults(func=cmd_quality, check=check_quality)
+    from triptych.accel.flags import add_speed_flags
+
+    p.set_defaults(func=cmd_quality, check=check_quality, speed_flags=add_speed_flags(p))
 
 
 def check_quality(args) -> None:
@@ -319,7 +321,15 @@ def _baseline_command(args, model, target: Target) -> int:
     thresholds = args.teacache_threshold or [0.0]
     if len(thresholds) != 1:
         raise InvalidParam("teacache_threshold", thresholds, "--baseline compares one configuration: give one value")
-    family = load_family(model, device=device_config_from_args(args))
+    from triptych.accel.flags import speed_config
+
+    device = device_config_from_args(args)
+    speed = speed_config(args.speed_flags, args, args.parser, device.device, 1, os.environ.get("TRIPTYCH_CACHE"))
+    if args.save_baseline and speed.active:
+        raise InvalidParam(
+            "compile/quantize", speed.quantize or "--compile", "a baseline is the plain path: give them to --baseline"
+        )
+    family = load_family(model, device=device, speed=speed)
     if args.save_baseline:
         if thresholds[0]:
             raise InvalidParam("teacache_threshold", thresholds[0], "a baseline is the plain path; omit it")

@@ -76,6 +76,9 @@ def _what(conf: dict, base: dict) -> str:
         parts.append("parallel " + ", ".join(f"{k} {v}" for k, v in conf["parallel"].items() if v not in (1, True)))
     if conf["dtype"] != base["dtype"]:
         parts.append(f"dtype {conf['dtype']} (baseline {base['dtype']})")
+    if conf.get("compile"):
+        parts.append("--compile")
+    parts += [f"--quantize {q}" for q in conf.get("quantize", ())]
     return "; ".join(parts) or "this code, as the baseline ran"
 
 

@@ -5,8 +5,8 @@ dtype. The configuration under test changes one thing, and its default gate (``-
 
 - this code, no flags: each case alone as the baseline ran it; gate *exact*, max abs 0 (CPU float32
   is bit-reproducible, ARCHITECTURE.md contract 1);
-- ``--dtype bfloat16`` (any dtype): the family loaded in that dtype; gate *exact*, so it fails;
-  ``--gate target`` holds it to the calibration target instead;
+- ``--dtype bfloat16`` (any dtype), ``--quantize COMPONENT=MODE``, ``--compile``: the family loaded
+  so; gate *exact*, so it fails; ``--gate target`` holds it to the calibration target instead;
 - ``--teacache-threshold T|auto``: each case alone through TeaCache; gate *target* (worst PSNR,
   worst SSIM, adherence drop: the profile's calibrated target, else ``Target``'s defaults);
 - ``--served N``: every case submitted at once to the serving engine (``DenoiserEngine``: step
@@ -90,6 +90,8 @@ class Configuration:
             "teacache_threshold": self.teacache_threshold,
             "teacache_requested": self.teacache_requested,
             "dtype": str(family.dtype),
+            "compile": family.speed.compile,
+            "quantize": list(family.speed.quantize),
             "device": str(family.device),
             "batch": self.served_batch or 1,
             "served": bool(self.served_batch),

@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from triptych.accel import SpeedConfig, apply_speed
 from triptych.cache.mm import MMCacheConfig
 from triptych.devices import DeviceConfig
 from triptych.errors import InvalidParam, TriptychError
@@ -81,10 +82,12 @@ class Family(ABC):
         device: str | DeviceConfig = "cpu",
         dtype: str | torch.dtype | None = None,
         mm_cache_config: MMCacheConfig = MMCacheConfig(),
+        speed: SpeedConfig = SpeedConfig(),
     ):
         """``device``: a device name with ``dtype`` (a name, a ``torch.dtype`` or None = auto), or a
         whole ``DeviceConfig`` (then ``dtype`` must be None). Invalid values raise ``InvalidParam``.
-        ``mm_cache_config``: the encoder's mm-hash cache, for families that have one."""
+        ``mm_cache_config``: the encoder's mm-hash cache, for families that have one. ``speed``:
+        compile and quantization of the loaded components (``triptych.accel``)."""
         self.model_dir = Path(model_dir)
         self.mm_cache_config = mm_cache_config  # the encoder's mm-hash cache, for families that have one
         self.roles = frozenset(Role(r) for r in roles)
@@ -96,6 +99,8 @@ class Family(ABC):
         built = self._build_components(frozenset(wanted))
         self.pipe = self.pipeline_class.from_pretrained(str(self.model_dir), dtype=self.dtype, **skipped, **built)
         place(self.pipe, self.device_config)
+        self.speed = speed
+        apply_speed(self.pipe, speed, self.device_config.device)
         self.pipe.set_progress_bar_config(disable=True)
         # triptych.json's "prompt_normaliser": only the shipped shape-world models name one.
         self.prompt_normaliser = normaliser(model_defaults(self.model_dir).get("prompt_normaliser"))
@@ -181,6 +186,11 @@ class Family(ABC):
 
     def generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device="cpu" if self.device.type == "mps" else self.device).manual_seed(seed)
+
+    def warmup_conditioning(self, params: GenerationParams, lengths: tuple[int, int]) -> Conditioning | None:
+        """Random conditioning shaped like ``encode``'s, prompt lengths ``lengths`` (cond, uncond), for
+        warming up a compiled transformer without an encoder (``pipelines/warmup.py``); None: no warm-up."""
+        return None
 
     # ---- stage 3: denoise ----------------------------------------------------------------
     @abstractmethod

@@ -69,11 +69,13 @@ def family_class(model_dir: str | Path):
     return _load(FAMILIES[name])
 
 
-def load_family(model_dir: str | Path, roles=None, device="cpu", dtype=None, mm_cache_config=None):
+def load_family(model_dir: str | Path, roles=None, device="cpu", dtype=None, mm_cache_config=None, speed=None):
     """Load the adapter for ``model_dir`` with only the components ``roles`` need.
 
     ``device``: a device name (with ``dtype``, None = auto) or a ``triptych.devices.DeviceConfig``;
-    ``mm_cache_config``: a ``triptych.cache.mm.MMCacheConfig`` (None = its defaults)."""
+    ``mm_cache_config``: a ``triptych.cache.mm.MMCacheConfig`` (None = its defaults); ``speed``: a
+    ``triptych.accel.SpeedConfig`` (None = neither compiled nor quantized)."""
+    from triptych.accel import SpeedConfig
     from triptych.cache.mm import MMCacheConfig
     from triptych.pipelines.base import ALL_ROLES
 
@@ -84,6 +86,7 @@ def load_family(model_dir: str | Path, roles=None, device="cpu", dtype=None, mm_
         device=device,
         dtype=dtype,
         mm_cache_config=mm_cache_config or MMCacheConfig(),
+        speed=speed or SpeedConfig(),
     )
 
 

@@ -39,6 +39,7 @@ def worker_config(args: argparse.Namespace):
         mm_cache=flags.mm_cache_config(args),
         chat=flags.chat_config(args),
         chat_vllm_url=args.vllm_url,
+        speed=flags.speed_config(args),
     )
 
 

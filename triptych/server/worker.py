@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import zmq
 
+from triptych.accel import SpeedConfig
 from triptych.cache.mm import MMCacheConfig
 from triptych.devices import DeviceConfig
 from triptych.errors import TriptychError
@@ -86,6 +87,9 @@ class WorkerConfig:
     chat_vllm_url: str = ""
     """Encoder: the vLLM server that answers this encoder's chats (``triptych serve --chat-engine
     vllm`` passes it); empty = the built-in decoder."""
+    speed: SpeedConfig = field(default_factory=SpeedConfig)
+    """Compile and quantization of the components this instance loads; a compiling denoiser warms up
+    (compiles its graphs) before it registers."""
     register_timeout_s: float = 120.0
     """How long to wait for the head's ``RegisterAck``."""
     torch_threads: int = 0
@@ -124,8 +128,16 @@ class Worker:
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
         self.family = family_class(config.model_dir)(
-            config.model_dir, roles={self.role}, device=config.device, mm_cache_config=config.mm_cache
+            config.model_dir,
+            roles={self.role},
+            device=config.device,
+            mm_cache_config=config.mm_cache,
+            speed=config.speed,
         )
+        if config.speed.compile and self.role is Role.DENOISER:
+            from triptych.pipelines.warmup import warm_up
+
+            warm_up(self.family)  # before registering: the head routes only to a warm instance
         self.endpoint = make_endpoint(
             config.transfer,
             self.instance_id,

@@ -23,7 +23,8 @@ WORKER_TRANSFER_FIELDS = ("max_bytes",)
 
 @dataclass(frozen=True)
 class WorkerFlags:
-    """The config flags ``serve`` and ``worker`` share: engine batch limits and transfer pool."""
+    """The config flags ``serve`` and ``worker`` share: engine batch limits, transfer pool, compile and
+    quantization."""
 
     parser: argparse.ArgumentParser
     engine: ConfigFlags
@@ -31,9 +32,11 @@ class WorkerFlags:
     parallel: ConfigFlags
     mm_cache: ConfigFlags
     chat: ConfigFlags
+    speed: ConfigFlags
 
     @classmethod
     def add(cls, parser: argparse.ArgumentParser) -> WorkerFlags:
+        from triptych.accel.flags import add_speed_flags
         from triptych.cache.mm import FLAG_NAMES, MMCacheConfig
         from triptych.devices import add_device_flags
         from triptych.parallel import ParallelConfig
@@ -52,7 +55,8 @@ class WorkerFlags:
             parser.set_defaults(mm_cache_mb=float(os.environ["TRIPTYCH_MM_CACHE_MB"]))
         chat = ConfigFlags(parser.add_argument_group("encoder chat engine (ChatEngineConfig)"), ChatEngineConfig)
         add_device_flags(parser)
-        return cls(parser, engine, transfer, parallel, mm_cache, chat)
+        speed = add_speed_flags(parser)
+        return cls(parser, engine, transfer, parallel, mm_cache, chat, speed)
 
     def parallel_config(self, args: argparse.Namespace):
         return self.parallel.build(args, self.parser)
@@ -62,6 +66,13 @@ class WorkerFlags:
 
     def chat_config(self, args: argparse.Namespace):
         return self.chat.build(args, self.parser)
+
+    def speed_config(self, args: argparse.Namespace):
+        """``SpeedConfig`` checked against the device and the denoiser's rank count (``InvalidParam``)."""
+        from triptych.accel.flags import speed_config
+
+        world = self.parallel_config(args).world_size
+        return speed_config(self.speed, args, self.parser, args.device, world, os.environ.get("TRIPTYCH_CACHE"))
 
     def engine_config(self, args: argparse.Namespace) -> EngineConfig:
         return self.engine.build(args, self.parser)
@@ -76,4 +87,5 @@ class WorkerFlags:
             *self.transfer.argv(self.transfer_config(args)),
             *self.mm_cache.argv(self.mm_cache_config(args)),
             *self.chat.argv(self.chat_config(args)),
+            *self.speed.argv(self.speed_config(args)),
         )

@@ -18,7 +18,17 @@ from diffusers.image_processor import VaeImageProcessor
 
 from triptych.errors import InvalidParam, TriptychError
 from triptych.identity import model_identity
-from triptych.pipelines.base import Conditioning, DenoiseState, Family, Frames, GenerationParams, Role, Row
+from triptych.pipelines.base import (
+    COND,
+    UNCOND,
+    Conditioning,
+    DenoiseState,
+    Family,
+    Frames,
+    GenerationParams,
+    Role,
+    Row,
+)
 from triptych.pipelines.geometry import model_defaults, vae_config
 from triptych.pipelines.qwenimage import decode as dec
 from triptych.pipelines.qwenimage import denoise as den
@@ -173,6 +183,13 @@ class QwenImageFamily(Family):
     def encode(self, params: GenerationParams) -> Conditioning:
         params = params.replace(prompt=self.encoder_prompt(params.prompt))
         return enc.encode_text(self.pipe, params, self.uses_cfg(params), self.max_sequence_length)
+
+    def warmup_conditioning(self, params: GenerationParams, lengths: tuple[int, int]) -> Conditioning | None:
+        if self.requires_image:  # edit only: it needs the condition image's latents (not built here)
+            return None
+        width = self.pipe.transformer.config.joint_attention_dim
+        embeds = [torch.randn(1, n, width, dtype=self.dtype, device=self.device) for n in lengths]
+        return Conditioning(branches={COND: {"prompt_embeds": embeds[0]}, UNCOND: {"prompt_embeds": embeds[1]}})
 
     def prepare(self, request_id: str, params: GenerationParams, cond: Conditioning) -> DenoiseState:
         return den.prepare(self, request_id, params, cond.to(self.device))

@@ -1,0 +1,126 @@
+"""``--compile`` and ``--quantize`` on the default model, in process, against eager float32, same run.
+
+Variants (one family each, loaded once): eager float32, ``--compile``, ``--quantize
+transformer=int8-weight-only``, ``--quantize transformer=int8-dynamic``, and ``--compile`` with
+each. Compiled ones are warmed up first (``pipelines/warmup.py``: compile time is not in the
+figures; it is printed). Then, for ``--repeats`` rounds, every variant in turn runs
+(a) one image through ``run_request`` (20 steps, fused CFG, 64x64) and (b) ``--forwards``
+transformer forwards of one request's two CFG rows. Reported: the best CPU time of each (one thread,
+process time), the ratio to eager, the output difference to eager beside it (max abs and PSNR of
+the image), and the forward's share of the machine's measured fp32 matmul rate (FLOPs of the eager
+forward from ``torch.utils.flop_counter`` / time / the 1024x1024 matmul rate on one thread).
+
+    python benchmarks/compile_quant.py [--repeats 5] [--forwards 20] [--cache-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+clock = time.process_time
+# NOTE: the compiled variants share the block class's code object, so their graphs (5 each; the
+# quantized ones guard on other weight types) add up in this one process past dynamo's default limit
+# of 8, which would silently run the rest eager. A worker holds one family: 5 graphs.
+torch._dynamo.config.recompile_limit = 64
+
+from triptych.accel import SpeedConfig  # noqa: E402
+from triptych.calibration.metrics import psnr  # noqa: E402
+from triptych.models import default_model_dir  # noqa: E402
+from triptych.pipelines.base import COND, UNCOND, GenerationParams, Row  # noqa: E402
+from triptych.pipelines.registry import load_family  # noqa: E402
+from triptych.pipelines.runner import run_request  # noqa: E402
+from triptych.pipelines.warmup import warm_up  # noqa: E402
+
+VARIANTS = {
+    "eager fp32": dict(),
+    "--compile": dict(compile=True),
+    "int8 weight-only": dict(quantize=("transformer=int8-weight-only",)),
+    "int8 dynamic": dict(quantize=("transformer=int8-dynamic",)),
+    "--compile + int8 weight-only": dict(compile=True, quantize=("transformer=int8-weight-only",)),
+    "--compile + int8 dynamic": dict(compile=True, quantize=("transformer=int8-dynamic",)),
+}
+PROMPT = "a red circle on a blue background"
+
+
+def matmul_gflops(n: int = 1024, repeats: int = 10) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = min(_timed(lambda: a @ b) for _ in range(repeats))
+    return 2 * n**3 / best / 1e9
+
+
+def _timed(fn) -> float:
+    t = clock()
+    fn()
+    return clock() - t
+
+
+def forward_flops(family, rows) -> int:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        family.forward(rows)
+    return counter.get_total_flops()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--forwards", type=int, default=20)
+    ap.add_argument("--cache-dir", help="inductor cache (default: a fresh temporary directory: cold compiles)")
+    args = ap.parse_args(argv)
+    cache = args.cache_dir or tempfile.mkdtemp(prefix="triptych-inductor-")
+    families, compile_s = {}, {}
+    for name, kw in VARIANTS.items():
+        t = time.perf_counter()
+        speed = SpeedConfig(**kw, compile_cache_dir=cache if kw.get("compile") else None)
+        families[name] = family = load_family(default_model_dir(), speed=speed)
+        if speed.compile:
+            warm_up(family)
+        compile_s[name] = time.perf_counter() - t
+    params = families["eager fp32"].resolve(GenerationParams(prompt=PROMPT, seed=0))
+    eager = families["eager fp32"]
+    state = eager.prepare("bench", params, eager.encode(params))
+    rows = [Row(state, COND), Row(state, UNCOND)]
+    flops = forward_flops(eager, rows)
+    rate = matmul_gflops()
+    images, image_s, forward_s = {}, {n: [] for n in families}, {n: [] for n in families}
+    for name, family in families.items():  # warm-up round (first calls, caches)
+        images[name] = run_request(family, params)[0].array
+    for _ in range(args.repeats):
+        for name, family in families.items():
+            image_s[name].append(_timed(lambda f=family: run_request(f, params)))
+            with torch.no_grad():
+                forward_s[name].append(_timed(lambda f=family: [f.forward(rows) for _ in range(args.forwards)]))
+    base_img, base_fwd = min(image_s["eager fp32"]), min(forward_s["eager fp32"]) / args.forwards
+    print(
+        f"matmul 1024x1024 fp32, one thread: {rate:.1f} GFLOP/s; transformer forward (2 rows): {flops / 1e6:.1f} MFLOP"
+    )
+    print(
+        "| variant | setup s (compile+warm-up) | image ms | vs eager | forward ms | vs eager | "
+        "share of matmul rate | max abs vs eager | PSNR vs eager dB |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name in families:
+        img, fwd = min(image_s[name]), min(forward_s[name]) / args.forwards
+        diff = float(np.abs(images[name] - images["eager fp32"]).max())
+        share = flops / fwd / (rate * 1e9)
+        p = psnr(images[name], images["eager fp32"])
+        print(
+            f"| {name} | {compile_s[name]:.1f} | {img * 1000:.0f} | {base_img / img:.2f}x | {fwd * 1000:.2f} | "
+            f"{base_fwd / fwd:.2f}x | {share * 100:.1f}% | {diff:.1e} | {p:.1f} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,69 @@
+"""``SpeedConfig`` and its startup checks: what cannot run is refused naming the flag and the reason."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+
+import pytest
+
+from triptych.accel import SpeedConfig
+from triptych.accel.apply import check_speed
+from triptych.accel.flags import add_speed_flags, speed_config
+from triptych.errors import InvalidParam
+
+
+@pytest.mark.parametrize("bad", ["vae=int8-dynamic", "transformer=int4", "transformer", "transformer=fp8,x"])
+def test_bad_quantize_spec_is_refused(bad):
+    with pytest.raises(ValueError, match="COMPONENT=MODE"):
+        SpeedConfig(quantize=(bad,))
+
+
+def test_a_component_named_twice_is_refused():
+    with pytest.raises(ValueError, match="named twice"):
+        SpeedConfig(quantize=("transformer=int8-dynamic", "transformer=int8-weight-only"))
+
+
+def test_fp8_on_cpu_is_refused_with_the_reason():
+    with pytest.raises(InvalidParam, match="fp8 needs a CUDA device"):
+        check_speed(SpeedConfig(quantize=("transformer=fp8",)), "cpu")
+
+
+@pytest.mark.parametrize("config", [SpeedConfig(compile=True), SpeedConfig(quantize=("transformer=int8-dynamic",))])
+def test_multi_rank_is_refused(config):
+    with pytest.raises(InvalidParam, match="multi-rank denoiser"):
+        check_speed(config, "cpu", world_size=2)
+    if config.compile or importlib.util.find_spec("torchao") is not None:
+        check_speed(config, "cpu", world_size=1)
+
+
+def test_quantize_without_torchao_names_the_extra(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(InvalidParam, match=r"triptych\[quant\]"):
+        check_speed(SpeedConfig(quantize=("transformer=int8-dynamic",)), "cpu")
+
+
+def test_flags_build_the_config_with_the_cache_dir_under_the_cache_root(tmp_path, monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())  # as if torchao were installed
+    parser = argparse.ArgumentParser()
+    flags = add_speed_flags(parser)
+    args = parser.parse_args(
+        ["--compile", "--quantize", "transformer=int8-dynamic", "--quantize", "text_encoder=int8-weight-only"]
+    )
+    config = speed_config(flags, args, parser, cache_root=tmp_path)
+    assert config.compile and config.compile_cache_dir == tmp_path / "inductor"
+    assert config.quantized == {"transformer": "int8-dynamic", "text_encoder": "int8-weight-only"}
+    assert flags.argv(config)[:1] == ["--compile"]
+
+
+def test_serve_passes_compile_and_its_cache_dir_on_to_its_workers(tmp_path, monkeypatch):
+    from triptych.server.worker_flags import WorkerFlags
+
+    monkeypatch.setenv("TRIPTYCH_CACHE", str(tmp_path))
+    parser = argparse.ArgumentParser()
+    flags = WorkerFlags.add(parser)
+    argv = flags.argv(parser.parse_args(["--compile"]))
+    assert "--compile" in argv
+    assert argv[argv.index("--compile-cache-dir") + 1] == str(tmp_path / "inductor")
+    with pytest.raises(InvalidParam, match="multi-rank"):
+        flags.argv(parser.parse_args(["--compile", "--ulysses", "2"]))

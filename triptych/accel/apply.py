@@ -1,0 +1,67 @@
+"""Apply a ``SpeedConfig`` to a loaded pipeline, and the startup checks that refuse what cannot run."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from pathlib import Path
+
+from triptych.accel.config import SpeedConfig
+from triptych.errors import InvalidParam
+
+logger = logging.getLogger(__name__)
+
+#: Compute capability fp8 matmuls need (torchao's float8 dynamic quantization: Ada, Hopper, later).
+FP8_CAPABILITY = (8, 9)
+
+
+def check_speed(config: SpeedConfig, device: str = "cpu", world_size: int = 1) -> None:
+    """Raise ``InvalidParam`` naming the flag, before anything loads, for a setting that cannot run:
+    torchao missing, fp8 off CUDA or on a GPU without fp8 matmuls, either with several denoiser ranks."""
+    for component, mode in config.quantized.items():
+        if mode != "fp8":
+            continue
+        if not device.startswith("cuda"):
+            raise InvalidParam(
+                "--quantize",
+                f"{component}={mode}",
+                f"fp8 needs a CUDA device (compute capability >= 8.9); this is {device}",
+            )
+        import torch
+
+        capability = torch.cuda.get_device_capability(device)
+        if capability < FP8_CAPABILITY:
+            raise InvalidParam(
+                "--quantize", f"{component}={mode}", f"fp8 needs compute capability >= 8.9; {device} has {capability}"
+            )
+    if world_size > 1 and config.active:
+        flag = "--compile" if config.compile else "--quantize"
+        raise InvalidParam(
+            flag,
+            True if config.compile else ",".join(config.quantize),
+            "is not supported on a multi-rank denoiser (--cfg-parallel/--ulysses/--ring): its follower ranks load "
+            "their own transformer without it; run a single-rank denoiser",
+        )
+    if config.quantize and importlib.util.find_spec("torchao") is None:
+        raise InvalidParam("--quantize", ",".join(config.quantize), "needs torchao: pip install 'triptych[quant]'")
+
+
+def apply_speed(pipe, config: SpeedConfig, device: str = "cpu") -> None:
+    """Quantize the named components the pipeline has loaded, then compile its transformer's blocks."""
+    if not config.active:
+        return
+    check_speed(config, device)
+    for component, mode in config.quantized.items():
+        module = getattr(pipe, component, None)
+        if module is None:  # another role's component: not loaded here
+            continue
+        from triptych.accel.quantize import quantize_component
+
+        quantize_component(module, mode)
+    transformer = getattr(pipe, "transformer", None)
+    if config.compile and transformer is not None:
+        from triptych.accel.compile import compile_repeated_blocks, set_cache_dir
+
+        if config.compile_cache_dir is not None:  # None: inductor's own default (the CLIs always set one)
+            set_cache_dir(Path(config.compile_cache_dir))
+        compile_repeated_blocks(transformer)

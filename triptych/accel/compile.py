@@ -1,0 +1,54 @@
+"""Regional ``torch.compile``: each repeated transformer block compiled once, cached on disk.
+
+As diffusers' ``ModelMixin.compile_repeated_blocks``: every submodule whose class the model lists in
+``_repeated_blocks`` gets ``nn.Module.compile`` (its ``__call__`` goes through one compiled
+function; dynamo inlines ``nn.Module`` and lifts parameters to inputs, so every block of a class
+shares one graph). ``dynamic=True`` makes the batch and sequence sizes symbolic from the first
+compile, so a step batch that grows or shrinks, TeaCache's sub-batches and padded prompts of any
+length reuse it; dynamo still specialises a size of 1 and whether a text mask is passed, so a mixed
+load compiles a small, fixed number of graphs (``compile_counts``; figures in docs/speed.md).
+
+Inductor's FX graph and AOTAutograd caches are on by default; ``set_cache_dir`` points them at the
+user cache dir so a restarted process reuses the generated code instead of compiling it again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def set_cache_dir(path: Path) -> None:
+    """Inductor's on-disk cache directory for this process (before the first compile)."""
+    path.mkdir(parents=True, exist_ok=True)
+    # NOTE: inductor reads its cache directory from this variable at each lookup; there is no config
+    # field for it. The value comes from SpeedConfig, never from the user's environment here.
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+
+
+def compile_repeated_blocks(model: torch.nn.Module) -> int:
+    """Compile every block of ``model``'s ``_repeated_blocks`` classes; returns how many were compiled."""
+    names = set(getattr(model, "_repeated_blocks", None) or ())
+    if not names:
+        raise ValueError(f"{type(model).__name__} declares no _repeated_blocks to compile")
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    for block in blocks:
+        block.compile(dynamic=True)
+    logger.info("compiling %d %s blocks of %s", len(blocks), "/".join(sorted(names)), type(model).__name__)
+    return len(blocks)
+
+
+def compile_counts() -> dict[str, int]:
+    """This process's dynamo counters: graphs compiled (``unique_graphs``) and recompilations
+    (``recompiles``, compiles of a frame already compiled once, i.e. a guard failed)."""
+    from torch._dynamo.utils import counters
+
+    return {
+        "unique_graphs": int(counters["stats"]["unique_graphs"]),
+        "recompiles": sum(counters["recompiles"].values()),
+    }

@@ -1,0 +1,56 @@
+"""``SpeedConfig``: whether a process compiles its transformer and which components it quantizes.
+
+Standard library only at import time (the CLI builds its flags from it before torch loads).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+#: ``--quantize COMPONENT=MODE`` modes (torchao configs in ``accel/quantize.py``); fp8 needs CUDA.
+QUANT_MODES = ("int8-weight-only", "int8-dynamic", "fp8")
+#: Pipeline components ``--quantize`` may name (their ``nn.Linear`` weights are quantized).
+QUANT_COMPONENTS = ("transformer", "text_encoder")
+
+
+@dataclass(frozen=True)
+class SpeedConfig:
+    """Compilation and lower precision for the components one process loads.
+
+    Applied once at load (``accel.apply_speed``), after placement on the device; a component the
+    process does not load (another role's) is left alone.
+    """
+
+    compile: bool = False
+    """Regional torch.compile: every repeated transformer block (the model's ``_repeated_blocks``,
+    as diffusers' compile_repeated_blocks) compiled once, with dynamic shapes so a changing batch or
+    text length does not recompile. Workers compile and warm up before they register."""
+    compile_cache_dir: Path | None = None
+    """Where inductor caches compiled artefacts across processes (TORCHINDUCTOR_CACHE_DIR); none:
+    inductor under the user cache dir ($TRIPTYCH_CACHE or ~/.cache/triptych)."""
+    quantize: tuple[str, ...] = ()
+    """COMPONENT=MODE, repeatable: component transformer or text_encoder, mode int8-weight-only,
+    int8-dynamic (torchao, CPU and CUDA) or fp8 (CUDA only)."""
+
+    def __post_init__(self) -> None:
+        seen = set()
+        for item in self.quantize:
+            component, sep, mode = str(item).partition("=")
+            if not sep or component not in QUANT_COMPONENTS or mode not in QUANT_MODES:
+                raise ValueError(
+                    f"quantize={item!r}: write COMPONENT=MODE with COMPONENT one of {', '.join(QUANT_COMPONENTS)} "
+                    f"and MODE one of {', '.join(QUANT_MODES)}"
+                )
+            if component in seen:
+                raise ValueError(f"quantize={item!r}: {component} is named twice")
+            seen.add(component)
+
+    @property
+    def quantized(self) -> dict[str, str]:
+        """Component → quantization mode."""
+        return dict(item.split("=", 1) for item in self.quantize)
+
+    @property
+    def active(self) -> bool:
+        return self.compile or bool(self.quantize)
