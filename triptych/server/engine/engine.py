@@ -23,6 +23,11 @@ from triptych.server.engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 
+#: Why a request may not combine an adapter with TeaCache (the head says the same).
+LORA_TEACACHE_RULE = (
+    "must be 0 with lora: a TeaCache profile is calibrated per model and is not shown to hold with an adapter"
+)
+
 
 @dataclass
 class EngineStepOutput:
@@ -61,6 +66,11 @@ class DenoiserEngine:
         if state.request_id in self._running:
             raise ValueError(f"request {state.request_id!r} is already running")
         threshold = state.params.teacache_threshold
+        lora = state.params.lora
+        if lora and threshold > 0:
+            raise InvalidParam("teacache_threshold", threshold, LORA_TEACACHE_RULE)
+        if lora and self.family.lora is None:
+            raise InvalidParam("lora", [n for n, _ in lora], f"this {self.family.name} denoiser serves no adapters")
         if threshold > 0:
             if self.accel is None:
                 why = f": {self.no_accel}" if self.no_accel else ""
@@ -68,6 +78,8 @@ class DenoiserEngine:
                     "teacache_threshold", threshold, f"TeaCache is not available for {self.family.name}{why}"
                 )
             self.accel.admit(state.request_id, threshold, state.total_steps)
+        if lora:
+            self.family.lora.acquire(state.request_id, lora)
         key = self.family.compat_key(state)
         tokens = (
             int(state.latents[0].numel() // state.latents.shape[-1])
@@ -166,6 +178,8 @@ class DenoiserEngine:
                 out.failed.append((rid, error))
 
     def _release(self, request_id: str) -> None:
+        if self.family.lora is not None:
+            self.family.lora.release(request_id)
         if self.accel is not None:
             self.accel.release(request_id)
 
