@@ -15,13 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from triptych.errors import TriptychError
+from triptych.lora.paths import LoraFormatError
 
 PREFIX = "transformer."
-
-
-class LoraFormatError(TriptychError, ValueError):
-    """An adapter file this server cannot apply (the message names the key or module and why)."""
 
 
 @dataclass

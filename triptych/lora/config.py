@@ -40,3 +40,29 @@ class LoraConfig:
     @property
     def budget_bytes(self) -> int:
         return int(self.lora_budget_mb * (1 << 20))
+
+
+def lora_args(values: list[str], max_scale: float = LoraConfig.lora_max_scale) -> tuple[LoraConfig, tuple]:
+    """``generate --lora DIR[:SCALE]`` values → the config serving them and the request's
+    ``((name, scale), ...)``; the name is the folder's (or file's stem). ``InvalidParam`` names the value."""
+    from triptych.errors import InvalidParam
+
+    entries, spec = [], []
+    for value in values:
+        path, scale = value, 1.0
+        head, sep, tail = value.rpartition(":")
+        if sep and not Path(value).exists():
+            try:
+                path, scale = head, float(tail)
+            except ValueError:
+                pass
+        if not Path(path).exists():
+            raise InvalidParam("lora", value, "must be an adapter folder or .safetensors file, optionally :SCALE")
+        if not -max_scale <= scale <= max_scale:
+            raise InvalidParam("lora", value, f"scale must be between -{max_scale} and {max_scale}")
+        name = Path(path).stem if Path(path).is_file() else Path(path).resolve().name
+        if name in (n for n, _ in spec):
+            raise InvalidParam("lora", value, f"adapter {name!r} is given twice")
+        entries.append(f"{name}={path}")
+        spec.append((name, scale))
+    return LoraConfig(lora=tuple(entries), lora_max_scale=max_scale), tuple(spec)

@@ -8,28 +8,8 @@ from __future__ import annotations
 import inspect
 from pathlib import Path
 
-from triptych.lora.adapter import Adapter, LoraFormatError, from_state_dict
-
-WEIGHT_NAME = "pytorch_lora_weights.safetensors"
-
-
-def weight_file(path: str | Path) -> Path:
-    """The safetensors file of an adapter folder or file; ``LoraFormatError`` naming the path."""
-    path = Path(path)
-    if path.is_file():
-        if path.suffix != ".safetensors":
-            raise LoraFormatError(f"LoRA file {str(path)!r} is not a .safetensors file")
-        return path
-    if not path.is_dir():
-        raise LoraFormatError(f"LoRA path {str(path)!r} is neither a folder nor a .safetensors file")
-    if (path / WEIGHT_NAME).is_file():
-        return path / WEIGHT_NAME
-    files = sorted(path.glob("*.safetensors"))
-    if len(files) != 1:
-        raise LoraFormatError(
-            f"LoRA folder {str(path)!r} has {len(files)} .safetensors files and no {WEIGHT_NAME}: name the file"
-        )
-    return files[0]
+from triptych.lora.adapter import Adapter, from_state_dict
+from triptych.lora.paths import weight_file
 
 
 def read_adapter(name: str, path: str | Path, pipeline_class) -> Adapter:

@@ -27,6 +27,7 @@ from triptych.cache.mm import MMCacheConfig
 from triptych.devices import DeviceConfig
 from triptych.errors import TriptychError
 from triptych.identity import model_revision
+from triptych.lora.config import LoraConfig
 from triptych.parallel import ParallelConfig
 from triptych.pipelines.base import Role
 from triptych.pipelines.vlm.engine_config import ChatEngineConfig
@@ -83,6 +84,8 @@ class WorkerConfig:
     """The encoder's mm-hash cache budget (ignored by other roles)."""
     chat: ChatEngineConfig = field(default_factory=ChatEngineConfig)
     """The encoder's chat engine: running chats per instance, prefix KV budget (ignored by other roles)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Denoiser: the adapters it serves and its memory for them (ignored by other roles)."""
     chat_vllm_url: str = ""
     """Encoder: the vLLM server that answers this encoder's chats (``triptych serve --chat-engine
     vllm`` passes it); empty = the built-in decoder."""
@@ -126,6 +129,8 @@ class Worker:
         self.family = family_class(config.model_dir)(
             config.model_dir, roles={self.role}, device=config.device, mm_cache_config=config.mm_cache
         )
+        if self.role == Role.DENOISER and config.lora.lora:
+            self.family.enable_lora(config.lora)
         self.endpoint = make_endpoint(
             config.transfer,
             self.instance_id,

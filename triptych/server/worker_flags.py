@@ -31,6 +31,7 @@ class WorkerFlags:
     parallel: ConfigFlags
     mm_cache: ConfigFlags
     chat: ConfigFlags
+    lora: ConfigFlags
 
     @classmethod
     def add(cls, parser: argparse.ArgumentParser) -> WorkerFlags:
@@ -51,8 +52,14 @@ class WorkerFlags:
         if os.environ.get("TRIPTYCH_MM_CACHE_MB"):  # the environment as the flag's default, nothing more
             parser.set_defaults(mm_cache_mb=float(os.environ["TRIPTYCH_MM_CACHE_MB"]))
         chat = ConfigFlags(parser.add_argument_group("encoder chat engine (ChatEngineConfig)"), ChatEngineConfig)
+        from triptych.lora.config import LoraConfig
+
+        lora = ConfigFlags(parser.add_argument_group("LoRA adapters (LoraConfig)"), LoraConfig)
         add_device_flags(parser)
-        return cls(parser, engine, transfer, parallel, mm_cache, chat)
+        return cls(parser, engine, transfer, parallel, mm_cache, chat, lora)
+
+    def lora_config(self, args: argparse.Namespace):
+        return self.lora.build(args, self.parser)
 
     def parallel_config(self, args: argparse.Namespace):
         return self.parallel.build(args, self.parser)
@@ -76,4 +83,5 @@ class WorkerFlags:
             *self.transfer.argv(self.transfer_config(args)),
             *self.mm_cache.argv(self.mm_cache_config(args)),
             *self.chat.argv(self.chat_config(args)),
+            *self.lora.argv(self.lora_config(args)),
         )

@@ -19,7 +19,7 @@ from triptych.errors import InvalidParam
 from triptych.pipelines.base import DenoiseState, Family
 from triptych.server.engine.config import EngineConfig
 from triptych.server.engine.scheduler import Running, pick_batch
-from triptych.server.engine.stats import EngineStats
+from triptych.server.engine.stats import LORA_FIELDS, EngineStats
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,10 @@ class DenoiserEngine:
                 )
             self.accel.admit(state.request_id, threshold, state.total_steps)
         if lora:
-            self.family.lora.acquire(state.request_id, lora)
+            try:
+                self.family.lora.acquire(state.request_id, lora)
+            finally:
+                self._lora_stats()
         key = self.family.compat_key(state)
         tokens = (
             int(state.latents[0].numel() // state.latents.shape[-1])
@@ -149,6 +152,12 @@ class DenoiserEngine:
         s.count_batch(len(states))
         if self.accel is not None:
             s.skipped_rows = self.accel.stats.rows_skipped
+        self._lora_stats()
+
+    def _lora_stats(self) -> None:
+        if self.family.lora is not None:
+            for f in LORA_FIELDS:
+                setattr(self.stats, f, getattr(self.family.lora.stats, f.removeprefix("lora_")))
 
     def update(self, batch: list[Running], out: EngineStepOutput) -> None:
         self._tick += 1
