@@ -130,6 +130,8 @@ class Worker:
             config.model_dir, roles={self.role}, device=config.device, mm_cache_config=config.mm_cache
         )
         if self.role == Role.DENOISER and config.lora.lora:
+            if config.parallel.world_size > 1:  # NOTE: follower ranks would run without the adapters
+                raise ValueError("--lora: a multi-rank denoiser does not serve LoRA adapters yet; use one rank")
             self.family.enable_lora(config.lora)
         self.endpoint = make_endpoint(
             config.transfer,
