@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from triptych.errors import InvalidParam
 from triptych.lora.adapter import Adapter, LoraFormatError, LoraModule, check_fits, from_state_dict
-from triptych.lora.config import LoraConfig
+from triptych.lora.config import LoraConfig, lora_args
 from triptych.lora.rows import segments_of
 from triptych.lora.store import AdapterStore, LoraBudgetError
 
@@ -112,3 +113,14 @@ def test_config_refuses_malformed_and_repeated_names():
         LoraConfig(lora=("nodir",))
     with pytest.raises(ValueError, match="repeat"):
         LoraConfig(lora=("a=/x", "a=/y"))
+
+
+def test_generate_lora_args_take_a_folder_and_an_optional_scale(tmp_path):
+    (tmp_path / "style").mkdir()
+    config, spec = lora_args([f"{tmp_path / 'style'}:0.5"])
+    assert spec == (("style", 0.5),) and config.adapters == {"style": tmp_path / "style"}
+    assert lora_args([str(tmp_path / "style")])[1] == (("style", 1.0),)
+    with pytest.raises(InvalidParam, match="scale must be between"):
+        lora_args([f"{tmp_path / 'style'}:9"])
+    with pytest.raises(InvalidParam, match="adapter folder or .safetensors file"):
+        lora_args([str(tmp_path / "missing")])

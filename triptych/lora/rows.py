@@ -45,7 +45,6 @@ class RowLora:
         self._linears = {n: m for n, m in transformer.named_modules() if isinstance(m, torch.nn.Linear)}
         self._hooked: dict[str, object] = {}
         self._segments: list[Segment] | None = None
-        self.forwards_with_adapters = 0
 
     def attach(self, adapter: Adapter) -> None:
         for name in adapter.modules:
@@ -62,8 +61,6 @@ class RowLora:
         """Within it, the transformer's forward applies row i's adapters to row i."""
         segments = segments_of(specs, self.transformer.device if hasattr(self.transformer, "device") else None)
         self._segments = segments or None
-        if segments:
-            self.forwards_with_adapters += 1
         try:
             yield
         finally:
