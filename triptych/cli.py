@@ -57,6 +57,14 @@ def _add_generate(sub) -> None:
         help="TeaCache threshold (0 = off) or auto (the profile's recommendation); needs a calibration "
         "profile (triptych calibrate)",
     )
+    p.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="DIR[:SCALE]",
+        help="a LoRA adapter (diffusers format: a folder or .safetensors file) and its scale (default 1); "
+        "repeat to stack several",
+    )
     p.add_argument("--fps", type=int, default=16, help="MP4 frame rate")
     p.add_argument(
         "--separate-cfg",
@@ -145,6 +153,8 @@ def cmd_generate(args) -> int:
     load_s = time.perf_counter() - t0
     params = family.resolve(params)
     _warn_untrained_size(family.model_dir, params)
+    if args.lora:
+        params = _with_lora(family, params, args.lora, parallel.world_size)
     accel = None
     if params.teacache_threshold:
         accel = _teacache(family, params)
@@ -177,6 +187,18 @@ def cmd_generate(args) -> int:
     print(f"wrote {args.out} ({family.name}, {params.width}x{params.height}, {params.steps} steps, seed {params.seed})")
     print(f"timings: {stages}")
     return 0
+
+
+def _with_lora(family, params, values, world_size: int):
+    from triptych.lora.config import lora_args
+
+    config, spec = lora_args(values)
+    if world_size > 1:
+        raise InvalidParam("lora", values, "is not served by a multi-rank denoiser yet; use one rank")
+    if params.teacache_threshold:
+        raise InvalidParam("teacache_threshold", params.teacache_threshold, "must be 0 with --lora")
+    family.enable_lora(config)
+    return params.replace(lora=spec)
 
 
 def _teacache(family, params):
@@ -315,6 +337,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
+    if not args.verbose:  # transformers imports torchao whenever it is installed; on import it warns that
+        logging.getLogger("torchao").setLevel(logging.ERROR)  # its CUDA / Triton kernels are absent,
+        logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)  # and torch that its enums register
     try:
         if getattr(args, "check", None) is not None:
             args.check(args)  # before torch is imported: a bad argument is an error in about a second

@@ -18,6 +18,7 @@ held to a stated tolerance.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 from abc import ABC, abstractmethod
@@ -117,6 +118,33 @@ class Family(ABC):
 
     def _post_load(self) -> None:
         """Hook for families that derive geometry from configs after loading."""
+
+    #: The denoiser's adapters (``triptych.lora.runtime``), after ``enable_lora``; None = no LoRA here.
+    lora = None
+
+    def enable_lora(self, config) -> None:
+        """Serve the adapters of ``config`` (a ``LoraConfig``) on this instance's transformer."""
+        from triptych.lora.adapter import check_fits, linear_shapes
+        from triptych.lora.files import read_adapter
+        from triptych.lora.runtime import LoraRuntime
+
+        transformer = self.pipe.transformer
+        shapes = linear_shapes(transformer)
+
+        def read(name: str, path: Path):
+            adapter = read_adapter(name, path, self.pipeline_class)
+            check_fits(adapter, shapes, f"{self.name} at {self.model_dir}")
+            return adapter.to(self.device, self.dtype)
+
+        self.lora = LoraRuntime(transformer, config, read)
+
+    def lora_plan(self, rows: Sequence[Row]):
+        """The context one transformer forward over ``rows`` runs in: each row's adapters applied."""
+        specs = [r.state.params.lora for r in rows]
+        if self.lora is None:
+            assert not any(specs), "a row names a LoRA on an instance without adapters"
+            return contextlib.nullcontext()
+        return self.lora.plan(specs)
 
     @property
     def supports_chat(self) -> bool:

@@ -60,6 +60,8 @@ def run_request(
     if accel is not None and params.teacache_threshold > 0:
         accel.admit(request_id, params.teacache_threshold, state.total_steps)
         forward = accel.bind(family.forward)
+    if params.lora:  # the engine does this on add; an instance without adapters refuses in lora_plan
+        family.lora.acquire(request_id, params.lora)
     try:
         while not state.done:
             family.denoise_step([state], fuse_cfg=fuse_cfg, forward=forward)
@@ -71,6 +73,8 @@ def run_request(
     finally:
         if accel is not None:
             accel.release(request_id)
+        if params.lora:
+            family.lora.release(request_id)
     timings.add("denoise", t)
     t = time.perf_counter()
     frames = family.decode(state.latents, params)

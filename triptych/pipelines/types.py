@@ -49,6 +49,8 @@ class GenerationParams:
     true_cfg: float = 1.0  # FLUX only: true CFG with the negative prompt when > 1 (Qwen/Wan use guidance)
     teacache_threshold: float = 0.0  # 0 = off (see triptych.cache.teacache)
     tenant: str = ""  # who asked (a hash of the API key at the head); scopes the mm-hash cache
+    #: LoRA adapters applied to this request's rows, in order: ``((name, scale), ...)``; () = none
+    lora: tuple[tuple[str, float], ...] = ()
 
     def replace(self, **changes: Any) -> GenerationParams:
         return dataclasses.replace(self, **changes)

@@ -27,6 +27,23 @@ def _auto_threshold(v):
     return AUTO_THRESHOLD if v == "auto" else v
 
 
+class LoraItem(BaseModel):
+    """One adapter of a request and its scale (the head checks the name and the scale's range)."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=256)
+    scale: FiniteFloat = 1.0
+
+
+def _lora_list(v):
+    """A multipart form carries the list as JSON text."""
+    if isinstance(v, str) and v.lstrip().startswith("["):
+        import json
+
+        return json.loads(v)
+    return v
+
+
 class _GenerationFields(BaseModel):
     """Fields shared by image generations and edits (OpenAI's plus Triptych's extras)."""
 
@@ -50,6 +67,10 @@ class _GenerationFields(BaseModel):
         None, description='0 = TeaCache off; "auto" = the profile\'s recommendation; needs a calibration profile'
     )
     _threshold = field_validator("teacache_threshold")(_auto_threshold)
+    lora: Annotated[str, Field(min_length=1, max_length=256)] | list[LoraItem] | None = Field(
+        None, description='LoRA adapters (extra): a served adapter name, or [{"name": ..., "scale": ...}, ...]'
+    )
+    _lora = field_validator("lora", mode="before")(_lora_list)
     output_compression: int | None = Field(
         None, ge=0, le=100, description="jpeg/webp quality, 0-100 (100: least compression); default 95"
     )
@@ -288,6 +309,7 @@ class ModelCard(BaseModel):
         "image-edit (edits only), video"
     )
     chat: bool = Field(False, description="answers POST /v1/chat/completions with its VLM (extra)")
+    loras: list[dict] = Field(default_factory=list, description="LoRA adapters requests may name (extra)")
 
 
 class ModelList(BaseModel):

@@ -142,6 +142,7 @@ class ServeFlags:
             limits=self.limits.build(args, self.parser),
             api_keys=tuple(k.strip() for k in keys),
             teacache_profiles_root=user_profiles_root(),
+            lora=self.workers.lora_config(args),
         )
 
     def topology_config(self, args: argparse.Namespace) -> TopologyConfig:

@@ -38,6 +38,7 @@ def worker_config(args: argparse.Namespace):
         collective_timeout_s=args.collective_timeout,
         mm_cache=flags.mm_cache_config(args),
         chat=flags.chat_config(args),
+        lora=flags.lora_config(args),
         chat_vllm_url=args.vllm_url,
         speed=flags.speed_config(args),
     )

@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
 from triptych.errors import shown
+from triptych.lora.config import LoraConfig
 from triptych.server.admission import AdmissionLimits
 from triptych.server.files import FileStore
 from triptych.server.metrics import LoopMetrics, Metrics, render_labelled
@@ -121,6 +122,9 @@ class HeadConfig:
     the door. ``serve`` sets it to the user directory ``triptych calibrate`` writes
     (``$XDG_DATA_HOME/triptych/teacache``); None = the models' own profiles only."""
 
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """The adapters requests may name (``serve --lora NAME=DIR``), checked at the head."""
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir))
         if self.max_json_bytes < 1024:
@@ -199,7 +203,7 @@ class Head:
     def __init__(self, backends: Mapping[str, GenerationBackend], config: HeadConfig):
         self.config = config
         self.limits = config.limits
-        self.models = ServedModels(backends, config.limits, config.aliases())
+        self.models = ServedModels(backends, config.limits, config.aliases(), config.lora)
         self.unrouted_metrics = Metrics()
         """Outcomes of requests refused before a model was chosen (the ``model=""`` series)."""
         self.loop_metrics = LoopMetrics()

@@ -105,8 +105,16 @@ def build_params(head: Head, req, image=None, frames: int | None = None) -> tupl
         true_cfg=1.0 if true_cfg is None else true_cfg,
         teacache_threshold=req.teacache_threshold or 0.0,
         tenant=TENANT.get(),
+        lora=head.served.lora.check(_lora_value(getattr(req, "lora", None)), req.teacache_threshold or 0.0),
     )
     return params, req.size
+
+
+def _lora_value(value):
+    """The API's ``lora`` as plain values (names, or ``{"name", "scale"}`` dicts) for the catalog."""
+    if value is None or isinstance(value, str):
+        return value
+    return [item.model_dump() for item in value]
 
 
 def resolve(head: Head, params: GenerationParams, size: str | None, frames_field: str = "frames") -> GenerationParams:

@@ -212,6 +212,11 @@ class Metrics:
             "Requests evicted from a denoiser engine because the step that ran them raised (retried elsewhere)",
             registry=r,
         )
+        lora = ("loaded", "evicted", "hits", "misses", "mixed_batches")  # EngineStats.lora_<name> counters
+        doc = "LoRA adapters of a denoiser's budget: {} (mixed batches: forwards mixing adapters)"
+        self.denoiser_lora = {
+            f"lora_{n}": Counter(f"triptych_denoiser_lora_{n}", doc.format(n), registry=r) for n in lora
+        }
         self.denoiser_step_rate = Gauge(
             "triptych_denoiser_steps_per_second",
             "Request steps per wall second over a denoiser's last report window",
@@ -226,9 +231,8 @@ class Metrics:
     def record_worker_window(self, window: StatsWindow) -> None:
         """One worker report window (``worker_stats.stats_window``): engine and transfer deltas.
 
-        Reports carry counts and sums, not single events, so the step-time summary and the transfer
-        latency histogram observe the window's mean once per event: their ``_count`` and ``_sum`` are
-        exact, the latency buckets are smoothed over one report window (a heartbeat interval).
+        Reports carry counts and sums, so the step-time summary and the transfer latency histogram observe
+        the window's mean once per event: ``_count``/``_sum`` exact, buckets smoothed over one window.
         """
         t = window.transfer
         if t.pushes_sent > 0:
@@ -266,6 +270,8 @@ class Metrics:
         self.denoiser_skipped.inc(e.skipped_rows)
         self.denoiser_forwards.inc(e.forwards)
         self.denoiser_evicted.inc(e.failed)
+        for f, counter in self.denoiser_lora.items():
+            counter.inc(getattr(e, f))
         if window.seconds > 0:
             self.denoiser_step_rate.labels(window.instance_id).set(e.request_steps / window.seconds)
 

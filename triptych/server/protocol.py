@@ -5,10 +5,9 @@ one of these types or is rejected with ``ProtocolError``; nothing is ever unpick
 travel inside a message: a receiver reserves slots on its transfer endpoint and hands the sender
 ``TensorRef`` handles (``SlotsReserved`` → ``PushTask``); the bytes then move peer to peer.
 
-Every request-scoped message carries ``request_id`` and ``generation``. The head bumps the
-generation when it retries a request elsewhere; any message of an older generation is dropped.
-The others are instance-scoped; registration is a challenge-response, ``Hello`` → ``Challenge`` →
-``Register`` → ``RegisterAck`` (freshness and the frame envelope: ``sessions``, ``auth``).
+Every request-scoped message carries ``request_id`` and ``generation`` (bumped on a retry elsewhere; an older
+one's messages are dropped). The others are instance-scoped; registration is a challenge-response, ``Hello``
+→ ``Challenge`` → ``Register`` → ``RegisterAck`` (freshness and the frame envelope: ``sessions``, ``auth``).
 
 The handoff of tensors between two stages (conditioning encoder → denoiser, final latents
 denoiser → decoder) is the same five messages each time::
@@ -60,6 +59,7 @@ class WireParams(msgspec.Struct, frozen=True):
     true_cfg: float
     teacache_threshold: float
     tenant: str = ""  # scopes the encoder's mm-hash cache (``GenerationParams.tenant``)
+    lora: list[tuple[str, float]] = []  # the request's adapters and scales, in order; [] = none
 
 
 # ---- worker → head ---------------------------------------------------------------------------

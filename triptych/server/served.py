@@ -15,11 +15,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from starlette.exceptions import HTTPException
 
 from triptych.errors import shown
+from triptych.lora.catalog import LoraCatalog
+from triptych.lora.config import LoraConfig
 from triptych.pipelines.geometry import size_warning, trained_sizes
 from triptych.server.admission import Admission, AdmissionLimits
 from triptych.server.api_models import ModelCard
@@ -42,6 +45,8 @@ class ServedModel:
     admission: Admission
     trained: tuple[tuple[int, int], ...] = field(default=())
     """(width, height) sizes the model was trained at (its ``triptych.json``); empty = unknown."""
+    lora: LoraCatalog = field(default_factory=lambda: LoraCatalog(LoraConfig(), Path(".")))
+    """The adapters requests for this model may name (``serve --lora``)."""
 
     @property
     def family(self) -> Family:
@@ -65,7 +70,10 @@ class ServedModel:
         }[job_kind]
 
     def card(self) -> ModelCard:
-        return ModelCard(id=self.name, created=0, family=self.family.name, kind=self.kind, chat=self.can("chat"))
+        f = self.family
+        return ModelCard(
+            id=self.name, created=0, family=f.name, kind=self.kind, chat=self.can("chat"), loras=self.lora.cards()
+        )
 
     def size_warning(self, width: int, height: int) -> str | None:
         return size_warning(self.name, self.trained, width, height)
@@ -79,11 +87,18 @@ class ServedModels:
         backends: Mapping[str, GenerationBackend],
         limits: AdmissionLimits,
         aliases: Mapping[str, str] | None = None,
+        lora: LoraConfig = LoraConfig(),
     ):
         if not backends:
             raise ValueError("a head serves at least one model")
         self.by_name: dict[str, ServedModel] = {
-            name: ServedModel(name, b, Admission(limits), trained_sizes(b.family.model_dir))
+            name: ServedModel(
+                name,
+                b,
+                Admission(limits),
+                trained_sizes(b.family.model_dir),
+                LoraCatalog(lora, b.family.model_dir, name),
+            )
             for name, b in backends.items()
         }
         self.aliases = dict(aliases or {})

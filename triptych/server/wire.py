@@ -43,6 +43,7 @@ def params_to_wire(p: GenerationParams) -> WireParams:
         true_cfg=float(p.true_cfg),
         teacache_threshold=float(p.teacache_threshold),
         tenant=p.tenant,
+        lora=[(str(n), float(s)) for n, s in p.lora],
     )
 
 
@@ -60,6 +61,7 @@ def params_from_wire(w: WireParams) -> GenerationParams:
         true_cfg=w.true_cfg,
         teacache_threshold=w.teacache_threshold,
         tenant=w.tenant,
+        lora=tuple((n, s) for n, s in w.lora),
     )
 
 

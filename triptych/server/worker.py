@@ -28,6 +28,7 @@ from triptych.cache.mm import MMCacheConfig
 from triptych.devices import DeviceConfig
 from triptych.errors import TriptychError
 from triptych.identity import model_revision
+from triptych.lora.config import LoraConfig
 from triptych.parallel import ParallelConfig
 from triptych.pipelines.base import Role
 from triptych.pipelines.vlm.engine_config import ChatEngineConfig
@@ -84,6 +85,8 @@ class WorkerConfig:
     """The encoder's mm-hash cache budget (ignored by other roles)."""
     chat: ChatEngineConfig = field(default_factory=ChatEngineConfig)
     """The encoder's chat engine: running chats per instance, prefix KV budget (ignored by other roles)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Denoiser: the adapters it serves and its memory for them (ignored by other roles)."""
     chat_vllm_url: str = ""
     """Encoder: the vLLM server that answers this encoder's chats (``triptych serve --chat-engine
     vllm`` passes it); empty = the built-in decoder."""
@@ -134,6 +137,10 @@ class Worker:
             mm_cache_config=config.mm_cache,
             speed=config.speed,
         )
+        if self.role == Role.DENOISER and config.lora.lora:
+            if config.parallel.world_size > 1:  # NOTE: follower ranks would run without the adapters
+                raise ValueError("--lora: a multi-rank denoiser does not serve LoRA adapters yet; use one rank")
+            self.family.enable_lora(config.lora)
         if config.speed.compile and self.role is Role.DENOISER:
             from triptych.pipelines.warmup import warm_up
 

@@ -33,6 +33,7 @@ class WorkerFlags:
     mm_cache: ConfigFlags
     chat: ConfigFlags
     speed: ConfigFlags
+    lora: ConfigFlags
 
     @classmethod
     def add(cls, parser: argparse.ArgumentParser) -> WorkerFlags:
@@ -54,9 +55,15 @@ class WorkerFlags:
         if os.environ.get("TRIPTYCH_MM_CACHE_MB"):  # the environment as the flag's default, nothing more
             parser.set_defaults(mm_cache_mb=float(os.environ["TRIPTYCH_MM_CACHE_MB"]))
         chat = ConfigFlags(parser.add_argument_group("encoder chat engine (ChatEngineConfig)"), ChatEngineConfig)
+        from triptych.lora.config import LoraConfig
+
+        lora = ConfigFlags(parser.add_argument_group("LoRA adapters (LoraConfig)"), LoraConfig)
         add_device_flags(parser)
         speed = add_speed_flags(parser)
-        return cls(parser, engine, transfer, parallel, mm_cache, chat, speed)
+        return cls(parser, engine, transfer, parallel, mm_cache, chat, speed, lora)
+
+    def lora_config(self, args: argparse.Namespace):
+        return self.lora.build(args, self.parser)
 
     def parallel_config(self, args: argparse.Namespace):
         return self.parallel.build(args, self.parser)
@@ -88,4 +95,5 @@ class WorkerFlags:
             *self.mm_cache.argv(self.mm_cache_config(args)),
             *self.chat.argv(self.chat_config(args)),
             *self.speed.argv(self.speed_config(args)),
+            *self.lora.argv(self.lora_config(args)),
         )

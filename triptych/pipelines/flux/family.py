@@ -79,7 +79,8 @@ class FluxFamily(Family):
 
     @torch.no_grad()
     def forward(self, rows: Sequence[Row]) -> torch.Tensor:
-        return den.forward(self.pipe.transformer, rows)
+        with self.lora_plan(rows):
+            return den.forward(self.pipe.transformer, rows)
 
     def combine(self, state: DenoiseState, preds: dict[str, torch.Tensor]) -> torch.Tensor:
         return den.combine(state, preds)

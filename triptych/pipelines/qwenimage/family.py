@@ -196,7 +196,8 @@ class QwenImageFamily(Family):
 
     @torch.no_grad()
     def forward(self, rows: Sequence[Row]) -> torch.Tensor:
-        return den.forward(self.pipe.transformer, rows, self.pipe.vae_scale_factor)
+        with self.lora_plan(rows):
+            return den.forward(self.pipe.transformer, rows, self.pipe.vae_scale_factor)
 
     def combine(self, state: DenoiseState, preds: dict[str, torch.Tensor]) -> torch.Tensor:
         return den.combine(state, preds)

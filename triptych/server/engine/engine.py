@@ -19,9 +19,14 @@ from triptych.errors import InvalidParam
 from triptych.pipelines.base import DenoiseState, Family
 from triptych.server.engine.config import EngineConfig
 from triptych.server.engine.scheduler import Running, pick_batch
-from triptych.server.engine.stats import EngineStats
+from triptych.server.engine.stats import LORA_FIELDS, EngineStats
 
 logger = logging.getLogger(__name__)
+
+#: Why a request may not combine an adapter with TeaCache (the head says the same).
+LORA_TEACACHE_RULE = (
+    "must be 0 with lora: a TeaCache profile is calibrated per model and is not shown to hold with an adapter"
+)
 
 
 @dataclass
@@ -61,6 +66,11 @@ class DenoiserEngine:
         if state.request_id in self._running:
             raise ValueError(f"request {state.request_id!r} is already running")
         threshold = state.params.teacache_threshold
+        lora = state.params.lora
+        if lora and threshold > 0:
+            raise InvalidParam("teacache_threshold", threshold, LORA_TEACACHE_RULE)
+        if lora and self.family.lora is None:
+            raise InvalidParam("lora", [n for n, _ in lora], f"this {self.family.name} denoiser serves no adapters")
         if threshold > 0:
             if self.accel is None:
                 why = f": {self.no_accel}" if self.no_accel else ""
@@ -68,6 +78,11 @@ class DenoiserEngine:
                     "teacache_threshold", threshold, f"TeaCache is not available for {self.family.name}{why}"
                 )
             self.accel.admit(state.request_id, threshold, state.total_steps)
+        if lora:
+            try:
+                self.family.lora.acquire(state.request_id, lora)
+            finally:
+                self._lora_stats()
         key = self.family.compat_key(state)
         tokens = (
             int(state.latents[0].numel() // state.latents.shape[-1])
@@ -137,6 +152,12 @@ class DenoiserEngine:
         s.count_batch(len(states))
         if self.accel is not None:
             s.skipped_rows = self.accel.stats.rows_skipped
+        self._lora_stats()
+
+    def _lora_stats(self) -> None:
+        if self.family.lora is not None:
+            for f in LORA_FIELDS:
+                setattr(self.stats, f, getattr(self.family.lora.stats, f.removeprefix("lora_")))
 
     def update(self, batch: list[Running], out: EngineStepOutput) -> None:
         self._tick += 1
@@ -166,6 +187,8 @@ class DenoiserEngine:
                 out.failed.append((rid, error))
 
     def _release(self, request_id: str) -> None:
+        if self.family.lora is not None:
+            self.family.lora.release(request_id)
         if self.accel is not None:
             self.accel.release(request_id)
 

@@ -23,6 +23,11 @@ class EngineStats(msgspec.Struct):
     finished: int = 0  # requests that finished denoising
     aborted: int = 0  # requests dropped from the engine before finishing
     failed: int = 0  # requests evicted because the engine tick that ran them raised
+    lora_loaded: int = 0  # LoRA adapters read into memory
+    lora_evicted: int = 0  # LoRA adapters dropped from memory to make room
+    lora_hits: int = 0  # requests' adapters found in memory
+    lora_misses: int = 0  # requests' adapters that had to be loaded
+    lora_mixed_batches: int = 0  # forwards whose rows used different adapter settings (none is one)
 
     @property
     def steps_per_second(self) -> float:
@@ -48,4 +53,9 @@ class EngineStats(msgspec.Struct):
             finished=self.finished - prev.finished,
             aborted=self.aborted - prev.aborted,
             failed=self.failed - prev.failed,
+            **{f: getattr(self, f) - getattr(prev, f) for f in LORA_FIELDS},
         )
+
+
+#: The adapter store's counters as they appear here (``LoraStats`` field → ``lora_<field>``).
+LORA_FIELDS = ("lora_loaded", "lora_evicted", "lora_hits", "lora_misses", "lora_mixed_batches")
