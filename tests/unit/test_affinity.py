@@ -40,3 +40,29 @@ def test_the_map_is_bounded_oldest_first():
     for p in pics:
         aff.record(aff.keys("t", [p]), "enc-a")
     assert len(aff) == 2 and aff.prefer(aff.keys("t", [pics[0]]), [instance("enc-a")]) is None
+
+
+def test_hints_name_another_live_holder_of_the_reported_embeddings_within_the_tenant():
+    from triptych.server.mm_hints import MMImage
+    from triptych.server.transfer import TensorSpec
+
+    aff = ImageAffinity()
+    one, two = picture(1), picture(2)
+    emb = MMImage("h1", TensorSpec("float32", (16, 64)))
+    addresses = {"enc-a": "tcp://127.0.0.1:5001", "enc-b": "tcp://127.0.0.1:5002"}
+    aff.held(aff.keys("t", [one]), "enc-a", (emb,))
+    (hint,) = aff.hints(aff.keys("t", [one.copy(), two]), "enc-b", addresses)
+    assert (hint.holder, hint.address, hint.tenant, hint.mm_hash, hint.tokens) == (
+        "enc-a",
+        "tcp://127.0.0.1:5001",
+        "t",
+        "h1",
+        16,
+    )
+    assert aff.hints(aff.keys("t", [one]), "enc-a", addresses) == ()  # the holder itself needs none
+    assert aff.hints(aff.keys("other", [one]), "enc-b", addresses) == ()  # another tenant's key
+    assert aff.hints(aff.keys("t", [one]), "enc-b", {"enc-b": "x"}) == ()  # the holder is not registered
+    aff.held(aff.keys("t", [two]), "enc-b", ())  # reported nothing: remembers nothing
+    assert aff.hints(aff.keys("t", [two]), "enc-a", addresses) == ()
+    aff.forget("enc-a")
+    assert aff.hints(aff.keys("t", [one]), "enc-b", addresses) == ()

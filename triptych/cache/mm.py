@@ -76,6 +76,14 @@ class MMCacheConfig:
     shared_mb: float = 1024.0
     """Budget in MiB of the shared directory; past it the least recently written files are removed."""
 
+    remote: bool = True
+    """Fetch a missing embedding from the encoder the head says holds it (``server.mm_remote``, peer to
+    peer over the transfer plane) instead of running the tower, and lend this encoder's to peers."""
+
+    remote_timeout_s: float = 2.0
+    """How long a fetch from another encoder may take (its answer, then the push) before this encoder
+    gives up and runs its own tower (counted as ``unreachable``)."""
+
     def __post_init__(self) -> None:
         for name in ("max_mb", "processor_mb", "shared_mb"):
             value = getattr(self, name)
@@ -83,6 +91,8 @@ class MMCacheConfig:
                 raise ValueError(f"MMCacheConfig.{name}={value!r}: must be a number of MiB (0 turns it off)")
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"MMCacheConfig.{name}={value}: must be a finite number >= 0 (0 turns it off)")
+        if not (isinstance(self.remote_timeout_s, (int, float)) and 0 < self.remote_timeout_s <= 600):
+            raise ValueError(f"MMCacheConfig.remote_timeout_s={self.remote_timeout_s!r}: must be in (0, 600] seconds")
         for name in ("step_images", "step_vision_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -105,6 +115,8 @@ FLAG_NAMES = {
     "step_vision_tokens": "encoder-step-vision-tokens",
     "shared_dir": "mm-shared-dir",
     "shared_mb": "mm-shared-mb",
+    "remote": "mm-remote",
+    "remote_timeout_s": "mm-remote-timeout-s",
 }
 
 
@@ -140,6 +152,9 @@ class MMEmbeddingCache:
         self.scope = scope
         self.processor = None  # the processor tier (``mm_processor.ProcessorCache``), when installed
         self.shared = None  # the host's shared store (``mm_shared.SharedStore``), when configured
+        #: another encoder's entries, fetched on a miss (``server.mm_remote.RemoteEmbeddings``): its
+        #: ``fetch(key, tokens)`` gives the tensor or None; None: this cache asks no peer
+        self.remote = None
 
     def __len__(self) -> int:
         return len(self.store)
@@ -180,6 +195,13 @@ class MMEmbeddingCache:
                 todo.append(i)
             else:
                 found[item.key, n] = hit
+        if todo and self.remote is not None:  # the head named another encoder that holds it
+            for i in list(todo):
+                fetched = self.remote.fetch(items[i].key, tokens[i])
+                if fetched is not None:
+                    fetched = fetched.to(items[i].patches.device)
+                    found[items[i].key, tokens[i]] = self.store.put(items[i].key, fetched, items[i].holder)
+                    todo.remove(i)
         if todo and self.shared is not None:  # another encoder of this host may have computed it
             for i in list(todo):
                 stored = self.shared.load(items[i].key, tokens[i])
@@ -215,6 +237,8 @@ class MMEmbeddingCache:
             snap = msgspec.structs.replace(snap, processor=self.processor.snapshot())
         if self.shared is not None:
             snap = msgspec.structs.replace(snap, shared=self.shared.snapshot())
+        if self.remote is not None:
+            snap = msgspec.structs.replace(snap, remote=self.remote.snapshot())
         return snap
 
 

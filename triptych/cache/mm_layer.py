@@ -43,6 +43,7 @@ class EncoderLayer:
         self.step_images = config.step_images
         self.step_tokens = config.step_vision_tokens
         self._waiting: dict[str, _Waiting] = {}  # holder → its images not yet encoded (arrival order)
+        self._keys: dict[str, list[str]] = {}  # holder → the mm-hashes of its images taken so far
 
     def add(self, holder: str, tenant: str, images: list) -> None:
         """A request (``holder``: its id) starts; its ``images`` are encoded at the next steps."""
@@ -56,9 +57,16 @@ class EncoderLayer:
         """Images waiting for a step."""
         return sum(len(w.images) for w in self._waiting.values())
 
+    def held(self, holder: str) -> list[tuple[str, torch.Tensor]]:
+        """The request's images' (mm-hash, stored embedding) pairs this encoder holds now, in the order
+        they were taken (what it reports to the head for cross-encoder hits)."""
+        pairs = [(key, self.cache.store.held_entry(key, holder)) for key in dict.fromkeys(self._keys.get(holder, ()))]
+        return [(key, tensor) for key, tensor in pairs if tensor is not None]
+
     def release(self, holder: str) -> None:
         """The request finished, failed or was aborted: it waits for nothing and holds nothing."""
         self._waiting.pop(holder, None)
+        self._keys.pop(holder, None)
         self.cache.release(holder)
 
     def step(self) -> int:
@@ -82,6 +90,7 @@ class EncoderLayer:
                     break
                 waiting.images.popleft()
                 taken.append((holder, item))
+                self._keys.setdefault(holder, []).append(item.key)
                 tokens += n
         for holder in [h for h, w in self._waiting.items() if not w.images]:
             del self._waiting[holder]

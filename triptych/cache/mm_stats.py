@@ -34,6 +34,35 @@ class TierStats(msgspec.Struct):
         )
 
 
+class RemoteStats(msgspec.Struct):
+    """Embeddings moved between encoders over the transfer plane (``server.mm_remote``), cumulative.
+
+    The asking side: ``hits`` (a local miss the holder named in the head's hint pushed here instead
+    of the tower running), ``bytes`` (what those moved), and the fetches that fell back to the tower:
+    ``unreachable`` (no answer or no push in time: the holder is gone or slow), ``refused`` (the
+    holder no longer has it, or not of that shape, or is busy), ``tokens`` (the hint's token count is
+    not what this request needs). The lending side: ``lent`` (pushes to peers that completed) and
+    ``lend_failed`` (pushes that failed or timed out; their reference was dropped all the same)."""
+
+    hits: int = 0
+    bytes: int = 0
+    unreachable: int = 0
+    refused: int = 0
+    tokens: int = 0
+    lent: int = 0
+    lend_failed: int = 0
+
+    @property
+    def failures(self) -> int:
+        return self.unreachable + self.refused + self.tokens
+
+    def since(self, prev: RemoteStats | None) -> RemoteStats:
+        if prev is None:
+            return self
+        fields = self.__struct_fields__
+        return RemoteStats(*(getattr(self, f) - getattr(prev, f) for f in fields))
+
+
 class MMCacheStats(msgspec.Struct):
     """The embedding tier's counters (cumulative) and its size (levels, filled in by ``snapshot``),
     plus the other tiers; sent to the head as it is inside a worker's stats report."""
@@ -50,6 +79,7 @@ class MMCacheStats(msgspec.Struct):
     processor: TierStats | None = None
     prefix: TierStats | None = None
     shared: TierStats | None = None  # the host's shared directory (``cache.mm_shared``), when configured
+    remote: RemoteStats | None = None  # embeddings fetched from / lent to other encoders, when attached
 
     def since(self, prev: MMCacheStats) -> MMCacheStats:
         """The window from ``prev`` to this report: counter deltas, the levels as they are now."""
@@ -66,6 +96,7 @@ class MMCacheStats(msgspec.Struct):
             processor=None if self.processor is None else self.processor.since(prev.processor),
             prefix=None if self.prefix is None else self.prefix.since(prev.prefix),
             shared=None if self.shared is None else self.shared.since(prev.shared),
+            remote=None if self.remote is None else self.remote.since(prev.remote),
         )
 
     def tiers(self) -> dict[str, TierStats]:

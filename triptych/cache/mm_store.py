@@ -102,6 +102,16 @@ class EmbeddingStore:
                 self._hold(key, entry, holder)
             return stored
 
+    def lend(self, key: str, tokens: int, holder: str) -> torch.Tensor | None:
+        """The entry under ``key`` if it has ``tokens`` rows, held for ``holder`` (a peer's fetch:
+        not counted as a lookup here); None when there is none of that size."""
+        with self.lock:
+            entry = self._entries.get(key)
+            if entry is None or entry.tensor.shape[0] != tokens:
+                return None
+            self._hold(key, entry, holder)
+            return entry.tensor
+
     def acquire(self, key: str, holder: str) -> bool:
         """``holder`` uses the entry under ``key`` (no-op and False when there is none)."""
         with self.lock:
@@ -118,6 +128,12 @@ class EmbeddingStore:
                 entry = self._entries.get(key)
                 if entry is not None:
                     entry.holders.discard(holder)
+
+    def held_entry(self, key: str, holder: str) -> torch.Tensor | None:
+        """The entry under ``key`` if ``holder`` holds it (not counted as a lookup), else None."""
+        with self.lock:
+            entry = self._entries.get(key)
+            return entry.tensor if entry is not None and holder in entry.holders else None
 
     def holders(self, key: str) -> frozenset[str]:
         with self.lock:

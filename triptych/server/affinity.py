@@ -7,6 +7,11 @@ the decoded pixels, so the same picture under any file name or encoding is one k
 that instance for the next request carrying the image while it has a free slot; when it is busy,
 draining, failed this request or gone, the role's dispatch policy chooses as usual. The tenant is
 part of every key: one tenant's images never steer another's requests.
+
+It also remembers what the encoders reported holding for those images (``held``: the mm-hashes and
+shapes of the embeddings, from ``EncodeDone`` / ``ChatDone``). A request sent to another encoder
+than the holder carries ``hints`` naming the holder and its transfer address, so that encoder
+fetches the embedding peer to peer instead of running its tower (``server.mm_remote``).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 
 from triptych.server.dispatch import Instance
+from triptych.server.mm_hints import MMHint, MMImage
 
 #: Images remembered (the oldest are forgotten first); 16 Ki entries are about 2 MiB of keys.
 MOST = 16384
@@ -32,6 +38,8 @@ class ImageAffinity:
     def __init__(self, most: int = MOST):
         self.most = most
         self._where: OrderedDict[tuple[str, str], str] = OrderedDict()
+        #: (tenant, image hash) → (instance, the embeddings it reported for the request carrying it)
+        self._held: OrderedDict[tuple[str, str], tuple[str, tuple[MMImage, ...]]] = OrderedDict()
         self.preferred = 0  # requests routed to the instance holding their images (tests, describe)
 
     def __len__(self) -> int:
@@ -69,7 +77,35 @@ class ImageAffinity:
         while len(self._where) > self.most:
             self._where.popitem(last=False)
 
+    def held(self, keys: list[tuple[str, str]], instance_id: str, images: tuple[MMImage, ...]) -> None:
+        """``instance_id`` reports holding ``images`` (embeddings) for a request with these image keys.
+
+        NOTE: a request's images and its embeddings are not paired one to one here (a chat may
+        refer to an image twice, or not at all); each key remembers all of them, and the encoder a
+        hint goes to uses only a hint whose mm-hash is the one it computed itself."""
+        if not images:
+            return
+        for key in keys:
+            self._held[key] = (instance_id, images)
+            self._held.move_to_end(key)
+        while len(self._held) > self.most:
+            self._held.popitem(last=False)
+
+    def hints(self, keys: list[tuple[str, str]], target: str, addresses: dict[str, str]) -> tuple[MMHint, ...]:
+        """Hints for a request with these image keys sent to ``target``: the embeddings another live
+        encoder (``addresses``: instance id → transfer address) reported holding, one per mm-hash."""
+        out: dict[str, MMHint] = {}
+        for tenant, image in keys:
+            holder, images = self._held.get((tenant, image), (None, ()))
+            if holder is None or holder == target or holder not in addresses:
+                continue
+            for im in images:
+                out.setdefault(im.mm_hash, MMHint(holder, addresses[holder], tenant, im.mm_hash, im.spec))
+        return tuple(out.values())
+
     def forget(self, instance_id: str) -> None:
         """The instance left (its caches went with it)."""
         for key in [k for k, v in self._where.items() if v == instance_id]:
             del self._where[key]
+        for key in [k for k, (v, _) in self._held.items() if v == instance_id]:
+            del self._held[key]

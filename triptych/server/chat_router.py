@@ -124,8 +124,9 @@ class ChatRouter:
             affinity.record(ct.attempts.image_keys, inst.instance_id)
             ct.instance = inst.instance_id
             ct.machine.to(S.CHATTING)
+            hints = affinity.hints(ct.attempts.image_keys, inst.instance_id, self.registry.addresses("encoder"))
             task = wire.chat_to_wire(
-                ct.job.request_id, ct.machine.generation, ct.job.params, ct.job.stream, ct.images_png
+                ct.job.request_id, ct.machine.generation, ct.job.params, ct.job.stream, ct.images_png, hints
             )
             self.send(inst.instance_id, task)
 
@@ -141,6 +142,7 @@ class ChatRouter:
             if ct.on_text is not None:
                 ct.on_text(msg.text)
         elif isinstance(msg, P.ChatDone):
+            self.registry.affinity.held(ct.attempts.image_keys or [], msg.instance_id, msg.images)
             result = ChatResult(msg.text, msg.prompt_tokens, msg.completion_tokens, msg.finish_reason)
             self._end(ct, S.DONE, result=result)
         elif isinstance(msg, P.StageError):

@@ -27,6 +27,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summ
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import Metric
 
+from triptych.server.metrics_remote import RemoteMetrics
+
 if TYPE_CHECKING:
     from triptych.server.worker_stats import StatsWindow
 
@@ -153,6 +155,7 @@ class Metrics:
         self.encoder_cache_entries = Gauge(
             "triptych_encoder_cache_entries", "Entries in an encoder-layer tier", ["tier", "instance"], registry=r
         )
+        self.encoder_remote = RemoteMetrics(r)  # cross-encoder embedding hits
         self.vision_forwards = Counter(
             "triptych_vision_tower_forwards",
             "Vision-tower forwards the encoders ran (a batch of many images counts one)",
@@ -244,6 +247,8 @@ class Metrics:
                 self.mm_cache_lookups.labels(result).inc(getattr(c, result))
             self.mm_cache_bytes.labels(window.instance_id).set(c.nbytes)
             self.vision_forwards.inc(c.forwards)
+            if c.remote is not None:
+                self.encoder_remote.record(c.remote)
             for tier, t in c.tiers().items():
                 for result in ("hits", "misses"):
                     self.encoder_cache_lookups.labels(tier, result).inc(getattr(t, result))

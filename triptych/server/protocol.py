@@ -18,7 +18,8 @@ denoiser → decoder) is the same five messages each time::
 
 Previews (``partial_images``) are one more handoff of that shape per preview (``PreviewReady`` → ``PreviewTask``
 → ... → ``PreviewResult``); one that cannot move is dropped, never failing its request. A chat is one
-encoder's work and moves no tensors: ``ChatTask`` → ``ChatDelta``s → ``ChatDone`` or ``StageError``.
+encoder's work: ``ChatTask`` → ``ChatDelta``s → ``ChatDone`` or ``StageError`` (an embedding another
+encoder holds moves peer to peer between the encoders, ``mm_remote``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ from triptych.cache.chat_stats import ChatEngineStats
 from triptych.cache.mm_stats import MMCacheStats
 from triptych.errors import TriptychError
 from triptych.server.engine.stats import EngineStats
+from triptych.server.mm_hints import MMHint, MMImage
+from triptych.server.protocol_chat import ChatMessage as ChatMessage
+from triptych.server.protocol_chat import ChatPart as ChatPart
+from triptych.server.protocol_chat import ChatTask
 from triptych.server.transfer.refs import TensorRef, TensorSpec
 from triptych.server.transfer.stats import TransferStats
 
@@ -120,6 +125,7 @@ class EncodeDone(WorkerReply, frozen=True, tag="encode_done"):
     """Conditioning is ready on the encoder and held there until ``PushTask`` arrives."""
 
     specs: dict[str, TensorSpec]  # ``Conditioning.flat()`` names → spec
+    images: tuple[MMImage, ...] = ()  # the embeddings its condition image has here (cross-encoder hits)
 
 
 class DenoiseDone(WorkerReply, frozen=True, tag="denoise_done"):
@@ -188,6 +194,7 @@ class ChatDone(WorkerReply, frozen=True, tag="chat_done"):
     prompt_tokens: int
     completion_tokens: int
     finish_reason: str  # stop | length
+    images: tuple[MMImage, ...] = ()  # the embeddings its images have on this encoder (cross-encoder hits)
 
 
 class StageError(WorkerReply, frozen=True, tag="stage_error"):
@@ -225,6 +232,7 @@ class EncodeTask(msgspec.Struct, frozen=True, tag="encode_task"):
     generation: int
     params: WireParams
     denoiser: str  # instance id of the denoiser that will receive the conditioning
+    mm_hints: tuple[MMHint, ...] = ()  # other encoders holding its image's embeddings (``mm_remote``)
 
 
 class DenoiseTask(msgspec.Struct, frozen=True, tag="denoise_task"):
@@ -270,34 +278,6 @@ class PreviewTask(msgspec.Struct, frozen=True, tag="preview_task"):
     output_format: str  # png | jpeg | webp
     quality: int | None  # jpeg/webp quality; None: the encoder's default
     reserve_timeout_s: float
-
-
-class ChatPart(msgspec.Struct, frozen=True):
-    """A text, or the index of one of ``ChatTask.images``."""
-
-    text: str | None = None
-    image: int | None = None
-
-
-class ChatMessage(msgspec.Struct, frozen=True):
-    role: str  # system | user | assistant
-    parts: list[ChatPart]
-
-
-class ChatTask(msgspec.Struct, frozen=True, tag="chat_task"):
-    """Answer a chat with the encoder's VLM; reply with ``ChatDelta``s, then ``ChatDone`` or ``StageError``."""
-
-    request_id: str
-    generation: int
-    messages: list[ChatMessage]
-    images_png: list[bytes]  # lossless PNGs, referenced by ``ChatPart.image``
-    max_tokens: int
-    temperature: float  # 0: greedy
-    top_p: float
-    seed: int
-    stream: bool  # send ChatDelta messages as the answer is decoded
-    ignore_eos: bool = False  # generate exactly max_tokens
-    tenant: str = ""  # scopes the encoder's mm-hash cache (``GenerationParams.tenant``)
 
 
 class PushTask(msgspec.Struct, frozen=True, tag="push_task"):

@@ -54,6 +54,10 @@ class InstanceRegistry:
     def pool(self, role: str) -> list[Instance]:
         return [i for i in self.instances.values() if i.role == role]
 
+    def addresses(self, role: str) -> dict[str, str]:
+        """Instance id → transfer endpoint address, for the role's registered instances."""
+        return {i.instance_id: i.data for i in self.pool(role)}
+
     def register(self, identity: bytes, m: P.Register) -> bool:
         """Admit or refuse ``m``; answers the worker with ``RegisterAck`` either way."""
         reason = None

@@ -174,7 +174,10 @@ class GenerationRouter:
             now = time.monotonic()
             tr.waited_s = now - tr.machine.entered_at
             tr.machine.to(S.ENCODING, now)
-            self.send(enc.instance_id, P.EncodeTask(tr.job.request_id, tr.machine.generation, tr.wire, den.instance_id))
+            keys = tr.attempts.image_keys or []
+            hints = self.registry.affinity.hints(keys, enc.instance_id, self.registry.addresses("encoder"))
+            task = P.EncodeTask(tr.job.request_id, tr.machine.generation, tr.wire, den.instance_id, hints)
+            self.send(enc.instance_id, task)
         while self.wait_decoder:
             tr = self.requests[self.wait_decoder[0]]
             dec = self._pick("decoder", tr)
@@ -251,6 +254,7 @@ class GenerationRouter:
     def _on_encode_done(self, tr: Tracked, m: P.EncodeDone) -> None:
         if self._from(tr, "encoder", m) and tr.machine.state is S.ENCODING and tr.cond_specs is None:
             tr.cond_specs = m.specs
+            self.registry.affinity.held(tr.attempts.image_keys or [], m.instance_id, m.images)
             tr.encoded_at = self._stage_done(tr, "encode")
             self.wait_decoder.append(tr.job.request_id)
 

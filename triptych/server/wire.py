@@ -71,9 +71,12 @@ def chat_images(p) -> list[bytes]:
     return [png_bytes(im) for im in p.images]
 
 
-def chat_to_wire(request_id: str, generation: int, p, stream: bool, images_png: list[bytes] | None = None) -> ChatTask:
+def chat_to_wire(
+    request_id: str, generation: int, p, stream: bool, images_png: list[bytes] | None = None, mm_hints=()
+) -> ChatTask:
     """``p``: a checked ``triptych.pipelines.vlm.ChatParams``; images travel as lossless PNG
-    (``images_png``: ``chat_images(p)`` made already; None = made here)."""
+    (``images_png``: ``chat_images(p)`` made already; None = made here); ``mm_hints``: other encoders
+    holding its images' embeddings (``server.mm_remote``)."""
     messages = [
         ChatMessage(t.role, [ChatPart(image=x) if isinstance(x, int) else ChatPart(text=x) for x in t.parts])
         for t in p.turns
@@ -90,6 +93,7 @@ def chat_to_wire(request_id: str, generation: int, p, stream: bool, images_png: 
         stream,
         bool(p.ignore_eos),
         p.tenant,
+        tuple(mm_hints),
     )
 
 

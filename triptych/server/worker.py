@@ -32,6 +32,7 @@ from triptych.lora.config import LoraConfig
 from triptych.parallel import ParallelConfig
 from triptych.pipelines.base import Role
 from triptych.pipelines.vlm.engine_config import ChatEngineConfig
+from triptych.server import mm_remote
 from triptych.server import protocol as P
 from triptych.server.auth import ControlKey, SequencedSender
 from triptych.server.control_client import ControlClient
@@ -174,6 +175,9 @@ class Worker:
         self.port.on_drop = self.runner.abort
         self.port.on_arrived = self.runner.arrived
         self.port.on_preview = self.runner.preview_arrived
+        cache = getattr(self.family, "mm_cache", None)
+        if cache is not None and config.mm_cache.remote:  # cross-encoder embedding hits (``mm_remote``)
+            mm_remote.attach(cache, self.endpoint, config.mm_cache.remote_timeout_s)
         self._hb_interval = 1.0
         self._hb_thread: threading.Thread | None = None
         self._started = time.monotonic()

@@ -11,8 +11,10 @@ from triptych.errors import TriptychError
 from triptych.pipelines.vlm.engine_config import ChatEngineConfig
 from triptych.server import protocol as P
 from triptych.server import wire
+from triptych.server.mm_hints import MMImage
 from triptych.server.runners.base import Job, StageRunner, owned, specs_of
 from triptych.server.runners.remote_chat import RemoteChats
+from triptych.server.transfer.refs import TensorSpec
 from triptych.server.transfer.staging import to_host
 
 
@@ -95,7 +97,10 @@ class EncoderRunner(StageRunner):
         with torch.no_grad(), tenant_scope(job.params.tenant):
             cond = self.family.encode(job.params)
         job.outgoing = to_host(owned(cond.flat()))
-        self.port.send(P.EncodeDone(job.request_id, job.generation, self.port.instance_id, specs_of(job.outgoing)))
+        specs = specs_of(job.outgoing)
+        self.port.send(
+            P.EncodeDone(job.request_id, job.generation, self.port.instance_id, specs, self._held_images(job))
+        )
 
     def abort(self, job: Job) -> None:
         super().abort(job)
@@ -130,6 +135,15 @@ class EncoderRunner(StageRunner):
     def _hold_images(self, job: Job, params) -> None:
         if self.layer is not None:
             self.layer.add(holder(job), params.tenant, self.family.vision_images(params))
+            remote = self.layer.cache.remote
+            if remote is not None and job.task.mm_hints:
+                remote.hint(holder(job), params.tenant, job.task.mm_hints)
+
+    def _held_images(self, job: Job) -> tuple[MMImage, ...]:
+        """The embeddings the job's images have here, for the head's affinity (cross-encoder hits)."""
+        if self.layer is None:
+            return ()
+        return tuple(MMImage(key, TensorSpec.of(t)) for key, t in self.layer.held(holder(job)))
 
     def _vision_ready(self, job: Job) -> bool:
         return self.layer is None or self.layer.ready(holder(job))
@@ -137,6 +151,8 @@ class EncoderRunner(StageRunner):
     def _release(self, job: Job) -> None:
         if self.layer is not None:
             self.layer.release(holder(job))
+            if self.layer.cache.remote is not None:
+                self.layer.cache.remote.forget(holder(job))
 
     # ---- chat -----------------------------------------------------------------------------------
     def _chat_engine(self):
@@ -171,10 +187,11 @@ class EncoderRunner(StageRunner):
             chat.pieces.clear()
             if chat.done:
                 del self.chats[chat.id]
+                images = self._held_images(job)
                 self._release(job)
-                self._chat_end(job, chat)
+                self._chat_end(job, chat, images)
 
-    def _chat_end(self, job: Job, chat) -> None:
+    def _chat_end(self, job: Job, chat, images: tuple[MMImage, ...] = ()) -> None:
         port = self.port
         if chat.error is not None:
             return port.fail(job, chat.error, retryable=False)
@@ -191,6 +208,7 @@ class EncoderRunner(StageRunner):
                 result.prompt_tokens,
                 result.completion_tokens,
                 result.finish_reason,
+                images,
             )
         )
 

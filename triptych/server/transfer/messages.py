@@ -1,12 +1,16 @@
 """Wire messages between a sender and a receiver endpoint (msgpack via msgspec; never pickle).
 
 Frames on the receiver's ROUTER socket: [sender identity, header, *payload]; the reply is
-[identity, Ack]. Only `DataPush` carries a payload frame (the raw tensor bytes).
+[identity, Ack]. Only `DataPush` carries a payload frame (the raw tensor bytes). `FetchRequest` turns
+the roles round: the asker reserved a slot of its own and asks this endpoint to push a tensor it
+lends (``lending``) into it.
 """
 
 from __future__ import annotations
 
 import msgspec
+
+from triptych.server.transfer.refs import TensorRef
 
 
 class DataPush(msgspec.Struct, frozen=True, tag="push"):
@@ -39,6 +43,18 @@ class WriteDone(msgspec.Struct, frozen=True, tag="done"):
     failed: bool  # True: the write failed; the receiver fails the transfer and frees the slot
 
 
+class FetchRequest(msgspec.Struct, frozen=True, tag="fetch"):
+    """The sender reserved ``ref`` on its own endpoint and asks this one to push into it the tensor it
+    lends under ``key`` (ack: the push is under way; refused: it lends nothing of that key and shape)."""
+
+    seq: int
+    transfer_id: str  # = ref.transfer_id
+    sender: str  # the asker's instance id (the slot's owner)
+    nbytes: int  # = ref.nbytes
+    key: str  # what the lender lends it under (an mm-hash)
+    ref: TensorRef  # the asker's reserved slot, reserved for this endpoint's instance as its peer
+
+
 class Ack(msgspec.Struct, frozen=True, tag="ack"):
     """Receiver's reply to every request."""
 
@@ -48,7 +64,7 @@ class Ack(msgspec.Struct, frozen=True, tag="ack"):
     reason: str  # why it was rejected; empty when ok
 
 
-Request = DataPush | WriteClaim | WriteDone
+Request = DataPush | WriteClaim | WriteDone | FetchRequest
 
 ENCODER = msgspec.msgpack.Encoder()
 REQUEST_DECODER = msgspec.msgpack.Decoder(Request)

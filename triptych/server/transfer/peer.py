@@ -36,10 +36,12 @@ from triptych.server.transfer.errors import (
     TransferTimeout,
     UnknownTransfer,
 )
+from triptych.server.transfer.lending import Lending
 from triptych.server.transfer.messages import (
     ENCODER,
     REQUEST_DECODER,
     Ack,
+    FetchRequest,
     Request,
     WriteClaim,
     WriteDone,
@@ -100,6 +102,7 @@ class PeerEndpoint(TransferEndpoint):
         self._outcomes: OrderedDict[str, TransferError] = OrderedDict()
         self._ctx = zmq.Context()
         self.sender = PushSender(instance_id, self._ctx, carrier, self.stats, self.config.push_timeout_s)
+        self.lending: Lending | None = None  # what it lends to peers' FetchRequests (``lending``); None: nothing
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.bind(f"tcp://{self.config.host}:*")
@@ -273,7 +276,9 @@ class PeerEndpoint(TransferEndpoint):
             msg, reason = None, f"bad header: {exc}"
         else:
             reason = "empty message" if msg is None else None
-        if msg is not None:
+        if isinstance(msg, FetchRequest):
+            reason = "this endpoint lends nothing" if self.lending is None else self.lending.lend(msg)
+        elif msg is not None:
             with self._cond:
                 reason = self._admit(msg, frames[1:])
         if reason is not None:

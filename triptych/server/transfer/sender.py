@@ -19,7 +19,7 @@ import zmq
 from triptych.server.transfer.carrier import Carrier
 from triptych.server.transfer.channel import PeerChannel
 from triptych.server.transfer.errors import TransferRejected
-from triptych.server.transfer.messages import DataPush, Request, WriteClaim, WriteDone
+from triptych.server.transfer.messages import Ack, DataPush, Request, WriteClaim, WriteDone
 from triptych.server.transfer.refs import TensorRef, check_tensor
 from triptych.server.transfer.stats import TransferStats
 
@@ -73,6 +73,13 @@ class PushSender:
         ack = self._channel(ref.endpoint).request(msg, payload, timeout_s)
         if not ack.ok:
             raise TransferRejected(f"{ref.owner} rejected {type(msg).__name__}: {ack.reason}")
+
+    def ask(self, address: str, msg: Request, timeout_s: float) -> Ack:
+        """Send one payload-less request to the endpoint at ``address``; its Ack, or TransferTimeout."""
+        return self._channel(address).request(msg, [], timeout_s)
+
+    def next_seq(self) -> int:
+        return next(self._seq)
 
     def _channel(self, address: str) -> PeerChannel:
         with self._lock:
