@@ -3,10 +3,8 @@
 The core (head, orchestrator, workers) never touches Prometheus: it produces plain stats objects
 (``StageStats``, worker ``StatsWindow``s, request outcomes, ``describe()``) and
 hands them to the ``record_*`` / ``update_*`` functions here, the only writers of the collectors.
-All collectors live in one ``Metrics`` object per served model, created with its backend and shared
-with the HTTP head; ``/metrics`` serves ``render_labelled`` of all of them: one exposition where each
-series carries a ``model`` label (the first label), so a head serving several models keeps each
-model's queues, stages and outcomes apart.
+One ``Metrics`` object per served model, shared with the HTTP head; ``/metrics`` serves
+``render_labelled`` of all: each series carries a ``model`` label (the first label).
 
 ``describe()`` dict read by ``update_from_describe`` (keys optional)::
 
@@ -27,6 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summ
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import Metric
 
+from triptych.server.metrics_lora import LoraMetrics
 from triptych.server.metrics_remote import RemoteMetrics
 
 if TYPE_CHECKING:
@@ -215,11 +214,7 @@ class Metrics:
             "Requests evicted from a denoiser engine because the step that ran them raised (retried elsewhere)",
             registry=r,
         )
-        lora = ("loaded", "evicted", "hits", "misses", "mixed_batches")  # EngineStats.lora_<name> counters
-        doc = "LoRA adapters of a denoiser's budget: {} (mixed batches: forwards mixing adapters)"
-        self.denoiser_lora = {
-            f"lora_{n}": Counter(f"triptych_denoiser_lora_{n}", doc.format(n), registry=r) for n in lora
-        }
+        self.denoiser_lora = LoraMetrics(r)
         self.denoiser_step_rate = Gauge(
             "triptych_denoiser_steps_per_second",
             "Request steps per wall second over a denoiser's last report window",
@@ -275,8 +270,7 @@ class Metrics:
         self.denoiser_skipped.inc(e.skipped_rows)
         self.denoiser_forwards.inc(e.forwards)
         self.denoiser_evicted.inc(e.failed)
-        for f, counter in self.denoiser_lora.items():
-            counter.inc(getattr(e, f))
+        self.denoiser_lora.record(e)
         if window.seconds > 0:
             self.denoiser_step_rate.labels(window.instance_id).set(e.request_steps / window.seconds)
 
