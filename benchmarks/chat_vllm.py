@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -91,7 +92,39 @@ def data_url(image) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-async def measure(url: str, concurrency: int, chats: int, image_url: str) -> float:
+def role(proc: psutil.Process) -> str:
+    cmd = " ".join(proc.cmdline())
+    for key, name in (("--role encoder", "encoder"), ("api_server", "vLLM API server"), ("serve", "head")):
+        if key in cmd:
+            return name
+    return proc.name().removeprefix("VLLM::")  # EngineCore, Worker (the resource tracker: python)
+
+
+def cpu_seconds(serve: subprocess.Popen) -> dict[str, float]:
+    """CPU seconds (user + system) so far of the vLLM serve's processes, by role."""
+    out: dict[str, float] = {}
+    root = psutil.Process(serve.pid)
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            out[role(proc)] = out.get(role(proc), 0.0) + sum(proc.cpu_times()[:2])
+        except psutil.Error:
+            pass
+    return out
+
+
+def vllm_seconds(vllm_url: str) -> tuple[float, float]:
+    """vLLM's own time on its requests so far: the sum and count of its e2e request latency."""
+    text = httpx.get(f"{vllm_url}/metrics", timeout=10).text
+    out = {}
+    for line in text.splitlines():
+        for suffix in ("_sum", "_count"):
+            if line.startswith(f"vllm:e2e_request_latency_seconds{suffix}"):
+                out[suffix] = out.get(suffix, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out.get("_sum", 0.0), out.get("_count", 0.0)
+
+
+async def measure(url: str, concurrency: int, chats: int, image_url: str) -> tuple[float, float]:
+    """Tokens/s and the mean seconds per chat as its client saw it."""
     body = {
         "model": "default",
         "messages": [
@@ -107,13 +140,15 @@ async def measure(url: str, concurrency: int, chats: int, image_url: str) -> flo
         "ignore_eos": True,
         "temperature": 0,
     }
-    tokens = 0
+    tokens, latencies = 0, []
 
     async def client(http: httpx.AsyncClient) -> None:
         nonlocal tokens
         for _ in range(chats):
+            t = time.perf_counter()
             resp = await http.post(f"{url}/v1/chat/completions", json=body)
             resp.raise_for_status()
+            latencies.append(time.perf_counter() - t)
             tokens += resp.json()["usage"]["completion_tokens"]
 
     async with httpx.AsyncClient(timeout=300) as http:
@@ -121,7 +156,7 @@ async def measure(url: str, concurrency: int, chats: int, image_url: str) -> flo
         await asyncio.gather(*(client(http) for _ in range(concurrency)))
         wall = time.perf_counter() - t0
     assert tokens == concurrency * chats * MAX_TOKENS, tokens
-    return tokens / wall
+    return tokens / wall, statistics.mean(latencies)
 
 
 def main() -> None:
@@ -147,15 +182,30 @@ def main() -> None:
         for e, proc in procs.items():
             wait_encoder(proc, targets["builtin" if e == "builtin" else "triptych+vllm"], args.data / e / "serve.log")
         results: dict[str, dict[int, list[float]]] = {t: {c: [] for c in args.concurrency} for t in targets}
+        split: dict[str, dict[int, list]] = {t: {c: [] for c in args.concurrency} for t in targets}
+        cpu: dict[str, dict[int, list]] = {t: {c: [] for c in args.concurrency} for t in targets}
         names = list(targets)
         for c in args.concurrency:
             for t in names:  # warm-up: caches, vLLM's first batches of this size
                 asyncio.run(measure(targets[t], c, 1, image))
             for r in range(args.repeats):
                 for t in names[r % 3 :] + names[: r % 3]:
-                    tps = asyncio.run(measure(targets[t], c, args.chats, image))
+                    before, cpu0 = vllm_seconds(targets["plain vllm"]), cpu_seconds(procs["vllm"])
+                    tps, latency = asyncio.run(measure(targets[t], c, args.chats, image))
+                    (s0, n0), (s1, n1) = before, vllm_seconds(targets["plain vllm"])
+                    cpu[t][c].append(
+                        {k: (v - cpu0.get(k, 0.0)) / (c * args.chats) for k, v in cpu_seconds(procs["vllm"]).items()}
+                    )
+                    inside = (s1 - s0) / (n1 - n0) if n1 > n0 else 0.0
                     results[t][c].append(tps)
-                    print(f"c={c} repeat {r} {t}: {tps:.0f} tokens/s", flush=True)
+                    if t != "builtin":
+                        split[t][c].append((latency, inside))
+                    print(
+                        f"c={c} repeat {r} {t}: {tps:.0f} tokens/s, {latency * 1e3:.0f} ms per chat"
+                        + (f" ({inside * 1e3:.0f} inside vLLM's engine)" if t != "builtin" else "")
+                        + f" (load {os.getloadavg()[0]:.1f})",
+                        flush=True,
+                    )
     finally:
         for proc in procs.values():
             stop(proc)
@@ -165,8 +215,30 @@ def main() -> None:
     for c in args.concurrency:
         b, tv, v = table["builtin"][c], table["triptych+vllm"][c], table["plain vllm"][c]
         print(f"{c} | {b:.0f} | {tv:.0f} | {v:.0f} | {tv / v:.2f} | {tv / b:.2f}")
+    print("concurrency | ms per chat: Triptych+vLLM (of it in vLLM's engine) | plain vLLM (in its engine)")
+    for c in args.concurrency:
+        (tl, ti), (vl, vi) = ((statistics.median(x) * 1e3 for x in zip(*split[t][c])) for t in names[1:])
+        print(f"{c} | {tl:.0f} ({ti:.0f}) | {vl:.0f} ({vi:.0f})")
+    print(
+        "CPU ms per chat of the vLLM serve's processes (median; EngineCore and Worker poll, so theirs follows wall time)"
+    )
+    for c in args.concurrency:
+        for t in names[1:]:
+            per = {k: statistics.median(d.get(k, 0.0) for d in cpu[t][c]) * 1e3 for k in cpu[t][c][0]}
+            print(f"{c} {t}: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(per.items()) if k != "python"))
     if args.out:
-        args.out.write_text(json.dumps({"median": table, "runs": results, "load": os.getloadavg()}, indent=2))
+        args.out.write_text(
+            json.dumps(
+                {
+                    "median": table,
+                    "runs": results,
+                    "latency_inside": split,
+                    "cpu_per_chat": cpu,
+                    "load": os.getloadavg(),
+                },
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ cannot tell the engines apart.
 A chat's images join the encoder layer at ``take`` (``cache.mm_layer``: the vision misses of every
 waiting request, chats and edits alike, run as one batched forward per step) and the chat holds its
 entries until it ends. Every ``step()`` submits ALL the waiting chats whose images the layer holds
-(their embeddings are then cache hits); they decode concurrently inside the engine, whose HTTP
+(their embeddings are then cache hits), in one hand-over to the engine's thread; they decode concurrently inside the engine, whose HTTP
 client runs on its own thread, so the loop never waits on vLLM.
 """
 
@@ -61,10 +61,12 @@ class RemoteChats:
         """Hand on what the engine answered, then send every waiting chat whose images are in."""
         for event in self.engine.poll():
             self._event(event)
+        ready = []
         for key, (job, params) in list(self.waiting.items()):
             if self.layer is None or self.layer.ready(key):
                 del self.waiting[key]
-                self._send(job, params)
+                ready.extend(self._request(job, params))
+        self.engine.submit_all(ready)  # one hand-over to the engine's thread for the whole step
 
     def abort(self, job: Job) -> bool:
         """Forget ``job`` (cancelled, superseded or failed); True if it was one of these chats."""
@@ -92,7 +94,8 @@ class RemoteChats:
         if self.layer is not None:
             self.layer.release(key)
 
-    def _send(self, job: Job, params) -> None:
+    def _request(self, job: Job, params) -> list[tuple[str, dict]]:
+        """The chat's (key, body) for the engine, or [] if it failed here (answered as such)."""
         port = self.port
         try:
             self.engine.connect()
@@ -107,12 +110,14 @@ class RemoteChats:
                 )
             body = chat_body(self.engine.model, params, items, stream=job.task.stream)
         except VllmUnavailable as e:
-            return port.fail(job, e, retryable=True)
+            port.fail(job, e, retryable=True)
+            return []
         except (TriptychError, RuntimeError, ValueError) as e:
-            return port.fail(job, e, retryable=False)
+            port.fail(job, e, retryable=False)
+            return []
         key = _key(job)
         self.running[key] = job
-        self.engine.submit(key, body)
+        return [(key, body)]
 
     def _event(self, event) -> None:
         job = self.running.get(event.key)
