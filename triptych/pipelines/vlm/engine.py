@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Hashable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -60,7 +59,6 @@ class Chat:
     features: dict[int, torch.Tensor] = field(default_factory=dict)  # images' tower outputs, while prefilling
     prefix: Entry | None = None  # the prefix-cache entry this chat holds
     eos: tuple[int, ...] = ()  # tokens that end the answer (none with ignore_eos)
-    pending: Future | None = None  # its prompt, being built on the engine's prompt thread
     _streamer: _Pieces | None = None
 
     @property
@@ -69,8 +67,13 @@ class Chat:
 
 
 class ChatEngine:
-    """Owns its chats' KV; the caller calls ``step()`` on its own thread (the model is not shared
-    with another thread during a step)."""
+    """Owns its chats' KV; the caller calls ``step()`` and ``build_next()`` on one thread (the model
+    is not shared with another thread during a step).
+
+    A chat's prompt (the processor and its rope positions) is built on that thread too, at most one
+    per step while chats decode (so a joiner with 8 images holds the running chats' next token for
+    its own build only, once), all of the admitted ones when none decodes. A second thread would
+    contend with the steps for the GIL: on a busy 2-core machine that cost more than the builds."""
 
     def __init__(self, chat: ChatModel, config: ChatEngineConfig = ChatEngineConfig()):
         self.chat = chat
@@ -82,23 +85,35 @@ class ChatEngine:
         self.prefilling: list[Chat] = []  # admitted, their prompt KV being computed chunk by chunk
         self.running: list[Chat] = []  # row i of the batch is running[i]
         self.batch = KVBatch(self.model.config)
-        self._preparer: ThreadPoolExecutor | None = None
         #: model forwards run (a mixed one counts once here, but in both prefill_forwards and
         #: decode_forwards of ``stats``)
         self.forwards = 0
 
     def submit(self, chat_id: Hashable, params: ChatParams, stream: bool = False) -> Chat:
         chat = Chat(chat_id, params, stream)
-        if self._preparer is None:
-            self._preparer = ThreadPoolExecutor(1, thread_name_prefix="chat-prompt")
-        chat.pending = self._preparer.submit(self._build, params)
         self.waiting.append(chat)
         return chat
 
-    def _build(self, params: ChatParams) -> Prompt:
-        """The processor (chat template, image preprocessing) and rope positions: off the step's
-        thread, so a chat with 8 images does not hold the running chats' next token for it."""
-        return build_prompt(self.model, self.chat.inputs(params), params.tenant)
+    def build_next(self) -> bool:
+        """Build the prompt of the first waiting chat that the next step would admit and that has
+        none yet (False: there is none). A caller that takes new chats between calls (the encoder's
+        loop) builds this way while no chat decodes, so the chats that arrive while the first
+        prompts build prefill with them, in the same first forward."""
+        free = self.config.max_running_chats - len(self.running) - len(self.prefilling)
+        admitted = (c for _, c in zip(range(free), self.waiting))  # those the next step admits
+        chat = next((c for c in admitted if c.prompt is None and c.error is None), None)
+        if chat is None:
+            return False
+        self._build(chat)
+        return True
+
+    def _build(self, chat: Chat) -> None:
+        """The processor (chat template, image preprocessing) and rope positions; a failure is the
+        chat's error (InvalidParam is a ValueError: the user's)."""
+        try:
+            chat.prompt = build_prompt(self.model, self.chat.inputs(chat.params), chat.params.tenant)
+        except (ValueError, RuntimeError) as e:
+            chat.error = e
 
     def cancel(self, chat_id: Hashable) -> None:
         """The chat leaves at the next step (``finish_reason`` cancelled), its KV freed."""
@@ -120,10 +135,12 @@ class ChatEngine:
         chats' next chunks (at most ``prefill_tokens_per_step`` prompt tokens in all) and the next
         token of all running chats. Returns the chats that produced text or ended in this step
         (ended ones are gone); a chat that finishes its prefill here decodes from the next step."""
-        touched = self._drop_cancelled()
+        touched, built = self._drop_cancelled(), 0
         while self.waiting and len(self.running) + len(self.prefilling) < self.config.max_running_chats:
-            if self.running and not self.waiting[0].pending.done():
-                break  # its prompt is still being built: the running chats go on (with none, wait for it)
+            unbuilt = self.waiting[0].prompt is None and self.waiting[0].error is None
+            if unbuilt and self.running and built:
+                break  # one prompt build per step while chats decode: the next one joins a later step
+            built += unbuilt
             chat = self.waiting.popleft()
             if self._prepare(chat):
                 self.prefilling.append(chat)
@@ -157,14 +174,12 @@ class ChatEngine:
 
     def _prepare(self, chat: Chat) -> bool:
         """The chat's prompt (the processor) and its prefix-cache hit; False when it failed."""
-        params = chat.params
         chat.kv, chat.features, chat.prefilled = None, {}, 0
-        try:
-            pending, chat.pending = chat.pending, None
-            prompt = chat.prompt = pending.result() if pending is not None else self._build(params)
-        except (ValueError, RuntimeError) as e:  # InvalidParam is a ValueError: the user's error
-            chat.error = e
+        if chat.prompt is None and chat.error is None:
+            self._build(chat)
+        if chat.error is not None:
             return False
+        prompt = chat.prompt
         if self.prefix is not None:
             entry, reuse = self.prefix.longest(prompt.key)
             reuse = min(reuse, len(prompt) - 1)  # the last prompt token runs: its logits pick the first
