@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Hashable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -59,6 +60,7 @@ class Chat:
     features: dict[int, torch.Tensor] = field(default_factory=dict)  # images' tower outputs, while prefilling
     prefix: Entry | None = None  # the prefix-cache entry this chat holds
     eos: tuple[int, ...] = ()  # tokens that end the answer (none with ignore_eos)
+    pending: Future | None = None  # its prompt, being built on the engine's prompt thread
     _streamer: _Pieces | None = None
 
     @property
@@ -70,10 +72,11 @@ class ChatEngine:
     """Owns its chats' KV; the caller calls ``step()`` and ``build_next()`` on one thread (the model
     is not shared with another thread during a step).
 
-    A chat's prompt (the processor and its rope positions) is built on that thread too, at most one
-    per step while chats decode (so a joiner with 8 images holds the running chats' next token for
-    its own build only, once), all of the admitted ones when none decodes. A second thread would
-    contend with the steps for the GIL: on a busy 2-core machine that cost more than the builds."""
+    A chat's prompt (the processor and its rope positions) submitted while chats decode is built on
+    the engine's prompt thread, so a joiner with 8 images does not hold their next token for its
+    processor. One submitted while none decodes is built on the caller's thread (``build_next``, or
+    at admission): nobody waits for it there, and a second thread would only contend with the
+    caller for the GIL (on a busy 2-core machine that cost more than the builds)."""
 
     def __init__(self, chat: ChatModel, config: ChatEngineConfig = ChatEngineConfig()):
         self.chat = chat
@@ -85,12 +88,17 @@ class ChatEngine:
         self.prefilling: list[Chat] = []  # admitted, their prompt KV being computed chunk by chunk
         self.running: list[Chat] = []  # row i of the batch is running[i]
         self.batch = KVBatch(self.model.config)
+        self._preparer: ThreadPoolExecutor | None = None
         #: model forwards run (a mixed one counts once here, but in both prefill_forwards and
         #: decode_forwards of ``stats``)
         self.forwards = 0
 
     def submit(self, chat_id: Hashable, params: ChatParams, stream: bool = False) -> Chat:
         chat = Chat(chat_id, params, stream)
+        if self.running:
+            if self._preparer is None:
+                self._preparer = ThreadPoolExecutor(1, thread_name_prefix="chat-prompt")
+            chat.pending = self._preparer.submit(self._build, chat)
         self.waiting.append(chat)
         return chat
 
@@ -101,7 +109,7 @@ class ChatEngine:
         prompts build prefill with them, in the same first forward."""
         free = self.config.max_running_chats - len(self.running) - len(self.prefilling)
         admitted = (c for _, c in zip(range(free), self.waiting))  # those the next step admits
-        chat = next((c for c in admitted if c.prompt is None and c.error is None), None)
+        chat = next((c for c in admitted if c.prompt is None and c.error is None and c.pending is None), None)
         if chat is None:
             return False
         self._build(chat)
@@ -137,9 +145,14 @@ class ChatEngine:
         (ended ones are gone); a chat that finishes its prefill here decodes from the next step."""
         touched, built = self._drop_cancelled(), 0
         while self.waiting and len(self.running) + len(self.prefilling) < self.config.max_running_chats:
-            unbuilt = self.waiting[0].prompt is None and self.waiting[0].error is None
+            first = self.waiting[0]
+            if first.pending is not None and not first.pending.done():
+                if self.running:
+                    break  # its prompt is still being built: the running chats go on
+                first.pending.result()  # none decodes: wait for it
+            unbuilt = first.prompt is None and first.error is None
             if unbuilt and self.running and built:
-                break  # one prompt build per step while chats decode: the next one joins a later step
+                break  # one prompt build per step on this thread while chats decode
             built += unbuilt
             chat = self.waiting.popleft()
             if self._prepare(chat):
