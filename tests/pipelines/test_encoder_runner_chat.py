@@ -74,3 +74,30 @@ def test_an_aborted_chat_leaves_the_batch_and_sends_nothing_more(family):
         runner.execute()
     assert len([m for m in port.sent if m.request_id == "c1"]) == sent
     assert [m.request_id for m in port.sent if isinstance(m, P.ChatDone)] == ["c0"]
+
+
+def test_chats_taken_while_the_first_prompt_builds_prefill_together_in_the_first_forward(family):
+    """Chats reach an encoder one control message apart (the head sends each when it is parsed).
+    While none decodes, an ``execute()`` builds one waiting prompt and returns, so the worker loop
+    takes the next chats before the first forward: all of them prefill in it and decode together
+    (one decode forward per token for all), instead of the first one decoding alone while the
+    others join a step at a time."""
+    port = Port()
+    runner = EncoderRunner(family, port, ChatEngineConfig(max_running_chats=8, prefix_cache_mb=0))
+    params = [chat_params(i) for i in range(4)]
+    runner.accept(wire.chat_to_wire("c0", 0, params[0], stream=False))
+    runner.execute()  # the first chat's prompt builds: nothing has run the model for chats yet
+    assert runner.engine.forwards == 0
+    for i in range(1, 4):  # the next ones arrive meanwhile
+        runner.accept(wire.chat_to_wire(f"c{i}", 0, params[i], stream=False))
+    while runner.has_work():
+        runner.execute()
+    stats = runner.chat_stats()
+    assert (stats.prefill_forwards, stats.prefill_rows) == (1, 4)
+    assert stats.max_batch == 4
+    assert stats.decode_forwards == max(p.max_tokens for p in params) - 1
+    done = {m.request_id: m for m in port.sent if isinstance(m, P.ChatDone)}
+    assert not any(isinstance(m, P.ChatDelta) for m in port.sent)  # nothing before a non-streamed answer ends
+    for i, p in enumerate(params):
+        alone = family.chat_model().run(p)
+        assert (done[f"c{i}"].text, done[f"c{i}"].completion_tokens) == (alone.text, alone.completion_tokens)

@@ -194,7 +194,10 @@ class Orchestrator(GenerationBackend):
             raise InvalidParam("model", self.model_dir.name, "this model has no VLM to chat with")
         self._check_new(job.request_id)
         self._check_available(("encoder",))
-        images_png = await offload.run(wire.chat_images, job.params) if job.params.images else []
+        if wire.small_images(job.params):
+            images_png = wire.chat_images(job.params)
+        else:  # a large image's PNG encode takes seconds: not on the loop
+            images_png = await offload.run(wire.chat_images, job.params)
         future = self.chats.submit(job, on_text, images_png)
         return await self._await(job.request_id, future)
 

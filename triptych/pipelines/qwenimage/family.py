@@ -9,6 +9,7 @@ ignored by the pipeline and is refused instead.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -100,10 +101,11 @@ class QwenImageFamily(Family):
                 self.mm_cache.shared = SharedStore(self.mm_cache_config.shared_dir, shared_bytes)
         self._chat = None
 
-    @property
+    @functools.cached_property
     def supports_chat(self) -> bool:
         """The model can answer ``/v1/chat/completions``: its text encoder is a Qwen2.5-VL and it ships
-        the processor with a chat template (read from the files alone, so a weightless adapter can tell)."""
+        the processor with a chat template (read from the files alone, so a weightless adapter can tell;
+        once: the head asks on every chat request, on its event loop)."""
         from triptych.pipelines.qwenimage.processor import chat_template_of
 
         return (self.model_dir / "processor").is_dir() and chat_template_of(self.model_dir / "processor") is not None

@@ -69,8 +69,14 @@ class Chat:
 
 
 class ChatEngine:
-    """Owns its chats' KV; the caller calls ``step()`` on its own thread (the model is not shared
-    with another thread during a step)."""
+    """Owns its chats' KV; the caller calls ``step()`` and ``build_next()`` on one thread (the model
+    is not shared with another thread during a step).
+
+    A chat's prompt (the processor and its rope positions) submitted while chats decode is built on
+    the engine's prompt thread, so a joiner with 8 images does not hold their next token for its
+    processor. One submitted while none decodes is built on the caller's thread (``build_next``, or
+    at admission): nobody waits for it there, and a second thread would only contend with the
+    caller for the GIL (on a busy 2-core machine that cost more than the builds)."""
 
     def __init__(self, chat: ChatModel, config: ChatEngineConfig = ChatEngineConfig()):
         self.chat = chat
@@ -89,16 +95,33 @@ class ChatEngine:
 
     def submit(self, chat_id: Hashable, params: ChatParams, stream: bool = False) -> Chat:
         chat = Chat(chat_id, params, stream)
-        if self._preparer is None:
-            self._preparer = ThreadPoolExecutor(1, thread_name_prefix="chat-prompt")
-        chat.pending = self._preparer.submit(self._build, params)
+        if self.running:
+            if self._preparer is None:
+                self._preparer = ThreadPoolExecutor(1, thread_name_prefix="chat-prompt")
+            chat.pending = self._preparer.submit(self._build, chat)
         self.waiting.append(chat)
         return chat
 
-    def _build(self, params: ChatParams) -> Prompt:
-        """The processor (chat template, image preprocessing) and rope positions: off the step's
-        thread, so a chat with 8 images does not hold the running chats' next token for it."""
-        return build_prompt(self.model, self.chat.inputs(params), params.tenant)
+    def build_next(self) -> bool:
+        """Build the prompt of the first waiting chat that the next step would admit and that has
+        none yet (False: there is none). A caller that takes new chats between calls (the encoder's
+        loop) builds this way while no chat decodes, so the chats that arrive while the first
+        prompts build prefill with them, in the same first forward."""
+        free = self.config.max_running_chats - len(self.running) - len(self.prefilling)
+        admitted = (c for _, c in zip(range(free), self.waiting))  # those the next step admits
+        chat = next((c for c in admitted if c.prompt is None and c.error is None and c.pending is None), None)
+        if chat is None:
+            return False
+        self._build(chat)
+        return True
+
+    def _build(self, chat: Chat) -> None:
+        """The processor (chat template, image preprocessing) and rope positions; a failure is the
+        chat's error (InvalidParam is a ValueError: the user's)."""
+        try:
+            chat.prompt = build_prompt(self.model, self.chat.inputs(chat.params), chat.params.tenant)
+        except (ValueError, RuntimeError) as e:
+            chat.error = e
 
     def cancel(self, chat_id: Hashable) -> None:
         """The chat leaves at the next step (``finish_reason`` cancelled), its KV freed."""
@@ -120,10 +143,17 @@ class ChatEngine:
         chats' next chunks (at most ``prefill_tokens_per_step`` prompt tokens in all) and the next
         token of all running chats. Returns the chats that produced text or ended in this step
         (ended ones are gone); a chat that finishes its prefill here decodes from the next step."""
-        touched = self._drop_cancelled()
+        touched, built = self._drop_cancelled(), 0
         while self.waiting and len(self.running) + len(self.prefilling) < self.config.max_running_chats:
-            if self.running and not self.waiting[0].pending.done():
-                break  # its prompt is still being built: the running chats go on (with none, wait for it)
+            first = self.waiting[0]
+            if first.pending is not None and not first.pending.done():
+                if self.running:
+                    break  # its prompt is still being built: the running chats go on
+                first.pending.result()  # none decodes: wait for it
+            unbuilt = first.prompt is None and first.error is None
+            if unbuilt and self.running and built:
+                break  # one prompt build per step on this thread while chats decode
+            built += unbuilt
             chat = self.waiting.popleft()
             if self._prepare(chat):
                 self.prefilling.append(chat)
@@ -157,14 +187,12 @@ class ChatEngine:
 
     def _prepare(self, chat: Chat) -> bool:
         """The chat's prompt (the processor) and its prefix-cache hit; False when it failed."""
-        params = chat.params
         chat.kv, chat.features, chat.prefilled = None, {}, 0
-        try:
-            pending, chat.pending = chat.pending, None
-            prompt = chat.prompt = pending.result() if pending is not None else self._build(params)
-        except (ValueError, RuntimeError) as e:  # InvalidParam is a ValueError: the user's error
-            chat.error = e
+        if chat.prompt is None and chat.error is None:
+            self._build(chat)
+        if chat.error is not None:
             return False
+        prompt = chat.prompt
         if self.prefix is not None:
             entry, reuse = self.prefix.longest(prompt.key)
             reuse = min(reuse, len(prompt) - 1)  # the last prompt token runs: its logits pick the first

@@ -20,7 +20,8 @@ class ChatEngineConfig:
     prefill_images_per_step: int = 2
     """Images whose vision tower runs per engine step while chats are decoding (a chunk stops before
     the next image past it): with ``prefill_tokens_per_step`` it bounds what a step adds to the
-    running chats' next token. A chat's processor (image preprocessing) runs on a thread of its own."""
+    running chats' next token. A joiner's processor (chat template, image preprocessing) runs on a
+    thread of its own."""
     prefix_cache_mb: float = 64.0
     """Budget in MiB (2**20 bytes) of the chat prefix KV cache (prompt KV keyed by the token ids and
     the content hashes of the images in them); least recently used entries not in use are evicted

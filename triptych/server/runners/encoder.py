@@ -26,7 +26,9 @@ class EncoderRunner(StageRunner):
 
     Every ``execute()`` first lets the encoder layer (``cache.mm_layer``) encode the images of the
     requests taken so far, within its per-step budget, as one batched vision forward; an encode
-    runs, and a chat joins the engine, once its images are in. A job holds its layer entries from
+    runs, and a chat joins the engine, once its images are in. While no chat decodes, an
+    ``execute()`` builds one waiting chat's prompt and returns (the loop takes the tasks that
+    arrived meanwhile), so chats that arrive together prefill together in the first forward. A job holds its layer entries from
     ``take`` until it finishes, fails or is aborted (``_release``).
 
     With a remote LLM engine (``chat_engine``, vLLM) the chats go to ``RemoteChats`` instead: their
@@ -178,6 +180,8 @@ class EncoderRunner(StageRunner):
         if port.stopping():
             for key in self.chats:
                 self.engine.cancel(key)
+        elif not self.engine.running and self.engine.build_next():
+            return  # none decodes: the chats taken before the next execute() join the first forward
         for chat in self.engine.step():
             job = self.chats.get(chat.id)
             if job is None:  # aborted: nothing more goes to the head
