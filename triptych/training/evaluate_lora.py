@@ -95,9 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---|---|---|---|")
     for style, r in table.items():
         w, wo = r["with"], r["without"]
-        print(
-            f"| {style} | {w['effect']:.1%} | {wo['effect']:.1%} | {w['adherence']:.1%} | {wo['adherence']:.1%} |"
-        )
+        print(f"| {style} | {w['effect']:.1%} | {wo['effect']:.1%} | {w['adherence']:.1%} | {wo['adherence']:.1%} |")
     if args.json:
         args.json.write_text(json.dumps(table, indent=2))
 

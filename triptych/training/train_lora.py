@@ -6,7 +6,8 @@ Same data and objective as the base transformer (``train_dit``): targets are VAE
 normalised and packed as ``QwenImagePipeline`` unpacks them; conditions are the pipeline's own
 ``_get_qwen_prompt_embeds`` of the train split's captions (short/long/tag as ``train_dit`` draws
 them), 10% replaced by the negative prompt " " so true CFG keeps working; rectified-flow loss
-(``dit_objective.flow_loss``).  The one change: the target image is the *styled* render of the
+(``dit_objective.flow_loss``) with the base's last-phase settings (shape tokens weighted 4x, a
+third of noise levels from [0.8, 1]).  The one change: the target image is the *styled* render of the
 caption's scene (:func:`triptych.world.styles.style_scene`).  The adapter is a PEFT LoRA on every
 attention and MLP Linear of the transformer blocks, saved with ``QwenImagePipeline.save_lora_weights``
 (what ``load_lora_weights`` reads).
@@ -25,7 +26,7 @@ import torch
 
 from triptych.training import data
 from triptych.training.common import Timer, cosine_lr, seed_all, single_frame_convs
-from triptych.training.dit_objective import _pad, flow_loss
+from triptych.training.dit_objective import _pad, flow_loss, token_foreground
 from triptych.training.train_dit import CFG_DROP, NEGATIVE, STYLE_P, STYLES, _normalised_latents, _split
 from triptych.world.styles import STYLES as WORLD_STYLES
 from triptych.world.styles import style_scene
@@ -58,6 +59,8 @@ class LoraTrainConfig:
     rank: int = 8
     lr: float = 1e-3
     scenes: int = 800  # train scenes sampled for the data (all 2,016 work; this keeps precompute cheap)
+    fg: float = 4.0  # loss weight of image tokens on the shape (train_dit phases 3-7)
+    high: float = 1 / 3  # share of noise levels drawn from [0.8, 1] (train_dit phases 2-7)
     seed: int = 0
     threads: int = 1  # two threads on the shared 2-core box ran ~10x slower per step
 
@@ -81,7 +84,15 @@ def precompute(cfg: LoraTrainConfig, pipe) -> dict:
     index = {p: i for i, p in enumerate(prompts)}
     table = np.array([[index[data.prompt_for(s, st)] for st in STYLES] for s in scenes])
     logger.info("lora: %d styled targets, %d prompts (%.0fs)", len(scenes), len(prompts), timer())
-    return {"x0": x0, "embeds": embeds, "table": table, "negative": index[NEGATIVE], "shapes": (1, h // 2, w // 2)}
+    fg = token_foreground([style_scene(s, cfg.style) for s in scenes])
+    return {
+        "fg": fg,
+        "x0": x0,
+        "embeds": embeds,
+        "table": table,
+        "negative": index[NEGATIVE],
+        "shapes": (1, h // 2, w // 2),
+    }
 
 
 def add_lora(transformer, rank: int) -> None:
@@ -119,7 +130,8 @@ def train(cfg: LoraTrainConfig) -> Path:
         cols = rng.choices(range(len(STYLES)), weights=STYLE_P, k=cfg.batch)
         rows = [d["negative"] if rng.random() < CFG_DROP else int(d["table"][i, c]) for i, c in zip(idx, cols)]
         embeds, mask = _pad([d["embeds"][r] for r in rows])
-        loss = flow_loss(model, d["x0"][idx], embeds, mask, d["shapes"], gen)
+        weight = 1.0 + (cfg.fg - 1.0) * d["fg"][idx]
+        loss = flow_loss(model, d["x0"][idx], embeds, mask, d["shapes"], gen, high=cfg.high, weight=weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -136,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--style", required=True, choices=WORLD_STYLES)
     p.add_argument("--out", type=Path, required=True)
-    for name in ("model", "steps", "batch", "rank", "lr", "scenes", "seed", "threads"):
+    for name in ("model", "steps", "batch", "rank", "lr", "scenes", "fg", "high", "seed", "threads"):
         default = getattr(LoraTrainConfig, name)
         p.add_argument(f"--{name}", type=type(default), default=default)
     args = p.parse_args(argv)
