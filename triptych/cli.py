@@ -61,8 +61,9 @@ def _add_generate(sub) -> None:
         "--lora",
         action="append",
         default=[],
-        metavar="DIR[:SCALE]",
-        help="a LoRA adapter (diffusers format: a folder or .safetensors file) and its scale (default 1); "
+        metavar="NAME_OR_DIR[:SCALE]",
+        help="a LoRA adapter (diffusers format: a folder or .safetensors file, or the name of one the model "
+        "ships in its lora/ folder, e.g. invert or resize on the default model) and its scale (default 1); "
         "repeat to stack several",
     )
     p.add_argument("--fps", type=int, default=16, help="MP4 frame rate")
@@ -192,7 +193,7 @@ def cmd_generate(args) -> int:
 def _with_lora(family, params, values, world_size: int):
     from triptych.lora.config import lora_args
 
-    config, spec = lora_args(values)
+    config, spec = lora_args(values, shipped=family.model_dir / "lora")
     if world_size > 1:
         raise InvalidParam("lora", values, "is not served by a multi-rank denoiser yet; use one rank")
     if params.teacache_threshold:

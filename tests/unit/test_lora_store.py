@@ -124,3 +124,16 @@ def test_generate_lora_args_take_a_folder_and_an_optional_scale(tmp_path):
         lora_args([f"{tmp_path / 'style'}:9"])
     with pytest.raises(InvalidParam, match="adapter folder or .safetensors file"):
         lora_args([str(tmp_path / "missing")])
+
+
+def test_generate_lora_args_resolve_a_bare_name_to_the_adapter_the_model_ships():
+    from triptych.models import default_model_dir
+
+    shipped = default_model_dir() / "lora"
+    config, spec = lora_args(["invert:0.5", "resize"], shipped=shipped)
+    assert spec == (("invert", 0.5), ("resize", 1.0))
+    assert config.adapters == {"invert": shipped / "invert", "resize": shipped / "resize"}
+    with pytest.raises(InvalidParam, match=r"an adapter the model ships: \['invert', 'resize'\]"):
+        lora_args(["outline"], shipped=shipped)
+    with pytest.raises(InvalidParam, match="adapter folder or .safetensors file"):
+        lora_args(["invert"])  # without the model's folder a bare name is no adapter

@@ -42,9 +42,12 @@ class LoraConfig:
         return int(self.lora_budget_mb * (1 << 20))
 
 
-def lora_args(values: list[str], max_scale: float = LoraConfig.lora_max_scale) -> tuple[LoraConfig, tuple]:
-    """``generate --lora DIR[:SCALE]`` values → the config serving them and the request's
-    ``((name, scale), ...)``; the name is the folder's (or file's stem). ``InvalidParam`` names the value."""
+def lora_args(
+    values: list[str], max_scale: float = LoraConfig.lora_max_scale, shipped: Path | None = None
+) -> tuple[LoraConfig, tuple]:
+    """``generate --lora NAME_OR_DIR[:SCALE]`` values → the config serving them and the request's
+    ``((name, scale), ...)``; the name is the folder's (or file's stem). A bare name that is no path is
+    an adapter the model ships in ``shipped`` (its ``lora/`` folder). ``InvalidParam`` names the value."""
     from triptych.errors import InvalidParam
 
     entries, spec = [], []
@@ -56,8 +59,12 @@ def lora_args(values: list[str], max_scale: float = LoraConfig.lora_max_scale) -
                 path, scale = head, float(tail)
             except ValueError:
                 pass
+        if not Path(path).exists() and shipped is not None and (shipped / path).is_dir() and "/" not in path:
+            path = str(shipped / path)
         if not Path(path).exists():
-            raise InvalidParam("lora", value, "must be an adapter folder or .safetensors file, optionally :SCALE")
+            known = sorted(d.name for d in shipped.iterdir() if d.is_dir()) if shipped and shipped.is_dir() else []
+            rule = "must be an adapter folder or .safetensors file, optionally :SCALE"
+            raise InvalidParam("lora", value, rule + (f", or an adapter the model ships: {known}" if known else ""))
         if not -max_scale <= scale <= max_scale:
             raise InvalidParam("lora", value, f"scale must be between -{max_scale} and {max_scale}")
         name = Path(path).stem if Path(path).is_file() else Path(path).resolve().name
