@@ -195,19 +195,14 @@ class MMEmbeddingCache:
                 todo.append(i)
             else:
                 found[item.key, n] = hit
-        if todo and self.remote is not None:  # the head named another encoder that holds it
+        # before the tower: the encoder the head named as holding it, then this host's shared directory
+        sources = [x for x in (self.remote and self.remote.fetch, self.shared and self.shared.load) if x]
+        for source in sources:
             for i in list(todo):
-                fetched = self.remote.fetch(items[i].key, tokens[i])
-                if fetched is not None:
-                    fetched = fetched.to(items[i].patches.device)
-                    found[items[i].key, tokens[i]] = self.store.put(items[i].key, fetched, items[i].holder)
-                    todo.remove(i)
-        if todo and self.shared is not None:  # another encoder of this host may have computed it
-            for i in list(todo):
-                stored = self.shared.load(items[i].key, tokens[i])
-                if stored is not None:
-                    stored = stored.to(items[i].patches.device)
-                    found[items[i].key, tokens[i]] = self.store.put(items[i].key, stored, items[i].holder)
+                got = source(items[i].key, tokens[i])
+                if got is not None:
+                    got = got.to(items[i].patches.device)
+                    found[items[i].key, tokens[i]] = self.store.put(items[i].key, got, items[i].holder)
                     todo.remove(i)
         if todo:
             out = run(
