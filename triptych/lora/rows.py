@@ -85,7 +85,11 @@ class RowLora:
                 output = output + delta if seg.rows is None else output.index_add(0, seg.rows, delta)
             return output
 
-        return hook
+        # NOTE: the hook runs outside any compiled graph (``--compile``): traced, it would specialise on
+        # the plan (which adapters, how many segments, the scales) and compile a graph per mix of
+        # rows, falling back to eager after dynamo's recompile limit. Left to eager, the block's
+        # graphs break around it once and hold for every mix (tests/pipelines/test_lora_compile.py).
+        return torch.compiler.disable(hook)
 
 
 def segments_of(specs: Sequence[RowSpec], device=None) -> list[Segment]:
