@@ -135,3 +135,23 @@ def test_models_lists_the_adapters_that_fit(server):
     with urllib.request.urlopen(f"{base}/v1/models", timeout=30) as r:
         card = json.loads(r.read())["data"][0]
     assert [a["name"] for a in card["loras"]] == ["a", "b"]
+
+
+def get(base: str, path: str) -> dict:
+    with urllib.request.urlopen(f"{base}{path}", timeout=30) as r:
+        return json.loads(r.read())
+
+
+def test_health_and_models_show_the_adapters_each_denoiser_holds(server):
+    _, base, _ = server
+    status, out = post(base, dict(prompt="x", size=f"{SIZE}x{SIZE}", num_inference_steps=2, lora="b"))
+    assert status == 200, out
+
+    def denoisers():
+        found = [i for i in get(base, "/health")["backend"]["instances"] if i["role"] == "denoiser"]
+        return found if any("b" in i["loras"] for i in found) else None
+
+    held = wait_for(denoisers, "a denoiser reporting adapter b in memory", 30)
+    assert all(i["loras"] == [] for i in get(base, "/health")["backend"]["instances"] if i["role"] != "denoiser")
+    card = {a["name"]: a for a in get(base, "/v1/models")["data"][0]["loras"]}
+    assert card["b"]["loaded_on"] == [i["id"] for i in held if "b" in i["loras"]]

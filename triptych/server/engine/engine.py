@@ -158,6 +158,7 @@ class DenoiserEngine:
         if self.family.lora is not None:
             for f in LORA_FIELDS:
                 setattr(self.stats, f, getattr(self.family.lora.stats, f.removeprefix("lora_")))
+            self.stats.lora_resident = self.family.lora.store.loaded()
 
     def update(self, batch: list[Running], out: EngineStepOutput) -> None:
         self._tick += 1
