@@ -39,6 +39,7 @@ def resolve_under_root(root: str, value: str) -> Path:
         file = weight_file(target)
     except TriptychError as e:
         raise InvalidParam("path", value, f"must be an adapter folder or .safetensors file: {e}") from None
-    if not file.resolve().is_relative_to(base):
+    file = file.resolve()  # the file the denoisers load: a link swapped later does not move it
+    if not file.is_relative_to(base):
         raise InvalidParam("path", value, f"must resolve under the allowed root {root} (symlinks followed)")
     return file
