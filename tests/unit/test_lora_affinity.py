@@ -3,12 +3,17 @@ before the dispatch policy's own choice; otherwise the policy chooses as usual."
 
 from __future__ import annotations
 
+from collections import Counter
+from types import SimpleNamespace
+
 import pytest
 
+from triptych.pipelines.types import GenerationParams
 from triptych.server import protocol as P
 from triptych.server.attempts import Attempts
 from triptych.server.dispatch import Instance, MaxFreeSlots, RoundRobin
 from triptych.server.engine.stats import EngineStats
+from triptych.server.routing import GenerationRouter
 from triptych.server.transfer.stats import TransferStats
 
 
@@ -47,3 +52,14 @@ def test_without_adapters_or_holders_the_policy_chooses():
     assert Attempts().pick(MaxFreeSlots(), "denoiser", pool, loras=["style"]).instance_id == "b"
     pool = [den("a"), den("b", loras=["style"], held=3)]
     assert Attempts().pick(MaxFreeSlots(), "denoiser", pool).instance_id == "a"
+
+
+def test_the_router_prefers_the_holder_for_the_denoiser_only():
+    pool = [den("a"), den("b", loras=["style"], held=3)]
+    policies = {"denoiser": MaxFreeSlots(), "decoder": MaxFreeSlots()}
+    registry = SimpleNamespace(policies=policies, pool=lambda role: pool, affinity=None)
+    router = GenerationRouter(registry, lambda *a: None, None, Counter(), None, 0, 0, 0.0)
+    params = GenerationParams(prompt="x", lora=(("style", 1.0),))
+    tr = SimpleNamespace(job=SimpleNamespace(params=params), attempts=Attempts())
+    assert router._pick("denoiser", tr).instance_id == "b"
+    assert router._pick("decoder", tr).instance_id == "a"  # decoders hold no adapters
