@@ -48,6 +48,11 @@ def test_wrong_or_missing_key_is_401_and_nothing_runs(server):
         assert "missing API key" in resp.json()["error"]["message"]
     assert httpx.get(f"{base}/v1/models").status_code == 401
     assert httpx.get(f"{base}/v1/videos").status_code == 401
+    assert httpx.get(f"{base}/v1/loras").status_code == 401
+    assert httpx.post(f"{base}/v1/loras", json={"name": "x", "path": "x"}).status_code == 401
+    assert httpx.delete(f"{base}/v1/loras/x").status_code == 401
+    ok = httpx.get(f"{base}/v1/loras", headers={"Authorization": f"Bearer {KEYS[0]}"})
+    assert ok.status_code == 200 and ok.json()["data"] == [], ok.text
     assert len(backend.jobs) == before
 
 

@@ -72,21 +72,64 @@ class LoraCatalog:
     def __init__(self, config: LoraConfig, model_dir: Path, model_name: str = "the model"):
         self.config = config
         self.model_name = model_name
+        self.model_dir = Path(model_dir)
         self.adapters: dict[str, AdapterInfo] = {}
-        shapes = model_linear_shapes(model_dir) if config.lora else {}
+        self.added: dict[str, Path] = {}  # adapters loaded at run time (``add``): name → weight file
+        self._ever: dict[str, Path] = {}  # every run-time name this head gave a file (names are not reused)
+        self._shapes: dict[str, tuple[int, int]] | None = None
         for name, path in config.adapters.items():
             try:
                 file = weight_file(path)
             except TriptychError as e:
                 raise ValueError(f"--lora {name}={path}: {e}") from None
-            tensors = header_shapes(file)
-            ranks = [s[0] for k, s in tensors.items() if k.endswith("lora_A.weight")]
-            nbytes = file.stat().st_size
-            self.adapters[name] = AdapterInfo(name, file, max(ranks, default=0), nbytes, misfit(file, shapes))
+            self.adapters[name] = self._info(name, file)
+
+    def _info(self, name: str, file: Path) -> AdapterInfo:
+        if self._shapes is None:
+            self._shapes = model_linear_shapes(self.model_dir)
+        tensors = header_shapes(file)
+        ranks = [s[0] for k, s in tensors.items() if k.endswith("lora_A.weight")]
+        return AdapterInfo(name, file, max(ranks, default=0), file.stat().st_size, misfit(file, self._shapes))
 
     def cards(self) -> list[dict]:
         """What ``/v1/models`` lists: each adapter that fits this model."""
-        return [{"name": a.name, "rank": a.rank, "bytes": a.nbytes} for a in self.adapters.values() if a.misfit is None]
+        return [
+            {"name": a.name, "rank": a.rank, "bytes": a.nbytes, "source": "api" if a.name in self.added else "flag"}
+            for a in self.adapters.values()
+            if a.misfit is None
+        ]
+
+    def add(self, name: str, path: str) -> AdapterInfo:
+        """Serve one more adapter from under ``lora_root`` (``POST /v1/loras``), checked as ``--lora``
+        adapters are; ``InvalidParam`` naming the field, the value and the rule."""
+        from triptych.lora.registration import check_name, resolve_under_root
+
+        check_name(name)
+        if name in self.adapters:
+            raise InvalidParam("name", name, "is already served; unload it first or choose another name")
+        file = resolve_under_root(self.config.lora_root, path)
+        if self._ever.get(name, file) != file:
+            raise InvalidParam("name", name, f"was served from {self._ever[name]} earlier; choose another name")
+        try:
+            info = self._info(name, file)
+        except (OSError, ValueError) as e:
+            raise InvalidParam("path", path, f"must be a readable safetensors adapter: {e}") from None
+        if info.misfit is not None:
+            raise InvalidParam("path", path, f"is an adapter for another model than {self.model_name}: {info.misfit}")
+        self.adapters[name] = info
+        self.added[name] = self._ever[name] = file
+        return info
+
+    def remove(self, name: str) -> bool:
+        """Stop serving a run-time adapter (new requests naming it get a 400); False if unknown."""
+        if name not in self.added:
+            return False
+        del self.added[name], self.adapters[name]
+        return True
+
+    def paths(self, spec) -> tuple[tuple[str, str], ...]:
+        """The weight files of a request's run-time adapters, for denoisers that load them on a miss."""
+        return tuple((n, str(self.added[n])) for n, _ in spec if n in self.added)
 
     def check(self, value, teacache_threshold: float = 0.0) -> tuple[tuple[str, float], ...]:
         """A request's ``lora`` (a name, or a list of ``{"name", "scale"}``) as ``((name, scale), ...)``;

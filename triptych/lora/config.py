@@ -19,6 +19,9 @@ class LoraConfig:
     lora_max_scale: float = 4.0
     """Largest absolute scale a request may give an adapter."""
 
+    lora_root: str = ""
+    """Folder adapters may be loaded from at run time (``POST /v1/loras``); empty = no run-time loading."""
+
     def __post_init__(self) -> None:
         for entry in self.lora:
             name, sep, path = entry.partition("=")

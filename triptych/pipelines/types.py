@@ -51,6 +51,8 @@ class GenerationParams:
     tenant: str = ""  # who asked (a hash of the API key at the head); scopes the mm-hash cache
     #: LoRA adapters applied to this request's rows, in order: ``((name, scale), ...)``; () = none
     lora: tuple[tuple[str, float], ...] = ()
+    #: Weight files of its adapters loaded at run time (``POST /v1/loras``): ``((name, path), ...)``
+    lora_paths: tuple[tuple[str, str], ...] = ()
 
     def replace(self, **changes: Any) -> GenerationParams:
         return dataclasses.replace(self, **changes)

@@ -309,7 +309,10 @@ class ModelCard(BaseModel):
         "image-edit (edits only), video"
     )
     chat: bool = Field(False, description="answers POST /v1/chat/completions with its VLM (extra)")
-    loras: list[dict] = Field(default_factory=list, description="LoRA adapters requests may name (extra)")
+    loras: list[dict] = Field(
+        default_factory=list,
+        description="LoRA adapters requests may name (extra); loaded_on: the denoisers holding each in memory",
+    )
 
 
 class ModelList(BaseModel):

@@ -3,9 +3,11 @@ which instances failed it, so a retry goes elsewhere while another instance of t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from triptych.server.dispatch import DispatchPolicy, Instance
+from triptych.server.lora_affinity import prefer_holder
 
 
 @dataclass
@@ -30,17 +32,28 @@ class Attempts:
         self.retries += 1
 
     def pick(
-        self, policy: DispatchPolicy, role: str, pool: list[Instance], affinity=None, chat: bool = False
+        self,
+        policy: DispatchPolicy,
+        role: str,
+        pool: list[Instance],
+        affinity=None,
+        chat: bool = False,
+        loras: Sequence[str] = (),
     ) -> Instance | None:
         """The policy's choice among ``pool``, leaving out the instances that failed this request while
         any other is registered (it waits for that one's free slot rather than go back). With
         ``affinity`` (an ``affinity.ImageAffinity``; ``image_keys`` set), a free instance that holds
-        the request's images comes first (``chat``: free in its chat slots)."""
+        the request's images comes first (``chat``: free in its chat slots); with ``loras`` (the request's
+        adapters), a free instance holding them comes first (``lora_affinity``)."""
         avoid = frozenset(self.avoid.get(role, ()))
         if avoid and all(i.instance_id in avoid for i in pool):
             avoid = frozenset()
         if affinity is not None and self.image_keys:
             preferred = affinity.prefer(self.image_keys, pool, exclude=avoid, chat=chat)
+            if preferred is not None:
+                return preferred
+        if loras:
+            preferred = prefer_holder(loras, pool, exclude=avoid)
             if preferred is not None:
                 return preferred
         return policy.pick(pool, exclude=avoid)

@@ -44,6 +44,12 @@ class Instance:
         return self.capacity - len(self.held) + len(self.chat_held)
 
     @property
+    def loras(self) -> list[str]:
+        """The LoRA adapters this denoiser reported holding in memory (its last stats report)."""
+        engine = self.stats.engine if self.stats is not None else None
+        return list(engine.lora_resident) if engine is not None else []
+
+    @property
     def chat_free(self) -> int:
         """Free chat slots (an instance without its own takes chats in its encode slots)."""
         return self.chat_slots - len(self.chat_held) if self.chat_slots else self.free

@@ -43,6 +43,7 @@ from triptych.server.head import TENANT, ClientGone, DeadlineExceeded, Head, Hea
 from triptych.server.http_chat import add_chat_routes
 from triptych.server.http_common import OffloadRoute
 from triptych.server.http_images import add_image_routes
+from triptych.server.http_lora import add_lora_routes
 from triptych.server.http_playground import add_playground_routes
 from triptych.server.http_videos import add_video_routes
 from triptych.server.metrics import CONTENT_TYPE
@@ -249,6 +250,7 @@ def create_app(backends: GenerationBackend | Mapping[str, GenerationBackend], co
     add_image_routes(app, head)
     add_video_routes(app, head)
     add_chat_routes(app, head)
+    add_lora_routes(app, head)
     add_playground_routes(app)
 
     @app.get("/v1/models", response_model=ModelList)

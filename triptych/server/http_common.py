@@ -107,6 +107,7 @@ def build_params(head: Head, req, image=None, frames: int | None = None) -> tupl
         tenant=TENANT.get(),
         lora=head.served.lora.check(_lora_value(getattr(req, "lora", None)), req.teacache_threshold or 0.0),
     )
+    params = params.replace(lora_paths=head.served.lora.paths(params.lora))
     return params, req.size
 
 

@@ -65,6 +65,7 @@ class WireParams(msgspec.Struct, frozen=True):
     teacache_threshold: float
     tenant: str = ""  # scopes the encoder's mm-hash cache (``GenerationParams.tenant``)
     lora: list[tuple[str, float]] = []  # the request's adapters and scales, in order; [] = none
+    lora_paths: list[tuple[str, str]] = []  # weight files of its run-time adapters (loaded on a miss)
 
 
 # ---- worker → head ---------------------------------------------------------------------------

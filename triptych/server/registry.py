@@ -169,6 +169,7 @@ class InstanceRegistry:
                 "assigned": i.assigned,
                 "transfer": i.transfer,
                 "pid": i.pid,
+                "loras": i.loras,
                 "report": dict(i.report),
             }
             for i in sorted(self.instances.values(), key=lambda i: i.instance_id)

@@ -224,7 +224,8 @@ class GenerationRouter:
             affinity = self.registry.affinity
             if tr.attempts.image_keys is None:
                 tr.attempts.image_keys = affinity.keys(tr.job.params.tenant, [tr.job.params.image])
-        return tr.attempts.pick(self.registry.policies[role], role, self.registry.pool(role), affinity)
+        loras = [name for name, _ in tr.job.params.lora] if role == "denoiser" else ()  # ``lora_affinity``
+        return tr.attempts.pick(self.registry.policies[role], role, self.registry.pool(role), affinity, loras=loras)
 
     def _charge(self, tr: Tracked, inst: Instance) -> None:
         inst.hold(tr.job.request_id)

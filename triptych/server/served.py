@@ -71,9 +71,9 @@ class ServedModel:
 
     def card(self) -> ModelCard:
         f = self.family
-        return ModelCard(
-            id=self.name, created=0, family=f.name, kind=self.kind, chat=self.can("chat"), loras=self.lora.cards()
-        )
+        held = [(i["id"], set(i.get("loras", ()))) for i in self.backend.describe().get("instances", ())]
+        loras = [dict(c, loaded_on=[iid for iid, names in held if c["name"] in names]) for c in self.lora.cards()]
+        return ModelCard(id=self.name, created=0, family=f.name, kind=self.kind, chat=self.can("chat"), loras=loras)
 
     def size_warning(self, width: int, height: int) -> str | None:
         return size_warning(self.name, self.trained, width, height)

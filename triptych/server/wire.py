@@ -44,6 +44,7 @@ def params_to_wire(p: GenerationParams) -> WireParams:
         teacache_threshold=float(p.teacache_threshold),
         tenant=p.tenant,
         lora=[(str(n), float(s)) for n, s in p.lora],
+        lora_paths=[(str(n), str(f)) for n, f in p.lora_paths],
     )
 
 
@@ -62,6 +63,7 @@ def params_from_wire(w: WireParams) -> GenerationParams:
         teacache_threshold=w.teacache_threshold,
         tenant=w.tenant,
         lora=tuple((n, s) for n, s in w.lora),
+        lora_paths=tuple((n, f) for n, f in w.lora_paths),
     )
 
 

@@ -138,7 +138,7 @@ class Worker:
             mm_cache_config=config.mm_cache,
             speed=config.speed,
         )
-        if self.role == Role.DENOISER and config.lora.lora:
+        if self.role == Role.DENOISER and (config.lora.lora or config.lora.lora_root):
             if config.parallel.world_size > 1:  # NOTE: follower ranks would run without the adapters
                 raise ValueError("--lora: a multi-rank denoiser does not serve LoRA adapters yet; use one rank")
             self.family.enable_lora(config.lora)

@@ -12,6 +12,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from itertools import count
+from pathlib import Path
 
 import torch
 
@@ -79,6 +80,8 @@ class DenoiserEngine:
                 )
             self.accel.admit(state.request_id, threshold, state.total_steps)
         if lora:
+            for name, path in state.params.lora_paths:  # run-time adapters: loaded from here on a miss
+                self.family.lora.add_path(name, Path(path))
             try:
                 self.family.lora.acquire(state.request_id, lora)
             finally:
@@ -158,6 +161,7 @@ class DenoiserEngine:
         if self.family.lora is not None:
             for f in LORA_FIELDS:
                 setattr(self.stats, f, getattr(self.family.lora.stats, f.removeprefix("lora_")))
+            self.stats.lora_resident = self.family.lora.store.loaded()
 
     def update(self, batch: list[Running], out: EngineStepOutput) -> None:
         self._tick += 1

@@ -28,6 +28,7 @@ class EngineStats(msgspec.Struct):
     lora_hits: int = 0  # requests' adapters found in memory
     lora_misses: int = 0  # requests' adapters that had to be loaded
     lora_mixed_batches: int = 0  # forwards whose rows used different adapter settings (none is one)
+    lora_resident: list[str] = msgspec.field(default_factory=list)  # adapters in memory now (latest, not a delta)
 
     @property
     def steps_per_second(self) -> float:
@@ -37,7 +38,7 @@ class EngineStats(msgspec.Struct):
         self.batch_sizes[size] = self.batch_sizes.get(size, 0) + 1
 
     def copy(self) -> EngineStats:
-        return msgspec.structs.replace(self, batch_sizes=dict(self.batch_sizes))
+        return msgspec.structs.replace(self, batch_sizes=dict(self.batch_sizes), lora_resident=list(self.lora_resident))
 
     def since(self, prev: EngineStats) -> EngineStats:
         """The window from ``prev`` (an earlier report of the same engine) to this one."""
@@ -54,6 +55,7 @@ class EngineStats(msgspec.Struct):
             aborted=self.aborted - prev.aborted,
             failed=self.failed - prev.failed,
             **{f: getattr(self, f) - getattr(prev, f) for f in LORA_FIELDS},
+            lora_resident=list(self.lora_resident),
         )
 
 
