@@ -71,8 +71,10 @@ class ServedModel:
 
     def card(self) -> ModelCard:
         f = self.family
-        held = [(i["id"], set(i.get("loras", ()))) for i in self.backend.describe().get("instances", ())]
-        loras = [dict(c, loaded_on=[iid for iid, names in held if c["name"] in names]) for c in self.lora.cards()]
+        cards = self.lora.cards()
+        instances = self.backend.describe().get("instances", ()) if cards else ()  # no adapters: no describe
+        held = [(i["id"], set(i.get("loras", ()))) for i in instances]
+        loras = [dict(c, loaded_on=[iid for iid, names in held if c["name"] in names]) for c in cards]
         return ModelCard(id=self.name, created=0, family=f.name, kind=self.kind, chat=self.can("chat"), loras=loras)
 
     def size_warning(self, width: int, height: int) -> str | None:
