@@ -87,15 +87,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    logging.basicConfig(level=logging.WARNING)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the table, as the other evaluations log theirs
     pipe = load(args.model, styles=args.styles)
     table = {style: score_style(pipe, style, args.n) for style in args.styles}
-    print(f"held-out prompts: {args.n} per adapter (seeds 0..{args.n - 1}), 64x64, 20 steps, true CFG 4")
-    print("| adapter | effect with | effect without | adherence with | adherence without |")
-    print("|---|---|---|---|---|")
+    rows = [f"held-out prompts: {args.n} per adapter (seeds 0..{args.n - 1}), 64x64, 20 steps, true CFG 4"]
+    rows += ["| adapter | effect with | effect without | adherence with | adherence without |", "|---|---|---|---|---|"]
     for style, r in table.items():
         w, wo = r["with"], r["without"]
-        print(f"| {style} | {w['effect']:.1%} | {wo['effect']:.1%} | {w['adherence']:.1%} | {wo['adherence']:.1%} |")
+        rows.append(
+            f"| {style} | {w['effect']:.1%} | {wo['effect']:.1%} | {w['adherence']:.1%} | {wo['adherence']:.1%} |"
+        )
+    logger.info("\n".join(rows))
     if args.json:
         args.json.write_text(json.dumps(table, indent=2))
 
