@@ -112,3 +112,18 @@ class EncoderPort:
 
     def stopping(self):
         return False
+
+
+def tiny_qwen_with_two_adapters(root):
+    """A tiny seeded Qwen-Image at ``root/model`` and two random LoRA adapters for it, ``a`` (rank 4 on
+    q, v and the image MLP) and ``b`` (rank 2 on k and the output projection): the model's folder and
+    the ``LoraConfig`` serving both."""
+    from triptych.lora.config import LoraConfig
+    from triptych.lora.synthetic import write_random_lora
+    from triptych.pipelines.qwenimage.tiny import make_tiny_qwen_image
+
+    model = make_tiny_qwen_image(root / "model", seed=0)
+    transformer = pristine_pipeline(model).transformer
+    write_random_lora(root / "a", transformer, ("attn.to_q", "attn.to_v", "img_mlp.net.2"), rank=4, seed=1, std=0.2)
+    write_random_lora(root / "b", transformer, ("attn.to_k", "proj_out"), rank=2, seed=2, std=0.2)
+    return model, LoraConfig(lora=(f"a={root / 'a'}", f"b={root / 'b'}"))

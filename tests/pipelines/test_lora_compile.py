@@ -17,13 +17,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import pristine_pipeline
+from tests.helpers import tiny_qwen_with_two_adapters
 from triptych.accel import SpeedConfig
 from triptych.accel.compile import compile_counts
-from triptych.lora.config import LoraConfig
-from triptych.lora.synthetic import write_random_lora
 from triptych.pipelines.base import GenerationParams
-from triptych.pipelines.qwenimage.tiny import make_tiny_qwen_image
 from triptych.pipelines.registry import load_family
 from triptych.server.engine import DenoiserEngine, EngineConfig
 
@@ -37,13 +34,7 @@ LATER = [[A, A], [(), ()], [(), A, B], [(("a", 0.3),), B], [AB, AB, B, (("b", 1.
 @pytest.fixture(scope="module")
 def families(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora_compile")
-    model = make_tiny_qwen_image(root / "model", seed=0)
-    pristine = pristine_pipeline(model)
-    write_random_lora(
-        root / "a", pristine.transformer, ("attn.to_q", "attn.to_v", "img_mlp.net.2"), rank=4, seed=1, std=0.2
-    )
-    write_random_lora(root / "b", pristine.transformer, ("attn.to_k", "proj_out"), rank=2, seed=2, std=0.2)
-    config = LoraConfig(lora=(f"a={root / 'a'}", f"b={root / 'b'}"))
+    model, config = tiny_qwen_with_two_adapters(root)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     eager = load_family(model)

@@ -9,13 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import pristine_pipeline
-from triptych.lora.config import LoraConfig
-from triptych.lora.synthetic import write_random_lora
+from tests.helpers import tiny_qwen_with_two_adapters
 from triptych.pipelines.base import GenerationParams
 from triptych.pipelines.previews import preview_steps
 from triptych.pipelines.qwenimage.family import QwenImageFamily
-from triptych.pipelines.qwenimage.tiny import make_tiny_qwen_image
 from triptych.server.engine import DenoiserEngine, EngineConfig
 
 STEPS = 4
@@ -25,14 +22,9 @@ REQUESTS = {"A": (("a", 1.0),), "B": (("b", 0.7),), "A+B": (("a", 0.5), ("b", 1.
 @pytest.fixture(scope="module")
 def family(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora_previews")
-    model = make_tiny_qwen_image(root / "model", seed=0)
-    pristine = pristine_pipeline(model)
-    write_random_lora(
-        root / "a", pristine.transformer, ("attn.to_q", "attn.to_v", "img_mlp.net.2"), rank=4, seed=1, std=0.2
-    )
-    write_random_lora(root / "b", pristine.transformer, ("attn.to_k", "proj_out"), rank=2, seed=2, std=0.2)
+    model, config = tiny_qwen_with_two_adapters(root)
     fam = QwenImageFamily(model)
-    fam.enable_lora(LoraConfig(lora=(f"a={root / 'a'}", f"b={root / 'b'}")))
+    fam.enable_lora(config)
     return fam
 
 
