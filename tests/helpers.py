@@ -52,6 +52,23 @@ def seeded(seed: int):
     return torch.Generator("cpu").manual_seed(seed)
 
 
+def flux_reference(pipe, p, **extra):
+    """A FLUX pipeline's ``__call__`` with a request's arguments (distilled ``guidance_scale``, true CFG
+    when it has a negative prompt), as numpy images."""
+    return pipe(
+        prompt=p.prompt,
+        negative_prompt=p.negative_prompt,
+        true_cfg_scale=p.true_cfg,
+        height=p.height,
+        width=p.width,
+        num_inference_steps=p.steps,
+        guidance_scale=p.guidance,
+        generator=seeded(p.seed),
+        output_type="np",
+        **extra,
+    ).images
+
+
 def qwen_reference(pipe, p, **extra):
     """A Qwen-Image(-Edit) pipeline's ``__call__`` with a request's arguments (guidance is Qwen's
     ``true_cfg_scale``), as numpy images."""

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import count_calls, pristine_pipeline, seeded
+from tests.helpers import count_calls, flux_reference, pristine_pipeline
 from triptych.calibration.metrics import psnr
 from triptych.errors import InvalidParam
 from triptych.pipelines.base import GenerationParams
@@ -46,17 +46,7 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=["default", "non-square", "true-cfg-negative"])
 def test_staged_equals_diffusers_bit_exact(family, pristine, case):
     params = family.resolve(GenerationParams(**case))
-    reference = pristine(
-        prompt=params.prompt,
-        negative_prompt=params.negative_prompt,
-        true_cfg_scale=params.true_cfg,
-        height=params.height,
-        width=params.width,
-        num_inference_steps=params.steps,
-        guidance_scale=params.guidance,
-        generator=seeded(params.seed),
-        output_type="np",
-    ).images
+    reference = flux_reference(pristine, params)
     with count_calls(family.pipe.transformer) as calls:
         frames, _ = run_request(family, params, fuse_cfg=False)
     assert frames.array.shape == reference.shape

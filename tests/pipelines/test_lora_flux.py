@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from diffusers import FluxPipeline
 
-from tests.helpers import pristine_pipeline, seeded
+from tests.helpers import flux_reference, pristine_pipeline
 from triptych.lora.config import LoraConfig
 from triptych.lora.synthetic import write_random_lora
 from triptych.pipelines.base import GenerationParams
@@ -50,15 +50,7 @@ def reference(pipe, p):
         pipe.set_adapters([n for n, _ in p.lora], [s for _, s in p.lora])
     else:
         pipe.disable_lora()
-    return pipe(
-        prompt=p.prompt,
-        height=p.height,
-        width=p.width,
-        num_inference_steps=p.steps,
-        guidance_scale=p.guidance,
-        generator=seeded(p.seed),
-        output_type="np",
-    ).images
+    return flux_reference(pipe, p)
 
 
 def test_mixed_batch_matches_each_request_alone_in_diffusers_in_one_forward_per_step(setup):
