@@ -10,6 +10,7 @@ denoiser checks it when it loads it (the request then fails with the denoiser's 
 from __future__ import annotations
 
 import json
+import logging
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -17,7 +18,10 @@ from pathlib import Path
 
 from triptych.errors import InvalidParam, TriptychError
 from triptych.lora.config import LoraConfig
+from triptych.lora.journal import JournalState, LoraJournal
 from triptych.lora.paths import weight_file
+
+log = logging.getLogger(__name__)
 
 PREFIX = "transformer."
 MAX_ADAPTERS_PER_REQUEST = 4
@@ -69,8 +73,12 @@ class AdapterInfo:
 class LoraCatalog:
     """The adapters one served model may use (``serve --lora NAME=DIR``)."""
 
-    def __init__(self, config: LoraConfig, model_dir: Path, model_name: str = "the model"):
+    def __init__(
+        self, config: LoraConfig, model_dir: Path, model_name: str = "the model", journal: LoraJournal | None = None
+    ):
+        """``journal``: where run-time adapters are kept across head restarts (replayed here)."""
         self.config = config
+        self.journal = journal
         self.model_name = model_name
         self.model_dir = Path(model_dir)
         self.adapters: dict[str, AdapterInfo] = {}
@@ -83,6 +91,22 @@ class LoraCatalog:
             except TriptychError as e:
                 raise ValueError(f"--lora {name}={path}: {e}") from None
             self.adapters[name] = self._info(name, file)
+        if journal is not None:
+            self._replay(journal.load())
+
+    def _replay(self, state: JournalState) -> None:
+        """Serve again what a previous head loaded at run time, each checked as a new ``add`` is."""
+        self._ever.update(state.ever)
+        for name, file in state.added.items():
+            try:
+                self.add(name, str(file), save=False)
+            except TriptychError as e:
+                log.warning("run-time LoRA %r (%s) not served again: %s", name, file, e)
+        self._save()
+
+    def _save(self) -> None:
+        if self.journal is not None:
+            self.journal.save(JournalState(dict(self.added), dict(self._ever)))
 
     def _info(self, name: str, file: Path) -> AdapterInfo:
         if self._shapes is None:
@@ -99,7 +123,7 @@ class LoraCatalog:
             if a.misfit is None
         ]
 
-    def add(self, name: str, path: str) -> AdapterInfo:
+    def add(self, name: str, path: str, save: bool = True) -> AdapterInfo:
         """Serve one more adapter from under ``lora_root`` (``POST /v1/loras``), checked as ``--lora``
         adapters are; ``InvalidParam`` naming the field, the value and the rule."""
         from triptych.lora.registration import check_name, resolve_under_root
@@ -118,6 +142,8 @@ class LoraCatalog:
             raise InvalidParam("path", path, f"is an adapter for another model than {self.model_name}: {info.misfit}")
         self.adapters[name] = info
         self.added[name] = self._ever[name] = file
+        if save:
+            self._save()
         return info
 
     def remove(self, name: str) -> bool:
@@ -125,6 +151,7 @@ class LoraCatalog:
         if name not in self.added:
             return False
         del self.added[name], self.adapters[name]
+        self._save()
         return True
 
     def paths(self, spec) -> tuple[tuple[str, str], ...]:

@@ -48,7 +48,8 @@ class HeadConfig:
     """Everything the head needs besides its backend."""
 
     data_dir: Path
-    """Root of the head's state: ``jobs.sqlite``, ``videos/`` (finished MP4s), ``files/`` (url links);
+    """Root of the head's state: ``jobs.sqlite``, ``videos/`` (finished MP4s), ``files/`` (url links),
+    ``loras/`` (run-time adapters, ``triptych.lora.journal``);
     owner-only (directories 0700, files 0600)."""
 
     limits: AdmissionLimits = field(default_factory=AdmissionLimits)
@@ -203,7 +204,7 @@ class Head:
     def __init__(self, backends: Mapping[str, GenerationBackend], config: HeadConfig):
         self.config = config
         self.limits = config.limits
-        self.models = ServedModels(backends, config.limits, config.aliases(), config.lora)
+        self.models = ServedModels(backends, config.limits, config.aliases(), config.lora, config.data_dir)
         self.unrouted_metrics = Metrics()
         """Outcomes of requests refused before a model was chosen (the ``model=""`` series)."""
         self.loop_metrics = LoopMetrics()

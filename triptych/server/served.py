@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException
 from triptych.errors import shown
 from triptych.lora.catalog import LoraCatalog
 from triptych.lora.config import LoraConfig
+from triptych.lora.journal import LoraJournal
 from triptych.pipelines.geometry import size_warning, trained_sizes
 from triptych.server.admission import Admission, AdmissionLimits
 from triptych.server.api_models import ModelCard
@@ -90,7 +91,9 @@ class ServedModels:
         limits: AdmissionLimits,
         aliases: Mapping[str, str] | None = None,
         lora: LoraConfig = LoraConfig(),
+        data_dir: Path | None = None,
     ):
+        """``data_dir``: where each model's run-time adapters are kept across restarts (none: not kept)."""
         if not backends:
             raise ValueError("a head serves at least one model")
         self.by_name: dict[str, ServedModel] = {
@@ -99,7 +102,7 @@ class ServedModels:
                 b,
                 Admission(limits),
                 trained_sizes(b.family.model_dir),
-                LoraCatalog(lora, b.family.model_dir, name),
+                LoraCatalog(lora, b.family.model_dir, name, LoraJournal(data_dir, name) if data_dir else None),
             )
             for name, b in backends.items()
         }
