@@ -63,6 +63,10 @@ class AdapterStore:
     def loaded(self) -> list[str]:
         return list(self._entries)
 
+    def in_use(self) -> bool:
+        """Whether any running request holds an adapter (so room may come free)."""
+        return any(self._held.values())
+
     def get(self, name: str) -> Adapter:
         """An adapter acquired by a running request (asserts it is loaded)."""
         return self._entries[name].adapter

@@ -1,10 +1,19 @@
 """The denoiser's stage: receive conditioning, prepare, step the batching engine, hold final latents
-for the decoder."""
+for the decoder.
+
+A request whose adapters do not fit the LoRA budget beside those of the running requests
+(``LoraBudgetError``) waits, prepared, until running requests release theirs, then joins (first
+come, first joined: a later request naming adapters waits behind it; one naming none never waits).
+One that cannot fit even with no adapter in use fails at once, naming the sizes.
+"""
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 
+from triptych.lora.store import LoraBudgetError
 from triptych.pipelines.base import Conditioning
 from triptych.pipelines.previews import preview_steps
 from triptych.server import protocol as P
@@ -24,15 +33,16 @@ class DenoiserRunner(StageRunner):
         super().__init__(family, port)
         self.engine = DenoiserEngine(family, engine, accel=accel)
         self._jobs: dict[str, Job] = {}  # request id -> its job, while its state is in the engine
+        self._waiting: deque[tuple[Job, object]] = deque()  # (job, prepared state): no LoRA room yet
 
     def take(self, task: P.DenoiseTask) -> None:
         self.receive(self.new_job(task, wire.params_from_wire(task.params)), "cond", task)
 
     def has_work(self) -> bool:
-        return bool(self.ready) or self.engine.has_work()
+        return bool(self.ready) or self.engine.has_work() or bool(self._waiting)
 
     def engine_running(self) -> int:
-        return len(self.engine)
+        return len(self.engine) + len(self._waiting)
 
     def engine_stats(self):
         return self.engine.stats.copy()
@@ -42,6 +52,7 @@ class DenoiserRunner(StageRunner):
             super().execute()
         if self.engine.has_work():
             self.publish(self.engine.step())
+        self._join_waiting()
 
     def publish(self, out) -> None:
         """Tell the head what one engine tick did."""
@@ -78,13 +89,40 @@ class DenoiserRunner(StageRunner):
         self.admit(job, state)
 
     def admit(self, job: Job, state) -> None:
-        """``job``'s prepared state joins the engine at the next step boundary."""
+        """``job``'s prepared state joins the engine at the next step boundary (or waits for LoRA room)."""
         state.preview_steps = preview_steps(_previews(job), state.total_steps)
-        self.engine.add(state)
+        if self._waiting and state.params.lora:
+            # Behind those already waiting, even if its adapters are resident: joining would keep them
+            # in use and could starve a waiting request. A request without adapters never waits.
+            self._waiting.append((job, state))
+            return
+        self._join(job, state)
+
+    def _join(self, job: Job, state) -> bool:
+        try:
+            self.engine.add(state)
+        except LoraBudgetError:
+            if not self.family.lora.store.in_use():
+                raise  # it does not fit even alone: waiting would not help
+            self._waiting.append((job, state))
+            return False
         self._jobs[job.request_id] = job
+        return True
+
+    def _join_waiting(self) -> None:
+        """After a tick released adapters: the waiting requests that fit now join, in arrival order."""
+        while self._waiting:
+            job, state = self._waiting.popleft()
+            try:
+                if not self._join(job, state):
+                    self._waiting.rotate(1)  # _join put it last; back to the front, in order
+                    return
+            except (LoraBudgetError, ValueError) as e:
+                self.port.fail(job, e, retryable=False)
 
     def abort(self, job: Job) -> None:
         super().abort(job)
+        self._waiting = deque((j, s) for j, s in self._waiting if j is not job)
         if self._jobs.get(job.request_id) is job:
             del self._jobs[job.request_id]
         self.engine.abort(job.request_id)
