@@ -8,6 +8,13 @@ compile, so a step batch that grows or shrinks, TeaCache's sub-batches and padde
 length reuse it; dynamo still specialises a size of 1 and whether a text mask is passed, so a mixed
 load compiles a small, fixed number of graphs (``compile_counts``; figures in docs/speed.md).
 
+Hooks added after a compile must take effect (LoRA attaches its per-row hooks when an adapter first
+loads, ``lora/rows.py``): dynamo by default does not guard on ``nn.Module`` hooks
+(``skip_nnmodule_hook_guards``), so a graph compiled before a hook existed would run without it,
+silently. ``compile_repeated_blocks`` turns those guards on: a block whose hooks changed is compiled
+again (``tests/pipelines/test_lora_compile.py`` fails without it: the adapters' rows come out as
+if no adapter were loaded).
+
 Inductor's FX graph and AOTAutograd caches are on by default; ``set_cache_dir`` points them at the
 user cache dir so a restarted process reuses the generated code instead of compiling it again.
 """
@@ -37,6 +44,7 @@ def compile_repeated_blocks(model: torch.nn.Module) -> int:
     if not names:
         raise ValueError(f"{type(model).__name__} declares no _repeated_blocks to compile")
     blocks = [m for m in model.modules() if type(m).__name__ in names]
+    torch._dynamo.config.skip_nnmodule_hook_guards = False  # see the module docstring
     for block in blocks:
         block.compile(dynamic=True)
     logger.info("compiling %d %s blocks of %s", len(blocks), "/".join(sorted(names)), type(model).__name__)
