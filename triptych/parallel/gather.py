@@ -59,7 +59,7 @@ def output_gather(module: torch.nn.Module):
     """``gather(tensor)`` when sequence parallel gathers ``module``'s output along the sequence (its
     input is this rank's shard, its output the whole sequence), else None. The gather is the one
     the output hook runs (diffusers' or ``UnevenGatherHook``): a collective over the sequence group."""
-    registry = getattr(module, "_diffusers_hook", None)
+    registry = module.__dict__.get("_diffusers_hook")  # a plain attribute: no Module.__getattr__ miss
     if registry is None:
         return None
     for name, hook in registry.hooks.items():
