@@ -7,7 +7,9 @@ Each result is compared with the same request alone in a pristine diffusers pipe
 adapters loaded by ``load_lora_weights`` and weighted by ``set_adapters``. B targets ``proj_out``,
 the layer whose output the sequence split gathers (its delta is gathered the same way).
 
-In the CFG-2 case a fifth request joins naming adapter C, whose file rank 1 cannot read (it reads a
+In the Ulysses-2 case a fifth request repeats B's with B's file named at run time (``lora_paths``,
+as ``POST /v1/loras`` sends it): both ranks load it from the request. In the CFG-2 case a fifth
+request joins naming adapter C, whose file rank 1 cannot read (it reads a
 corrupt copy): rank 0 fails that request alone (``settle_joins``), every rank drops it, and the
 mixed batch runs on unchanged. Every rank ends each case holding no adapter reference.
 """
@@ -31,7 +33,8 @@ REQUESTS = {
 STEPS = 3
 # Decoded images (float in [0, 1]) of each request in the multi-rank mixed batch against it alone in
 # diffusers, max abs over the four requests, measured: cfg2 1.19e-6 (A 9.2e-7, B 1.19e-6, A+B 1.13e-6,
-# none 8.6e-7), ulysses2 1.70e-6 and ring2 1.70e-6 (A 1.0e-6, B 1.31e-6, A+B 1.70e-6, none 9.5e-7):
+# none 8.6e-7), ulysses2 1.70e-6 and ring2 1.70e-6 (A 1.0e-6, B 1.31e-6, A+B 1.70e-6, none 9.5e-7;
+# ulysses2's run-time B 1.31e-6):
 # the row without an adapter differs as much, so this is batching's and the split's reduction order.
 TOLERANCE = {
     "cfg2": 1.1e-5,  # measured 1.19e-6
@@ -73,7 +76,7 @@ def _lead(family, engine, groups, requests: dict) -> dict:
     return dict(failed=failed, finished=finished)
 
 
-def _rank(rank: int, device, model: str, lora, bad_c: str, good_c: str) -> dict:
+def _rank(rank: int, device, model: str, lora, bad_c: str, good_c: str, run_time: str) -> dict:
     from triptych.parallel import ParallelConfig, ParallelGroups, apply_parallel, broadcast_message
     from triptych.pipelines.qwenimage.family import QwenImageFamily
     from triptych.server.engine import EngineConfig
@@ -98,6 +101,9 @@ def _rank(rank: int, device, model: str, lora, bad_c: str, good_c: str) -> dict:
                 requests = {k: _params(family, i, lora) for i, (k, lora) in enumerate(REQUESTS.items())}
                 if mode == "cfg2":
                     requests["C"] = _params(family, 9, (("c", 1.0),))
+                if mode == "ulysses2":  # B's request again, its adapter named at run time (as POST /v1/loras)
+                    b = requests["B"]
+                    requests["run-time"] = b.replace(lora=(("r", 0.7),), lora_paths=(("r", run_time),))
                 case = _lead(family, engine, groups, requests)
                 broadcast_message(Tick([], [], [], stop=True), Tick, groups)
             else:
@@ -120,7 +126,7 @@ def setup(tmp_path_factory):
     pristine.load_lora_weights(str(root / "b"), adapter_name="b")
     bad = root / "bad-c.safetensors"
     bad.write_bytes(b"this is no safetensors file")
-    return model, lora, pristine, str(bad), str(root / "a")
+    return model, lora, pristine, str(bad), str(root / "a"), str(root / "b")
 
 
 def _alone(pipe, p):
@@ -136,8 +142,8 @@ def test_mixed_lora_batch_on_two_ranks_matches_each_request_alone_in_diffusers(s
     from triptych.parallel import run_ranks
     from triptych.pipelines.qwenimage.family import QwenImageFamily
 
-    model, lora, pristine, bad_c, good_c = setup
-    results = run_ranks(_rank, 2, (str(model), lora, bad_c, good_c), timeout_s=300)
+    model, lora, pristine, bad_c, good_c, run_time = setup
+    results = run_ranks(_rank, 2, (str(model), lora, bad_c, good_c, run_time), timeout_s=300)
     family = QwenImageFamily(model)
     ps = {k: _params(family, i, spec) for i, (k, spec) in enumerate(REQUESTS.items())}
     want = {k: _alone(pristine, p) for k, p in ps.items()}
@@ -146,11 +152,15 @@ def test_mixed_lora_batch_on_two_ranks_matches_each_request_alone_in_diffusers(s
         leader = results[0][mode]
         got = {k: family.decode(leader["finished"][k], p).array for k, p in ps.items()}
         errors[mode] = {k: float(np.abs(got[k] - want[k]).max()) for k in ps}
+        if mode == "ulysses2":  # an adapter both ranks learned from the request itself
+            run_time = family.decode(leader["finished"]["run-time"], ps["B"]).array
+            errors[mode]["run-time"] = float(np.abs(run_time - want["B"]).max())
         for rank, r in enumerate(results):
             case = r[mode]
             # one transformer forward per step per rank for the whole mixed batch: CFG-2 splits the
             # 8 rows into halves of 4, a sequence split runs all 8 rows on its shard of the tokens
-            assert case["rows"] == [4 if mode == "cfg2" else 8] * STEPS, (mode, rank, case["rows"])
+            want_rows = {"cfg2": 4, "ulysses2": 10, "ring2": 8}[mode]  # ulysses2: the run-time request too
+            assert case["rows"] == [want_rows] * STEPS, (mode, rank, case["rows"])
             assert case["held"] == dict(requests=[], users=[]), (mode, rank, case["held"])  # nothing leaked
             assert case["running"] == [], (mode, rank)
     print("max abs diff per mode and request:", errors)
