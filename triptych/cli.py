@@ -155,7 +155,7 @@ def cmd_generate(args) -> int:
     params = family.resolve(params)
     _warn_untrained_size(family.model_dir, params)
     if args.lora:
-        params = _with_lora(family, params, args.lora, parallel.world_size)
+        params = _with_lora(family, params, args.lora)
     accel = None
     if params.teacache_threshold:
         accel = _teacache(family, params)
@@ -190,12 +190,10 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def _with_lora(family, params, values, world_size: int):
+def _with_lora(family, params, values):
     from triptych.lora.config import lora_args
 
     config, spec = lora_args(values, shipped=family.model_dir / "lora")
-    if world_size > 1:
-        raise InvalidParam("lora", values, "is not served by a multi-rank denoiser yet; use one rank")
     if params.teacache_threshold:
         raise InvalidParam("teacache_threshold", params.teacache_threshold, "must be 0 with --lora")
     family.enable_lora(config)

@@ -1,5 +1,6 @@
 """A 2-rank denoiser instance (Ulysses-2 on gloo) behind the head: results equal the single-rank
-pipeline within the batching tolerance, concurrent requests each match their run alone, and a
+pipeline within the batching tolerance, concurrent requests each match their run alone (a LoRA
+request too: the instance serves ``--lora``, its follower reads the same adapter), and a
 follower rank killed with SIGKILL takes the instance out (requests fail clearly or are retried),
 leaves no rank running, and the instance comes back (restarted by the supervisor) and serves."""
 
@@ -37,13 +38,27 @@ def model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def cluster(model):
+def adapter(model, tmp_path_factory):
+    """A random FLUX adapter on q and every ``proj_out`` (the model's own is where Ulysses gathers)."""
+    from diffusers import FluxPipeline
+
+    from triptych.lora.config import LoraConfig
+    from triptych.lora.synthetic import write_random_lora
+
+    out = tmp_path_factory.mktemp("parallel-served-lora") / "fa"
+    tr = model[1].pipe.transformer
+    write_random_lora(out, tr, ("attn.to_q", "proj_out"), rank=4, seed=7, std=0.3, pipeline_class=FluxPipeline)
+    return LoraConfig(lora=(f"fa={out}",))
+
+
+@pytest.fixture(scope="module")
+def cluster(model, adapter):
     topology = TopologyConfig(
         transfer="zmq",
         capacity=8,
         parallel=ParallelConfig(ulysses=2),
         restart_backoff_s=0.5,
-        extra_args=("--collective-timeout", "20"),
+        extra_args=("--collective-timeout", "20", "--lora", adapter.lora[0]),
     )
     c = Cluster(model[0], topology)
     yield c
@@ -88,6 +103,25 @@ def test_concurrent_requests_each_match_their_run_alone(cluster, model):
     for j, p in zip(jobs, pending, strict=True):
         assert np.abs(pixels(p.result(600)) - alone(family, j)).max() <= MAX_PIXEL_DIFF, j.request_id
     cluster.wait_until(nothing_held, "nothing held after the concurrent requests")
+
+
+def test_lora_requests_beside_a_plain_one_each_match_their_run_alone(cluster, model, adapter):
+    """Two requests with the adapter (scales 1 and 0.6) and one without, at once: each equals the
+    single-rank pipeline with (or without) the adapter; the adapter moves the image well past the bound."""
+    path, family = model
+    adapted = load_family(path)
+    adapted.enable_lora(adapter)
+    specs = {"par-l1": (("fa", 1.0),), "par-l2": (("fa", 0.6),), "par-l0": ()}
+    jobs = {rid: job(family, rid, seed=30 + i) for i, rid in enumerate(specs)}
+    jobs = {rid: dataclasses.replace(j, params=j.params.replace(lora=specs[rid])) for rid, j in jobs.items()}
+    pending = {rid: cluster.submit(j) for rid, j in jobs.items()}
+    for rid, p in pending.items():
+        want = alone(adapted, jobs[rid])
+        assert np.abs(pixels(p.result(300)) - want).max() <= MAX_PIXEL_DIFF, rid  # measured 1, 1, 1
+    plain = alone(family, dataclasses.replace(jobs["par-l1"], params=jobs["par-l1"].params.replace(lora=())))
+    # the adapter does something: measured 253 levels, against the bound of 2
+    assert np.abs(alone(adapted, jobs["par-l1"]) - plain).max() > 8 * MAX_PIXEL_DIFF
+    cluster.wait_until(nothing_held, "nothing held after the LoRA requests")
 
 
 def test_streamed_previews_come_from_a_two_rank_instance(cluster, model):
@@ -154,3 +188,18 @@ def test_one_request_in_this_process_on_two_ranks_matches_one_rank(model):
     want, _ = run_request(family, params)
     diff = np.abs(frames.to_uint8().astype(np.int16) - want.to_uint8().astype(np.int16)).max()
     assert diff <= MAX_PIXEL_DIFF and set(timings.seconds) == {"encode", "denoise", "decode"}
+
+
+def test_a_lora_request_in_this_process_on_two_ranks_matches_one_rank(model, adapter):
+    """What ``generate --lora fa --ulysses 2`` runs: rank 1 learns the adapter from rank 0's setup."""
+    from triptych.pipelines.base import GenerationParams
+    from triptych.server.runners.local import run_parallel_request
+
+    family = load_family(model[0])
+    family.enable_lora(adapter)
+    params = GenerationParams("a red circle", seed=4, steps=3, lora=(("fa", 1.0),))
+    frames, _ = run_parallel_request(family, params, ParallelConfig(ulysses=2))
+    want, _ = run_request(family, params)
+    diff = np.abs(frames.to_uint8().astype(np.int16) - want.to_uint8().astype(np.int16)).max()
+    assert diff <= MAX_PIXEL_DIFF  # measured 1
+    assert family.lora.store.loaded() == ["fa"] and not family.lora.store._held  # released after the run

@@ -9,6 +9,12 @@ diffusers does. Outside a plan (or with no adapter in it) a hook returns at its 
 layer's output is untouched, so a batch without adapters is bit-identical to the model without
 hooks. The base weights are never changed (ARCHITECTURE.md, contract 14).
 
+On a sequence-parallel rank (Ulysses, ring) a layer sees this rank's shard of the tokens; the delta
+is per token, so the hook applies it to the shard. A layer whose output the split gathers (the
+model's ``_cp_plan`` output, e.g. ``proj_out``) returns the whole sequence from a shard's input: its
+delta is gathered the same way before it is added (``triptych.parallel.gather.output_gather``).
+With CFG parallel each rank runs the forward over its half of the rows, planned for those rows.
+
 Contract: the plan lives for one forward only (a context manager), on the ``RowLora`` object, never
 on a request; the hooks read the adapters' tensors and hold no reference to them between forwards.
 """
@@ -22,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from triptych.lora.adapter import Adapter
+from triptych.parallel.gather import output_gather
 
 #: One row's adapters, in the order their deltas are added: ``((adapter, scale), ...)``.
 RowSpec = tuple[tuple[Adapter, float], ...]
@@ -72,6 +79,7 @@ class RowLora:
             if segments is None:
                 return None
             x = args[0]
+            gather = output_gather(module)
             for seg in segments:
                 m = seg.adapter.modules.get(name)
                 if m is None:
@@ -82,6 +90,8 @@ class RowLora:
                     delta = delta * (seg.scales * m.scale)
                 else:
                     delta = delta * (seg.scales * m.scale).view(-1, *([1] * (delta.dim() - 1))).to(delta.dtype)
+                if gather is not None:
+                    delta = gather(delta)
                 output = output + delta if seg.rows is None else output.index_add(0, seg.rows, delta)
             return output
 

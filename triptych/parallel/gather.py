@@ -4,12 +4,16 @@ diffusers gathers uneven shards (``ulysses_anything`` / ``ring_anything``) with 
 ``all_gather`` of differently sized tensors; gloo refuses that ("invalid tensor size"), so on CPU
 any odd token count (Qwen-Image at 48×48: 9 image tokens) failed at the model's output gather.
 Here shards are zero-padded to the longest, gathered, and trimmed.
+
+``output_gather(module)``: the gather a module's ``_cp_plan`` output entry puts after it, for code
+that adds to that module's output from its local input (a LoRA delta: ``triptych.lora.rows``).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from diffusers.hooks.context_parallel import _CONTEXT_PARALLEL_OUTPUT_HOOK_TEMPLATE
 from diffusers.hooks.hooks import ModelHook
 from diffusers.models._modeling_parallel import ContextParallelOutput, gather_size_by_comm
 
@@ -46,3 +50,19 @@ class UnevenGatherHook(ModelHook):
             if spec is not None:
                 items[i] = all_gather_uneven(items[i], spec.gather_dim, self.group)
         return items[0] if single else tuple(items)
+
+
+_OUTPUT_HOOK_PREFIX = _CONTEXT_PARALLEL_OUTPUT_HOOK_TEMPLATE.format("")
+
+
+def output_gather(module: torch.nn.Module):
+    """``gather(tensor)`` when sequence parallel gathers ``module``'s output along the sequence (its
+    input is this rank's shard, its output the whole sequence), else None. The gather is the one
+    the output hook runs (diffusers' or ``UnevenGatherHook``): a collective over the sequence group."""
+    registry = module.__dict__.get("_diffusers_hook")  # a plain attribute: no Module.__getattr__ miss
+    if registry is None:
+        return None
+    for name, hook in registry.hooks.items():
+        if name.startswith(_OUTPUT_HOOK_PREFIX):
+            return lambda tensor: hook.post_forward(module, tensor)
+    return None

@@ -1,7 +1,8 @@
 """A follower rank of a multi-rank denoiser instance: ``python -m triptych.server.rank ...``.
 
 Spawned by rank 0 (``runners/ranks.py``), never by a user. It joins the instance's process group,
-learns what to load from rank 0 (``RankSetup``), loads the denoiser's components, attaches the
+learns what to load from rank 0 (``RankSetup``), loads the denoiser's components (and serves rank
+0's LoRA adapters, if any), attaches the
 parallelism, and applies rank 0's ticks (``runners/ticks.follow``) until told to stop. It never
 talks to the head. It exits when rank 0's process is gone or a collective fails (a dead or hung
 peer): the instance leaves service as a whole.
@@ -55,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         family = family_class(setup.model_dir)(
             setup.model_dir, roles={Role.DENOISER}, device=str(device), dtype=setup.dtype
         )
+        if setup.lora is not None:  # rank 0's adapters, read from the same files under the same budget
+            family.enable_lora(setup.lora)
         parallelism = apply_parallel(family.pipe.transformer, groups)
         engine = instance_engine(family, setup.engine, parallelism, setup.teacache_profiles_dir)
         follow(family, engine, groups)

@@ -139,9 +139,7 @@ class Worker:
             speed=config.speed,
         )
         if self.role == Role.DENOISER and (config.lora.lora or config.lora.lora_root):
-            if config.parallel.world_size > 1:  # NOTE: follower ranks would run without the adapters
-                raise ValueError("--lora: a multi-rank denoiser does not serve LoRA adapters yet; use one rank")
-            self.family.enable_lora(config.lora)
+            self.family.enable_lora(config.lora)  # a multi-rank instance's followers get it in RankSetup
         if config.speed.compile and self.role is Role.DENOISER:
             from triptych.pipelines.warmup import warm_up
 

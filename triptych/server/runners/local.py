@@ -12,14 +12,14 @@ import time
 import torch
 
 from triptych.cache.mm import tenant_scope
-from triptych.errors import InvalidParam
-from triptych.parallel import ParallelConfig, broadcast_message, broadcast_tensors
+from triptych.errors import InvalidParam, TriptychError
+from triptych.parallel import ParallelConfig
 from triptych.pipelines.base import Conditioning, Family, Frames, GenerationParams
 from triptych.pipelines.runner import StageTimings, StepCallback
 from triptych.server import wire
 from triptych.server.engine import EngineConfig
 from triptych.server.runners.ranks import InstanceRanks
-from triptych.server.runners.ticks import Join, Tick, instance_engine, step
+from triptych.server.runners.ticks import Join, Tick, instance_engine, lead_tick
 
 
 def run_parallel_request(
@@ -51,11 +51,11 @@ def run_parallel_request(
             state = family.prepare("local", params, Conditioning.from_flat(flat))
         engine.add(state)
         join = Join("local", wire.params_to_wire(params))
-        broadcast_message(Tick([], [join], []), Tick, groups)
-        broadcast_tensors(flat, groups)
+        _, failed = lead_tick(Tick([], [join], []), [flat], engine, groups)
+        if failed:  # a follower could not load the request's adapters
+            raise TriptychError(f"--lora failed on {failed['local']}")
         while not state.done:
-            broadcast_message(Tick([], [], ["local"]), Tick, groups)
-            step(engine, ["local"], groups)
+            lead_tick(Tick([], [], ["local"]), [], engine, groups)
             if on_step is not None:
                 on_step(state)
         timings.add("denoise", t)

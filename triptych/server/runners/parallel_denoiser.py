@@ -10,7 +10,8 @@ the head and the transfer plane. An idle instance still broadcasts an empty tick
 A failed collective (a rank died, or hung past the collective timeout) or a step that raised (the
 ranks may have diverged) fails every request the instance holds as retryable and raises
 ``InstanceBroken``: the worker exits and its ranks with it, and the head retries the requests
-elsewhere. TeaCache runs on every rank, composed with the ranks (``triptych.parallel.cache``): its skip
+elsewhere. A join a follower cannot add (an adapter it cannot load) fails that request alone
+(``ticks.settle_joins``). TeaCache runs on every rank, composed with the ranks (``triptych.parallel.cache``): its skip
 decisions are rank 0's, broadcast at each step, so every rank skips the same rows.
 """
 
@@ -23,12 +24,12 @@ from pathlib import Path
 import torch
 
 from triptych.errors import TriptychError
-from triptych.parallel import ParallelConfig, broadcast_message, broadcast_tensors
+from triptych.parallel import ParallelConfig
 from triptych.server.engine import EngineConfig
 from triptych.server.runners.base import Job
 from triptych.server.runners.denoiser import DenoiserRunner
 from triptych.server.runners.ranks import InstanceRanks
-from triptych.server.runners.ticks import InstanceBroken, Join, Tick, instance_engine, step
+from triptych.server.runners.ticks import InstanceBroken, Join, Tick, instance_engine, lead_tick
 
 logger = logging.getLogger(__name__)
 
@@ -85,14 +86,15 @@ class ParallelDenoiserRunner(DenoiserRunner):
         joined, conds = self._join_here()
         batch = [r.state.request_id for r in self.engine.schedule()] if self.engine.has_work() else []
         try:
-            broadcast_message(Tick(aborted, joined, batch), Tick, self.groups)
-            for flat in conds:
-                broadcast_tensors(flat, self.groups)
-            out = step(self.engine, batch, self.groups) if batch else None
+            out, failed = lead_tick(Tick(aborted, joined, batch), conds, self.engine, self.groups)
         except Exception as e:  # noqa: BLE001 - any failure mid-collective breaks the whole instance
             self._fail_all(e)
             raise InstanceBroken(f"{self.port.instance_id}: the instance's ranks cannot go on ({e})") from None
         self._last_tick = time.monotonic()
+        for rid, why in failed.items():  # a follower could not add it (its adapters): it left every rank
+            job = self._jobs.pop(rid, None)
+            if job is not None and self.port.owns(job):
+                self.port.fail(job, TriptychError(f"the request's LoRA failed on {why}"), retryable=False)
         if out is not None:
             self.publish(out)
 

@@ -3,7 +3,7 @@
 ``InstanceRanks.start`` spawns ranks 1..N-1 (``python -m triptych.server.rank``), forms the
 instance's process group with them on a free loopback port (gloo on CPU, NCCL on CUDA; every
 collective times out after ``collective_timeout_s``), builds the rank groups, tells the followers
-what to load, and attaches the parallelism to rank 0's transformer. ``close`` tells them to stop,
+what to load (the model, the adapters rank 0 serves), and attaches the parallelism to rank 0's transformer. ``close`` tells them to stop,
 waits, and kills by pid whatever is left. Followers watch rank 0's pid and exit if it is gone.
 """
 
@@ -49,8 +49,11 @@ class InstanceRanks:
         try:
             dev = join_group(0, world, port, device=device, timeout=datetime.timedelta(seconds=self.timeout_s))
             self.groups = ParallelGroups.build(p, dev)
+            lora = family.lora.config if family.lora is not None else None  # followers serve the same adapters
             broadcast_message(
-                RankSetup(str(model_dir), dtype, engine, p, profiles_dir and str(profiles_dir)), RankSetup, self.groups
+                RankSetup(str(model_dir), dtype, engine, p, profiles_dir and str(profiles_dir), lora),
+                RankSetup,
+                self.groups,
             )
             self.parallelism = apply_parallel(family.pipe.transformer, self.groups)
         except BaseException:
