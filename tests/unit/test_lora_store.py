@@ -76,7 +76,8 @@ def test_scale_comes_from_peft_metadata_else_is_one():
 @pytest.mark.parametrize(
     "sd, match",
     [
-        ({"text_encoder.x.lora_A.weight": torch.zeros(1, 1)}, "not a transformer LoRA key"),
+        ({"text_encoder.x.lora_A.weight": torch.zeros(1, 1)}, "the model's diffusers LoRA format has no text-encoder"),
+        ({"unet.x.lora_A.weight": torch.zeros(1, 1)}, "'unet.x.lora_A.weight' is not a LoRA key of the model's"),
         ({"transformer.x.lora_A.weight": torch.zeros(2, 3)}, "without its pair"),
         (
             {"transformer.x.lora_A.weight": torch.zeros(2, 3), "transformer.x.lora_B.weight": torch.zeros(5, 4)},
