@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException
 from triptych.errors import shown
 from triptych.lora.catalog import LoraCatalog
 from triptych.lora.config import LoraConfig
+from triptych.lora.formats import LoraFormat
 from triptych.pipelines.geometry import size_warning, trained_sizes
 from triptych.server.admission import Admission, AdmissionLimits
 from triptych.server.api_models import ModelCard
@@ -99,7 +100,7 @@ class ServedModels:
                 b,
                 Admission(limits),
                 trained_sizes(b.family.model_dir),
-                LoraCatalog(lora, b.family.model_dir, name),
+                LoraCatalog(lora, b.family.model_dir, name, LoraFormat.of(b.family)),
             )
             for name, b in backends.items()
         }
