@@ -90,9 +90,8 @@ def from_state_dict(
     modules = {}
     for (part_of, module), ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
-            raise LoraFormatError(
-                f"adapter {name!r}: module {part_of}.{module!r} has lora_{''.join(ab)} without its pair"
-            )
+            where = f"{part_of}.{module}"
+            raise LoraFormatError(f"adapter {name!r}: module {where!r} has lora_{''.join(ab)} without its pair")
         a, b = ab["A"], ab["B"]
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
             raise LoraFormatError(

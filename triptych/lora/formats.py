@@ -42,5 +42,8 @@ class LoraFormat:
         if component.startswith("text_encoder"):
             encoders = [c for c in self.loadable if c.startswith("text_encoder")]
             has = f"text-encoder LoRA for {', '.join(encoders)} only" if encoders else "no text-encoder LoRA"
-            return f"key {key!r} is {component!r} LoRA, but {self.family}'s diffusers LoRA format has {has} (it carries: {carried})"
+            return (
+                f"key {key!r} is {component!r} LoRA, but {self.family}'s diffusers LoRA format has {has} "
+                f"(it carries: {carried})"
+            )
         return f"key {key!r} is not a LoRA key of {self.family}'s diffusers format (keys start with one of: {carried})"
