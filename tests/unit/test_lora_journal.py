@@ -32,7 +32,7 @@ def model_and_root(tiny_model_dir, tmp_path_factory):
 
 
 def catalog(model, root, data, name="m"):
-    return LoraCatalog(LoraConfig(lora_root=str(root)), model, name, LoraJournal(data, name))
+    return LoraCatalog(LoraConfig(lora_root=str(root)), model, name, journal=LoraJournal(data, name))
 
 
 def test_a_restarted_head_serves_the_run_time_adapters_it_had(model_and_root, tmp_path):

@@ -9,6 +9,7 @@ import torch
 from triptych.errors import InvalidParam
 from triptych.lora.adapter import Adapter, LoraFormatError, LoraModule, check_fits, from_state_dict
 from triptych.lora.config import LoraConfig, lora_args
+from triptych.lora.formats import LoraFormat
 from triptych.lora.rows import segments_of
 from triptych.lora.store import AdapterStore, LoraBudgetError
 
@@ -76,7 +77,8 @@ def test_scale_comes_from_peft_metadata_else_is_one():
 @pytest.mark.parametrize(
     "sd, match",
     [
-        ({"text_encoder.x.lora_A.weight": torch.zeros(1, 1)}, "not a transformer LoRA key"),
+        ({"text_encoder.x.lora_A.weight": torch.zeros(1, 1)}, "the model's diffusers LoRA format has no text-encoder"),
+        ({"unet.x.lora_A.weight": torch.zeros(1, 1)}, "'unet.x.lora_A.weight' is not a LoRA key of the model's"),
         ({"transformer.x.lora_A.weight": torch.zeros(2, 3)}, "without its pair"),
         (
             {"transformer.x.lora_A.weight": torch.zeros(2, 3), "transformer.x.lora_B.weight": torch.zeros(5, 4)},
@@ -137,3 +139,26 @@ def test_generate_lora_args_resolve_a_bare_name_to_the_adapter_the_model_ships()
         lora_args(["outline"], shipped=shipped)
     with pytest.raises(InvalidParam, match="adapter folder or .safetensors file"):
         lora_args(["invert"])  # without the model's folder a bare name is no adapter
+
+
+def test_each_family_applies_lora_to_components_its_diffusers_format_carries():
+    from triptych.lora.formats import LoraFormat
+    from triptych.pipelines.registry import FAMILIES, VARIANTS, _load
+
+    fmts = {target: LoraFormat.of(_load(target)) for target in [*FAMILIES.values(), *VARIANTS.values()]}
+    for target, fmt in fmts.items():
+        assert set(fmt.applied) <= set(fmt.loadable), target  # never a component diffusers would not load
+    with_te = {t.rpartition(":")[2] for t, f in fmts.items() if "text_encoder" in f.applied}
+    carried = {t.rpartition(":")[2] for t, f in fmts.items() if any(c.startswith("text_encoder") for c in f.loadable)}
+    assert with_te == carried == {"FluxFamily"}  # the installed diffusers: only FluxPipeline's format has it
+
+
+def test_a_component_the_format_carries_but_triptych_does_not_apply_is_refused_naming_it():
+    wan = LoraFormat("wan-t2v", ("transformer",), ("transformer", "transformer_2"))
+    sd = {"transformer_2.x.lora_A.weight": torch.zeros(2, 3), "transformer_2.x.lora_B.weight": torch.zeros(5, 2)}
+    with pytest.raises(LoraFormatError, match="'transformer_2' LoRA, which Triptych does not apply on wan-t2v yet"):
+        from_state_dict("n", sd, fmt=wan)
+    flux = LoraFormat("flux", ("transformer", "text_encoder"), ("transformer", "text_encoder"))
+    sd = {"text_encoder.x.lora_A.weight": torch.zeros(2, 3), "text_encoder.x.lora_B.weight": torch.zeros(5, 2)}
+    assert from_state_dict("n", sd, fmt=flux).modules == {}  # the transformer's part of a text-encoder-only file
+    assert from_state_dict("n", sd, component="text_encoder", fmt=flux).modules["x"].rank == 2

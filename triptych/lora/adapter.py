@@ -2,7 +2,9 @@
 
 The state dicts are diffusers' LoRA format, as a family's pipeline class ``lora_state_dict`` returns
 them (it also converts the non-diffusers formats diffusers knows): keys
-``transformer.<module>.lora_A.weight`` (rank × in) and ``...lora_B.weight`` (out × rank). The scale
+``<component>.<module>.lora_A.weight`` (rank × in) and ``...lora_B.weight`` (out × rank), the
+component ``transformer`` or, where the family's format carries it, ``text_encoder``
+(``triptych.lora.formats``); an ``Adapter`` holds one component's modules. The scale
 of a module is PEFT's ``lora_alpha / r``: from the file's ``lora_adapter_metadata`` (``lora_alpha``,
 ``alpha_pattern``, ``use_rslora``), from ``network_alphas`` (FLUX's kohya-style files), else 1 (the
 diffusers convention ``alpha == rank`` for a file that carries no alpha).
@@ -15,9 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from triptych.lora.formats import LoraFormat
 from triptych.lora.paths import LoraFormatError
-
-PREFIX = "transformer."
 
 
 @dataclass
@@ -48,7 +49,7 @@ class Adapter:
 
     @property
     def rank(self) -> int:
-        return max(m.rank for m in self.modules.values())
+        return max((m.rank for m in self.modules.values()), default=0)
 
     def to(self, device: torch.device, dtype: torch.dtype) -> Adapter:
         mods = {k: LoraModule(m.a.to(device, dtype), m.b.to(device, dtype), m.scale) for k, m in self.modules.items()}
@@ -64,42 +65,60 @@ def _pattern_value(module: str, patterns: dict, default):
 
 
 def from_state_dict(
-    name: str, state_dict: dict[str, torch.Tensor], metadata: dict | None = None, network_alphas: dict | None = None
+    name: str,
+    state_dict: dict[str, torch.Tensor],
+    metadata: dict | None = None,
+    network_alphas: dict | None = None,
+    component: str = "transformer",
+    fmt: LoraFormat = LoraFormat(),
 ) -> Adapter:
-    """An ``Adapter`` from a diffusers-format LoRA state dict (transformer keys only)."""
-    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    """The ``component`` part of a diffusers-format LoRA state dict (its ``<component>.*`` keys) as an
+    ``Adapter``; empty when the file adapts only other components. Every key is checked: one of a
+    component ``fmt`` does not apply, a non-lora_A/B key or a module without its pair refuses the file."""
+    pairs: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
     for key, tensor in state_dict.items():
-        if not key.startswith(PREFIX):
-            raise LoraFormatError(f"adapter {name!r}: key {key!r} is not a transformer LoRA key (only {PREFIX}* apply)")
-        module, _, part = key[len(PREFIX) :].rpartition(".lora_")
+        refusal = fmt.refusal(key)
+        if refusal is not None:
+            raise LoraFormatError(f"adapter {name!r}: {refusal}")
+        part_of, _, rest = key.partition(".")
+        module, _, part = rest.rpartition(".lora_")
         if part not in ("A.weight", "B.weight"):
             raise LoraFormatError(f"adapter {name!r}: key {key!r} is not a lora_A/lora_B weight (DoRA, bias: no)")
-        pairs.setdefault(module, {})[part[0]] = tensor
+        pairs.setdefault((part_of, module), {})[part[0]] = tensor
     if not pairs:
-        raise LoraFormatError(f"adapter {name!r}: no transformer LoRA weights in it")
-    meta = {k.removeprefix(PREFIX): v for k, v in (metadata or {}).items()}
-    meta = meta if "lora_alpha" in meta else {}
-    alphas = {k.removeprefix(PREFIX).removesuffix(".alpha"): float(v) for k, v in (network_alphas or {}).items()}
+        raise LoraFormatError(f"adapter {name!r}: no LoRA weights in it")
     modules = {}
-    for module, ab in sorted(pairs.items()):
+    for (part_of, module), ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
-            raise LoraFormatError(f"adapter {name!r}: module {module!r} has lora_{''.join(ab)} without its pair")
+            where = f"{part_of}.{module}"
+            raise LoraFormatError(f"adapter {name!r}: module {where!r} has lora_{''.join(ab)} without its pair")
         a, b = ab["A"], ab["B"]
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
             raise LoraFormatError(
                 f"adapter {name!r}: module {module!r} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}: "
                 "want (rank, in) and (out, rank)"
             )
-        rank = a.shape[0]
-        if meta:
-            alpha = float(_pattern_value(module, meta.get("alpha_pattern") or {}, meta["lora_alpha"]))
-            scale = alpha / math.sqrt(rank) if meta.get("use_rslora") else alpha / rank
-        elif module in alphas:
-            scale = alphas[module] / rank
-        else:
-            scale = 1.0
-        modules[module] = LoraModule(a.contiguous(), b.contiguous(), scale)
-    return Adapter(name, modules, meta=meta)
+        if part_of == component:
+            modules[module] = LoraModule(
+                a.contiguous(), b.contiguous(), _scale(module, a.shape[0], component, metadata, network_alphas)
+            )
+    meta = _component(metadata, component)
+    return Adapter(name, modules, meta=meta if "lora_alpha" in meta else {})
+
+
+def _component(values: dict | None, component: str) -> dict:
+    """The ``component.``-prefixed entries of ``values``, unprefixed (as diffusers reads metadata)."""
+    prefix = component + "."
+    return {k[len(prefix) :]: v for k, v in (values or {}).items() if k.startswith(prefix)}
+
+
+def _scale(module: str, rank: int, component: str, metadata: dict | None, network_alphas: dict | None) -> float:
+    meta = _component(metadata, component)
+    if "lora_alpha" in meta:
+        alpha = float(_pattern_value(module, meta.get("alpha_pattern") or {}, meta["lora_alpha"]))
+        return alpha / math.sqrt(rank) if meta.get("use_rslora") else alpha / rank
+    alphas = {k.removesuffix(".alpha"): float(v) for k, v in _component(network_alphas, component).items()}
+    return alphas[module] / rank if module in alphas else 1.0
 
 
 def check_fits(adapter: Adapter, shapes: dict[str, tuple[int, int]], model: str = "the model") -> None:

@@ -2,9 +2,11 @@
 request's ``lora`` field (a 400 naming the field, the value and the rule, before any worker sees it).
 
 Torch-free (the head imports it): shapes come from the safetensors headers of the adapter file and
-of the model's ``transformer/`` weights, never from loaded tensors. A file in a non-diffusers layout
-(keys diffusers converts on load) cannot be checked from its header; it is marked unchecked and the
-denoiser checks it when it loads it (the request then fails with the denoiser's message).
+of the model's ``transformer/`` (and, where the family applies text-encoder LoRA, ``text_encoder/``)
+weights, never from loaded tensors. A key of a component the family's format has not (text-encoder
+LoRA on Qwen-Image) is refused by rule (``lora.formats``). A file in a non-diffusers layout (keys
+diffusers converts on load) cannot be checked from its header; it is marked unchecked and the
+worker checks it when it loads it (the request then fails with the worker's message).
 """
 
 from __future__ import annotations
@@ -18,12 +20,12 @@ from pathlib import Path
 
 from triptych.errors import InvalidParam, TriptychError
 from triptych.lora.config import LoraConfig
+from triptych.lora.formats import LoraFormat
 from triptych.lora.journal import JournalState, LoraJournal
 from triptych.lora.paths import weight_file
 
 log = logging.getLogger(__name__)
 
-PREFIX = "transformer."
 MAX_ADAPTERS_PER_REQUEST = 4
 
 
@@ -35,29 +37,43 @@ def header_shapes(file: Path) -> dict[str, list[int]]:
     return {k: v["shape"] for k, v in header.items() if k != "__metadata__"}
 
 
-def model_linear_shapes(model_dir: Path) -> dict[str, tuple[int, int]]:
-    """``<module>.weight`` 2-D shapes of a model's transformer: module → (out, in)."""
+def model_linear_shapes(model_dir: Path, component: str = "transformer") -> dict[str, tuple[int, int]]:
+    """``<module>.weight`` 2-D shapes of a model's ``component`` folder: module → (out, in). A CLIP
+    checkpoint's ``text_model.`` level is dropped (as the adapter's keys are: ``lora.files``)."""
     out = {}
-    for file in sorted((Path(model_dir) / "transformer").glob("*.safetensors")):
+    for file in sorted((Path(model_dir) / component).glob("*.safetensors")):
         for key, shape in header_shapes(file).items():
             if key.endswith(".weight") and len(shape) == 2:
-                out[key.removesuffix(".weight")] = (shape[0], shape[1])
+                out[key.removesuffix(".weight").removeprefix("text_model.")] = (shape[0], shape[1])
     return out
 
 
-def misfit(adapter_file: Path, shapes: Mapping[str, tuple[int, int]]) -> str | None:
-    """Why an adapter does not fit a model (its first bad module), or None when it fits or cannot be
-    checked from headers."""
+def misfit(
+    adapter_file: Path, shapes: Mapping[str, Mapping[str, tuple[int, int]]], fmt: LoraFormat = LoraFormat()
+) -> str | None:
+    """The rule an adapter breaks on this model (a key of a component the family's format has not;
+    its first module that is no Linear here or has other shapes), or None when it fits or cannot be
+    checked from headers. ``shapes``: component → module → (out, in)."""
     tensors = header_shapes(adapter_file)
-    if not all(k.startswith(PREFIX) and ".lora_" in k for k in tensors):
-        return None
+    if not all(k.endswith((".lora_A.weight", ".lora_B.weight")) for k in tensors):
+        return None  # another layout (kohya, xlabs...): the worker checks it when it converts it on load
+    refusal = next((r for r in map(fmt.refusal, sorted(tensors)) if r is not None), None)
+    if refusal is not None:
+        return f"cannot be applied to {fmt.family}: {refusal}"
     for key, shape in sorted(tensors.items()):
-        module, _, part = key[len(PREFIX) :].rpartition(".lora_")
-        if module not in shapes:
-            return f"module {module!r} is not a Linear layer of this model"
-        out_f, in_f = shapes[module]
+        component, _, rest = key.partition(".")
+        module, _, part = rest.rpartition(".lora_")
+        module = module.removeprefix("text_model.")
+        here = shapes.get(component, {})
+        where = "this model" if component == "transformer" else f"this model's {component}"
+        if module not in here:
+            return f"is an adapter for another model: module {module!r} is not a Linear layer of {where}"
+        out_f, in_f = here[module]
         if (part == "A.weight" and shape[1] != in_f) or (part == "B.weight" and shape[0] != out_f):
-            return f"module {module!r} is ({out_f} out, {in_f} in) here but lora_{part[0]} is {tuple(shape)}"
+            return (
+                f"is an adapter for another model: module {module!r} is ({out_f} out, {in_f} in) in {where} "
+                f"but lora_{part[0]} is {tuple(shape)}"
+            )
     return None
 
 
@@ -67,24 +83,32 @@ class AdapterInfo:
     file: Path
     rank: int
     nbytes: int
-    misfit: str | None  # why it does not fit this model; None = it fits (or is checked on load)
+    misfit: str | None  # the rule it breaks on this model; None = it fits (or is checked on load)
 
 
 class LoraCatalog:
     """The adapters one served model may use (``serve --lora NAME=DIR``)."""
 
     def __init__(
-        self, config: LoraConfig, model_dir: Path, model_name: str = "the model", journal: LoraJournal | None = None
+        self,
+        config: LoraConfig,
+        model_dir: Path,
+        model_name: str = "the model",
+        fmt: LoraFormat | None = None,
+        journal: LoraJournal | None = None,
     ):
-        """``journal``: where run-time adapters are kept across head restarts (replayed here)."""
+        """``fmt``: the components the model's adapters may carry (``LoraFormat.of(family)``; default:
+        the transformer only). ``journal``: where run-time adapters are kept across head restarts
+        (replayed here)."""
         self.config = config
         self.journal = journal
         self.model_name = model_name
+        self.fmt = fmt or LoraFormat(model_name)
         self.model_dir = Path(model_dir)
         self.adapters: dict[str, AdapterInfo] = {}
         self.added: dict[str, Path] = {}  # adapters loaded at run time (``add``): name → weight file
         self._ever: dict[str, Path] = {}  # every run-time name this head gave a file (names are not reused)
-        self._shapes: dict[str, tuple[int, int]] | None = None
+        self._shapes: dict[str, dict[str, tuple[int, int]]] | None = None
         for name, path in config.adapters.items():
             try:
                 file = weight_file(path)
@@ -110,10 +134,11 @@ class LoraCatalog:
 
     def _info(self, name: str, file: Path) -> AdapterInfo:
         if self._shapes is None:
-            self._shapes = model_linear_shapes(self.model_dir)
+            self._shapes = {c: model_linear_shapes(self.model_dir, c) for c in self.fmt.applied}
         tensors = header_shapes(file)
         ranks = [s[0] for k, s in tensors.items() if k.endswith("lora_A.weight")]
-        return AdapterInfo(name, file, max(ranks, default=0), file.stat().st_size, misfit(file, self._shapes))
+        why = misfit(file, self._shapes, self.fmt)
+        return AdapterInfo(name, file, max(ranks, default=0), file.stat().st_size, why)
 
     def cards(self) -> list[dict]:
         """What ``/v1/models`` lists: each adapter that fits this model."""
@@ -139,7 +164,7 @@ class LoraCatalog:
         except (OSError, ValueError) as e:
             raise InvalidParam("path", path, f"must be a readable safetensors adapter: {e}") from None
         if info.misfit is not None:
-            raise InvalidParam("path", path, f"is an adapter for another model than {self.model_name}: {info.misfit}")
+            raise InvalidParam("path", path, f"{info.misfit} ({self.model_name})")
         self.adapters[name] = info
         self.added[name] = self._ever[name] = file
         if save:
@@ -177,9 +202,7 @@ class LoraCatalog:
                 served = sorted(self.adapters) or "none"
                 raise InvalidParam("lora", name, f"is not a served adapter (served: {served})")
             if info.misfit is not None:
-                raise InvalidParam(
-                    "lora", name, f"is an adapter for another model than {self.model_name}: {info.misfit}"
-                )
+                raise InvalidParam("lora", name, f"{info.misfit} ({self.model_name})")
             if not -limit <= scale <= limit:
                 raise InvalidParam("lora.scale", scale, f"must be between -{limit} and {limit} (adapter {name!r})")
             if name in (n for n, _ in out):

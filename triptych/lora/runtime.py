@@ -1,10 +1,11 @@
-"""One denoiser's LoRA runtime: the served adapters, the byte-budgeted store, the per-row hooks.
+"""One component's LoRA runtime (a denoiser's transformer, an encoder's text encoder): the served
+adapters, the byte-budgeted store, the per-row hooks.
 
 A request's adapters are acquired when it joins the engine and released when it leaves
 (``acquire``/``release``); each forward runs inside ``plan(specs)`` with one spec per row,
-``((name, scale), ...)``. The family builds it (``Family.enable_lora``) with its own reader, so the
-adapter files are read and checked against this transformer (modules, shapes) before any row uses
-them.
+``((name, scale), ...)``. The family builds one per adapted component (``Family.enable_lora``) with
+its own reader, so the adapter files are read and checked against that module (modules, shapes)
+before any row uses them.
 """
 
 from __future__ import annotations
@@ -26,11 +27,11 @@ NamedSpec = tuple[tuple[str, float], ...]
 
 
 class LoraRuntime:
-    def __init__(self, transformer: torch.nn.Module, config: LoraConfig, read: Callable[[str, Path], Adapter]) -> None:
-        """``read(name, path)``: the adapter on this transformer's device and dtype, checked to fit."""
+    def __init__(self, module: torch.nn.Module, config: LoraConfig, read: Callable[[str, Path], Adapter]) -> None:
+        """``read(name, path)``: the adapter's part for ``module`` on its device and dtype, checked to fit."""
         self.config = config
         self.paths = dict(config.adapters)
-        self.rows = RowLora(transformer)
+        self.rows = RowLora(module)
         self.store = AdapterStore(config.budget_bytes, self._load, on_load=self.rows.attach)
         self._read = read
 
@@ -54,9 +55,12 @@ class LoraRuntime:
         self.store.release(request_id)
 
     def plan(self, specs: Sequence[NamedSpec]):
-        """The context one forward over rows with these specs runs in (a no-op when none has one)."""
-        if not any(specs):
+        """The context one forward over rows with these specs runs in (a no-op when none has one).
+        An adapter with no module in this component (a transformer-only file on the text encoder, or
+        the reverse) is left out of the rows: it changes nothing here."""
+        rows = [tuple((a, s) for a, s in ((self.store.get(n), s) for n, s in spec) if a.modules) for spec in specs]
+        if not any(rows):
             return nullcontext()
-        if len(set(specs)) > 1:
+        if len({tuple((a.name, s) for a, s in row) for row in rows}) > 1:
             self.store.stats.mixed_batches += 1
-        return self.rows.plan([tuple((self.store.get(n), s) for n, s in spec) for spec in specs])
+        return self.rows.plan(rows)

@@ -119,24 +119,38 @@ class Family(ABC):
     def _post_load(self) -> None:
         """Hook for families that derive geometry from configs after loading."""
 
+    #: Components a LoRA file may adapt here: a subset of the pipeline class's ``_lora_loadable_modules``
+    #: (``triptych.lora.formats``); the other keys of that format are refused naming the key.
+    lora_components: ClassVar[tuple[str, ...]] = ("transformer",)
     #: The denoiser's adapters (``triptych.lora.runtime``), after ``enable_lora``; None = no LoRA here.
     lora = None
+    #: The encoder's text-encoder adapters, after ``enable_lora`` where ``lora_components`` has
+    #: ``text_encoder`` and this instance loaded it; None = none.
+    text_lora = None
 
     def enable_lora(self, config) -> None:
-        """Serve the adapters of ``config`` (a ``LoraConfig``) on this instance's transformer."""
+        """Serve the adapters of ``config`` (a ``LoraConfig``) on this instance's transformer and, where
+        the family applies text-encoder LoRA, its text encoder (each component this instance loaded)."""
         from triptych.lora.adapter import check_fits, linear_shapes
         from triptych.lora.files import read_adapter
+        from triptych.lora.formats import LoraFormat
         from triptych.lora.runtime import LoraRuntime
 
-        transformer = self.pipe.transformer
-        shapes = linear_shapes(transformer)
+        fmt = LoraFormat.of(self)
+        for component in self.lora_components:
+            module = getattr(self.pipe, component, None)
+            if module is None:
+                continue
+            shapes = linear_shapes(module)
+            flat = not hasattr(module, "text_model")
 
-        def read(name: str, path: Path):
-            adapter = read_adapter(name, path, self.pipeline_class)
-            check_fits(adapter, shapes, f"{self.name} at {self.model_dir}")
-            return adapter.to(self.device, self.dtype)
+            def read(name: str, path: Path, component=component, shapes=shapes, flat=flat):
+                adapter = read_adapter(name, path, self.pipeline_class, component, fmt, flat)
+                check_fits(adapter, shapes, f"{self.name}'s {component} at {self.model_dir}")
+                return adapter.to(self.device, self.dtype)
 
-        self.lora = LoraRuntime(transformer, config, read)
+            runtime = LoraRuntime(module, config, read)
+            setattr(self, "lora" if component == "transformer" else "text_lora", runtime)
 
     def lora_plan(self, rows: Sequence[Row]):
         """The context one transformer forward over ``rows`` runs in: each row's adapters applied."""
@@ -145,6 +159,30 @@ class Family(ABC):
             assert not any(specs), "a row names a LoRA on an instance without adapters"
             return contextlib.nullcontext()
         return self.lora.plan(specs)
+
+    @contextlib.contextmanager
+    def text_lora_plan(self, params: Sequence[GenerationParams]):
+        """The context one text-encoder forward over one row per ``params`` runs in: each request's
+        adapters acquired (loaded on a miss, a run-time adapter from its ``lora_paths``), applied to
+        its row, and released after. A no-op without text-encoder LoRA here (``text_lora`` None)."""
+        runtime = self.text_lora
+        if runtime is None or not any(p.lora for p in params):
+            yield
+            return
+        held = []
+        try:
+            for i, p in enumerate(params):
+                for name, path in p.lora_paths:
+                    runtime.add_path(name, Path(path))
+                if p.lora:
+                    holder = f"encode-{id(params)}-{i}"
+                    runtime.acquire(holder, p.lora)
+                    held.append(holder)
+            with runtime.plan([p.lora for p in params]):
+                yield
+        finally:
+            for holder in held:
+                runtime.release(holder)
 
     @property
     def supports_chat(self) -> bool:

@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException
 from triptych.errors import shown
 from triptych.lora.catalog import LoraCatalog
 from triptych.lora.config import LoraConfig
+from triptych.lora.formats import LoraFormat
 from triptych.lora.journal import LoraJournal
 from triptych.pipelines.geometry import size_warning, trained_sizes
 from triptych.server.admission import Admission, AdmissionLimits
@@ -102,7 +103,13 @@ class ServedModels:
                 b,
                 Admission(limits),
                 trained_sizes(b.family.model_dir),
-                LoraCatalog(lora, b.family.model_dir, name, LoraJournal(data_dir, name) if data_dir else None),
+                LoraCatalog(
+                    lora,
+                    b.family.model_dir,
+                    name,
+                    LoraFormat.of(b.family),
+                    journal=LoraJournal(data_dir, name) if data_dir else None,
+                ),
             )
             for name, b in backends.items()
         }

@@ -144,6 +144,8 @@ class Worker:
             from triptych.pipelines.warmup import warm_up
 
             warm_up(self.family)  # before registering: the head routes only to a warm instance
+        if self.role == Role.ENCODER and (config.lora.lora or config.lora.lora_root):
+            self.family.enable_lora(config.lora)  # text-encoder parts, where the family's format has them
         self.endpoint = make_endpoint(
             config.transfer,
             self.instance_id,

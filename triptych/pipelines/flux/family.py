@@ -9,7 +9,17 @@ from diffusers import FluxPipeline
 from diffusers.image_processor import VaeImageProcessor
 
 from triptych.errors import InvalidParam
-from triptych.pipelines.base import Conditioning, DenoiseState, Family, Frames, GenerationParams, Role, Row
+from triptych.pipelines.base import (
+    COND,
+    UNCOND,
+    Conditioning,
+    DenoiseState,
+    Family,
+    Frames,
+    GenerationParams,
+    Role,
+    Row,
+)
 from triptych.pipelines.flux import decode as dec
 from triptych.pipelines.flux import denoise as den
 from triptych.pipelines.flux import encode as enc
@@ -35,6 +45,7 @@ class FluxFamily(Family):
         Role.DECODER: ("vae",),
     }
     max_sequence_length = 512
+    lora_components = ("transformer", "text_encoder")  # FluxPipeline's format: the CLIP encoder, not T5
 
     def _post_load(self) -> None:
         # Without the VAE loaded the pipeline guesses a scale factor of 8: read the real one.
@@ -72,7 +83,27 @@ class FluxFamily(Family):
 
     @torch.no_grad()
     def encode(self, params: GenerationParams) -> Conditioning:
-        return enc.encode(self.pipe, params, self.max_sequence_length, self.uses_true_cfg(params))
+        with self.text_lora_plan([params]):
+            return enc.encode(self.pipe, params, self.max_sequence_length, self.uses_true_cfg(params))
+
+    @torch.no_grad()
+    def encode_many(self, params: Sequence[GenerationParams]) -> list[Conditioning]:
+        """``encode`` of several requests, their prompts in one text-encoder forward (each row with its
+        own request's text-encoder adapters), their negative prompts in one more where true CFG."""
+        with self.text_lora_plan(params):
+            conds = [
+                Conditioning(branches={COND: b})
+                for b in enc.encode_rows(self.pipe, [p.prompt for p in params], self.max_sequence_length)
+            ]
+        negative = [i for i, p in enumerate(params) if self.uses_true_cfg(p)]
+        if negative:
+            with self.text_lora_plan([params[i] for i in negative]):
+                rows = enc.encode_rows(
+                    self.pipe, [params[i].negative_prompt for i in negative], self.max_sequence_length
+                )
+            for i, branch in zip(negative, rows):
+                conds[i].branches[UNCOND] = branch
+        return conds
 
     def prepare(self, request_id: str, params: GenerationParams, cond: Conditioning) -> DenoiseState:
         return den.prepare(self, request_id, params, cond.to(self.device))
