@@ -34,11 +34,11 @@ torch._dynamo.config.recompile_limit = 64
 
 from triptych.accel import SpeedConfig  # noqa: E402
 from triptych.calibration.metrics import psnr  # noqa: E402
-from triptych.models import default_model_dir  # noqa: E402
-from triptych.pipelines.base import COND, UNCOND, GenerationParams, Row  # noqa: E402
-from triptych.pipelines.registry import load_family  # noqa: E402
-from triptych.pipelines.runner import run_request  # noqa: E402
-from triptych.pipelines.warmup import warm_up  # noqa: E402
+from triptych.engine.runner import run_request  # noqa: E402
+from triptych.engine.warmup import warm_up  # noqa: E402
+from triptych.families.base import COND, UNCOND, GenerationParams, Row  # noqa: E402
+from triptych.families.models import default_model_dir  # noqa: E402
+from triptych.families.registry import load_family  # noqa: E402
 
 VARIANTS = {
     "eager fp32": dict(),

@@ -36,17 +36,17 @@ import transformers  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 
+from shapeworld import render, sample_scenes  # noqa: E402
 from tests.helpers import EncoderPort  # noqa: E402
-from triptych.cache.mm import MMCacheConfig  # noqa: E402
-from triptych.models import PACKAGED_DEFAULT  # noqa: E402
-from triptych.pipelines.base import GenerationParams, Role  # noqa: E402
-from triptych.pipelines.registry import family_class  # noqa: E402
-from triptych.server import protocol as P  # noqa: E402
-from triptych.server import wire  # noqa: E402
-from triptych.server.affinity import ImageAffinity  # noqa: E402
-from triptych.server.dispatch import Instance, RoundRobin  # noqa: E402
-from triptych.server.runners.encoder import EncoderRunner  # noqa: E402
-from triptych.world import render, sample_scenes  # noqa: E402
+from triptych.control import protocol as P  # noqa: E402
+from triptych.control import wire  # noqa: E402
+from triptych.control.affinity import ImageAffinity  # noqa: E402
+from triptych.control.dispatch import Instance, RoundRobin  # noqa: E402
+from triptych.families.base import GenerationParams, Role  # noqa: E402
+from triptych.families.models import PACKAGED_DEFAULT  # noqa: E402
+from triptych.families.registry import family_class  # noqa: E402
+from triptych.mmcache.cache import MMCacheConfig  # noqa: E402
+from triptych.worker.runners.encoder import EncoderRunner  # noqa: E402
 
 MODEL = PACKAGED_DEFAULT.parent / "default_edit"
 

@@ -20,9 +20,9 @@ import torch
 from tests.helpers import tiny_qwen_with_two_adapters
 from triptych.accel import SpeedConfig
 from triptych.accel.compile import compile_counts
-from triptych.pipelines.base import GenerationParams
-from triptych.pipelines.registry import load_family
-from triptych.server.engine import DenoiserEngine, EngineConfig
+from triptych.engine import DenoiserEngine, EngineConfig
+from triptych.families.base import GenerationParams
+from triptych.families.registry import load_family
 
 TOLERANCE = 1e-5  # measured 1.25e-6 (compiled vs eager latents, worst mix)
 A, B, AB = (("a", 1.0),), (("b", 0.7),), (("a", 0.5), ("b", 1.2))

@@ -6,7 +6,7 @@
 - Every relative link in README.md and docs/*.md resolves inside the repository (none names ../shared).
 - Every file or folder of the repository they name (``triptych/...py``, ``tests/...``, ``server/x.py``
   for ``triptych/server/x.py``, a bare ``x.py`` somewhere in the tree) exists, and every
-  ``path.py::name`` and ``module.name`` naming a triptych module (``triptych.cache.mm.tenant_scope``,
+  ``path.py::name`` and ``module.name`` naming a triptych module (``triptych.mmcache.cache.tenant_scope``,
   ``cache.mm.tenant_scope``, ``server/runners/ticks.py``) names something that module defines.
 """
 
@@ -183,8 +183,8 @@ def test_every_path_and_name_the_docs_give_exists():
 
 
 def test_the_check_finds_a_missing_module_file_and_name():
-    assert problems("`triptych/server/http.py`, `server/http.py::create_app`, `cache.mm.tenant_scope`") == []
+    assert problems("`triptych/head/app.py`, `server/http.py::create_app`, `cache.mm.tenant_scope`") == []
     assert problems("see triptych/nowhere.py") == ["triptych/nowhere.py: no such file or folder"]
     assert problems("`server/http.py::no_such_function`") == ["server/http.py does not define no_such_function"]
-    assert problems("`cache.mm.no_such_name`") == ["triptych/cache/mm.py does not define no_such_name"]
+    assert problems("`cache.mm.no_such_name`") == ["triptych/mmcache/cache.py does not define no_such_name"]
     assert problems("`torch.nn.Linear`, `~/.cache/triptych/x`") == []

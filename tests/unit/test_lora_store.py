@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triptych.errors import InvalidParam
+from triptych.core.errors import InvalidParam
 from triptych.lora.adapter import Adapter, LoraFormatError, LoraModule, check_fits, from_state_dict
 from triptych.lora.config import LoraConfig, lora_args
 from triptych.lora.rows import segments_of
@@ -127,7 +127,7 @@ def test_generate_lora_args_take_a_folder_and_an_optional_scale(tmp_path):
 
 
 def test_generate_lora_args_resolve_a_bare_name_to_the_adapter_the_model_ships():
-    from triptych.models import default_model_dir
+    from triptych.families.models import default_model_dir
 
     shipped = default_model_dir() / "lora"
     config, spec = lora_args(["invert:0.5", "resize"], shipped=shipped)
