@@ -26,7 +26,7 @@ from shapeworld import caption, read_scene, sample_scenes
 from shapeworld.styles import STYLES, effect_present, style_scene
 
 logger = logging.getLogger("training.evaluate_lora")
-DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "assets" / "default"
+DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "triptych" / "assets" / "default"
 ADHERENCE_KEYS = ("shape", "color", "background")
 
 

@@ -32,7 +32,7 @@ from training.dit_objective import _pad, flow_loss, token_foreground
 from training.train_dit import CFG_DROP, NEGATIVE, STYLE_P, STYLES, _normalised_latents, _split
 
 logger = logging.getLogger("training.lora")
-DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "assets" / "default"
+DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "triptych" / "assets" / "default"
 TARGET_MODULES = (
     "attn.to_q",
     "attn.to_k",

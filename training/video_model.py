@@ -28,7 +28,7 @@ import torch
 
 from shapeworld.video import CLIP_CAPTION_STYLES, CLIP_FRAMES, clip_caption, iter_all_clips
 
-IMAGE_VAE = Path(__file__).resolve().parent.parent / "assets" / "default" / "vae"
+IMAGE_VAE = Path(__file__).resolve().parent.parent / "triptych" / "assets" / "default" / "vae"
 #: Prompt embeddings are zero-padded to this many tokens (WanPipeline pads to ``max_sequence_length``
 #: and the transformer attends to the padding, so training and inference must use the same length;
 #: the family adapter reads it from ``triptych.json``; plain diffusers callers pass it).

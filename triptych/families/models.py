@@ -21,10 +21,10 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-PACKAGED_DEFAULT = Path(__file__).parent / "assets" / "default"
-PACKAGED_EDIT = Path(__file__).parent / "assets" / "default_edit"
+PACKAGED_DEFAULT = Path(__file__).parents[1] / "assets" / "default"
+PACKAGED_EDIT = Path(__file__).parents[1] / "assets" / "default_edit"
 #: The shape world's tiny Wan 2.1 text-to-video model (``assets/video/MODEL_CARD.md``).
-PACKAGED_VIDEO = Path(__file__).parent / "assets" / "video"
+PACKAGED_VIDEO = Path(__file__).parents[1] / "assets" / "video"
 DEFAULT_TINY_FAMILY = "flux"
 
 
