@@ -2,7 +2,7 @@
 
 Variants (one family each, loaded once): eager float32, ``--compile``, ``--quantize
 transformer=int8-weight-only``, ``--quantize transformer=int8-dynamic``, and ``--compile`` with
-each. Compiled ones are warmed up first (``pipelines/warmup.py``: compile time is not in the
+each. Compiled ones are warmed up first (``engine/warmup.py``: compile time is not in the
 figures; it is printed). Then, for ``--repeats`` rounds, every variant in turn runs
 (a) one image through ``run_request`` (20 steps, fused CFG, 64x64) and (b) ``--forwards``
 transformer forwards of one request's two CFG rows. Reported: the best CPU time of each (one thread,

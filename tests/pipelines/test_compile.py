@@ -5,7 +5,7 @@ branch or both, TeaCache sub-batches) compiles nothing more.
 Measured (torch 2.13 CPU, one thread, 20 steps, 64x64): compiled staged vs the eager pipeline's
 ``__call__``, max abs over the image 3.6e-6 (fused CFG) / 2.7e-6 (separate forwards); the tolerance
 is 10x the larger; with TeaCache 0.1 and previews on both, 1.9e-5 (TeaCache's skipped steps reuse
-a residual, which carries the rounding forward), within the same tolerance. The warm-up compiles 5 graphs (``pipelines/warmup.py`` says which shapes), the mixed
+a residual, which carries the rounding forward), within the same tolerance. The warm-up compiles 5 graphs (``engine/warmup.py`` says which shapes), the mixed
 load after it 0.
 """
 

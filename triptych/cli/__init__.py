@@ -281,13 +281,13 @@ def cmd_chat(args) -> int:
 def _add_calibrate(sub) -> None:
     from triptych.cli.calibration import add_calibrate
 
-    add_calibrate(sub)  # flags and command: triptych.cli.calibration.py
+    add_calibrate(sub)  # flags and command: triptych/cli/calibration.py
 
 
 def _add_quality(sub) -> None:
     from triptych.cli.calibration import add_quality
 
-    add_quality(sub)  # flags and command: triptych.cli.calibration.py
+    add_quality(sub)  # flags and command: triptych/cli/calibration.py
 
 
 def cmd_make_tiny(args) -> int:

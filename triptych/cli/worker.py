@@ -1,6 +1,6 @@
 """``triptych worker``: its parsed flags → ``WorkerConfig`` (the TeaCache profiles directory resolved
 here, as every command resolves it: ``cli_profiles.user_profiles_dir``), and the command itself. The
-parser is ``server/cli.py``'s."""
+parser is ``cli/serve.py``'s."""
 
 from __future__ import annotations
 

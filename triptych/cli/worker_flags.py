@@ -1,7 +1,7 @@
 """The config flags ``triptych serve`` and ``triptych worker`` share (``WorkerFlags``), built from the
 worker-side config dataclasses (``triptych.cli.config_flags``): denoiser engine batch limits, transfer
 pool, multi-rank degrees, the encoder's mm-hash cache and chat engine, and the device flags. The
-config modules import torch, so ``server/cli.py`` adds these flags only when a command uses them.
+config modules import torch, so ``cli/serve.py`` adds these flags only when a command uses them.
 """
 
 from __future__ import annotations

@@ -217,7 +217,7 @@ class Family(ABC):
 
     def warmup_conditioning(self, params: GenerationParams, lengths: tuple[int, int]) -> Conditioning | None:
         """Random conditioning shaped like ``encode``'s, prompt lengths ``lengths`` (cond, uncond), for
-        warming up a compiled transformer without an encoder (``pipelines/warmup.py``); None: no warm-up."""
+        warming up a compiled transformer without an encoder (``engine/warmup.py``); None: no warm-up."""
         return None
 
     # ---- stage 3: denoise ----------------------------------------------------------------

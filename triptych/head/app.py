@@ -9,7 +9,7 @@ model id → backend (in serving order: the first of a kind is that kind's defau
 and the limit; ``Overloaded`` is a 429 with Retry-After; ``StageFailed`` is a 502; ``Unavailable`` (a
 role with no live instance) a 503 with Retry-After; a request past ``request_timeout_s`` a 504.
 
-This module only wires: it builds the ``Head`` (``server/head.py``), installs the error handlers and
+This module only wires: it builds the ``Head`` (``head/state.py``), installs the error handlers and
 the API-key check, and adds the routes: images (``http_images``), videos (``http_videos``), chat
 (``http_chat``), the browser playground at ``/`` (``http_playground``), and here models, health,
 metrics, files. Route modules share their plumbing through

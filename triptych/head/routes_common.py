@@ -1,7 +1,7 @@
 """Request plumbing the route modules share: API fields → ``GenerationParams`` (``build_params``),
 model validation with API field names (``resolve``), bounded multipart parsing (``read_form``,
 ``read_upload``, ``text_fields``), large JSON bodies parsed off the event loop (``OffloadRoute``,
-``parse_json``: ``server/offload.py``) and running jobs while watching for a client disconnect
+``parse_json``: ``core/offload.py``) and running jobs while watching for a client disconnect
 (``run_jobs``, ``wait_disconnect``) under the request's deadline (``deadline``). Every function
 takes the app's ``Head`` and keeps no state.
 """

@@ -1,7 +1,7 @@
 """The head's per-app state, shared by every route module: ``HeadConfig``, ``Head``, ``ModelHead``,
 ``ClientGone``, ``DeadlineExceeded``.
 
-``create_app`` (``server/http.py``) builds one ``Head`` over the served models (``served.py``: one
+``create_app`` (``head/app.py``) builds one ``Head`` over the served models (``served.py``: one
 backend, with its own pools, per model) and hands it to each ``add_*_routes(app, head)``. A route
 asks ``head.backend_for(request's model, job kind)`` for a ``ModelHead``: the chosen model's backend,
 family, admission counter and metrics beside the shared config, limits and stores; it owns nothing

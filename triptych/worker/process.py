@@ -2,7 +2,7 @@
 
 One loop, three verbs: ``receive()`` control messages → ``execute()`` one unit of stage work (an
 encode, a chat token, one engine step, a decode) → ``collect()`` finished transfers. The stage work
-is the role's runner (``server/runners/``), which reaches this process only through its port
+is the role's runner (``worker/runners/``), which reaches this process only through its port
 (``worker_port.JobPort``: the job table, transfers off the loop, failures); heartbeats go out from
 their own thread and socket.
 

@@ -1,4 +1,4 @@
-"""Role runners: the stage half of a worker process (``server/worker.py`` is the process half).
+"""Role runners: the stage half of a worker process (``worker/process.py`` is the process half).
 
 ``make_runner`` picks the runner for a role; a runner talks to its worker only through a
 ``WorkerPort`` (``runners/base.py``).
