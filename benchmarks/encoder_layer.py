@@ -6,8 +6,8 @@
    the layer off (each request's own calls, the mm-hash cache still on) vs no cache at all; and the
    largest difference of any output from the request alone on a cache-off encoder.
 2. Two encoders: a chat about an image on one, then a chat about the same image: vision-tower forwards
-   in total when the head sends the second where the first went (``server.affinity``) vs round robin,
-   and round robin with the encoders sharing a directory of embeddings (``cache.mm_shared``).
+   in total when the head sends the second where the first went (``control.affinity``) vs round robin,
+   and round robin with the encoders sharing a directory of embeddings (``mmcache.shared``).
 3. Soak: N chats (max_tokens 1) about images drawn from 200 distinct ones, with a 0.25 MiB embedding
    budget (64 of the 200 fit) and a 2 MiB processor budget (about 27 fit): process RSS after the
    first tenth and at the end, the tiers' bytes, entries and

@@ -1,7 +1,7 @@
 """Cross-encoder embedding hits on the default model: the latency of a remote hit vs a local miss.
 
 Three in-process encoders of the packaged default model (``triptych/assets/default``), each with its
-own ZMQ transfer endpoint on loopback and ``server.mm_remote`` attached, driven through the encoder
+own ZMQ transfer endpoint on loopback and ``worker.mm_remote`` attached, driven through the encoder
 runner as a worker drives it (one torch thread). Per image: encoder A answers a chat about it
 (untimed; its ``ChatDone`` reports the embedding); then encoder B takes a chat about the same image
 carrying the head's hint (A holds it) and encoder C the same chat without one. Timed: the

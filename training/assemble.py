@@ -16,7 +16,7 @@ DEFAULTS = {"height": 64, "width": 64, "steps": 20, "guidance": 4.0, "world": "s
 #: The edit model also records the condition image's area it was trained with (the family reads it).
 EDIT_DEFAULTS = {"condition_area": CONDITION_AREA}
 #: The text-to-image directory of a run that trained edits too (the same transformer, and the
-#: processor edits need): one model that generates and edits (``pipelines.qwenimage.generate_edit``).
+#: processor edits need): one model that generates and edits (``families.qwenimage.generate_edit``).
 GENERATE_EDIT_DEFAULTS = {"edits": True, **EDIT_DEFAULTS}
 
 

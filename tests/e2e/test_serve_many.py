@@ -1,5 +1,5 @@
 """One head serving every built-in model, as a bare ``triptych serve`` does
-(``server.cli.build_backends(builtin_models())``): the packaged default, which generates and edits
+(``cli.serve.build_backends(builtin_models())``): the packaged default, which generates and edits
 over one set of weights with one set of pools, and the packaged video model, each model with its own
 local encoder/denoiser/decoder pools, driven by the official ``openai`` client.
 

@@ -1,4 +1,4 @@
-"""Cross-encoder hits for image-conditioned generation (``server.mm_remote``), through two encoder
+"""Cross-encoder hits for image-conditioned generation (``worker.mm_remote``), through two encoder
 runners of the packaged edit model with their own ZMQ endpoints on loopback: an edit encoded on A
 reports its image's embedding (``EncodeDone.images``); the same edit on B, carrying the hint the head
 builds from that report, fetches it from A instead of running B's tower, and B's conditioning is

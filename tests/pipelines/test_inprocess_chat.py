@@ -1,4 +1,4 @@
-"""The in-process backend's chats run in one batched chat engine (``server.inprocess_chat``): chats
+"""The in-process backend's chats run in one batched chat engine (``control.inprocess_chat``): chats
 asked together decode together and answer as each alone; streaming and cancel still work."""
 
 from __future__ import annotations

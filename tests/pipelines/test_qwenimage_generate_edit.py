@@ -1,4 +1,4 @@
-"""One Qwen-Image checkpoint that generates and edits (``pipelines.qwenimage.generate_edit``): the
+"""One Qwen-Image checkpoint that generates and edits (``families.qwenimage.generate_edit``): the
 packaged default, whose ``triptych.json`` says ``"edits": true``.
 
 Exactness is against diffusers' own pipelines loaded afresh in the test: ``QwenImagePipeline`` from

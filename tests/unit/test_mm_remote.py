@@ -1,4 +1,4 @@
-"""Cross-encoder embedding hits (``server.mm_remote``) between two in-process encoders on the toy
+"""Cross-encoder embedding hits (``worker.mm_remote``) between two in-process encoders on the toy
 vision tower, over real ZMQ transfer endpoints on loopback: a hinted miss is fetched instead of
 computed (the same tensor, bytes counted); a lent entry is held while it is read and released after;
 every failure (entry gone, another token count, holder gone, another tenant) falls back to the tower

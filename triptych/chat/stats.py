@@ -1,4 +1,4 @@
-"""Counters of the chat engine and its prefix KV cache (``pipelines.vlm.engine``): plain msgspec
+"""Counters of the chat engine and its prefix KV cache (``chat.engine``): plain msgspec
 data, no torch (the head decodes them in stats reports)."""
 
 from __future__ import annotations

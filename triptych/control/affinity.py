@@ -11,7 +11,7 @@ part of every key: one tenant's images never steer another's requests.
 It also remembers what the encoders reported holding for those images (``held``: the mm-hashes and
 shapes of the embeddings, from ``EncodeDone`` / ``ChatDone``). A request sent to another encoder
 than the holder carries ``hints`` naming the holder and its transfer address, so that encoder
-fetches the embedding peer to peer instead of running its tower (``server.mm_remote``).
+fetches the embedding peer to peer instead of running its tower (``worker.mm_remote``).
 """
 
 from __future__ import annotations

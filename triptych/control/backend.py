@@ -65,7 +65,7 @@ class GenerationJob:
     output_format: str  # png | jpeg | webp | mp4
     fps: int = 16
     quality: int | None = None  # jpeg/webp quality (OpenAI's output_compression); None: the default
-    partial_images: int = 0  # previews wanted (0..3, ``pipelines.previews``), delivered to ``on_preview``
+    partial_images: int = 0  # previews wanted (0..3, ``engine.previews``), delivered to ``on_preview``
 
 
 @dataclass(frozen=True)

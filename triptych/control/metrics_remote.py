@@ -1,4 +1,4 @@
-"""Prometheus collectors of cross-encoder embedding hits (``server.mm_remote``), written only from
+"""Prometheus collectors of cross-encoder embedding hits (``worker.mm_remote``), written only from
 the encoders' report windows (``Metrics.record_worker_window``)."""
 
 from __future__ import annotations

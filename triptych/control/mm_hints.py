@@ -3,7 +3,7 @@
 An encoder reports, with a request's ``EncodeDone`` / ``ChatDone``, the embeddings the request's
 images have there (``MMImage``: mm-hash, dtype and shape). The head's image affinity remembers them;
 when it sends a request with such an image to another encoder, the task carries an ``MMHint`` per
-embedding: who holds it and where to fetch it from (``server.mm_remote``).
+embedding: who holds it and where to fetch it from (``worker.mm_remote``).
 """
 
 from __future__ import annotations

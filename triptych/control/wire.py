@@ -88,7 +88,7 @@ def chat_to_wire(
 ) -> ChatTask:
     """``p``: a checked ``triptych.chat.ChatParams``; images travel as lossless PNG
     (``images_png``: ``chat_images(p)`` made already; None = made here); ``mm_hints``: other encoders
-    holding its images' embeddings (``server.mm_remote``)."""
+    holding its images' embeddings (``worker.mm_remote``)."""
     messages = [
         ChatMessage(t.role, [ChatPart(image=x) if isinstance(x, int) else ChatPart(text=x) for x in t.parts])
         for t in p.turns

@@ -6,7 +6,7 @@ loopback to the orchestrator's control port), restarts the ones that exit, and r
 by default; ``triptych.deploy.ray_backend.RayWorkers`` places them as Ray actors): ``start`` spawns
 the topology and waits until every worker registered; a worker that exits is declared dead at once
 (its requests are retried) and restarted; ``close`` shuts them down. With an ``AutoscaleConfig`` a
-``cluster.autoscale.Autoscaler`` grows and drains pools while it runs.
+``deploy.autoscale.Autoscaler`` grows and drains pools while it runs.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ def run_request(
     so a request served alone equals this; ``False`` runs them as diffusers does (bit-identical).
     ``accel``: an acceleration owning per-request state (``admit``/``bind``/``release``, e.g. a
     ``triptych.accel.teacache.TeaCache``), used when ``params.teacache_threshold`` > 0.
-    ``previews``: how many previews (``pipelines.previews``) to decode and hand to ``on_preview``
+    ``previews``: how many previews (``engine.previews``) to decode and hand to ``on_preview``
     (their decode time counts as denoising); they do not change the result.
     """
     timings = StageTimings()

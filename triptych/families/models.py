@@ -3,7 +3,7 @@
 ``builtin_models`` names every built-in model present (what a bare ``triptych serve`` serves): the
 default image model, which also edits, and the video model (``assets/video``) when it is shipped.
 The packaged default's ``triptych.json`` says ``"edits": true``: it loads as one family that
-generates and edits over one set of weights (``pipelines.qwenimage.generate_edit``), so it is served
+generates and edits over one set of weights (``families.qwenimage.generate_edit``), so it is served
 once, with one set of pools. Its edit-only directory (``assets/default_edit``, linking the same
 weights as a plain ``QwenImageEditPipeline``) is for diffusers users and ``--model default_edit``. The default image model's order: a trained default shipped inside the package (``triptych/assets/default``) when present;
 otherwise a tiny seeded model of ``DEFAULT_TINY_FAMILY`` created on first use under the per-user

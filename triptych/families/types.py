@@ -1,4 +1,4 @@
-"""The values that cross the stage boundaries (``pipelines.base``): what a request asks for
+"""The values that cross the stage boundaries (``families.base``): what a request asks for
 (``GenerationParams``), what encode hands on (``Conditioning``), a request's denoising state
 (``DenoiseState``), the rows of a batched forward (``Row``, ``StepStats``) and decoded ``Frames``."""
 

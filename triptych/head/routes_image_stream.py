@@ -4,7 +4,7 @@ The response is server-sent events, each ``event: <type>`` plus ``data: <json>``
 ``<prefix>.partial_image`` per preview (``b64_json``, ``partial_image_index`` from 0), then one
 ``<prefix>.completed`` with the final image and ``usage``; ``<prefix>`` is ``image_generation`` or
 ``image_edit``. Previews are the clean image the denoiser predicts at evenly spaced steps, decoded
-by the decoder pool (``pipelines.previews``); the final image is the one a non-streamed request
+by the decoder pool (``engine.previews``); the final image is the one a non-streamed request
 gets, bit for bit. With fewer steps than previews asked for, fewer previews come (OpenAI: "the final
 image may be sent before the full number of partial images").
 

@@ -70,14 +70,14 @@ class MMCacheConfig:
     this alone still runs, alone."""
 
     shared_dir: str = ""
-    """A directory the encoders of one host share (``cache.mm_shared``): embeddings one computed are
+    """A directory the encoders of one host share (``mmcache.shared``): embeddings one computed are
     written there and read by another's miss before it runs its tower. Empty: not shared."""
 
     shared_mb: float = 1024.0
     """Budget in MiB of the shared directory; past it the least recently written files are removed."""
 
     remote: bool = True
-    """Fetch a missing embedding from the encoder the head says holds it (``server.mm_remote``, peer to
+    """Fetch a missing embedding from the encoder the head says holds it (``worker.mm_remote``, peer to
     peer over the transfer plane) instead of running the tower, and lend this encoder's to peers."""
 
     remote_timeout_s: float = 2.0
@@ -152,7 +152,7 @@ class MMEmbeddingCache:
         self.scope = scope
         self.processor = None  # the processor tier (``mm_processor.ProcessorCache``), when installed
         self.shared = None  # the host's shared store (``mm_shared.SharedStore``), when configured
-        #: another encoder's entries, fetched on a miss (``server.mm_remote.RemoteEmbeddings``): its
+        #: another encoder's entries, fetched on a miss (``worker.mm_remote.RemoteEmbeddings``): its
         #: ``fetch(key, tokens)`` gives the tensor or None; None: this cache asks no peer
         self.remote = None
 

@@ -6,7 +6,7 @@ reads it from there before it runs its tower. The mm-hash names the encoder's mo
 (``model_identity``), the tenant and the exact input, so a file only ever serves the same input
 of the same model for the same tenant. Files are written to a temporary name and renamed (a reader
 never sees half a file); past ``shared_mb`` the least recently written files are removed.
-The head's image affinity (``server.affinity``) sends requests to the encoder that holds their
+The head's image affinity (``control.affinity``) sends requests to the encoder that holds their
 images; this store is for when that one is busy or gone.
 """
 

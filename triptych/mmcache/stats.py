@@ -1,7 +1,7 @@
-"""Counters of the encoder layer's cache tiers (``cache.mm``): plain msgspec data, no torch.
+"""Counters of the encoder layer's cache tiers (``mmcache.cache``): plain msgspec data, no torch.
 
 ``MMCacheStats`` is the embedding tier's (vision-tower outputs by mm-hash) and carries the other
-tiers beside it: ``processor`` (image-processor outputs by media bytes, ``cache.mm_processor``) and
+tiers beside it: ``processor`` (image-processor outputs by media bytes, ``mmcache.processor``) and
 ``prefix`` (chat prefix KV; filled in by the chat engine where it keeps one, None otherwise).
 """
 
@@ -35,7 +35,7 @@ class TierStats(msgspec.Struct):
 
 
 class RemoteStats(msgspec.Struct):
-    """Embeddings moved between encoders over the transfer plane (``server.mm_remote``), cumulative.
+    """Embeddings moved between encoders over the transfer plane (``worker.mm_remote``), cumulative.
 
     The asking side: ``hits`` (a local miss the holder named in the head's hint pushed here instead
     of the tower running), ``bytes`` (what those moved), and the fetches that fell back to the tower:
@@ -78,7 +78,7 @@ class MMCacheStats(msgspec.Struct):
     held: int = 0  # a level: entries some running request holds (never evicted)
     processor: TierStats | None = None
     prefix: TierStats | None = None
-    shared: TierStats | None = None  # the host's shared directory (``cache.mm_shared``), when configured
+    shared: TierStats | None = None  # the host's shared directory (``mmcache.shared``), when configured
     remote: RemoteStats | None = None  # embeddings fetched from / lent to other encoders, when attached
 
     def since(self, prev: MMCacheStats) -> MMCacheStats:

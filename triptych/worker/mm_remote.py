@@ -1,6 +1,6 @@
 """Cross-encoder embedding hits: an image encoded on encoder A is a hit on encoder B, moved peer to peer.
 
-The head's image affinity (``server.affinity``) knows which encoder holds which embeddings (each
+The head's image affinity (``control.affinity``) knows which encoder holds which embeddings (each
 encoder reports them with a request's ``EncodeDone`` / ``ChatDone``). When it sends a request to B
 while A holds one of its images' embeddings, the task carries an ``MMHint`` (A, A's transfer
 address, tenant, mm-hash, dtype and shape). B's encoder runner hands the hints to

@@ -1,8 +1,8 @@
 """A follower rank of a multi-rank denoiser instance: ``python -m triptych.worker.ranks.follower ...``.
 
-Spawned by rank 0 (``runners/ranks.py``), never by a user. It joins the instance's process group,
+Spawned by rank 0 (``ranks/instance.py``), never by a user. It joins the instance's process group,
 learns what to load from rank 0 (``RankSetup``), loads the denoiser's components, attaches the
-parallelism, and applies rank 0's ticks (``runners/ticks.follow``) until told to stop. It never
+parallelism, and applies rank 0's ticks (``ranks/ticks.follow``) until told to stop. It never
 talks to the head. It exits when rank 0's process is gone or a collective fails (a dead or hung
 peer): the instance leaves service as a whole.
 """

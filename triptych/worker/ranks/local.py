@@ -1,7 +1,7 @@
 """One request on a multi-rank instance in this process (``triptych generate --ulysses 2 ...``).
 
 This process is rank 0: it spawns the other ranks (``InstanceRanks``), encodes, and drives the same
-ticks a served instance broadcasts (``runners/ticks``): one join, then one step per tick until the
+ticks a served instance broadcasts (``ranks/ticks``): one join, then one step per tick until the
 request is done; it decodes and closes the ranks. Nothing of a worker or the head is involved.
 """
 

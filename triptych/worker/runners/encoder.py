@@ -19,12 +19,12 @@ from triptych.worker.runners.remote_chat import RemoteChats
 
 
 class EncoderRunner(StageRunner):
-    """Encodes run in arrival order. Chats run in the chat engine (``pipelines.vlm.engine``): one
+    """Encodes run in arrival order. Chats run in the chat engine (``chat.engine``): one
     engine step (every running chat advances one token, in one forward) per ``execute()``, taking
     turns with encodes while both have work, so an image request never waits for a long answer and
     a burst of encodes holds the chats back by one encode per token at most.
 
-    Every ``execute()`` first lets the encoder layer (``cache.mm_layer``) encode the images of the
+    Every ``execute()`` first lets the encoder layer (``mmcache.layer``) encode the images of the
     requests taken so far, within its per-step budget, as one batched vision forward; an encode
     runs, and a chat joins the engine, once its images are in. While no chat decodes, an
     ``execute()`` builds one waiting chat's prompt and returns (the loop takes the tasks that

@@ -1,7 +1,7 @@
 """The denoiser of a multi-rank instance (CFG parallel, Ulysses/ring sequence parallel), on rank 0.
 
 It is the single-rank ``DenoiserRunner`` with one difference at each step boundary: rank 0 applies
-the aborts and joins, schedules the batch, and broadcasts that decision (``runners/ticks.Tick``,
+the aborts and joins, schedules the batch, and broadcasts that decision (``ranks/ticks.Tick``,
 then each joining request's conditioning), so every rank runs the identical forward (contract 8);
 the transformer forward is split across the ranks (``triptych.parallel``). Rank 0 alone talks to
 the head and the transfer plane. An idle instance still broadcasts an empty tick every

@@ -6,7 +6,7 @@ mm-hashes (``triptych.vllm_chat.engine``), which streams the answer back; the pi
 same ``ChatDelta`` / ``ChatDone`` / ``StageError`` messages the built-in engine sends, so the head
 cannot tell the engines apart.
 
-A chat's images join the encoder layer at ``take`` (``cache.mm_layer``: the vision misses of every
+A chat's images join the encoder layer at ``take`` (``mmcache.layer``: the vision misses of every
 waiting request, chats and edits alike, run as one batched forward per step) and the chat holds its
 entries until it ends. Every ``step()`` submits ALL the waiting chats whose images the layer holds
 (their embeddings are then cache hits), in one hand-over to the engine's thread; they decode concurrently inside the engine, whose HTTP
