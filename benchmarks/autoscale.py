@@ -26,12 +26,12 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from triptych.cluster.config import AutoscaleConfig, ClusterConfig  # noqa: E402
-from triptych.pipelines.base import GenerationParams  # noqa: E402
-from triptych.pipelines.registry import load_family, make_tiny  # noqa: E402
-from triptych.server.backend import GenerationJob  # noqa: E402
-from triptych.server.launch import EmbeddedBackend, TopologyConfig  # noqa: E402
-from triptych.server.orchestrator import OrchestratorConfig  # noqa: E402
+from triptych.control.backend import GenerationJob  # noqa: E402
+from triptych.control.orchestrator import OrchestratorConfig  # noqa: E402
+from triptych.deploy.config import AutoscaleConfig, ClusterConfig  # noqa: E402
+from triptych.deploy.launch import EmbeddedBackend, TopologyConfig  # noqa: E402
+from triptych.families.base import GenerationParams  # noqa: E402
+from triptych.families.registry import load_family, make_tiny  # noqa: E402
 
 
 def backend_for(args, model: str, scale: AutoscaleConfig):
@@ -40,7 +40,7 @@ def backend_for(args, model: str, scale: AutoscaleConfig):
     config = OrchestratorConfig(heartbeat_interval_s=0.25, heartbeat_timeout_s=10.0, max_queued=4096)
     pool, stop = {}, lambda: None
     if args.cluster == "ray":
-        from triptych.cluster.ray_backend import RayWorkers, ray_pool
+        from triptych.deploy.ray_backend import RayWorkers, ray_pool
 
         cluster = ClusterConfig(cluster="ray")
         factory, stop = ray_pool(cluster, topology, scale)

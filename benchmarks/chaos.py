@@ -34,9 +34,9 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.soak import Server  # noqa: E402
-from triptych.server import protocol as P  # noqa: E402
-from triptych.server.auth import ControlKey  # noqa: E402
-from triptych.server.control_client import ControlClient  # noqa: E402
+from triptych.control import protocol as P  # noqa: E402
+from triptych.control.auth import ControlKey  # noqa: E402
+from triptych.worker.control_client import ControlClient  # noqa: E402
 
 HOG = "while True: pass"
 
@@ -148,7 +148,7 @@ def main() -> int:
     ap.add_argument("--settle-s", type=float, default=15.0)
     ap.add_argument("--cpu-hogs", type=int, default=0, help="busy-loop processes running beside everything")
     args = ap.parse_args()
-    from triptych.models import PACKAGED_DEFAULT
+    from triptych.families.models import PACKAGED_DEFAULT
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

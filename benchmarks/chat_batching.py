@@ -38,13 +38,13 @@ import transformers  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 
-from triptych.models import PACKAGED_DEFAULT  # noqa: E402
-from triptych.pipelines.base import Role  # noqa: E402
-from triptych.pipelines.registry import family_class  # noqa: E402
-from triptych.pipelines.vlm import ChatParams, ChatTurn  # noqa: E402
-from triptych.pipelines.vlm.engine import ChatEngine  # noqa: E402
-from triptych.pipelines.vlm.engine_config import ChatEngineConfig  # noqa: E402
-from triptych.world import render, sample_scenes  # noqa: E402
+from shapeworld import render, sample_scenes  # noqa: E402
+from triptych.chat import ChatParams, ChatTurn  # noqa: E402
+from triptych.chat.config import ChatEngineConfig  # noqa: E402
+from triptych.chat.engine import ChatEngine  # noqa: E402
+from triptych.families.base import Role  # noqa: E402
+from triptych.families.models import PACKAGED_DEFAULT  # noqa: E402
+from triptych.families.registry import family_class  # noqa: E402
 
 QUESTIONS = ("What is in this image?", "What colour is the shape?", "Where is it?", "Describe the background", "Size?")
 

@@ -36,8 +36,8 @@ import httpx  # noqa: E402
 import psutil  # noqa: E402
 from serving import Server  # noqa: E402
 
-from triptych.models import PACKAGED_DEFAULT  # noqa: E402
-from triptych.world import render, sample_scenes  # noqa: E402
+from shapeworld import render, sample_scenes  # noqa: E402
+from triptych.families.models import PACKAGED_DEFAULT  # noqa: E402
 
 QUESTION = "What is in this image?"
 

@@ -34,8 +34,8 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from triptych.models import PACKAGED_DEFAULT  # noqa: E402
-from triptych.world import render, sample_scenes  # noqa: E402
+from shapeworld import render, sample_scenes  # noqa: E402
+from triptych.families.models import PACKAGED_DEFAULT  # noqa: E402
 
 MAX_TOKENS = 32
 

@@ -2,7 +2,7 @@
 
 Variants (one family each, loaded once): eager float32, ``--compile``, ``--quantize
 transformer=int8-weight-only``, ``--quantize transformer=int8-dynamic``, and ``--compile`` with
-each. Compiled ones are warmed up first (``pipelines/warmup.py``: compile time is not in the
+each. Compiled ones are warmed up first (``engine/warmup.py``: compile time is not in the
 figures; it is printed). Then, for ``--repeats`` rounds, every variant in turn runs
 (a) one image through ``run_request`` (20 steps, fused CFG, 64x64) and (b) ``--forwards``
 transformer forwards of one request's two CFG rows. Reported: the best CPU time of each (one thread,
@@ -34,11 +34,11 @@ torch._dynamo.config.recompile_limit = 64
 
 from triptych.accel import SpeedConfig  # noqa: E402
 from triptych.calibration.metrics import psnr  # noqa: E402
-from triptych.models import default_model_dir  # noqa: E402
-from triptych.pipelines.base import COND, UNCOND, GenerationParams, Row  # noqa: E402
-from triptych.pipelines.registry import load_family  # noqa: E402
-from triptych.pipelines.runner import run_request  # noqa: E402
-from triptych.pipelines.warmup import warm_up  # noqa: E402
+from triptych.engine.runner import run_request  # noqa: E402
+from triptych.engine.warmup import warm_up  # noqa: E402
+from triptych.families.base import COND, UNCOND, GenerationParams, Row  # noqa: E402
+from triptych.families.models import default_model_dir  # noqa: E402
+from triptych.families.registry import load_family  # noqa: E402
 
 VARIANTS = {
     "eager fp32": dict(),

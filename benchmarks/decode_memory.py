@@ -23,10 +23,10 @@ def peak_mb() -> float:
 def measure(model: str | None, size: int, tiling: str, device: str = "cpu") -> dict:
     import torch
 
-    from triptych.devices import DeviceConfig
-    from triptych.models import resolve_model
-    from triptych.pipelines.base import GenerationParams, Role
-    from triptych.pipelines.registry import load_family
+    from triptych.core.devices import DeviceConfig
+    from triptych.families.base import GenerationParams, Role
+    from triptych.families.models import resolve_model
+    from triptych.families.registry import load_family
 
     config = DeviceConfig(device=device, vae_tiling={"auto": None, "on": True, "off": False}[tiling])
     family = load_family(resolve_model(model), roles={Role.DECODER}, device=config)

@@ -26,9 +26,9 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 clock = time.process_time
 
-from triptych.pipelines.base import GenerationParams  # noqa: E402
-from triptych.pipelines.registry import load_family, make_tiny  # noqa: E402
-from triptych.server.engine import DenoiserEngine, EngineConfig  # noqa: E402
+from triptych.engine import DenoiserEngine, EngineConfig  # noqa: E402
+from triptych.families.base import GenerationParams  # noqa: E402
+from triptych.families.registry import load_family, make_tiny  # noqa: E402
 
 
 def _requests(family, n: int, cfg: bool) -> list[GenerationParams]:

@@ -38,16 +38,16 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from triptych.cache.teacache import TeaCache
-from triptych.cache.teacache_profile import find_profile
+from triptych.accel.teacache import TeaCache
+from triptych.accel.teacache_profile import find_profile
 from triptych.calibration.metrics import psnr, ssim
 from triptych.calibration.quality import _requests, world_prompts
 from triptych.calibration.sweep import world_adherence
 from triptych.calibration.target import FIT_SEEDS, Target
-from triptych.models import resolve_model
-from triptych.pipelines.base import GenerationParams
-from triptych.pipelines.registry import load_family
-from triptych.pipelines.teacache import plan_for
+from triptych.engine.teacache import plan_for
+from triptych.families.base import GenerationParams
+from triptych.families.models import resolve_model
+from triptych.families.registry import load_family
 
 TEACACHE = {
     (1, None): (0.026, 0.05, 0.1, 0.2, 0.4),

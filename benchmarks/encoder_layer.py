@@ -6,8 +6,8 @@
    the layer off (each request's own calls, the mm-hash cache still on) vs no cache at all; and the
    largest difference of any output from the request alone on a cache-off encoder.
 2. Two encoders: a chat about an image on one, then a chat about the same image: vision-tower forwards
-   in total when the head sends the second where the first went (``server.affinity``) vs round robin,
-   and round robin with the encoders sharing a directory of embeddings (``cache.mm_shared``).
+   in total when the head sends the second where the first went (``control.affinity``) vs round robin,
+   and round robin with the encoders sharing a directory of embeddings (``mmcache.shared``).
 3. Soak: N chats (max_tokens 1) about images drawn from 200 distinct ones, with a 0.25 MiB embedding
    budget (64 of the 200 fit) and a 2 MiB processor budget (about 27 fit): process RSS after the
    first tenth and at the end, the tiers' bytes, entries and
@@ -36,17 +36,17 @@ import transformers  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 
+from shapeworld import render, sample_scenes  # noqa: E402
 from tests.helpers import EncoderPort  # noqa: E402
-from triptych.cache.mm import MMCacheConfig  # noqa: E402
-from triptych.models import PACKAGED_DEFAULT  # noqa: E402
-from triptych.pipelines.base import GenerationParams, Role  # noqa: E402
-from triptych.pipelines.registry import family_class  # noqa: E402
-from triptych.server import protocol as P  # noqa: E402
-from triptych.server import wire  # noqa: E402
-from triptych.server.affinity import ImageAffinity  # noqa: E402
-from triptych.server.dispatch import Instance, RoundRobin  # noqa: E402
-from triptych.server.runners.encoder import EncoderRunner  # noqa: E402
-from triptych.world import render, sample_scenes  # noqa: E402
+from triptych.control import protocol as P  # noqa: E402
+from triptych.control import wire  # noqa: E402
+from triptych.control.affinity import ImageAffinity  # noqa: E402
+from triptych.control.dispatch import Instance, RoundRobin  # noqa: E402
+from triptych.families.base import GenerationParams, Role  # noqa: E402
+from triptych.families.models import PACKAGED_DEFAULT  # noqa: E402
+from triptych.families.registry import family_class  # noqa: E402
+from triptych.mmcache.cache import MMCacheConfig  # noqa: E402
+from triptych.worker.runners.encoder import EncoderRunner  # noqa: E402
 
 MODEL = PACKAGED_DEFAULT.parent / "default_edit"
 

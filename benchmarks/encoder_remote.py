@@ -1,7 +1,7 @@
 """Cross-encoder embedding hits on the default model: the latency of a remote hit vs a local miss.
 
 Three in-process encoders of the packaged default model (``triptych/assets/default``), each with its
-own ZMQ transfer endpoint on loopback and ``server.mm_remote`` attached, driven through the encoder
+own ZMQ transfer endpoint on loopback and ``worker.mm_remote`` attached, driven through the encoder
 runner as a worker drives it (one torch thread). Per image: encoder A answers a chat about it
 (untimed; its ``ChatDone`` reports the embedding); then encoder B takes a chat about the same image
 carrying the head's hint (A holds it) and encoder C the same chat without one. Timed: the
@@ -32,17 +32,18 @@ import transformers  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 
+from shapeworld import render, sample_scenes  # noqa: E402
 from tests.helpers import EncoderPort  # noqa: E402
-from triptych.cache.mm import MMCacheConfig  # noqa: E402
-from triptych.models import PACKAGED_DEFAULT  # noqa: E402
-from triptych.pipelines.base import Role  # noqa: E402
-from triptych.pipelines.registry import family_class  # noqa: E402
-from triptych.server import mm_remote, wire  # noqa: E402
-from triptych.server import protocol as P  # noqa: E402
-from triptych.server.mm_hints import MMHint  # noqa: E402
-from triptych.server.runners.encoder import EncoderRunner  # noqa: E402
-from triptych.server.transfer.peer import PeerEndpoint  # noqa: E402
-from triptych.world import render, sample_scenes  # noqa: E402
+from triptych.control import protocol as P  # noqa: E402
+from triptych.control import wire  # noqa: E402
+from triptych.control.mm_hints import MMHint  # noqa: E402
+from triptych.families.base import Role  # noqa: E402
+from triptych.families.models import PACKAGED_DEFAULT  # noqa: E402
+from triptych.families.registry import family_class  # noqa: E402
+from triptych.mmcache.cache import MMCacheConfig  # noqa: E402
+from triptych.transfer.peer import PeerEndpoint  # noqa: E402
+from triptych.worker import mm_remote  # noqa: E402
+from triptych.worker.runners.encoder import EncoderRunner  # noqa: E402
 
 
 class Encoder:

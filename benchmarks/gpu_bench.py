@@ -202,9 +202,9 @@ def build_transformer(arch: Arch, config_path: Path, device: torch.device, dtype
 
 def load_denoiser(arch: Arch, d: Path, transformer, device: str, dtype: str):
     """The family adapter, denoiser role, with the prebuilt transformer (``Family._build_components``)."""
-    from triptych.devices import DeviceConfig
-    from triptych.pipelines.base import Role
-    from triptych.pipelines.registry import family_class
+    from triptych.core.devices import DeviceConfig
+    from triptych.families.base import Role
+    from triptych.families.registry import family_class
 
     base = family_class(d)
     adapter = type(
@@ -228,7 +228,7 @@ def embeddings(arch: Arch, family, n: int, seed: int = 0) -> dict[str, torch.Ten
 
 
 def conditioning(arch: Arch, family, emb: dict, i: int):
-    from triptych.pipelines.base import COND, UNCOND, Conditioning
+    from triptych.families.base import COND, UNCOND, Conditioning
 
     if arch.family == "flux":
         ids = torch.zeros(arch.text_len, 3, device=family.device, dtype=family.dtype)
@@ -249,7 +249,7 @@ def conditioning(arch: Arch, family, emb: dict, i: int):
 
 
 def run_triptych(arch: Arch, family, emb: dict, n: int, size: int, steps: int) -> None:
-    from triptych.pipelines.base import GenerationParams
+    from triptych.families.base import GenerationParams
 
     neg = None if arch.family == "flux" else "-"
     params = [

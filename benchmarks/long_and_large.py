@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.soak import free_port  # noqa: E402
 from tests.e2e.test_http_large_bodies import chat_body, metric, noise_png  # noqa: E402
-from triptych.models import PACKAGED_DEFAULT  # noqa: E402
+from triptych.families.models import PACKAGED_DEFAULT  # noqa: E402
 
 BODY_TIMEOUT_S = 5.0
 

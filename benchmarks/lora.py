@@ -34,12 +34,12 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 clock = time.process_time
 
+from triptych.engine import DenoiserEngine, EngineConfig  # noqa: E402
+from triptych.families.base import GenerationParams  # noqa: E402
+from triptych.families.models import resolve_model  # noqa: E402
+from triptych.families.registry import load_family  # noqa: E402
 from triptych.lora.config import LoraConfig  # noqa: E402
 from triptych.lora.synthetic import write_random_lora  # noqa: E402
-from triptych.models import resolve_model  # noqa: E402
-from triptych.pipelines.base import GenerationParams  # noqa: E402
-from triptych.pipelines.registry import load_family  # noqa: E402
-from triptych.server.engine import DenoiserEngine, EngineConfig  # noqa: E402
 
 TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "img_mlp.net.0.proj", "img_mlp.net.2")
 ADAPTERS = ("a", "b", "c", "d")

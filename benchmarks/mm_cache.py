@@ -48,8 +48,8 @@ clock = time.process_time
 
 from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit  # noqa: E402
 
-from triptych.pipelines.base import GenerationParams, Role  # noqa: E402
-from triptych.pipelines.qwenimage import tiny  # noqa: E402
+from triptych.families.base import GenerationParams, Role  # noqa: E402
+from triptych.families.qwenimage import tiny  # noqa: E402
 
 
 def image(seed: int):
@@ -63,8 +63,8 @@ AREA = 512 * 512
 
 
 def family(model_dir, cache_mb: str):
-    from triptych.cache.mm import MMCacheConfig
-    from triptych.pipelines.qwenimage.family import QwenImageEditFamily
+    from triptych.families.qwenimage.family import QwenImageEditFamily
+    from triptych.mmcache.cache import MMCacheConfig
 
     return QwenImageEditFamily(model_dir, roles=(Role.ENCODER,), mm_cache_config=MMCacheConfig(max_mb=float(cache_mb)))
 
@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     AREA = args.area
     original = pipeline_qwenimage_edit.calculate_dimensions
     pipeline_qwenimage_edit.calculate_dimensions = lambda area, ratio: original(args.area, ratio)
-    from triptych.pipelines.vlm import ChatParams, ChatTurn
+    from triptych.chat import ChatParams, ChatTurn
 
     rows = {"new image": ([], []), "same image again": ([], []), "chat about the edited image": ([], [])}
     identical = True

@@ -27,9 +27,9 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 clock = time.process_time
 
-from triptych.pipelines.base import GenerationParams  # noqa: E402
-from triptych.pipelines.registry import TINY_MAKERS, load_family, make_tiny  # noqa: E402
-from triptych.pipelines.runner import run_request  # noqa: E402
+from triptych.engine.runner import run_request  # noqa: E402
+from triptych.families.base import GenerationParams  # noqa: E402
+from triptych.families.registry import TINY_MAKERS, load_family, make_tiny  # noqa: E402
 
 
 def _params(family) -> GenerationParams:

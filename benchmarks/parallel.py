@@ -47,7 +47,7 @@ PEER = {"ulysses2": "ulysses2", "ulysses2-even": "ulysses2", "ring2": "ring2"}  
 
 
 def _params(family_name: str, args):
-    from triptych.pipelines.base import GenerationParams
+    from triptych.families.base import GenerationParams
 
     common = dict(prompt="a red circle on blue", height=args.height, width=args.width, steps=args.steps, seed=1)
     if family_name.startswith("flux"):
@@ -86,8 +86,8 @@ def _diffusers_peer(family, mode: str):
 
 def bench_rank(rank: int, device, model_dir: str, args) -> dict:
     """One rank's share of the benchmark (module level: spawned ranks import it)."""
+    from triptych.families.registry import load_family
     from triptych.parallel import ParallelConfig, ParallelGroups, apply_parallel
-    from triptych.pipelines.registry import load_family
 
     torch.set_num_threads(1)
     ours = load_family(model_dir)
@@ -160,8 +160,8 @@ def main(argv=None) -> int:
 
     from safetensors import safe_open
 
+    from triptych.families.registry import make_tiny
     from triptych.parallel import run_ranks
-    from triptych.pipelines.registry import make_tiny
 
     start = time.perf_counter()
     tables = []

@@ -16,11 +16,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from triptych.models import resolve_model  # noqa: E402
-from triptych.pipelines.base import GenerationParams  # noqa: E402
-from triptych.pipelines.registry import load_family  # noqa: E402
-from triptych.pipelines.runner import run_request  # noqa: E402
-from triptych.server.media import encode_frames  # noqa: E402
+from triptych.core.media import encode_frames  # noqa: E402
+from triptych.engine.runner import run_request  # noqa: E402
+from triptych.families.base import GenerationParams  # noqa: E402
+from triptych.families.models import resolve_model  # noqa: E402
+from triptych.families.registry import load_family  # noqa: E402
 
 
 def main() -> None:

@@ -357,7 +357,7 @@ def main() -> None:
             log_level="warning",
         )
         return
-    from triptych.pipelines.registry import make_tiny
+    from triptych.families.registry import make_tiny
 
     tmp = tempfile.mkdtemp(prefix="serving-")
     model = args.model or str(make_tiny("flux", Path(tmp) / "flux", seed=0))

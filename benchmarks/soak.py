@@ -183,8 +183,8 @@ def main() -> int:
     args = ap.parse_args()
     from collections import Counter
 
-    from triptych.models import PACKAGED_DEFAULT
-    from triptych.pipelines.registry import make_tiny
+    from triptych.families.models import PACKAGED_DEFAULT
+    from triptych.families.registry import make_tiny
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -10,15 +10,15 @@ An experiment, not a product path: it subclasses ``TeaCache._decide`` and reads 
 
 import dataclasses
 
-from triptych.cache.teacache import BranchState, Decision, TeaCache
-from triptych.cache.teacache_profile import find_profile
+from triptych.accel.teacache import BranchState, Decision, TeaCache
+from triptych.accel.teacache_profile import find_profile
 from triptych.calibration.batch import Cases, run_cases
 from triptych.calibration.collect import Trajectory, _Recorder
 from triptych.calibration.quality import _requests
 from triptych.calibration.sweep import fidelity, world_adherence
-from triptych.models import resolve_model
-from triptych.pipelines.registry import load_family
-from triptych.pipelines.teacache import plan_for
+from triptych.engine.teacache import plan_for
+from triptych.families.models import resolve_model
+from triptych.families.registry import load_family
 
 
 def oracle_changes(family, plan, cases) -> dict[tuple[int, str], dict[int, float]]:

@@ -43,7 +43,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """``tiny_model_dir(family, seed=0)`` → path of a tiny model, built once per session."""
-    from triptych.pipelines.registry import make_tiny
+    from triptych.families.registry import make_tiny
 
     built: dict[tuple[str, int], str] = {}
 

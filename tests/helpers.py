@@ -7,7 +7,7 @@ import contextlib
 
 import pytest
 
-from triptych.server.transfer import mooncake_available
+from triptych.transfer import mooncake_available
 
 #: Mooncake is optional on a developer machine; CI (.ci/run) fails when install.sh installed it but
 #: it cannot be imported, so this skip never hides the Mooncake tests there.
@@ -118,7 +118,7 @@ class EncoderPort:
         raise AssertionError("an encoder reserves nothing")
 
     def send(self, msg):
-        from triptych.server import protocol as P
+        from triptych.control import protocol as P
 
         if self.keep_deltas or not isinstance(msg, P.ChatDelta):
             self.sent.append(msg)
@@ -135,9 +135,9 @@ def tiny_qwen_with_two_adapters(root):
     """A tiny seeded Qwen-Image at ``root/model`` and two random LoRA adapters for it, ``a`` (rank 4 on
     q, v and the image MLP) and ``b`` (rank 2 on k and the output projection): the model's folder and
     the ``LoraConfig`` serving both."""
+    from triptych.families.qwenimage.tiny import make_tiny_qwen_image
     from triptych.lora.config import LoraConfig
     from triptych.lora.synthetic import write_random_lora
-    from triptych.pipelines.qwenimage.tiny import make_tiny_qwen_image
 
     model = make_tiny_qwen_image(root / "model", seed=0)
     transformer = pristine_pipeline(model).transformer

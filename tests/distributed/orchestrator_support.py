@@ -11,10 +11,10 @@ import threading
 import time
 from concurrent.futures import Future
 
-from triptych.pipelines.base import GenerationParams
-from triptych.server.backend import GenerationJob
-from triptych.server.launch import EmbeddedBackend, TopologyConfig
-from triptych.server.orchestrator import OrchestratorConfig
+from triptych.control.backend import GenerationJob
+from triptych.control.orchestrator import OrchestratorConfig
+from triptych.deploy.launch import EmbeddedBackend, TopologyConfig
+from triptych.families.base import GenerationParams
 
 FAST_HEARTBEATS = OrchestratorConfig(heartbeat_interval_s=0.2, heartbeat_timeout_s=2.0)
 

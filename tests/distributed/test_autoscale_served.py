@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from orchestrator_support import Cluster, job
 
-from triptych.cluster.config import AutoscaleConfig
-from triptych.pipelines.registry import load_family
-from triptych.pipelines.runner import run_request
-from triptych.server.launch import TopologyConfig
+from triptych.deploy.config import AutoscaleConfig
+from triptych.deploy.launch import TopologyConfig
+from triptych.engine.runner import run_request
+from triptych.families.registry import load_family
 
 STEPS = 12
 MAX_DIFF = 2  # uint8 levels (tests/e2e/test_server_batching.py)

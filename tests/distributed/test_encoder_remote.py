@@ -18,14 +18,14 @@ from dataclasses import replace
 import pytest
 from orchestrator_support import FAST_HEARTBEATS, Cluster
 
-from triptych.cache.mm import MMCacheConfig
-from triptych.models import PACKAGED_DEFAULT
-from triptych.pipelines.base import Role
-from triptych.pipelines.registry import family_class
-from triptych.pipelines.vlm import ChatParams, ChatTurn
-from triptych.server.backend import ChatJob
-from triptych.server.launch import TopologyConfig
-from triptych.world import render, sample_scenes
+from shapeworld import render, sample_scenes
+from triptych.chat import ChatParams, ChatTurn
+from triptych.control.backend import ChatJob
+from triptych.deploy.launch import TopologyConfig
+from triptych.families.base import Role
+from triptych.families.models import PACKAGED_DEFAULT
+from triptych.families.registry import family_class
+from triptych.mmcache.cache import MMCacheConfig
 
 QUESTION = "What is in this image?"
 TOKENS = 6

@@ -15,9 +15,9 @@ import time
 import pytest
 from orchestrator_support import Cluster, job, nothing_held
 
+from triptych.deploy.launch import TopologyConfig
+from triptych.families.registry import load_family, make_tiny
 from triptych.lora.synthetic import write_random_lora
-from triptych.pipelines.registry import load_family, make_tiny
-from triptych.server.launch import TopologyConfig
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,10 @@ from orchestrator_support import FAST_HEARTBEATS, Cluster, job, nothing_held
 from PIL import Image
 
 from tests.helpers import NEEDS_MOONCAKE
-from triptych.pipelines.registry import load_family, make_tiny
-from triptych.pipelines.runner import run_request
-from triptych.server.launch import TopologyConfig
-from triptych.server.media import encode_frames
+from triptych.core.media import encode_frames
+from triptych.deploy.launch import TopologyConfig
+from triptych.engine.runner import run_request
+from triptych.families.registry import load_family, make_tiny
 
 
 @pytest.fixture(scope="module")

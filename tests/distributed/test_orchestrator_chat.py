@@ -13,14 +13,14 @@ import pytest
 import zmq
 
 from tests.e2e.http_support import wait_for
-from triptych.errors import InvalidParam
-from triptych.models import PACKAGED_DEFAULT
-from triptych.pipelines.vlm import ChatParams, ChatTurn
-from triptych.server import protocol as P
-from triptych.server.auth import ControlKey
-from triptych.server.backend import Cancelled, ChatJob, StageFailed
-from triptych.server.control_client import ControlClient
-from triptych.server.orchestrator import Orchestrator, OrchestratorConfig
+from triptych.chat import ChatParams, ChatTurn
+from triptych.control import protocol as P
+from triptych.control.auth import ControlKey
+from triptych.control.backend import Cancelled, ChatJob, StageFailed
+from triptych.control.orchestrator import Orchestrator, OrchestratorConfig
+from triptych.core.errors import InvalidParam
+from triptych.families.models import PACKAGED_DEFAULT
+from triptych.worker.control_client import ControlClient
 
 MODEL = PACKAGED_DEFAULT.parent / "default_edit"
 PARAMS = ChatParams((ChatTurn("user", ("hello",)),), max_tokens=8)
@@ -299,8 +299,8 @@ def test_an_edit_of_an_image_goes_to_the_encoder_already_encoding_it(head):
     import numpy as np
     from PIL import Image
 
-    from triptych.pipelines.base import GenerationParams
-    from triptych.server.backend import GenerationJob
+    from triptych.control.backend import GenerationJob
+    from triptych.families.base import GenerationParams
 
     orch, loop, ctx = head
     workers = [Encoder(ctx, orch, i, chat=True) for i in ("enc-a", "enc-b")]

@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 from orchestrator_support import Cluster, holder_of, job, nothing_held, progress_event
 
-from triptych.pipelines.registry import load_family, make_tiny
-from triptych.pipelines.runner import run_request
-from triptych.server.backend import Cancelled, StageFailed, Unavailable
-from triptych.server.launch import TopologyConfig
-from triptych.server.media import encode_frames
-from triptych.server.orchestrator import OrchestratorConfig
+from triptych.control.backend import Cancelled, StageFailed, Unavailable
+from triptych.control.orchestrator import OrchestratorConfig
+from triptych.core.media import encode_frames
+from triptych.deploy.launch import TopologyConfig
+from triptych.engine.runner import run_request
+from triptych.families.registry import load_family, make_tiny
 
 LONG = 600  # steps: long enough that the request is mid-denoise when the test acts
 
@@ -134,8 +134,8 @@ def test_a_role_gone_for_good_fails_requests_at_once_with_unavailable(model):
 
 HEAD_SCRIPT = """
 import asyncio, json, sys
-from triptych.server.launch import EmbeddedBackend, TopologyConfig
-from triptych.server.orchestrator import OrchestratorConfig
+from triptych.deploy.launch import EmbeddedBackend, TopologyConfig
+from triptych.control.orchestrator import OrchestratorConfig
 
 async def main():
     backend = EmbeddedBackend(sys.argv[1], OrchestratorConfig(heartbeat_interval_s=0.2, heartbeat_timeout_s=2.0),

@@ -9,8 +9,8 @@ import pytest
 from orchestrator_support import FAST_HEARTBEATS, Cluster, job, nothing_held
 from PIL import Image
 
-from triptych.pipelines.registry import load_family, make_tiny
-from triptych.server.launch import TopologyConfig
+from triptych.deploy.launch import TopologyConfig
+from triptych.families.registry import load_family, make_tiny
 
 
 @pytest.fixture(scope="module")

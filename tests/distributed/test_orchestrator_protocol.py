@@ -10,12 +10,12 @@ import pytest
 import zmq
 from orchestrator_support import job
 
-from triptych.pipelines.registry import load_family, make_tiny
-from triptych.server import protocol as P
-from triptych.server.auth import ControlKey, SequencedSender
-from triptych.server.backend import Cancelled
-from triptych.server.control_client import ControlClient
-from triptych.server.orchestrator import Orchestrator, OrchestratorConfig
+from triptych.control import protocol as P
+from triptych.control.auth import ControlKey, SequencedSender
+from triptych.control.backend import Cancelled
+from triptych.control.orchestrator import Orchestrator, OrchestratorConfig
+from triptych.families.registry import load_family, make_tiny
+from triptych.worker.control_client import ControlClient
 
 SPEC = {"cond.prompt_embeds": P.TensorSpec("float32", (1, 4, 8))}
 

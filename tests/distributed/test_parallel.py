@@ -91,7 +91,7 @@ def _runs(name: str, config: dict) -> bool:
 def _params(name: str, cfg: bool = True):
     from PIL import Image
 
-    from triptych.pipelines.base import GenerationParams
+    from triptych.families.base import GenerationParams
 
     image = Image.fromarray(np.random.RandomState(0).randint(0, 256, (32, 32, 3), dtype=np.uint8))
     # Qwen-Image at 48×48: 9 image tokens, an uneven split (and a key padding mask, below).
@@ -149,7 +149,7 @@ def _run_case(family, params, config: ParallelConfig, device) -> dict:
 
 def _rank_families(rank: int, device, model_dirs: dict, configs: list[dict], extras: bool) -> dict:
     """Every family × config on this rank (module level: spawned ranks import it)."""
-    from triptych.pipelines.registry import load_family
+    from triptych.families.registry import load_family
 
     torch.set_num_threads(1)
     out: dict = {}
@@ -183,7 +183,7 @@ def _rank_families(rank: int, device, model_dirs: dict, configs: list[dict], ext
 def _leader_flow(rank: int, device, family, params, reference: torch.Tensor) -> dict:
     """Contract 8 as a runner does it: only rank 0 holds the request (params and the encoder's
     conditioning); it broadcasts them, every rank prepares and steps the same state."""
-    from triptych.pipelines.base import Conditioning, GenerationParams
+    from triptych.families.base import Conditioning, GenerationParams
 
     groups = ParallelGroups.build(ParallelConfig(cfg=2), device)
     received = broadcast_message(params if rank == 0 else None, GenerationParams, groups)
@@ -217,7 +217,7 @@ def _broadcast_roundtrip(rank: int, device) -> dict:
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
-    from triptych.pipelines.registry import make_tiny
+    from triptych.families.registry import make_tiny
 
     root = tmp_path_factory.mktemp("parallel")
     dirs = {name: str(make_tiny(name, root / name, seed=0)) for name in FAMILIES}
@@ -319,7 +319,7 @@ def test_nccl_two_ranks_match_single_rank(model_dirs):
 
 
 def _rank_families_cuda(rank: int, device, model_dirs: dict, configs: list[dict]) -> dict:
-    from triptych.pipelines.registry import load_family
+    from triptych.families.registry import load_family
 
     torch.backends.cuda.matmul.allow_tf32 = False
     out = {}

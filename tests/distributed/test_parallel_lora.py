@@ -1,7 +1,7 @@
 """Different LoRAs in one batch on a multi-rank instance (CFG parallel, Ulysses, ring; gloo, 2 ranks).
 
 One launch of two ranks runs, for each of CFG-2, Ulysses-2 and ring-2, the instance's own tick code
-(``runners/ticks``: rank 0 ``lead_tick``, rank 1 ``follow``) over a mixed batch of four Qwen-Image
+(``ranks/ticks``: rank 0 ``lead_tick``, rank 1 ``follow``) over a mixed batch of four Qwen-Image
 requests: adapter A, adapter B at 0.7, A at 0.5 stacked with B at 1.2, and none (8 fused rows).
 Each result is compared with the same request alone in a pristine diffusers pipeline with both
 adapters loaded by ``load_lora_weights`` and weighted by ``set_adapters``. B targets ``proj_out``,
@@ -46,7 +46,7 @@ MIN_EFFECT = 1e-2
 
 
 def _params(family, i, lora):
-    from triptych.pipelines.base import GenerationParams
+    from triptych.families.base import GenerationParams
 
     p = GenerationParams(prompt=f"shape number {i} on a plain background", seed=10 + i, steps=STEPS, guidance=4.0)
     return family.resolve(p).replace(lora=lora)
@@ -60,8 +60,8 @@ def _held(family) -> dict:
 def _lead(family, engine, groups, requests: dict) -> dict:
     """Rank 0: join every request in one tick, then step the scheduled batch until done, as
     ``ParallelDenoiserRunner.execute`` does."""
-    from triptych.server import wire
-    from triptych.server.runners.ticks import Join, Tick, lead_tick
+    from triptych.control import wire
+    from triptych.worker.ranks.ticks import Join, Tick, lead_tick
 
     joins, conds, failed, finished = [], [], {}, {}
     for rid, p in requests.items():
@@ -77,10 +77,10 @@ def _lead(family, engine, groups, requests: dict) -> dict:
 
 
 def _rank(rank: int, device, model: str, lora, bad_c: str, good_c: str, run_time: str) -> dict:
+    from triptych.engine import EngineConfig
+    from triptych.families.qwenimage.family import QwenImageFamily
     from triptych.parallel import ParallelConfig, ParallelGroups, apply_parallel, broadcast_message
-    from triptych.pipelines.qwenimage.family import QwenImageFamily
-    from triptych.server.engine import EngineConfig
-    from triptych.server.runners.ticks import Tick, follow, instance_engine
+    from triptych.worker.ranks.ticks import Tick, follow, instance_engine
 
     torch.set_num_threads(1)
     family = QwenImageFamily(model)
@@ -139,8 +139,8 @@ def _alone(pipe, p):
 
 
 def test_mixed_lora_batch_on_two_ranks_matches_each_request_alone_in_diffusers(setup):
+    from triptych.families.qwenimage.family import QwenImageFamily
     from triptych.parallel import run_ranks
-    from triptych.pipelines.qwenimage.family import QwenImageFamily
 
     model, lora, pristine, bad_c, good_c, run_time = setup
     results = run_ranks(_rank, 2, (str(model), lora, bad_c, good_c, run_time), timeout_s=300)

@@ -17,11 +17,11 @@ import pytest
 from orchestrator_support import Cluster, job, nothing_held
 from PIL import Image
 
+from triptych.control.backend import StageFailed
+from triptych.deploy.launch import TopologyConfig
+from triptych.engine.runner import run_request
+from triptych.families.registry import load_family, make_tiny
 from triptych.parallel import ParallelConfig
-from triptych.pipelines.registry import load_family, make_tiny
-from triptych.pipelines.runner import run_request
-from triptych.server.backend import StageFailed
-from triptych.server.launch import TopologyConfig
 
 # Pixels of the served 2-rank result against the single-rank pipeline: Ulysses changes the reduction
 # order inside attention (latents differ by ~1e-6, tests/distributed/test_parallel.py) and batching
@@ -179,8 +179,8 @@ def test_killing_a_follower_rank_takes_the_instance_out_and_it_comes_back(cluste
 
 def test_one_request_in_this_process_on_two_ranks_matches_one_rank(model):
     """What ``generate --ulysses 2`` runs: this process is rank 0 and spawns rank 1."""
-    from triptych.pipelines.base import GenerationParams
-    from triptych.server.runners.local import run_parallel_request
+    from triptych.families.base import GenerationParams
+    from triptych.worker.ranks.local import run_parallel_request
 
     _, family = model
     params = GenerationParams("a red circle", seed=4, steps=3)
@@ -192,8 +192,8 @@ def test_one_request_in_this_process_on_two_ranks_matches_one_rank(model):
 
 def test_a_lora_request_in_this_process_on_two_ranks_matches_one_rank(model, adapter):
     """What ``generate --lora fa --ulysses 2`` runs: rank 1 learns the adapter from rank 0's setup."""
-    from triptych.pipelines.base import GenerationParams
-    from triptych.server.runners.local import run_parallel_request
+    from triptych.families.base import GenerationParams
+    from triptych.worker.ranks.local import run_parallel_request
 
     family = load_family(model[0])
     family.enable_lora(adapter)

@@ -13,13 +13,13 @@ import pytest
 from orchestrator_support import Cluster, nothing_held
 from PIL import Image
 
+from triptych.control.backend import GenerationJob
+from triptych.deploy.launch import TopologyConfig
+from triptych.engine.runner import run_request
+from triptych.engine.teacache import make_teacache
+from triptych.families.base import GenerationParams
+from triptych.families.registry import load_family, make_tiny
 from triptych.parallel import ParallelConfig
-from triptych.pipelines.base import GenerationParams
-from triptych.pipelines.registry import load_family, make_tiny
-from triptych.pipelines.runner import run_request
-from triptych.pipelines.teacache import make_teacache
-from triptych.server.backend import GenerationJob
-from triptych.server.launch import TopologyConfig
 
 STEPS = 8
 # As in test_parallel_served.py: CFG parallel changes batch composition (latents differ by ~1e-6),

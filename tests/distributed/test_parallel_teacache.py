@@ -38,7 +38,7 @@ TOLERANCE = {
 
 
 def _params(family, name: str):
-    from triptych.pipelines.base import GenerationParams
+    from triptych.families.base import GenerationParams
 
     kw = dict(height=64, width=64, steps=STEPS, guidance=4.0)
     if name.startswith("wan"):
@@ -71,11 +71,11 @@ def _run(family, plist, conds, engine) -> dict:
 
 
 def _rank_teacache(rank: int, device, dirs: dict, configs: list[dict]) -> dict:
-    from triptych.errors import InvalidParam
-    from triptych.pipelines.registry import load_family
-    from triptych.pipelines.teacache import make_teacache
-    from triptych.server.engine import DenoiserEngine, EngineConfig
-    from triptych.server.runners.ticks import instance_engine
+    from triptych.core.errors import InvalidParam
+    from triptych.engine import DenoiserEngine, EngineConfig
+    from triptych.engine.teacache import make_teacache
+    from triptych.families.registry import load_family
+    from triptych.worker.ranks.ticks import instance_engine
 
     torch.set_num_threads(1)
     out: dict = {}
@@ -112,7 +112,7 @@ def _rank_teacache(rank: int, device, dirs: dict, configs: list[dict]) -> dict:
 
 
 def _flux_params():
-    from triptych.pipelines.base import GenerationParams
+    from triptych.families.base import GenerationParams
 
     return GenerationParams("a red circle", height=32, width=32, steps=2, teacache_threshold=0.2)
 
@@ -124,7 +124,7 @@ def _mode(config: dict) -> str:
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     from triptych.calibration.fit import calibrate
-    from triptych.pipelines.registry import load_family, make_tiny
+    from triptych.families.registry import load_family, make_tiny
 
     root = tmp_path_factory.mktemp("parallel-teacache")
     dirs = {name: str(make_tiny(name, root / name, seed=0)) for name in (*FAMILIES, "flux")}

@@ -31,15 +31,15 @@ from ray_support import is_loopback, listeners  # noqa: E402
 
 from tests.e2e.http_support import decode_pixels, serve, wait_for  # noqa: E402
 from triptych.calibration.metrics import psnr  # noqa: E402
-from triptych.cluster.config import ClusterConfig, RoleResources  # noqa: E402
-from triptych.cluster.placement import actor_options, bundles, group_strategy  # noqa: E402
-from triptych.cluster.ray_backend import LOOPBACK_SWITCH, RayWorkers, init_ray  # noqa: E402
-from triptych.pipelines.base import GenerationParams  # noqa: E402
-from triptych.pipelines.registry import load_family  # noqa: E402
-from triptych.pipelines.runner import run_request  # noqa: E402
-from triptych.server.http import HeadConfig, create_app  # noqa: E402
-from triptych.server.launch import EmbeddedBackend, TopologyConfig  # noqa: E402
-from triptych.server.orchestrator import OrchestratorConfig  # noqa: E402
+from triptych.control.orchestrator import OrchestratorConfig  # noqa: E402
+from triptych.deploy.config import ClusterConfig, RoleResources  # noqa: E402
+from triptych.deploy.launch import EmbeddedBackend, TopologyConfig  # noqa: E402
+from triptych.deploy.placement import actor_options, bundles, group_strategy  # noqa: E402
+from triptych.deploy.ray_backend import LOOPBACK_SWITCH, RayWorkers, init_ray  # noqa: E402
+from triptych.engine.runner import run_request  # noqa: E402
+from triptych.families.base import GenerationParams  # noqa: E402
+from triptych.families.registry import load_family  # noqa: E402
+from triptych.head.app import HeadConfig, create_app  # noqa: E402
 
 SIZE, STEPS = 64, 6
 MAX_DIFF = 2  # uint8 levels, as tests/e2e/test_server_batching.py (measured 1 there)
@@ -226,6 +226,6 @@ def test_a_two_rank_ulysses_denoiser_served_as_a_ray_placement_group_matches_gen
         got = generate(client, 11)
         assert nodes_of(backend)["denoiser-0"] == nodes[2]  # the only node with GPUs
         worker = psutil.Process(backend.workers.node_info("denoiser-0")["worker_pid"])
-        followers = [p for p in worker.children() if "triptych.server.rank" in " ".join(p.cmdline())]
+        followers = [p for p in worker.children() if "triptych.worker.ranks.follower" in " ".join(p.cmdline())]
         assert len(followers) == 1  # rank 1, spawned by rank 0 inside the actor
     assert_close(got, reference(model, 11))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.helpers import NEEDS_MOONCAKE
-from triptych.server.transfer import (
+from triptych.transfer import (
     DuplicateTransfer,
     PeerLost,
     SlotUnavailable,
@@ -26,7 +26,7 @@ from triptych.server.transfer import (
     make_endpoint,
     mooncake_available,
 )
-from triptych.server.transfer.messages import WriteClaim, WriteDone
+from triptych.transfer.messages import WriteClaim, WriteDone
 
 BACKENDS = [pytest.param("zmq"), pytest.param("mooncake", marks=NEEDS_MOONCAKE)]
 # Small staging so tensors above 64 KiB exercise Mooncake's chunked writes.
@@ -225,7 +225,7 @@ def test_capacity_exhausted_then_full_again(pair):
 def test_auto_on_a_loopback_host_is_zmq_which_binds_only_that_host():
     """Mooncake's engine listens on every interface whatever host it is given; an endpoint bound to
     loopback must not, so "auto" takes ZMQ there (its socket binds the given address only)."""
-    from triptych.server.transfer.factory import is_loopback
+    from triptych.transfer.factory import is_loopback
 
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("10.0.0.5") and not is_loopback("gpu-node-3")

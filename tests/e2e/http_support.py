@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import uvicorn
 
-from triptych.errors import InvalidParam
-from triptych.pipelines.base import GenerationParams
-from triptych.server.backend import Cancelled, GenerationBackend, GenerationJob
-from triptych.server.media import encode_frames
+from triptych.control.backend import Cancelled, GenerationBackend, GenerationJob
+from triptych.core.errors import InvalidParam
+from triptych.core.media import encode_frames
+from triptych.families.base import GenerationParams
 
 
 @contextlib.contextmanager
@@ -120,7 +120,7 @@ class FakeBackend(GenerationBackend):
             raise Cancelled(request_id)
 
     async def chat(self, job, on_text=None):
-        from triptych.pipelines.vlm import ChatResult
+        from triptych.chat import ChatResult
 
         self.running.add(job.request_id)
         try:
@@ -178,7 +178,7 @@ class FakeFamily:
 
 
 def png_bytes(width: int = 32, height: int = 32, value: int = 128) -> bytes:
-    from triptych.server.media import encode_image
+    from triptych.core.media import encode_image
 
     return encode_image(np.full((height, width, 3), value, dtype=np.uint8), "png")
 

@@ -17,7 +17,7 @@ import hashlib
 
 import pytest
 
-from triptych.models import PACKAGED_DEFAULT
+from triptych.families.models import PACKAGED_DEFAULT
 
 pytestmark = pytest.mark.skipif(
     not (PACKAGED_DEFAULT / "model_index.json").is_file(), reason="no trained default model shipped"
@@ -34,7 +34,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def family():
-    from triptych.pipelines.registry import load_family
+    from triptych.families.registry import load_family
 
     return load_family(PACKAGED_DEFAULT)
 
@@ -45,8 +45,8 @@ def test_the_text_encoder_is_the_one_the_generator_was_trained_on():
 
 
 def test_only_the_shipped_captioner_reorders_and_only_user_messages(family, tiny_model_dir):
-    from triptych.pipelines.registry import load_family
-    from triptych.pipelines.vlm.chat import ChatParams, ChatTurn
+    from triptych.chat.vlm import ChatParams, ChatTurn
+    from triptych.families.registry import load_family
 
     params = ChatParams(
         turns=(ChatTurn("user", ("first", 0, "second", 1)), ChatTurn("assistant", ("ok",)), ChatTurn("user", ("q", 1))),
@@ -63,9 +63,9 @@ def test_only_the_shipped_captioner_reorders_and_only_user_messages(family, tiny
 
 @pytest.mark.parametrize("order", ["image-first", "text-first"])
 def test_captioner_names_shape_and_colour_in_both_orders(family, order):
-    from triptych.pipelines.vlm.chat import ChatParams, ChatTurn
-    from triptych.training.common import CAPTION_QUESTION
-    from triptych.world import render, sample_scenes, score_caption
+    from shapeworld import render, sample_scenes, score_caption
+    from training.common import CAPTION_QUESTION
+    from triptych.chat.vlm import ChatParams, ChatTurn
 
     chat = family.chat_model()
     parts = (0, CAPTION_QUESTION) if order == "image-first" else (CAPTION_QUESTION, 0)

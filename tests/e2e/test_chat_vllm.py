@@ -25,9 +25,9 @@ import httpx
 import openai
 import pytest
 
+from shapeworld import render, sample_scenes
 from tests.e2e.http_support import wait_for
-from triptych.models import PACKAGED_DEFAULT
-from triptych.world import render, sample_scenes
+from triptych.families.models import PACKAGED_DEFAULT
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -108,14 +108,14 @@ def builtin():
     """The built-in engine on the same model, in this process (greedy: no seed involved)."""
     import torch
 
-    from triptych.pipelines.registry import load_family
+    from triptych.families.registry import load_family
 
     torch.set_num_threads(1)
     return load_family(PACKAGED_DEFAULT).chat_model()
 
 
 def builtin_answer(chat, images, content):
-    from triptych.pipelines.vlm import ChatParams, ChatTurn
+    from triptych.chat import ChatParams, ChatTurn
 
     parts, n = [], 0
     for part in content:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from triptych.models import PACKAGED_DEFAULT, default_model_dir
+from triptych.families.models import PACKAGED_DEFAULT, default_model_dir
 
 pytestmark = pytest.mark.skipif(
     not (PACKAGED_DEFAULT / "model_index.json").is_file(), reason="no trained default model shipped"
@@ -22,14 +22,14 @@ pytestmark = pytest.mark.skipif(
 def family():
     import torch
 
-    from triptych.pipelines.registry import load_family
+    from triptych.families.registry import load_family
 
     torch.set_num_threads(1)
     return load_family(PACKAGED_DEFAULT)
 
 
 def test_default_is_the_packaged_qwen_image_model():
-    from triptych.pipelines.registry import architecture
+    from triptych.families.registry import architecture
 
     assert default_model_dir() == PACKAGED_DEFAULT
     assert architecture(PACKAGED_DEFAULT) == "QwenImagePipeline"
@@ -41,9 +41,9 @@ T2I_ALL_RIGHT_AT_LEAST = 9  # measured: 10 of 10 (shape, colour and background)
 
 
 def test_heldout_prompts_draw_colour_background_and_mostly_the_shape(family):
-    from triptych.pipelines.base import GenerationParams
-    from triptych.pipelines.runner import run_request
-    from triptych.world import caption, sample_scenes, score
+    from shapeworld import caption, sample_scenes, score
+    from triptych.engine.runner import run_request
+    from triptych.families.base import GenerationParams
 
     rows = []
     for index, scene in enumerate(sample_scenes(50, "eval", "heldout")[:HELDOUT_T2I]):
@@ -63,11 +63,11 @@ EDITED_AND_KEPT_AT_LEAST = 8  # measured: 9 of 10 also keep every other attribut
 def test_heldout_edits_change_the_asked_attribute():
     import torch
 
-    from triptych.models import PACKAGED_DEFAULT
-    from triptych.pipelines.base import GenerationParams
-    from triptych.pipelines.registry import load_family
-    from triptych.pipelines.runner import run_request
-    from triptych.world import render, sample_edit_pairs, score
+    from shapeworld import render, sample_edit_pairs, score
+    from triptych.engine.runner import run_request
+    from triptych.families.base import GenerationParams
+    from triptych.families.models import PACKAGED_DEFAULT
+    from triptych.families.registry import load_family
 
     torch.set_num_threads(1)
     edit = load_family(PACKAGED_DEFAULT.parent / "default_edit")
@@ -92,9 +92,9 @@ def test_captioner_names_shape_and_colour_of_heldout_images():
     import torch
     from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
-    from triptych.training import build
-    from triptych.training.train_vlm import caption_images
-    from triptych.world import render, sample_scenes, score_caption
+    from shapeworld import render, sample_scenes, score_caption
+    from training import build
+    from training.train_vlm import caption_images
 
     torch.set_num_threads(1)
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(PACKAGED_DEFAULT / "text_encoder").eval()

@@ -8,7 +8,7 @@ import openai
 import pytest
 
 from tests.e2e.http_support import FakeBackend, FakeFamily, serve
-from triptych.server.http import HeadConfig, create_app
+from triptych.head.app import HeadConfig, create_app
 
 KEYS = ("sk-first-key-0001", "sk-second-key-002")
 

@@ -14,13 +14,13 @@ import httpx
 import openai
 import pytest
 
+from shapeworld import render, sample_scenes, score_caption
 from tests.e2e.http_support import serve, wait_for
-from triptych.models import PACKAGED_DEFAULT
-from triptych.pipelines.registry import load_family
-from triptych.server.admission import AdmissionLimits
-from triptych.server.backend import InProcessBackend
-from triptych.server.http import HeadConfig, create_app
-from triptych.world import render, sample_scenes, score_caption
+from triptych.control.backend import InProcessBackend
+from triptych.families.models import PACKAGED_DEFAULT
+from triptych.families.registry import load_family
+from triptych.head.admission import AdmissionLimits
+from triptych.head.app import HeadConfig, create_app
 
 EDIT_MODEL = PACKAGED_DEFAULT.parent / "default_edit"
 QUESTION = "What is in this image?"
@@ -182,8 +182,8 @@ def test_limits_and_models_without_a_vlm(family, scene, tmp_path, tiny_model_dir
 
 
 def embedded(model_dir, tmp_path):
-    from triptych.server.launch import EmbeddedBackend, TopologyConfig
-    from triptych.server.orchestrator import OrchestratorConfig
+    from triptych.control.orchestrator import OrchestratorConfig
+    from triptych.deploy.launch import EmbeddedBackend, TopologyConfig
 
     backend = EmbeddedBackend(
         model_dir,
@@ -203,7 +203,7 @@ def _mm_hits(base: str, result: str = "hits") -> float:
 
 def test_embedded_chat_on_the_encoder_shares_the_edit_cache_and_stops_when_the_client_leaves(family, scene, tmp_path):
     image = render(scene, 64)
-    from triptych.pipelines.vlm import ChatParams, ChatTurn
+    from triptych.chat import ChatParams, ChatTurn
 
     reference = family.chat_model().run(ChatParams((ChatTurn("user", (0, QUESTION)),), (image,), 256)).text
     backend, server = embedded(EDIT_MODEL, tmp_path)

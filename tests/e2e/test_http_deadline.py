@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from tests.e2e.http_support import CHAT_ANSWER, FakeBackend, FakeFamily, png_bytes, serve, wait_for
-from triptych.server.http import HeadConfig, create_app
+from triptych.head.app import HeadConfig, create_app
 
 BODY_TIMEOUT_S = 0.5
 CHAT = {"messages": [{"role": "user", "content": "what is drawn?"}]}
@@ -132,7 +132,7 @@ def test_request_timeout_s_is_checked():
 def test_a_role_without_a_live_instance_is_a_503_with_retry_after_past_the_body_timeout(tmp_path, tiny_model_dir):
     """A real orchestrator with no worker at all: a request queued while the grace runs fails when it
     runs out (3 s, six body timeouts) with 503 + Retry-After; one sent after it, at once, the same."""
-    from triptych.server.orchestrator import Orchestrator, OrchestratorConfig
+    from triptych.control.orchestrator import Orchestrator, OrchestratorConfig
 
     backend = Orchestrator(tiny_model_dir("flux"), OrchestratorConfig(unavailable_after_s=3.0))
     config = HeadConfig(data_dir=tmp_path / "data", body_read_timeout_s=BODY_TIMEOUT_S)

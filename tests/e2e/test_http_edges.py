@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from tests.e2e.http_support import FakeBackend, FakeFamily, serve, wait_for
-from triptych.errors import InvalidParam
-from triptych.server.http import HeadConfig, create_app
+from triptych.core.errors import InvalidParam
+from triptych.head.app import HeadConfig, create_app
 
 LONG = "a" * 10_000
 
@@ -110,7 +110,7 @@ class ChattingBackend(FakeBackend):
     """Answers every chat with "ok"."""
 
     async def chat(self, job, on_text=None):
-        from triptych.pipelines.vlm import ChatResult
+        from triptych.chat import ChatResult
 
         return ChatResult("ok", 1, 1, "stop")
 

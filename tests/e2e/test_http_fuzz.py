@@ -11,9 +11,9 @@ schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 
 from tests.e2e.http_support import FakeBackend, FakeFamily, serve  # noqa: E402
-from triptych.pipelines.registry import load_family  # noqa: E402
-from triptych.server.admission import AdmissionLimits  # noqa: E402
-from triptych.server.http import HeadConfig, create_app  # noqa: E402
+from triptych.families.registry import load_family  # noqa: E402
+from triptych.head.admission import AdmissionLimits  # noqa: E402
+from triptych.head.app import HeadConfig, create_app  # noqa: E402
 
 LIMITS = AdmissionLimits(max_pixels=64 * 64, max_n=2, max_steps=4, max_frames=9, max_queued_requests=8)
 
@@ -80,8 +80,8 @@ def test_video_create_on_a_video_model_never_5xx(video_base_url):
 @pytest.fixture(scope="module")
 def chat_base_url(tmp_path_factory):
     """The real chat path on the packaged default edit model (answers capped at 8 tokens)."""
-    from triptych.models import PACKAGED_DEFAULT
-    from triptych.server.backend import InProcessBackend
+    from triptych.control.backend import InProcessBackend
+    from triptych.families.models import PACKAGED_DEFAULT
 
     family = load_family(PACKAGED_DEFAULT.parent / "default_edit")
     limits = AdmissionLimits(max_chat_tokens=8, max_chat_images=2, max_upload_pixels=256 * 256)

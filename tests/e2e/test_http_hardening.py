@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.e2e.http_support import FakeBackend, FakeFamily, serve
-from triptych.server.http import HeadConfig, create_app
+from triptych.head.app import HeadConfig, create_app
 
 MB = 1 << 20
 

@@ -13,8 +13,8 @@ import httpx
 import uvicorn
 
 from tests.e2e.http_support import FakeBackend, FakeFamily, wait_for
-from triptych.server.http import HeadConfig, create_app
-from triptych.server.http_server import uvicorn_config
+from triptych.head.app import HeadConfig, create_app
+from triptych.head.serve import uvicorn_config
 
 TIMEOUT_S = 0.5
 DEADLINE_S = 60.0  # liveness bound on seeing EOF; a head without the timeout never closes them

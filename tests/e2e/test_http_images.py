@@ -14,11 +14,11 @@ import openai
 import pytest
 
 from tests.e2e.http_support import decode_pixels, serve
-from triptych.pipelines.base import GenerationParams
-from triptych.pipelines.registry import load_family
-from triptych.pipelines.runner import run_request
-from triptych.server.backend import InProcessBackend
-from triptych.server.http import HeadConfig, create_app
+from triptych.control.backend import InProcessBackend
+from triptych.engine.runner import run_request
+from triptych.families.base import GenerationParams
+from triptych.families.registry import load_family
+from triptych.head.app import HeadConfig, create_app
 
 
 @pytest.fixture(scope="module")

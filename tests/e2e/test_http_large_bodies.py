@@ -21,9 +21,9 @@ import httpx
 import numpy as np
 
 from tests.e2e.http_support import serve
-from triptych.models import PACKAGED_DEFAULT
-from triptych.server.admission import AdmissionLimits
-from triptych.server.http import HeadConfig, create_app
+from triptych.families.models import PACKAGED_DEFAULT
+from triptych.head.admission import AdmissionLimits
+from triptych.head.app import HeadConfig, create_app
 
 EDIT_MODEL = PACKAGED_DEFAULT.parent / "default_edit"
 SIDE = 2624  # a noise PNG this size is 19.7 MiB: under max_upload_bytes (20 MiB), as large as it gets
@@ -53,8 +53,8 @@ def metric(text: str, name: str) -> float:
 
 
 def test_four_53_mib_chat_bodies_lose_no_instance(tmp_path):
-    from triptych.server.launch import EmbeddedBackend, TopologyConfig
-    from triptych.server.orchestrator import OrchestratorConfig
+    from triptych.control.orchestrator import OrchestratorConfig
+    from triptych.deploy.launch import EmbeddedBackend, TopologyConfig
 
     images = [noise_png(1), noise_png(2)]
     limits = AdmissionLimits()

@@ -12,9 +12,9 @@ import openai
 import pytest
 
 from tests.e2e.http_support import FakeBackend, FakeFamily, decode_pixels, png_bytes, serve, wait_for
-from triptych.server.admission import AdmissionLimits
-from triptych.server.backend import StageFailed
-from triptych.server.http import HeadConfig, create_app
+from triptych.control.backend import StageFailed
+from triptych.head.admission import AdmissionLimits
+from triptych.head.app import HeadConfig, create_app
 
 
 def make_server(tmp_path, gated=False, requires_image=True, **limits):
@@ -240,7 +240,7 @@ def test_stream_failure_after_the_headers_is_an_error_event(tmp_path):
 def test_a_stream_nobody_reads_holds_neither_its_job_nor_the_head(tmp_path):
     import numpy as np
 
-    from triptych.server.media import encode_image
+    from triptych.core.media import encode_image
 
     backend, server = make_server(tmp_path, requires_image=False)
     noise = encode_image(np.random.default_rng(0).integers(0, 256, (1024, 1024, 3), dtype=np.uint8), "png")

@@ -27,14 +27,14 @@ from diffusers import FluxPipeline
 
 from tests.e2e.http_support import decode_pixels, serve
 from tests.helpers import pristine_pipeline
+from triptych.control.orchestrator import OrchestratorConfig
+from triptych.deploy.launch import EmbeddedBackend, TopologyConfig
+from triptych.engine.runner import run_request
+from triptych.families.base import GenerationParams
+from triptych.families.registry import load_family
+from triptych.head.app import HeadConfig, create_app
 from triptych.lora.config import LoraConfig
 from triptych.lora.synthetic import write_random_lora
-from triptych.pipelines.base import GenerationParams
-from triptych.pipelines.registry import load_family
-from triptych.pipelines.runner import run_request
-from triptych.server.http import HeadConfig, create_app
-from triptych.server.launch import EmbeddedBackend, TopologyConfig
-from triptych.server.orchestrator import OrchestratorConfig
 
 STEPS = 4
 SIZE = 64

@@ -23,11 +23,11 @@ from safetensors.torch import save_file
 
 from tests.e2e.http_support import FakeBackend, serve
 from tests.helpers import pristine_pipeline
+from triptych.families.registry import load_family
+from triptych.head.app import HeadConfig, create_app
 from triptych.lora.catalog import model_linear_shapes
 from triptych.lora.config import LoraConfig
 from triptych.lora.synthetic import write_random_lora
-from triptych.pipelines.registry import load_family
-from triptych.server.http import HeadConfig, create_app
 
 
 def pair(prefix: str, module: str, out_f: int, in_f: int, rank: int = 2) -> dict:

@@ -25,9 +25,9 @@ import pytest
 from PIL import Image
 
 from tests.e2e.http_support import FakeBackend, serve
-from triptych.pipelines.registry import load_family
-from triptych.server.admission import AdmissionLimits
-from triptych.server.http import HeadConfig, create_app
+from triptych.families.registry import load_family
+from triptych.head.admission import AdmissionLimits
+from triptych.head.app import HeadConfig, create_app
 
 LIMITS = AdmissionLimits(max_upload_bytes=64 * 1024, max_upload_pixels=512 * 512, max_n=1, max_queued_requests=4)
 
@@ -109,7 +109,7 @@ def _check(response, field_hint: str, case: str) -> None:
 
 @pytest.fixture(scope="module")
 def edit_url(tmp_path_factory):
-    from triptych.models import PACKAGED_DEFAULT
+    from triptych.families.models import PACKAGED_DEFAULT
 
     family = load_family(PACKAGED_DEFAULT.parent / "default_edit", roles=())
     app = create_app(FakeBackend(family), HeadConfig(data_dir=tmp_path_factory.mktemp("malformed"), limits=LIMITS))

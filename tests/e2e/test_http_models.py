@@ -10,8 +10,8 @@ import threading
 import httpx
 
 from tests.e2e.http_support import FakeBackend, FakeFamily, png_bytes, serve, wait_for
-from triptych.server.admission import AdmissionLimits
-from triptych.server.http import HeadConfig, create_app
+from triptych.head.admission import AdmissionLimits
+from triptych.head.app import HeadConfig, create_app
 
 
 def make_server(tmp_path, **limits):

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from tests.e2e.http_support import FakeBackend, FakeFamily, serve
-from triptych.server.http import HeadConfig, create_app
+from triptych.head.app import HeadConfig, create_app
 
 
 def make_server(tmp_path, family=None, **config):
@@ -91,8 +91,8 @@ def test_other_families_keep_true_cfg_scale_as_their_own(tmp_path):
 
 
 def test_the_qwen_image_families_take_true_cfg_scale_as_guidance():
-    from triptych.pipelines.flux.family import FluxFamily
-    from triptych.pipelines.qwenimage.family import QwenImageEditFamily, QwenImageFamily
+    from triptych.families.flux.family import FluxFamily
+    from triptych.families.qwenimage.family import QwenImageEditFamily, QwenImageFamily
 
     assert QwenImageFamily.true_cfg_is_guidance and QwenImageEditFamily.true_cfg_is_guidance
     assert not FluxFamily.true_cfg_is_guidance

@@ -13,11 +13,11 @@ import openai
 import pytest
 
 from tests.e2e.http_support import decode_pixels, png_bytes, serve
-from triptych.pipelines.base import GenerationParams
-from triptych.pipelines.registry import load_family
-from triptych.pipelines.runner import run_request
-from triptych.server.http import HeadConfig, create_app
-from triptych.server.media import decode_image
+from triptych.core.media import decode_image
+from triptych.engine.runner import run_request
+from triptych.families.base import GenerationParams
+from triptych.families.registry import load_family
+from triptych.head.app import HeadConfig, create_app
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +28,7 @@ def reference(model_dir, **params) -> np.ndarray:
 
 
 def test_edit_on_qwen_image_edit_matches_run_request(tiny_model_dir, tmp_path):
-    from triptych.server.backend import InProcessBackend
+    from triptych.control.backend import InProcessBackend
 
     model = tiny_model_dir("qwen-image-edit")
     upload = png_bytes(32, 32, value=90)
@@ -47,8 +47,8 @@ def test_edit_on_qwen_image_edit_matches_run_request(tiny_model_dir, tmp_path):
 
 
 def test_generations_over_embedded_backend_match_run_request(tiny_model_dir, tmp_path):
-    from triptych.server.launch import EmbeddedBackend
-    from triptych.server.orchestrator import OrchestratorConfig
+    from triptych.control.orchestrator import OrchestratorConfig
+    from triptych.deploy.launch import EmbeddedBackend
 
     model = tiny_model_dir("flux")
     backend = EmbeddedBackend(model, OrchestratorConfig(host="127.0.0.1", control_port=0))

@@ -14,18 +14,18 @@ import openai
 import pytest
 
 from tests.e2e.http_support import FakeBackend, FakeFamily, png_bytes, serve, wait_for
-from triptych.server.admission import AdmissionLimits
-from triptych.server.http import HeadConfig, create_app
-from triptych.server.jobs import JobStore, VideoRecord
+from triptych.head.admission import AdmissionLimits
+from triptych.head.app import HeadConfig, create_app
+from triptych.head.jobs import JobStore, VideoRecord
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
-HAVE_WAN = importlib.util.find_spec("triptych.pipelines.wan.family") is not None
+HAVE_WAN = importlib.util.find_spec("triptych.families.wan.family") is not None
 
 
 @pytest.fixture(scope="module")
 def video_family(tiny_model_dir, tmp_path_factory):
     if HAVE_WAN:
-        from triptych.pipelines.registry import load_family
+        from triptych.families.registry import load_family
 
         return load_family(tiny_model_dir("wan-t2v"), roles=())
     return FakeFamily(tmp_path_factory.mktemp("fake-video"), is_video=True)
@@ -158,8 +158,8 @@ def test_video_queue_full_is_429(video_family, tmp_path):
 
 @pytest.mark.skipif(not HAVE_WAN, reason="tiny Wan family not available")
 def test_real_wan_video_end_to_end(tiny_model_dir, tmp_path):
-    from triptych.pipelines.registry import load_family
-    from triptych.server.backend import InProcessBackend
+    from triptych.control.backend import InProcessBackend
+    from triptych.families.registry import load_family
 
     app = create_app(InProcessBackend(load_family(tiny_model_dir("wan-t2v"))), HeadConfig(data_dir=tmp_path / "data"))
     with serve(app) as base:

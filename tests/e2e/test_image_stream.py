@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 from tests.e2e.http_support import decode_pixels, serve
-from triptych.server.http import HeadConfig, create_app
+from triptych.head.app import HeadConfig, create_app
 
 STEPS = 4
 PROMPT = "a red cube"
@@ -21,8 +21,8 @@ PROMPT = "a red cube"
 
 @pytest.fixture(scope="module")
 def client(tiny_model_dir, tmp_path_factory):
-    from triptych.server.launch import EmbeddedBackend, TopologyConfig
-    from triptych.server.orchestrator import OrchestratorConfig
+    from triptych.control.orchestrator import OrchestratorConfig
+    from triptych.deploy.launch import EmbeddedBackend, TopologyConfig
 
     backend = EmbeddedBackend(
         tiny_model_dir("flux"),

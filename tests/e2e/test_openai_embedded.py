@@ -13,11 +13,11 @@ import pytest
 
 from tests.e2e.http_support import decode_pixels, serve, wait_for
 from tests.helpers import NEEDS_MOONCAKE
-from triptych.pipelines.base import GenerationParams
-from triptych.pipelines.registry import load_family
-from triptych.pipelines.runner import run_request
-from triptych.server.http import HeadConfig, create_app
-from triptych.server.media import encode_frames
+from triptych.core.media import encode_frames
+from triptych.engine.runner import run_request
+from triptych.families.base import GenerationParams
+from triptych.families.registry import load_family
+from triptych.head.app import HeadConfig, create_app
 
 BACKENDS = [
     "zmq",
@@ -26,8 +26,8 @@ BACKENDS = [
 
 
 def embedded(model_dir, transfer: str, tmp_path):
-    from triptych.server.launch import EmbeddedBackend, TopologyConfig
-    from triptych.server.orchestrator import OrchestratorConfig
+    from triptych.control.orchestrator import OrchestratorConfig
+    from triptych.deploy.launch import EmbeddedBackend, TopologyConfig
 
     backend = EmbeddedBackend(
         model_dir,

@@ -15,9 +15,9 @@ import httpx
 import pytest
 
 from tests.e2e.http_support import serve
-from triptych.pipelines.registry import load_family
-from triptych.server.backend import InProcessBackend
-from triptych.server.http import HeadConfig, create_app
+from triptych.control.backend import InProcessBackend
+from triptych.families.registry import load_family
+from triptych.head.app import HeadConfig, create_app
 
 KEY = "playground-key-123"
 CHROMIUM = next((p for p in ("/usr/bin/chromium", shutil.which("chromium") or "") if p and os.path.exists(p)), None)

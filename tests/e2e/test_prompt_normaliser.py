@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from triptych.models import PACKAGED_DEFAULT, PACKAGED_VIDEO
+from triptych.families.models import PACKAGED_DEFAULT, PACKAGED_VIDEO
 
 pytestmark = pytest.mark.skipif(
     not (PACKAGED_DEFAULT / "model_index.json").is_file() or not (PACKAGED_VIDEO / "model_index.json").is_file(),
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 def _encoder_inputs(family, prompt, image=None):
     """The token ids of every prompt the family's pipelines hand their text encoder for one encode."""
-    from triptych.pipelines.base import GenerationParams
+    from triptych.families.base import GenerationParams
 
     seen: list[str] = []
     pipes = [family.pipe] + ([family.t2i_pipe] if hasattr(family, "t2i_pipe") else [])
@@ -66,14 +66,14 @@ VIDEO_PAIRS = [
 
 @pytest.fixture(scope="module")
 def image_family():
-    from triptych.pipelines.registry import load_family
+    from triptych.families.registry import load_family
 
     return load_family(PACKAGED_DEFAULT)
 
 
 @pytest.fixture(scope="module")
 def video_family():
-    from triptych.pipelines.registry import load_family
+    from triptych.families.registry import load_family
 
     return load_family(PACKAGED_VIDEO)
 
@@ -91,7 +91,7 @@ def test_video_paraphrase_reaches_the_encoder_as_the_canonical_caption(video_fam
 
 
 def test_edit_synonyms_reach_the_encoder_as_the_trained_words(image_family):
-    from triptych.world import Scene, render
+    from shapeworld import Scene, render
 
     image = render(Scene("circle", "red", "blue", "centre", "large"), 64)
     assert _encoder_inputs(image_family, "make the circle purple", image) == _encoder_inputs(
@@ -100,7 +100,7 @@ def test_edit_synonyms_reach_the_encoder_as_the_trained_words(image_family):
 
 
 def test_a_users_model_gets_the_prompt_as_sent(tiny_model_dir):
-    from triptych.pipelines.registry import load_family
+    from triptych.families.registry import load_family
 
     family = load_family(tiny_model_dir("qwen-image"))
     assert family.prompt_normaliser is None
@@ -110,11 +110,11 @@ def test_a_users_model_gets_the_prompt_as_sent(tiny_model_dir):
 
 def test_paraphrases_draw_what_they_say(image_family, video_family):
     """Read back from pixels: two image paraphrases (held-out seeds 0, 1) and the issue's video one."""
-    from triptych.pipelines.base import GenerationParams
-    from triptych.pipelines.runner import run_request
-    from triptych.world import Scene, score
-    from triptych.world.video import Clip
-    from triptych.world.video_scorer import score_clip
+    from shapeworld import Scene, score
+    from shapeworld.video import Clip
+    from shapeworld.video_scorer import score_clip
+    from triptych.engine.runner import run_request
+    from triptych.families.base import GenerationParams
 
     scenes = [Scene("cross", "white", "magenta", "left", "small"), Scene("circle", "red", "blue", "centre", "large")]
     for seed, ((paraphrase, _), scene) in enumerate(zip(IMAGE_PAIRS, scenes)):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from triptych.models import PACKAGED_DEFAULT, PACKAGED_VIDEO
+from triptych.families.models import PACKAGED_DEFAULT, PACKAGED_VIDEO
 
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
@@ -65,7 +65,7 @@ def test_extraction_finds_the_readme_examples(prompts):
 
 
 def _stated(prompt: str, fields: tuple[str, ...]) -> dict[str, str]:
-    from triptych.world import parse_caption
+    from shapeworld import parse_caption
 
     parsed = parse_caption(prompt)
     stated = {k: getattr(parsed, k) for k in fields if getattr(parsed, k) is not None}
@@ -74,10 +74,10 @@ def _stated(prompt: str, fields: tuple[str, ...]) -> dict[str, str]:
 
 
 def test_image_examples_draw_what_they_say(prompts):
-    from triptych.pipelines.base import GenerationParams
-    from triptych.pipelines.registry import load_family
-    from triptych.pipelines.runner import run_request
-    from triptych.world import read_scene
+    from shapeworld import read_scene
+    from triptych.engine.runner import run_request
+    from triptych.families.base import GenerationParams
+    from triptych.families.registry import load_family
 
     family = load_family(PACKAGED_DEFAULT)
     for prompt in prompts["image"]:
@@ -89,12 +89,12 @@ def test_image_examples_draw_what_they_say(prompts):
 
 
 def test_video_examples_draw_what_they_say(prompts):
-    from triptych.pipelines.base import GenerationParams
-    from triptych.pipelines.registry import load_family
-    from triptych.pipelines.runner import run_request
-    from triptych.world.prompts import normalise_video_prompt
-    from triptych.world.video import DIRECTIONS, Clip
-    from triptych.world.video_scorer import score_clip
+    from shapeworld.prompts import normalise_video_prompt
+    from shapeworld.video import DIRECTIONS, Clip
+    from shapeworld.video_scorer import score_clip
+    from triptych.engine.runner import run_request
+    from triptych.families.base import GenerationParams
+    from triptych.families.registry import load_family
 
     family = load_family(PACKAGED_VIDEO)
     for prompt in prompts["video"]:
@@ -109,11 +109,11 @@ def test_video_examples_draw_what_they_say(prompts):
 
 def test_chat_examples_name_the_first_examples_image(prompts):
     """``triptych chat --image a.png``: a.png is the first command's image; the answer names it."""
-    from triptych.pipelines.base import GenerationParams
-    from triptych.pipelines.registry import load_family
-    from triptych.pipelines.runner import run_request
-    from triptych.pipelines.vlm.chat import ChatParams, ChatTurn
-    from triptych.world import parse_caption
+    from shapeworld import parse_caption
+    from triptych.chat.vlm import ChatParams, ChatTurn
+    from triptych.engine.runner import run_request
+    from triptych.families.base import GenerationParams
+    from triptych.families.registry import load_family
 
     family = load_family(PACKAGED_DEFAULT)
     first = prompts["image"][0]

@@ -10,7 +10,7 @@ import openai
 
 from tests.e2e.http_support import serve, wait_for
 from tests.helpers import NEEDS_MOONCAKE
-from triptych.server.http import HeadConfig, create_app
+from triptych.head.app import HeadConfig, create_app
 
 #: A Mooncake glog INFO line, e.g. ``I1201 12:36:17.388 27268 transfer_engine_impl.cpp:116] ...``
 MOONCAKE_INFO = re.compile(r"^I\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+\.cpp:\d+\]", re.MULTILINE)
@@ -19,8 +19,8 @@ SEEN_BEFORE = "I1201 12:36:17.388204 27268 transfer_engine_impl.cpp:183] Transfe
 
 @NEEDS_MOONCAKE
 def test_a_served_run_over_mooncake_keeps_its_info_lines_off_the_console(tiny_model_dir, tmp_path, capfd):
-    from triptych.server.launch import EmbeddedBackend, TopologyConfig
-    from triptych.server.orchestrator import OrchestratorConfig
+    from triptych.control.orchestrator import OrchestratorConfig
+    from triptych.deploy.launch import EmbeddedBackend, TopologyConfig
 
     backend = EmbeddedBackend(
         tiny_model_dir("flux"),

@@ -1,5 +1,5 @@
 """One head serving every built-in model, as a bare ``triptych serve`` does
-(``server.cli.build_backends(builtin_models())``): the packaged default, which generates and edits
+(``cli.serve.build_backends(builtin_models())``): the packaged default, which generates and edits
 over one set of weights with one set of pools, and the packaged video model, each model with its own
 local encoder/denoiser/decoder pools, driven by the official ``openai`` client.
 
@@ -22,12 +22,12 @@ import openai
 import pytest
 
 from tests.e2e.http_support import decode_pixels, serve, wait_for
-from triptych.models import PACKAGED_DEFAULT, PACKAGED_EDIT, PACKAGED_VIDEO, builtin_models
-from triptych.pipelines.base import GenerationParams
-from triptych.pipelines.registry import load_family
-from triptych.pipelines.runner import run_request
-from triptych.server.http import HeadConfig, create_app
-from triptych.server.media import encode_frames
+from triptych.core.media import encode_frames
+from triptych.engine.runner import run_request
+from triptych.families.base import GenerationParams
+from triptych.families.models import PACKAGED_DEFAULT, PACKAGED_EDIT, PACKAGED_VIDEO, builtin_models
+from triptych.families.registry import load_family
+from triptych.head.app import HeadConfig, create_app
 
 pytestmark = pytest.mark.skipif(
     not all((d / "model_index.json").is_file() for d in (PACKAGED_DEFAULT, PACKAGED_VIDEO)),
@@ -49,16 +49,16 @@ def png(image) -> bytes:
 
 
 def heldout_edit():
-    from triptych.world import sample_edit_pairs
+    from shapeworld import sample_edit_pairs
 
     return sample_edit_pairs(1, "serve-many", "heldout")[0]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from triptych.server.cli import build_backends
-    from triptych.server.launch import TopologyConfig
-    from triptych.server.orchestrator import OrchestratorConfig
+    from triptych.cli.serve import build_backends
+    from triptych.control.orchestrator import OrchestratorConfig
+    from triptych.deploy.launch import TopologyConfig
 
     models = builtin_models()
     assert models == {"default": PACKAGED_DEFAULT, "video": PACKAGED_VIDEO}
@@ -89,9 +89,9 @@ def test_unknown_model_is_a_404_naming_the_served_ids(server):
 
 
 def test_generate_edit_video_and_chat_on_one_server(server):
-    from triptych.world import render, score
-    from triptych.world.video import clip_caption, sample_clips
-    from triptych.world.video_scorer import MIN_FRAME_SHARE, score_clip
+    from shapeworld import render, score
+    from shapeworld.video import clip_caption, sample_clips
+    from shapeworld.video_scorer import MIN_FRAME_SHARE, score_clip
 
     models, base, client = server
     extra = {"seed": 3, "num_inference_steps": 4}

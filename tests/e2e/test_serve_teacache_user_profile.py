@@ -11,8 +11,8 @@ import pytest
 
 from tests.e2e.http_support import serve
 from triptych import cli
-from triptych.cli_profiles import user_profiles_dir
-from triptych.pipelines.registry import make_tiny
+from triptych.cli.profiles import user_profiles_dir
+from triptych.families.registry import make_tiny
 
 pytestmark = pytest.mark.slow
 STEPS = 4
@@ -24,9 +24,9 @@ def skipped_steps(base: str) -> float:
 
 
 def test_serve_runs_auto_from_the_user_profile(tmp_path):
-    from triptych.server.http import create_app
-    from triptych.server.launch import EmbeddedBackend
-    from triptych.server.orchestrator import OrchestratorConfig
+    from triptych.control.orchestrator import OrchestratorConfig
+    from triptych.deploy.launch import EmbeddedBackend
+    from triptych.head.app import create_app
 
     model = make_tiny("flux", tmp_path / "flux", seed=0)
     args = ["calibrate", "--model", str(model), "--steps", str(STEPS), "--seeds", "0", "--eval-images", "2"]

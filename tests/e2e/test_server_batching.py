@@ -25,12 +25,12 @@ import pytest
 
 from tests.e2e.http_support import decode_pixels, serve, wait_for
 from triptych.calibration.metrics import psnr
-from triptych.pipelines.base import GenerationParams
-from triptych.pipelines.registry import load_family
-from triptych.pipelines.runner import run_request
-from triptych.server.http import HeadConfig, create_app
-from triptych.server.launch import EmbeddedBackend, TopologyConfig
-from triptych.server.orchestrator import OrchestratorConfig
+from triptych.control.orchestrator import OrchestratorConfig
+from triptych.deploy.launch import EmbeddedBackend, TopologyConfig
+from triptych.engine.runner import run_request
+from triptych.families.base import GenerationParams
+from triptych.families.registry import load_family
+from triptych.head.app import HeadConfig, create_app
 
 N = 8
 STEPS = 16  # ~10x an encode on the tiny model: later requests join earlier ones mid-denoise

@@ -5,7 +5,7 @@ generation equals the pristine pipeline bit for bit; its VAE codes each frame al
 image VAE's latent space (the decoder fine-tuned on clip frames); and a few held-out prompts come out
 right when read back from pixels. The
 last is a regression check on the shipped weights (evaluate's first prompts and seeds); the
-50-video figures come from ``python -m triptych.training.evaluate_video`` (MODEL_CARD.md).
+50-video figures come from ``python -m training.evaluate_video`` (MODEL_CARD.md).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.helpers import pristine_pipeline, seeded
-from triptych.models import PACKAGED_DEFAULT, PACKAGED_VIDEO, default_video_model_dir
+from triptych.families.models import PACKAGED_DEFAULT, PACKAGED_VIDEO, default_video_model_dir
 
 pytestmark = pytest.mark.skipif(
     not (PACKAGED_VIDEO / "model_index.json").is_file(), reason="no trained video model shipped"
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def family():
-    from triptych.pipelines.registry import load_family
+    from triptych.families.registry import load_family
 
     return load_family(PACKAGED_VIDEO)
 
@@ -43,7 +43,7 @@ def test_loads_offline_with_pristine_diffusers_and_the_family(monkeypatch, prist
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
     from transformers import UMT5EncoderModel
 
-    from triptych.pipelines.registry import architecture
+    from triptych.families.registry import architecture
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     pipe = WanPipeline.from_pretrained(PACKAGED_VIDEO)
@@ -69,7 +69,7 @@ def test_video_vae_codes_each_frame_alone_in_the_image_vaes_latent_space(pristin
     (measured 0.0; with the past taps left in: 2.0, the whole output range)."""
     from diffusers import AutoencoderKLQwenImage
 
-    from triptych.world.video import Clip, render_clip
+    from shapeworld.video import Clip, render_clip
 
     image_vae = AutoencoderKLQwenImage.from_pretrained(PACKAGED_DEFAULT / "vae").eval()
     same_weights = AutoencoderKLQwenImage.from_config(image_vae.config).eval()
@@ -91,8 +91,8 @@ def test_video_vae_codes_each_frame_alone_in_the_image_vaes_latent_space(pristin
 
 
 def test_generate_is_bit_identical_to_the_pristine_pipeline(family, pristine):
-    from triptych.pipelines.base import GenerationParams
-    from triptych.pipelines.runner import run_request
+    from triptych.engine.runner import run_request
+    from triptych.families.base import GenerationParams
 
     params = family.resolve(GenerationParams(prompt="a red circle moving rightwards on a blue background", seed=3))
     frames, _ = run_request(family, params, fuse_cfg=False)
@@ -119,10 +119,10 @@ SHAPE_AT_LEAST = 3  # measured: 4 of 4 (42 of 50 in the card; the model before p
 
 
 def test_heldout_prompts_draw_shape_colour_background_and_direction(family):
-    from triptych.pipelines.base import GenerationParams
-    from triptych.pipelines.runner import run_request
-    from triptych.world.video import clip_caption, sample_clips
-    from triptych.world.video_scorer import score_clip
+    from shapeworld.video import clip_caption, sample_clips
+    from shapeworld.video_scorer import score_clip
+    from triptych.engine.runner import run_request
+    from triptych.families.base import GenerationParams
 
     rows = []
     for index, clip in enumerate(sample_clips(50, "eval", "heldout")[:HELDOUT]):

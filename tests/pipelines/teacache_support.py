@@ -7,10 +7,10 @@ from collections import defaultdict
 import numpy as np
 from PIL import Image
 
-from triptych.cache.teacache import TeaCache
-from triptych.cache.teacache_profile import ProfileIndex
+from triptych.accel.teacache import TeaCache
+from triptych.accel.teacache_profile import ProfileIndex
 from triptych.calibration.metrics import psnr
-from triptych.pipelines.teacache import plan_for
+from triptych.engine.teacache import plan_for
 
 
 def condition_image(seed=7):

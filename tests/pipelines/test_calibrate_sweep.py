@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 
 from triptych import cli
-from triptych.cache.teacache_profile import AUTO_THRESHOLD, find_profile, load_profile
+from triptych.accel.teacache_profile import AUTO_THRESHOLD, find_profile, load_profile
 from triptych.calibration.fit import calibrate
 from triptych.calibration.quality import quality_report
 from triptych.calibration.sweep import Target
-from triptych.errors import InvalidParam
-from triptych.pipelines.registry import load_family, make_tiny
+from triptych.core.errors import InvalidParam
+from triptych.families.registry import load_family, make_tiny
 
 STEPS = 6
 FIT_PROMPTS = ("a red fox in the snow", "a lighthouse at night")
@@ -129,8 +129,8 @@ def test_the_cli_writes_the_user_directory_and_auto_reports_the_profile_it_used(
     """``triptych calibrate`` writes ``$XDG_DATA_HOME/triptych/teacache/<model identity>/``, never the
     model's (or the package's) ``teacache/``; ``generate --teacache-threshold auto`` finds it there
     first and names it; the shipped profiles stay byte-identical."""
-    from triptych.cache.teacache_profile import PACKAGE_DIR
-    from triptych.cli_profiles import user_profiles_dir
+    from triptych.accel.teacache_profile import PACKAGE_DIR
+    from triptych.cli.profiles import user_profiles_dir
 
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
     shipped = _tree_hashes(PACKAGE_DIR / "assets")
@@ -176,7 +176,7 @@ def test_calibrate_warns_when_the_evaluation_set_is_too_small_for_the_target(tmp
 
 
 def test_calibrate_refuses_an_out_inside_the_installed_package(capsys):
-    from triptych.cache.teacache_profile import PACKAGE_DIR, ProfileError, TeaCacheProfile, save_profile
+    from triptych.accel.teacache_profile import PACKAGE_DIR, ProfileError, TeaCacheProfile, save_profile
 
     target = PACKAGE_DIR / "assets" / "default" / "teacache" / "qwen-image-20steps.json"
     before = target.read_bytes()

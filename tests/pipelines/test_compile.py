@@ -5,7 +5,7 @@ branch or both, TeaCache sub-batches) compiles nothing more.
 Measured (torch 2.13 CPU, one thread, 20 steps, 64x64): compiled staged vs the eager pipeline's
 ``__call__``, max abs over the image 3.6e-6 (fused CFG) / 2.7e-6 (separate forwards); the tolerance
 is 10x the larger; with TeaCache 0.1 and previews on both, 1.9e-5 (TeaCache's skipped steps reuse
-a residual, which carries the rounding forward), within the same tolerance. The warm-up compiles 5 graphs (``pipelines/warmup.py`` says which shapes), the mixed
+a residual, which carries the rounding forward), within the same tolerance. The warm-up compiles 5 graphs (``engine/warmup.py`` says which shapes), the mixed
 load after it 0.
 """
 
@@ -17,11 +17,11 @@ import torch
 
 from triptych.accel import SpeedConfig
 from triptych.accel.compile import compile_counts
-from triptych.models import default_model_dir
-from triptych.pipelines.base import COND, UNCOND, GenerationParams, Row
-from triptych.pipelines.registry import load_family
-from triptych.pipelines.runner import run_request
-from triptych.pipelines.warmup import warm_up
+from triptych.engine.runner import run_request
+from triptych.engine.warmup import warm_up
+from triptych.families.base import COND, UNCOND, GenerationParams, Row
+from triptych.families.models import default_model_dir
+from triptych.families.registry import load_family
 
 TOLERANCE = 3.6e-5  # measured 3.6e-6
 WARMUP_GRAPHS = 5  # measured: the five shapes of accel/warmup.py
@@ -63,7 +63,7 @@ def test_mixed_load_compiles_nothing_after_warm_up(families):
     for i, prompt in enumerate(PROMPTS * 2):
         params = compiled.resolve(GenerationParams(prompt=prompt, seed=i))
         states.append(compiled.prepare(f"r{i}", params, compiled.encode(params)))
-    from triptych.pipelines.teacache import plan_for
+    from triptych.engine.teacache import plan_for
 
     plan = plan_for(compiled)
     with torch.no_grad():
@@ -81,7 +81,7 @@ def test_mixed_load_compiles_nothing_after_warm_up(families):
 def test_compile_composes_with_teacache_and_previews(families):
     """TeaCache's piecewise forward and previews on the compiled family: the same skips and the same
     image as on the eager one (within the tolerance), and the previews arrive."""
-    from triptych.pipelines.teacache import make_teacache
+    from triptych.engine.teacache import make_teacache
 
     eager, compiled, _ = families
     params = compiled.resolve(GenerationParams(prompt=PROMPTS[1], seed=5, teacache_threshold=0.1))

@@ -15,9 +15,9 @@ from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
 from PIL import Image
 
 from triptych.calibration.metrics import psnr
-from triptych.pipelines.base import GenerationParams
-from triptych.pipelines.registry import load_family
-from triptych.pipelines.runner import run_request
+from triptych.engine.runner import run_request
+from triptych.families.base import GenerationParams
+from triptych.families.registry import load_family
 
 MIN_PSNR_DB = {
     "flux": 37.0,  # measured 43.0

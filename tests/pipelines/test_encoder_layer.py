@@ -9,17 +9,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shapeworld import render, sample_scenes
 from tests.helpers import EncoderPort as Port
-from triptych.cache.mm import MMCacheConfig
-from triptych.cache.mm_layer import EncoderLayer
-from triptych.cache.mm_store import checksum
-from triptych.models import PACKAGED_DEFAULT
-from triptych.pipelines.base import GenerationParams, Role
-from triptych.pipelines.registry import family_class
-from triptych.server import protocol as P
-from triptych.server import wire
-from triptych.server.runners.encoder import EncoderRunner
-from triptych.world import render, sample_scenes
+from triptych.control import protocol as P
+from triptych.control import wire
+from triptych.families.base import GenerationParams, Role
+from triptych.families.models import PACKAGED_DEFAULT
+from triptych.families.registry import family_class
+from triptych.mmcache.cache import MMCacheConfig
+from triptych.mmcache.layer import EncoderLayer
+from triptych.mmcache.store import checksum
+from triptych.worker.runners.encoder import EncoderRunner
 
 EDIT_MODEL = PACKAGED_DEFAULT.parent / "default_edit"
 
@@ -85,7 +85,7 @@ def test_eight_mixed_requests_run_the_tower_once_and_each_equals_it_alone(family
     done = {m.request_id: m.text for m in runner.port.sent if isinstance(m, P.ChatDone)}
     for i, image in enumerate(pics):
         if i % 2:
-            from triptych.pipelines.vlm import ChatParams, ChatTurn
+            from triptych.chat import ChatParams, ChatTurn
 
             ask = ChatParams((ChatTurn("user", (0, "What is in this image?")),), (image,), max_tokens=4)
             assert done[f"chat-{i}"] == plain.chat_model().run(ask).text
@@ -136,8 +136,8 @@ def test_references_are_released_on_failure_abort_and_close(family, monkeypatch)
 
 
 def test_the_processor_tier_keys_by_pixels_settings_and_tenant(family):
-    from triptych.cache import mm_processor
-    from triptych.cache.mm import tenant_scope
+    from triptych.mmcache import processor as mm_processor
+    from triptych.mmcache.cache import tenant_scope
 
     ip = family.processor.image_processor
     tier = mm_processor.cache_of(ip)
@@ -170,7 +170,7 @@ def test_two_encoders_sharing_a_directory_run_the_tower_once_per_image_and_tenan
     """An image chatted about on encoder A and then on encoder B (the same model, one host,
     ``shared_dir``): B reads A's embedding instead of running its tower, and answers the same; another
     tenant's identical image is its own key and runs the tower."""
-    from triptych.pipelines.vlm import ChatParams, ChatTurn
+    from triptych.chat import ChatParams, ChatTurn
 
     a, b = load(shared_dir=str(tmp_path)), load(shared_dir=str(tmp_path))
     (image,) = images(1, "encoder-layer-shared")

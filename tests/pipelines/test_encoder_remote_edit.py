@@ -1,4 +1,4 @@
-"""Cross-encoder hits for image-conditioned generation (``server.mm_remote``), through two encoder
+"""Cross-encoder hits for image-conditioned generation (``worker.mm_remote``), through two encoder
 runners of the packaged edit model with their own ZMQ endpoints on loopback: an edit encoded on A
 reports its image's embedding (``EncodeDone.images``); the same edit on B, carrying the hint the head
 builds from that report, fetches it from A instead of running B's tower, and B's conditioning is
@@ -12,11 +12,11 @@ import torch
 from tests.e2e.http_support import wait_for
 from tests.helpers import EncoderPort
 from tests.pipelines.test_encoder_layer import drain, edit_task, images, load
-from triptych.server import protocol as P
-from triptych.server.affinity import ImageAffinity
-from triptych.server.mm_remote import attach
-from triptych.server.runners.encoder import EncoderRunner
-from triptych.server.transfer.peer import PeerEndpoint
+from triptych.control import protocol as P
+from triptych.control.affinity import ImageAffinity
+from triptych.transfer.peer import PeerEndpoint
+from triptych.worker.mm_remote import attach
+from triptych.worker.runners.encoder import EncoderRunner
 
 
 class Side:

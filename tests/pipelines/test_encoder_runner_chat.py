@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import pytest
 
+from shapeworld import render, sample_scenes
 from tests.helpers import EncoderPort as Port
-from triptych.models import PACKAGED_DEFAULT
-from triptych.pipelines.base import GenerationParams, Role
-from triptych.pipelines.registry import family_class
-from triptych.pipelines.vlm import ChatParams, ChatTurn
-from triptych.pipelines.vlm.engine_config import ChatEngineConfig
-from triptych.server import protocol as P
-from triptych.server import wire
-from triptych.server.runners.encoder import EncoderRunner
-from triptych.world import render, sample_scenes
+from triptych.chat import ChatParams, ChatTurn
+from triptych.chat.config import ChatEngineConfig
+from triptych.control import protocol as P
+from triptych.control import wire
+from triptych.families.base import GenerationParams, Role
+from triptych.families.models import PACKAGED_DEFAULT
+from triptych.families.registry import family_class
+from triptych.worker.runners.encoder import EncoderRunner
 
 
 @pytest.fixture(scope="module")

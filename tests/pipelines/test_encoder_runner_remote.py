@@ -14,11 +14,11 @@ import torch
 
 from tests.helpers import EncoderPort as Port
 from tests.pipelines.test_encoder_layer import chat_task, drain, edit_task, images, load
-from triptych.pipelines.qwenimage.vllm import embedding_items
-from triptych.pipelines.vlm import ChatParams, ChatResult, ChatTurn
-from triptych.server import protocol as P
-from triptych.server.runners.encoder import EncoderRunner
+from triptych.chat import ChatParams, ChatResult, ChatTurn
+from triptych.control import protocol as P
+from triptych.families.qwenimage.vllm import embedding_items
 from triptych.vllm_chat.engine import ChatEvent
+from triptych.worker.runners.encoder import EncoderRunner
 
 QUESTION = "What is in this image?"
 

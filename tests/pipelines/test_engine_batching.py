@@ -7,9 +7,9 @@ import pytest
 
 from tests.helpers import count_calls
 from triptych.calibration.metrics import psnr
-from triptych.pipelines.base import GenerationParams
-from triptych.pipelines.registry import load_family
-from triptych.server.engine import DenoiserEngine, EngineConfig
+from triptych.engine import DenoiserEngine, EngineConfig
+from triptych.families.base import GenerationParams
+from triptych.families.registry import load_family
 
 # Batching changes CPU reduction order (~6e-7 per forward). Over the 5 requests: latents measured
 # 2.4e-7 to 6.0e-7 max abs, decoded images 131.9 dB PSNR at worst (two runs).
@@ -128,9 +128,9 @@ def test_a_tick_that_raises_evicts_its_batch_and_the_rest_run_on_bit_identically
 def test_the_denoiser_worker_fails_an_evicted_request_as_retryable_and_keeps_serving(family, monkeypatch):
     """The worker half of eviction: the evicted request's job gets a retryable ``StageError`` (the head
     retries it on another denoiser), the other request's progress is still sent."""
-    from triptych.server import protocol as P
-    from triptych.server.runners.base import Job
-    from triptych.server.runners.denoiser import DenoiserRunner
+    from triptych.control import protocol as P
+    from triptych.worker.runners.base import Job
+    from triptych.worker.runners.denoiser import DenoiserRunner
 
     sent, failures = [], []
 
@@ -144,7 +144,7 @@ def test_the_denoiser_worker_fails_an_evicted_request_as_retryable_and_keeps_ser
         def fail(self, job, error, retryable):
             failures.append((job.request_id, retryable))
 
-    from triptych.server.wire import params_to_wire
+    from triptych.control.wire import params_to_wire
 
     runner = DenoiserRunner(family, Port(), EngineConfig(max_batch_requests=1))
     for rid in ("bad", "good"):

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 
 from triptych.calibration.metrics import psnr
-from triptych.errors import InvalidParam
-from triptych.pipelines.base import GenerationParams
-from triptych.pipelines.registry import load_family, make_tiny
-from triptych.pipelines.runner import run_request
-from triptych.pipelines.teacache import check_teacache, make_teacache
-from triptych.server.engine import DenoiserEngine, EngineConfig
+from triptych.core.errors import InvalidParam
+from triptych.engine import DenoiserEngine, EngineConfig
+from triptych.engine.runner import run_request
+from triptych.engine.teacache import check_teacache, make_teacache
+from triptych.families.base import GenerationParams
+from triptych.families.registry import load_family, make_tiny
 
 STEPS = 8
 MIN_PSNR_DB = 31.0  # TeaCache 0.3 is an approximation: measured 50.8 dB vs the uncached output (two runs)
@@ -122,8 +122,8 @@ def test_rest_teacache_request_and_refusals(calibrated, tmp_path):
     import httpx
 
     from tests.e2e.http_support import serve
-    from triptych.server.backend import InProcessBackend
-    from triptych.server.http import HeadConfig, create_app
+    from triptych.control.backend import InProcessBackend
+    from triptych.head.app import HeadConfig, create_app
 
     app = create_app(InProcessBackend(calibrated), HeadConfig(data_dir=tmp_path / "data"))
     with serve(app) as base:

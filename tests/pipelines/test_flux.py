@@ -8,10 +8,10 @@ import torch
 
 from tests.helpers import count_calls, flux_reference, pristine_pipeline
 from triptych.calibration.metrics import psnr
-from triptych.errors import InvalidParam
-from triptych.pipelines.base import GenerationParams
-from triptych.pipelines.registry import load_family
-from triptych.pipelines.runner import run_request
+from triptych.core.errors import InvalidParam
+from triptych.engine.runner import run_request
+from triptych.families.base import GenerationParams
+from triptych.families.registry import load_family
 
 # Batching changes CPU kernel reduction order (~6e-7 per forward, ENVIRONMENT.md); over a few steps
 # the latents of a request stepped inside a batch stay within this of the request stepped alone.
@@ -109,7 +109,7 @@ def test_bad_params_name_the_field(family, changes, field):
 
 
 def test_roles_load_only_their_components(tiny_model_dir):
-    from triptych.pipelines.base import Role
+    from triptych.families.base import Role
 
     enc = load_family(tiny_model_dir("flux"), roles={Role.ENCODER})
     assert enc.pipe.transformer is None and enc.pipe.vae is None and enc.pipe.text_encoder is not None
@@ -125,7 +125,7 @@ def test_roles_load_only_their_components(tiny_model_dir):
 
 def test_stages_across_role_instances_are_exact(tiny_model_dir):
     """Encoder, denoiser and decoder as separate adapters (as in the pools) change nothing."""
-    from triptych.pipelines.base import Conditioning, Role
+    from triptych.families.base import Conditioning, Role
 
     d = tiny_model_dir("flux")
     enc, den, dec = (load_family(d, roles={r}) for r in (Role.ENCODER, Role.DENOISER, Role.DECODER))

@@ -16,11 +16,11 @@ from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
 from PIL import Image
 
 from triptych.calibration.metrics import psnr
-from triptych.devices import DeviceConfig
-from triptych.errors import InvalidParam
-from triptych.pipelines.base import GenerationParams, Role
-from triptych.pipelines.registry import load_family
-from triptych.pipelines.runner import run_request
+from triptych.core.devices import DeviceConfig
+from triptych.core.errors import InvalidParam
+from triptych.engine.runner import run_request
+from triptych.families.base import GenerationParams, Role
+from triptych.families.registry import load_family
 
 pytestmark = pytest.mark.gpu
 
@@ -83,7 +83,7 @@ def test_staged_bf16_matches_diffusers_on_the_device(tiny_model_dir, name):
 
 def test_staged_split_across_roles_on_the_device_matches_one_process(tiny_model_dir):
     """Encoder, denoiser and decoder as separate instances, tensors staged through host memory."""
-    from triptych.server.transfer.staging import to_device, to_host
+    from triptych.transfer.staging import to_device, to_host
 
     path = tiny_model_dir("qwen-image")
     whole = load_family(path, device="cuda")
@@ -93,7 +93,7 @@ def test_staged_split_across_roles_on_the_device_matches_one_process(tiny_model_
     cond = enc.encode(params)
     flat = to_host(cond.flat())
     assert all(t.device.type == "cpu" for t in flat.values())
-    from triptych.pipelines.base import Conditioning
+    from triptych.families.base import Conditioning
 
     state = den.prepare("r", params, Conditioning.from_flat(to_device(flat, den.device)))
     while not state.done:

@@ -14,11 +14,11 @@ import torch
 from triptych.accel import SpeedConfig
 from triptych.accel.apply import FP8_CAPABILITY
 from triptych.calibration.metrics import psnr
-from triptych.models import default_model_dir
-from triptych.pipelines.base import GenerationParams
-from triptych.pipelines.registry import load_family
-from triptych.pipelines.runner import run_request
-from triptych.pipelines.warmup import warm_up
+from triptych.engine.runner import run_request
+from triptych.engine.warmup import warm_up
+from triptych.families.base import GenerationParams
+from triptych.families.models import default_model_dir
+from triptych.families.registry import load_family
 
 pytestmark = pytest.mark.gpu
 

@@ -1,4 +1,4 @@
-"""The in-process backend's chats run in one batched chat engine (``server.inprocess_chat``): chats
+"""The in-process backend's chats run in one batched chat engine (``control.inprocess_chat``): chats
 asked together decode together and answer as each alone; streaming and cancel still work."""
 
 from __future__ import annotations
@@ -7,12 +7,12 @@ import asyncio
 
 import pytest
 
-from triptych.models import PACKAGED_DEFAULT
-from triptych.pipelines.base import Role
-from triptych.pipelines.registry import family_class
-from triptych.pipelines.vlm import ChatParams, ChatTurn
-from triptych.server.backend import Cancelled, ChatJob, InProcessBackend
-from triptych.world import render, sample_scenes
+from shapeworld import render, sample_scenes
+from triptych.chat import ChatParams, ChatTurn
+from triptych.control.backend import Cancelled, ChatJob, InProcessBackend
+from triptych.families.base import Role
+from triptych.families.models import PACKAGED_DEFAULT
+from triptych.families.registry import family_class
 
 
 @pytest.fixture(scope="module")

@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from tests.helpers import tiny_qwen_with_two_adapters
-from triptych.pipelines.base import GenerationParams
-from triptych.pipelines.qwenimage.family import QwenImageFamily
-from triptych.server import protocol as P
-from triptych.server.engine import DenoiserEngine, EngineConfig
-from triptych.server.runners.base import Job
-from triptych.server.runners.denoiser import DenoiserRunner
-from triptych.server.wire import params_to_wire
+from triptych.control import protocol as P
+from triptych.control.wire import params_to_wire
+from triptych.engine import DenoiserEngine, EngineConfig
+from triptych.families.base import GenerationParams
+from triptych.families.qwenimage.family import QwenImageFamily
+from triptych.worker.runners.base import Job
+from triptych.worker.runners.denoiser import DenoiserRunner
 
 STEPS = 3
 

@@ -2,7 +2,7 @@
 mixing adapter A, adapter B, A+B stacked and none, the eager family's latents (which equal pristine
 diffusers, ``test_lora_qwenimage.py``) within a tolerance; and a changing mix of adapters, scales
 and batch sizes compiles nothing after the warm-up a compiled denoiser serving adapters runs
-before it registers (``pipelines/warmup.py``: every served adapter loaded, a row with one and a row
+before it registers (``engine/warmup.py``: every served adapter loaded, a row with one and a row
 without, at two batch sizes).
 
 The per-row deltas run outside the compiled graphs (``lora/rows.py``): traced, the hooks specialised
@@ -22,10 +22,10 @@ import torch
 from tests.helpers import tiny_qwen_with_two_adapters
 from triptych.accel import SpeedConfig
 from triptych.accel.compile import compile_counts
-from triptych.pipelines.base import GenerationParams
-from triptych.pipelines.registry import load_family
-from triptych.pipelines.warmup import warm_up
-from triptych.server.engine import DenoiserEngine, EngineConfig
+from triptych.engine import DenoiserEngine, EngineConfig
+from triptych.engine.warmup import warm_up
+from triptych.families.base import GenerationParams
+from triptych.families.registry import load_family
 
 TOLERANCE = 1e-5  # measured 1.25e-6 (compiled vs eager latents, worst mix)
 A, B, AB = (("a", 1.0),), (("b", 0.7),), (("a", 0.5), ("b", 1.2))

@@ -21,11 +21,11 @@ import torch
 from diffusers import FluxPipeline
 
 from tests.helpers import flux_reference, pristine_pipeline
+from triptych.engine import DenoiserEngine, EngineConfig
+from triptych.families.base import GenerationParams, Role
+from triptych.families.registry import load_family
 from triptych.lora.config import LoraConfig
 from triptych.lora.synthetic import write_random_lora
-from triptych.pipelines.base import GenerationParams, Role
-from triptych.pipelines.registry import load_family
-from triptych.server.engine import DenoiserEngine, EngineConfig
 
 # Mixed batch vs alone in diffusers, decoded images in [0, 1]: measured 2.2e-6 max abs (one run; the
 # request without an adapter 1.6e-6: batching's reduction order); the bound is 9x that.

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from tests.helpers import tiny_qwen_with_two_adapters
-from triptych.pipelines.base import GenerationParams
-from triptych.pipelines.previews import preview_steps
-from triptych.pipelines.qwenimage.family import QwenImageFamily
-from triptych.server.engine import DenoiserEngine, EngineConfig
+from triptych.engine import DenoiserEngine, EngineConfig
+from triptych.engine.previews import preview_steps
+from triptych.families.base import GenerationParams
+from triptych.families.qwenimage.family import QwenImageFamily
 
 STEPS = 4
 REQUESTS = {"A": (("a", 1.0),), "B": (("b", 0.7),), "A+B": (("a", 0.5), ("b", 1.2)), "none": ()}

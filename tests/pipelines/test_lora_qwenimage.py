@@ -17,14 +17,14 @@ import torch
 
 from tests.helpers import pristine_pipeline
 from tests.helpers import qwen_reference as reference
-from triptych.errors import InvalidParam
+from triptych.core.errors import InvalidParam
+from triptych.engine import DenoiserEngine, EngineConfig
+from triptych.families.base import GenerationParams
+from triptych.families.qwenimage.family import QwenImageFamily
+from triptych.families.qwenimage.tiny import make_tiny_qwen_image
 from triptych.lora.adapter import LoraFormatError
 from triptych.lora.config import LoraConfig
 from triptych.lora.synthetic import write_random_lora
-from triptych.pipelines.base import GenerationParams
-from triptych.pipelines.qwenimage.family import QwenImageFamily
-from triptych.pipelines.qwenimage.tiny import make_tiny_qwen_image
-from triptych.server.engine import DenoiserEngine, EngineConfig
 
 # Mixed batch vs each request alone in diffusers, decoded images (float in [0, 1]): measured 1.34e-6
 # max abs at worst over the four requests (A 7.2e-7, B 1.34e-6, A+B 1.0e-6, none 9.5e-7: the row

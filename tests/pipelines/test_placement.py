@@ -8,11 +8,11 @@ import pytest
 import torch
 from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
 
-from triptych.devices import DeviceConfig
-from triptych.pipelines.base import GenerationParams
-from triptych.pipelines.placement import group_offload
-from triptych.pipelines.registry import load_family
-from triptych.pipelines.runner import run_request
+from triptych.core.devices import DeviceConfig
+from triptych.engine.runner import run_request
+from triptych.families.base import GenerationParams
+from triptych.families.placement import group_offload
+from triptych.families.registry import load_family
 
 # _native_math (and flex) vs native on CPU float32, image max abs on the tiny FLUX, 2 steps.
 BACKEND_ATOL = 1e-5  # measured 1.6e-6 (two runs)

@@ -9,9 +9,9 @@ import pytest
 import torch
 from PIL import Image
 
-from triptych.pipelines.base import GenerationParams
-from triptych.pipelines.registry import load_family
-from triptych.pipelines.runner import run_request
+from triptych.engine.runner import run_request
+from triptych.families.base import GenerationParams
+from triptych.families.registry import load_family
 
 CASES = {
     "flux": GenerationParams("a red cube", height=32, width=48, steps=4, seed=3),

@@ -12,8 +12,8 @@ import pytest
 from triptych import cli
 from triptych.calibration.fit import calibrate
 from triptych.calibration.quality import quality_report
-from triptych.errors import InvalidParam
-from triptych.pipelines.registry import load_family, make_tiny
+from triptych.core.errors import InvalidParam
+from triptych.families.registry import load_family, make_tiny
 
 STEPS = 8
 MIN_PSNR_AT_05 = 29.0  # worst PSNR of 3 requests at threshold 0.5: measured 48.4 dB (two runs)
@@ -103,7 +103,7 @@ def test_the_cli_pages_quality_line_runs_on_the_default_model(capsys):
     """docs/cli.md: ``triptych quality --teacache-threshold auto 0.1`` (with ``--images 2`` to keep it short;
     1.7 s in-process on the loaded 2-core machine). The shipped profile recommends no threshold, so ``auto``
     is reported as not run, naming the profile, and 0.1 is measured; the exit is the gates' (0 or 1)."""
-    from triptych.models import PACKAGED_DEFAULT
+    from triptych.families.models import PACKAGED_DEFAULT
 
     code = cli.main(["quality", "--teacache-threshold", "auto", "0.1", "--images", "2"])
     out = capsys.readouterr().out

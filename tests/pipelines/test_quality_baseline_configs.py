@@ -20,8 +20,8 @@ from triptych import cli
 from triptych.calibration.baseline import compare_baseline, temporal_psnr
 from triptych.calibration.baseline_run import PARALLEL_TOLERANCE, SERVED_TOLERANCE, Configuration
 from triptych.calibration.target import Target
-from triptych.errors import InvalidParam
-from triptych.pipelines.registry import load_family
+from triptych.core.errors import InvalidParam
+from triptych.families.registry import load_family
 
 
 def _compare(model, root: Path, name: str, *extra: str) -> tuple[int, dict, Path]:

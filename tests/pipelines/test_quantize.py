@@ -23,10 +23,10 @@ if importlib.util.find_spec("torchao") is None:
 from triptych.accel import SpeedConfig  # noqa: E402
 from triptych.accel.quantize import is_quantized  # noqa: E402
 from triptych.calibration.metrics import psnr  # noqa: E402
-from triptych.models import default_model_dir  # noqa: E402
-from triptych.pipelines.base import GenerationParams  # noqa: E402
-from triptych.pipelines.registry import load_family  # noqa: E402
-from triptych.pipelines.runner import run_request  # noqa: E402
+from triptych.engine.runner import run_request  # noqa: E402
+from triptych.families.base import GenerationParams  # noqa: E402
+from triptych.families.models import default_model_dir  # noqa: E402
+from triptych.families.registry import load_family  # noqa: E402
 
 MIN_PSNR_DB = {
     "transformer=int8-weight-only": 48.9,  # measured 54.9

@@ -32,13 +32,13 @@ from PIL import Image
 from tests.helpers import pristine_pipeline, staged
 from tests.helpers import qwen_reference as reference
 from triptych.calibration.metrics import psnr
-from triptych.errors import InvalidParam
-from triptych.pipelines.base import GenerationParams, Role
-from triptych.pipelines.qwenimage.encode import condition_size
-from triptych.pipelines.qwenimage.family import DEFAULT_NEGATIVE_PROMPT, QwenImageEditFamily, QwenImageFamily
-from triptych.pipelines.qwenimage.processor import load_processor
-from triptych.pipelines.qwenimage.tiny import make_tiny_qwen_image, make_tiny_qwen_image_edit
-from triptych.pipelines.qwenimage.tokenizer import train_qwen_tokenizer
+from triptych.core.errors import InvalidParam
+from triptych.families.base import GenerationParams, Role
+from triptych.families.qwenimage.encode import condition_size
+from triptych.families.qwenimage.family import DEFAULT_NEGATIVE_PROMPT, QwenImageEditFamily, QwenImageFamily
+from triptych.families.qwenimage.processor import load_processor
+from triptych.families.qwenimage.tiny import make_tiny_qwen_image, make_tiny_qwen_image_edit
+from triptych.families.qwenimage.tokenizer import train_qwen_tokenizer
 
 TEST_CONDITION_AREA = 256 * 256
 ORIGINAL_CALCULATE_DIMENSIONS = pipeline_qwenimage_edit.calculate_dimensions
@@ -337,7 +337,7 @@ def test_mm_cache_runs_the_vision_tower_once_per_image_and_changes_nothing(model
     same image again not at all, another image once; the conditioning is bit-identical to a family
     without the cache, and the cache stays within its byte budget."""
     from tests.helpers import count_calls
-    from triptych.cache.mm import MMCacheConfig
+    from triptych.mmcache.cache import MMCacheConfig
 
     plain = QwenImageEditFamily(model_dirs["edit"], roles=(Role.ENCODER,), mm_cache_config=MMCacheConfig(max_mb=0))
     assert plain.mm_cache is None

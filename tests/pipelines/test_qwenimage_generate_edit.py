@@ -1,4 +1,4 @@
-"""One Qwen-Image checkpoint that generates and edits (``pipelines.qwenimage.generate_edit``): the
+"""One Qwen-Image checkpoint that generates and edits (``families.qwenimage.generate_edit``): the
 packaged default, whose ``triptych.json`` says ``"edits": true``.
 
 Exactness is against diffusers' own pipelines loaded afresh in the test: ``QwenImagePipeline`` from
@@ -17,13 +17,13 @@ from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
 
 from tests.helpers import pristine_pipeline, staged
 from tests.helpers import qwen_reference as reference
-from triptych.errors import InvalidParam
-from triptych.models import PACKAGED_DEFAULT, PACKAGED_EDIT
-from triptych.pipelines.base import GenerationParams, Role
-from triptych.pipelines.qwenimage.generate_edit import QwenImageGenerateEditFamily
-from triptych.pipelines.qwenimage.processor import load_processor
-from triptych.pipelines.registry import load_family
-from triptych.server.engine import DenoiserEngine, EngineConfig
+from triptych.core.errors import InvalidParam
+from triptych.engine import DenoiserEngine, EngineConfig
+from triptych.families.base import GenerationParams, Role
+from triptych.families.models import PACKAGED_DEFAULT, PACKAGED_EDIT
+from triptych.families.qwenimage.generate_edit import QwenImageGenerateEditFamily
+from triptych.families.qwenimage.processor import load_processor
+from triptych.families.registry import load_family
 
 pytestmark = pytest.mark.skipif(
     not (PACKAGED_DEFAULT / "model_index.json").is_file(), reason="no trained default model shipped"
@@ -48,7 +48,7 @@ def family():
 
 
 def condition_image():
-    from triptych.world import render, sample_scenes
+    from shapeworld import render, sample_scenes
 
     return render(sample_scenes(1, "generate-edit", "heldout")[0], 64)
 

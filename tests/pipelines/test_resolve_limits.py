@@ -7,15 +7,15 @@ from __future__ import annotations
 import pytest
 from PIL import Image
 
-from triptych.errors import InvalidParam
-from triptych.pipelines.base import GenerationParams
-from triptych.pipelines.registry import load_family
+from triptych.core.errors import InvalidParam
+from triptych.families.base import GenerationParams
+from triptych.families.registry import load_family
 
 
 @pytest.fixture(scope="module")
 def edit():
     """The packaged default edit model: its condition area is 64x64, where the review's 502s came from."""
-    from triptych.models import PACKAGED_DEFAULT
+    from triptych.families.models import PACKAGED_DEFAULT
 
     return load_family(PACKAGED_DEFAULT.parent / "default_edit", roles=())
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 from PIL import Image
 
-from triptych.errors import InvalidParam
-from triptych.pipelines.base import GenerationParams
-from triptych.pipelines.registry import load_family
-from triptych.server.admission import AdmissionLimits
+from triptych.core.errors import InvalidParam
+from triptych.families.base import GenerationParams
+from triptych.families.registry import load_family
+from triptych.head.admission import AdmissionLimits
 
 CASES = {
     "flux": dict(height=32, width=48),

@@ -9,15 +9,15 @@ from types import SimpleNamespace
 import pytest
 
 from triptych import cli
-from triptych.cache.teacache_profile import AUTO_THRESHOLD
-from triptych.cli_profiles import user_profiles_dir
-from triptych.errors import InvalidParam
-from triptych.pipelines.base import GenerationParams, Role
-from triptych.pipelines.registry import load_family, make_tiny
-from triptych.server.admission import AdmissionLimits
-from triptych.server.head import HeadConfig
-from triptych.server.http_common import resolve
-from triptych.server.runners import make_runner
+from triptych.accel.teacache_profile import AUTO_THRESHOLD
+from triptych.cli.profiles import user_profiles_dir
+from triptych.core.errors import InvalidParam
+from triptych.families.base import GenerationParams, Role
+from triptych.families.registry import load_family, make_tiny
+from triptych.head.admission import AdmissionLimits
+from triptych.head.routes_common import resolve
+from triptych.head.state import HeadConfig
+from triptych.worker.runners import make_runner
 
 STEPS = 4
 
@@ -53,7 +53,7 @@ def test_the_heads_door_accepts_auto_from_the_user_profile(calibrated_for_the_us
 
 def test_a_worker_from_the_cli_resolves_auto_to_the_user_profile(calibrated_for_the_user):
     family, written = calibrated_for_the_user
-    from triptych.server.cli_worker import worker_config
+    from triptych.cli.worker import worker_config
 
     argv = ["worker", "--role", "denoiser", "--head", "tcp://h:1", "--token", "a-deployment-token-for-tests"]
     config = worker_config(cli.build_parser().parse_args([*argv, "--model", str(family.model_dir)]))

@@ -16,13 +16,13 @@ import pytest
 import torch
 
 from tests.pipelines.teacache_support import decoded_psnr
-from triptych.cache.teacache import TeaCache
-from triptych.cache.teacache_profile import ProfileIndex
+from triptych.accel.teacache import TeaCache
+from triptych.accel.teacache_profile import ProfileIndex
 from triptych.calibration.fit import calibrate
-from triptych.errors import InvalidParam
-from triptych.pipelines.base import GenerationParams, Row
-from triptych.pipelines.flux.teacache import plan_for
-from triptych.pipelines.registry import load_family, make_tiny
+from triptych.core.errors import InvalidParam
+from triptych.families.base import GenerationParams, Row
+from triptych.families.flux.teacache import plan_for
+from triptych.families.registry import load_family, make_tiny
 
 STEPS = 8
 THRESHOLD = 0.2

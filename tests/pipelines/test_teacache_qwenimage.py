@@ -30,9 +30,9 @@ from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
 
 from tests.pipelines.teacache_support import condition_image, decoded_psnr, encode, new_cache, run
 from triptych.calibration.fit import calibrate
-from triptych.pipelines.base import GenerationParams, Row
-from triptych.pipelines.registry import load_family
-from triptych.pipelines.teacache import plan_for
+from triptych.engine.teacache import plan_for
+from triptych.families.base import GenerationParams, Row
+from triptych.families.registry import load_family
 
 STEPS = 8
 THRESHOLD = 0.2

@@ -3,7 +3,7 @@
 The profile is fitted in the test on the same tiny model (8 steps, 5 frames of 32×48, 2 prompts × 2
 seeds, CFG 5: 8 trajectories, 56 points; r2 0.78 for T2V, 0.47 for I2V: random tiny weights, the fit
 is only a plumbing check). Modulated input: the timestep projection (see
-``triptych.pipelines.wan.teacache``). Figures seen when written (decoded PSNR against the uncached
+``triptych.families.wan.teacache``). Figures seen when written (decoded PSNR against the uncached
 run, skipped steps of 8, warmup 1 + cooldown 1 always compute):
 
 ============  =========================  =========================  =========================
@@ -29,9 +29,9 @@ import torch
 
 from tests.pipelines.teacache_support import condition_image, decoded_psnr, encode, new_cache, run
 from triptych.calibration.fit import calibrate
-from triptych.pipelines.base import GenerationParams, Row
-from triptych.pipelines.registry import load_family
-from triptych.pipelines.teacache import plan_for
+from triptych.engine.teacache import plan_for
+from triptych.families.base import GenerationParams, Row
+from triptych.families.registry import load_family
 
 STEPS = 8
 THRESHOLD = 0.2

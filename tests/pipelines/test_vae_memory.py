@@ -21,11 +21,11 @@ import pytest
 import torch
 
 from triptych.calibration.metrics import psnr
-from triptych.devices import DeviceConfig
-from triptych.models import resolve_model
-from triptych.pipelines.base import GenerationParams, Role
-from triptych.pipelines.placement import vae_tiling
-from triptych.pipelines.registry import load_family
+from triptych.core.devices import DeviceConfig
+from triptych.families.base import GenerationParams, Role
+from triptych.families.models import resolve_model
+from triptych.families.placement import vae_tiling
+from triptych.families.registry import load_family
 
 ROOT = Path(__file__).resolve().parents[2]
 PEAK_2048_MAX_MB = 1500  # measured 913 MB tiled (4787 MB untiled before the fix)

@@ -9,13 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triptych.cache.mm import MMCacheConfig
-from triptych.errors import InvalidParam
-from triptych.models import PACKAGED_DEFAULT
-from triptych.pipelines.base import GenerationParams, Role
-from triptych.pipelines.registry import family_class
-from triptych.pipelines.vlm import ChatParams, ChatTurn
-from triptych.world import render, sample_scenes, score_caption
+from shapeworld import render, sample_scenes, score_caption
+from triptych.chat import ChatParams, ChatTurn
+from triptych.core.errors import InvalidParam
+from triptych.families.base import GenerationParams, Role
+from triptych.families.models import PACKAGED_DEFAULT
+from triptych.families.registry import family_class
+from triptych.mmcache.cache import MMCacheConfig
 
 EDIT_MODEL = PACKAGED_DEFAULT.parent / "default_edit"
 QUESTION = "What is in this image?"

@@ -12,14 +12,14 @@ import dataclasses
 import pytest
 import torch
 
-from triptych.errors import InvalidParam
-from triptych.models import PACKAGED_DEFAULT
-from triptych.pipelines.base import Role
-from triptych.pipelines.registry import family_class
-from triptych.pipelines.vlm import ChatParams, ChatTurn
-from triptych.pipelines.vlm.engine import ChatEngine
-from triptych.pipelines.vlm.engine_config import ChatEngineConfig
-from triptych.world import render, sample_scenes
+from shapeworld import render, sample_scenes
+from triptych.chat import ChatParams, ChatTurn
+from triptych.chat.config import ChatEngineConfig
+from triptych.chat.engine import ChatEngine
+from triptych.core.errors import InvalidParam
+from triptych.families.base import Role
+from triptych.families.models import PACKAGED_DEFAULT
+from triptych.families.registry import family_class
 
 QUESTIONS = ("What is in this image?", "What colour is the shape?", "Where is it?", "Describe the background", "Size?")
 

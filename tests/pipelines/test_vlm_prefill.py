@@ -11,13 +11,13 @@ import math
 
 import pytest
 
-from triptych.models import PACKAGED_DEFAULT
-from triptych.pipelines.base import Role
-from triptych.pipelines.registry import family_class
-from triptych.pipelines.vlm import ChatParams, ChatTurn
-from triptych.pipelines.vlm.engine import ChatEngine
-from triptych.pipelines.vlm.engine_config import ChatEngineConfig
-from triptych.world import render, sample_scenes
+from shapeworld import render, sample_scenes
+from triptych.chat import ChatParams, ChatTurn
+from triptych.chat.config import ChatEngineConfig
+from triptych.chat.engine import ChatEngine
+from triptych.families.base import Role
+from triptych.families.models import PACKAGED_DEFAULT
+from triptych.families.registry import family_class
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +166,7 @@ def test_one_forward_per_step_when_chats_join_while_others_decode(chat, images, 
 
 
 def test_a_failed_mixed_forward_runs_its_prefill_and_decode_apart(chat, monkeypatch):
-    import triptych.pipelines.vlm.engine as engine_module
+    import triptych.chat.engine as engine_module
 
     real = engine_module.prefill
     failed = []

@@ -19,9 +19,9 @@ from PIL import Image
 
 from tests.helpers import pristine_pipeline, seeded
 from triptych.calibration.metrics import psnr
-from triptych.errors import InvalidParam
-from triptych.pipelines.base import GenerationParams, Role
-from triptych.pipelines.registry import load_family, make_tiny
+from triptych.core.errors import InvalidParam
+from triptych.families.base import GenerationParams, Role
+from triptych.families.registry import load_family, make_tiny
 
 # Batched vs alone, float32 CPU, T2V and I2V, per-branch and fused: latents measured 2.1e-6 max abs,
 # frames 152.8 dB PSNR at worst (two runs); the bounds are 10x that / 20 dB under it.

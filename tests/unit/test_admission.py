@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from triptych.errors import InvalidParam
-from triptych.server.admission import Admission, AdmissionLimits, retry_after_header
-from triptych.server.backend import Overloaded
+from triptych.control.backend import Overloaded
+from triptych.core.errors import InvalidParam
+from triptych.head.admission import Admission, AdmissionLimits, retry_after_header
 
 
 @pytest.mark.parametrize("field", ["max_pixels", "max_steps", "max_queued_requests", "retry_after_s"])

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 from PIL import Image
 
-from triptych.server.affinity import ImageAffinity
-from triptych.server.dispatch import Instance
+from triptych.control.affinity import ImageAffinity
+from triptych.control.dispatch import Instance
 
 
 def instance(iid: str, capacity: int = 2) -> Instance:
@@ -43,8 +43,8 @@ def test_the_map_is_bounded_oldest_first():
 
 
 def test_hints_name_another_live_holder_of_the_reported_embeddings_within_the_tenant():
-    from triptych.server.mm_hints import MMImage
-    from triptych.server.transfer import TensorSpec
+    from triptych.control.mm_hints import MMImage
+    from triptych.transfer import TensorSpec
 
     aff = ImageAffinity()
     one, two = picture(1), picture(2)

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from triptych.cluster.autoscale import Autoscaler, decide
-from triptych.cluster.config import AutoscaleConfig
-from triptych.server.orchestrator import PoolLoad
+from triptych.control.orchestrator import PoolLoad
+from triptych.deploy.autoscale import Autoscaler, decide
+from triptych.deploy.config import AutoscaleConfig
 
 C = AutoscaleConfig(pools=("denoiser=1:3",), up_queue=2, up_wait_s=2.0, down_idle_s=10.0)
 

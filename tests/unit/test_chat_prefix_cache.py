@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from triptych.cache.chat_stats import ChatEngineStats
-from triptych.pipelines.vlm.prefix import PrefixCache
+from triptych.chat.prefix import PrefixCache
+from triptych.chat.stats import ChatEngineStats
 
 LAYER_BYTES = 2 * 4 * 10 * 4  # keys + values, 10 tokens of 4 float32 values each
 

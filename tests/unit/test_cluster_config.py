@@ -7,8 +7,8 @@ import importlib.util
 
 import pytest
 
-from triptych.cluster.config import ClusterConfig, RoleResources
-from triptych.cluster.placement import actor_options, bundles, group_strategy
+from triptych.deploy.config import ClusterConfig, RoleResources
+from triptych.deploy.placement import actor_options, bundles, group_strategy
 
 
 def test_role_resources_become_actor_options():

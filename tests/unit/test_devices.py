@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from triptych.cli import main
-from triptych.devices import AUTO_TILING_PIXELS, DeviceConfig, add_device_flags, device_config_from_args
-from triptych.errors import InvalidParam
+from triptych.core.devices import AUTO_TILING_PIXELS, DeviceConfig, add_device_flags, device_config_from_args
+from triptych.core.errors import InvalidParam
 
 NO_CUDA = not torch.cuda.is_available()
 
@@ -121,7 +121,7 @@ def test_the_real_command_line_prints_no_traceback(tmp_path):
 
 
 def test_split_threads_splits_the_idle_cores_among_the_processes():
-    from triptych.devices import split_threads
+    from triptych.core.devices import split_threads
 
     assert split_threads(1, cores=2, load=0.3) == 2  # idle 2-core machine: both
     assert split_threads(1, cores=2, load=9.7) == 1  # loaded: one (48.2 s -> 3.0 s in issue 24)

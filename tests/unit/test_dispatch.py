@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from triptych.server.dispatch import Instance, MaxFreeSlots, RoundRobin, make_policy
+from triptych.control.dispatch import Instance, MaxFreeSlots, RoundRobin, make_policy
 
 
 def inst(name: str, capacity: int = 2, held: int = 0) -> Instance:

@@ -4,10 +4,10 @@
   the test command ``.ci/run`` runs.
 - Every page in docs/ is linked from the README and opens with a one-line summary under its title.
 - Every relative link in README.md and docs/*.md resolves inside the repository (none names ../shared).
-- Every file or folder of the repository they name (``triptych/...py``, ``tests/...``, ``server/x.py``
-  for ``triptych/server/x.py``, a bare ``x.py`` somewhere in the tree) exists, and every
-  ``path.py::name`` and ``module.name`` naming a triptych module (``triptych.cache.mm.tenant_scope``,
-  ``cache.mm.tenant_scope``, ``server/runners/ticks.py``) names something that module defines.
+- Every file or folder of the repository they name (``triptych/...py``, ``tests/...``, ``head/x.py``
+  for ``triptych/head/x.py``, a bare ``x.py`` somewhere in the tree) exists, and every
+  ``path.py::name`` and ``module.name`` naming a triptych module (``triptych.mmcache.cache.tenant_scope``,
+  ``mmcache.cache.tenant_scope``, ``worker/ranks/ticks.py``) names something that module defines.
 """
 
 from __future__ import annotations
@@ -183,8 +183,8 @@ def test_every_path_and_name_the_docs_give_exists():
 
 
 def test_the_check_finds_a_missing_module_file_and_name():
-    assert problems("`triptych/server/http.py`, `server/http.py::create_app`, `cache.mm.tenant_scope`") == []
+    assert problems("`triptych/head/app.py`, `head/app.py::create_app`, `mmcache.cache.tenant_scope`") == []
     assert problems("see triptych/nowhere.py") == ["triptych/nowhere.py: no such file or folder"]
-    assert problems("`server/http.py::no_such_function`") == ["server/http.py does not define no_such_function"]
-    assert problems("`cache.mm.no_such_name`") == ["triptych/cache/mm.py does not define no_such_name"]
+    assert problems("`head/app.py::no_such_function`") == ["head/app.py does not define no_such_function"]
+    assert problems("`mmcache.cache.no_such_name`") == ["triptych/mmcache/cache.py does not define no_such_name"]
     assert problems("`torch.nn.Linear`, `~/.cache/triptych/x`") == []

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from triptych.server.engine.config import EngineConfig
-from triptych.server.engine.scheduler import Running, pick_batch
+from triptych.engine.config import EngineConfig
+from triptych.engine.scheduler import Running, pick_batch
 
 
 def fake(rid: str, key: str, tokens: int = 16, last_tick: int = 0, arrival: int = 0, branches: int = 1):

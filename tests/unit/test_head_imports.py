@@ -7,11 +7,11 @@ import subprocess
 import sys
 
 TORCH_FREE = (
-    "triptych.server.admission",
-    "triptych.server.api_models",
-    "triptych.server.head",
-    "triptych.server.media",
-    "triptych.server.served",
+    "triptych.head.admission",
+    "triptych.head.api_models",
+    "triptych.head.state",
+    "triptych.core.media",
+    "triptych.head.served",
 )
 
 

@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from triptych.server import media, offload
-from triptych.server.dispatch import Instance
-from triptych.server.head import Head, HeadConfig
-from triptych.server.metrics import LoopMetrics
+from triptych.control.dispatch import Instance
+from triptych.control.metrics import LoopMetrics
+from triptych.core import media, offload
+from triptych.head.state import Head, HeadConfig
 
 
 def test_loop_metrics_keep_the_latest_and_the_largest_lag():
@@ -45,7 +45,7 @@ def test_a_blocked_loop_shows_as_lag(tmp_path):
 
 
 def test_a_stall_of_the_head_is_not_counted_as_worker_silence(tiny_model_dir):
-    from triptych.server.orchestrator import Orchestrator, OrchestratorConfig
+    from triptych.control.orchestrator import Orchestrator, OrchestratorConfig
 
     orch = Orchestrator(tiny_model_dir("flux"), OrchestratorConfig(heartbeat_interval_s=0.5, heartbeat_timeout_s=5.0))
     now = time.monotonic()

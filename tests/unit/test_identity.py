@@ -7,8 +7,8 @@ import json
 import shutil
 from pathlib import Path
 
-from triptych.cache.teacache_profile import PROFILED_COMPONENTS, load_profile
-from triptych.identity import model_identity, model_revision
+from triptych.accel.teacache_profile import PROFILED_COMPONENTS, load_profile
+from triptych.core.identity import model_identity, model_revision
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "triptych" / "assets" / "default"
 

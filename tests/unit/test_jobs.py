@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from triptych.errors import InvalidParam
-from triptych.server.files import FileStore
-from triptych.server.jobs import JobStore, VideoRecord
-from triptych.server.metrics import Metrics, StageStats
-from triptych.server.transfer.stats import TransferStats
-from triptych.server.worker_stats import StatsWindow
+from triptych.control.metrics import Metrics, StageStats
+from triptych.control.worker_stats import StatsWindow
+from triptych.core.errors import InvalidParam
+from triptych.head.files import FileStore
+from triptych.head.jobs import JobStore, VideoRecord
+from triptych.transfer.stats import TransferStats
 
 
 def rec(job_id, created_at=0, status="queued", **kw):

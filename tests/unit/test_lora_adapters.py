@@ -11,9 +11,9 @@ nothing (checked by disabling it) reads 0/4 with, one left on reads 4/4 without.
 import pytest
 import torch
 
-from triptych.training.evaluate_lora import DEFAULT_MODEL, generate, load
-from triptych.world import caption, read_scene, sample_scenes
-from triptych.world.styles import STYLES, effect_present
+from shapeworld import caption, read_scene, sample_scenes
+from shapeworld.styles import STYLES, effect_present
+from training.evaluate_lora import DEFAULT_MODEL, generate, load
 
 N = 4
 

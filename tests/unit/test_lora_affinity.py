@@ -8,13 +8,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from triptych.pipelines.types import GenerationParams
-from triptych.server import protocol as P
-from triptych.server.attempts import Attempts
-from triptych.server.dispatch import Instance, MaxFreeSlots, RoundRobin
-from triptych.server.engine.stats import EngineStats
-from triptych.server.routing import GenerationRouter
-from triptych.server.transfer.stats import TransferStats
+from triptych.control import protocol as P
+from triptych.control.attempts import Attempts
+from triptych.control.dispatch import Instance, MaxFreeSlots, RoundRobin
+from triptych.control.routing import GenerationRouter
+from triptych.engine.stats import EngineStats
+from triptych.families.types import GenerationParams
+from triptych.transfer.stats import TransferStats
 
 
 def den(name: str, loras=(), capacity: int = 4, held: int = 0) -> Instance:

@@ -10,13 +10,13 @@ import stat
 
 import pytest
 
-from triptych.errors import InvalidParam
+from triptych.core.errors import InvalidParam
+from triptych.head.admission import AdmissionLimits
+from triptych.head.served import ServedModels
 from triptych.lora.catalog import LoraCatalog
 from triptych.lora.config import LoraConfig
 from triptych.lora.journal import LoraJournal
 from triptych.lora.synthetic import write_random_lora
-from triptych.server.admission import AdmissionLimits
-from triptych.server.served import ServedModels
 
 
 @pytest.fixture(scope="module")

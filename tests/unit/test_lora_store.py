@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triptych.errors import InvalidParam
+from triptych.core.errors import InvalidParam
 from triptych.lora.adapter import Adapter, LoraFormatError, LoraModule, check_fits, from_state_dict
 from triptych.lora.config import LoraConfig, lora_args
 from triptych.lora.formats import LoraFormat
@@ -129,7 +129,7 @@ def test_generate_lora_args_take_a_folder_and_an_optional_scale(tmp_path):
 
 
 def test_generate_lora_args_resolve_a_bare_name_to_the_adapter_the_model_ships():
-    from triptych.models import default_model_dir
+    from triptych.families.models import default_model_dir
 
     shipped = default_model_dir() / "lora"
     config, spec = lora_args(["invert:0.5", "resize"], shipped=shipped)
@@ -142,8 +142,8 @@ def test_generate_lora_args_resolve_a_bare_name_to_the_adapter_the_model_ships()
 
 
 def test_each_family_applies_lora_to_components_its_diffusers_format_carries():
+    from triptych.families.registry import FAMILIES, VARIANTS, _load
     from triptych.lora.formats import LoraFormat
-    from triptych.pipelines.registry import FAMILIES, VARIANTS, _load
 
     fmts = {target: LoraFormat.of(_load(target)) for target in [*FAMILIES.values(), *VARIANTS.values()]}
     for target, fmt in fmts.items():

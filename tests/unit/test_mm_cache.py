@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-from triptych.cache.mm import MMCacheConfig, MMEmbeddingCache, holder_scope, install, tenant_scope
-from triptych.cache.mm_store import EmbeddingStore, checksum
+from triptych.mmcache.cache import MMCacheConfig, MMEmbeddingCache, holder_scope, install, tenant_scope
+from triptych.mmcache.store import EmbeddingStore, checksum
 
 DIM, OUT = 4, 8
 
@@ -140,7 +140,7 @@ def test_an_entry_with_another_token_count_is_a_miss_not_a_crash():
 
 
 def test_a_placeholder_count_that_differs_from_the_embeddings_is_an_error_naming_both():
-    from triptych.cache.mm import check_placeholders
+    from triptych.mmcache.cache import check_placeholders
 
     embeds = torch.zeros(16, 8)
     assert check_placeholders(16, embeds) is embeds
@@ -202,7 +202,7 @@ def test_a_request_reading_what_it_holds_is_not_counted_twice():
 
 
 def test_the_shared_directory_is_bounded_and_a_bad_or_other_shaped_file_is_a_miss(tmp_path):
-    from triptych.cache.mm_shared import SharedStore
+    from triptych.mmcache.shared import SharedStore
 
     store = SharedStore(tmp_path, max_bytes=2 * 1024)
     for i, key in enumerate("abc"):

@@ -1,4 +1,4 @@
-"""Cross-encoder embedding hits (``server.mm_remote``) between two in-process encoders on the toy
+"""Cross-encoder embedding hits (``worker.mm_remote``) between two in-process encoders on the toy
 vision tower, over real ZMQ transfer endpoints on loopback: a hinted miss is fetched instead of
 computed (the same tensor, bytes counted); a lent entry is held while it is read and released after;
 every failure (entry gone, another token count, holder gone, another tenant) falls back to the tower
@@ -11,11 +11,11 @@ import torch
 
 from tests.e2e.http_support import wait_for
 from tests.unit.test_mm_cache import Toy, call, image
-from triptych.cache.mm import MMEmbeddingCache, install
-from triptych.server.mm_hints import MMHint
-from triptych.server.mm_remote import attach
-from triptych.server.transfer import TensorSpec, TransferConfig
-from triptych.server.transfer.peer import PeerEndpoint
+from triptych.control.mm_hints import MMHint
+from triptych.mmcache.cache import MMEmbeddingCache, install
+from triptych.transfer import TensorSpec, TransferConfig
+from triptych.transfer.peer import PeerEndpoint
+from triptych.worker.mm_remote import attach
 
 
 class Encoder:

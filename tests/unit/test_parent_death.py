@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pr
 # The child asks for the signal, says so, then sleeps: it never looks at its parent itself.
 CHILD = """
 import os, sys, time
-from triptych.server.parent_death import die_with_parent, parent_death_signal
+from triptych.worker.parent_death import die_with_parent, parent_death_signal
 die_with_parent(int(sys.argv[1]))
 print(os.getpid(), parent_death_signal(), flush=True)
 time.sleep(600)
@@ -62,7 +62,7 @@ def test_a_child_dies_with_its_sigkilled_parent():
 def test_a_worker_spawned_by_a_head_asks_for_it(monkeypatch):
     """``run_worker`` sets the signal before it loads anything when it has a parent pid, and not
     for a remote worker (no parent pid)."""
-    from triptych.server import worker as W
+    from triptych.worker import process as W
 
     calls = []
     monkeypatch.setattr(W, "die_with_parent", lambda pid: calls.append(pid))

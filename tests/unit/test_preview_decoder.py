@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from triptych.pipelines.base import Frames, GenerationParams
-from triptych.server import protocol as P
-from triptych.server import wire
-from triptych.server.runners.decoder import DecoderRunner
+from triptych.control import protocol as P
+from triptych.control import wire
+from triptych.families.base import Frames, GenerationParams
+from triptych.worker.runners.decoder import DecoderRunner
 
 WIRE = wire.params_to_wire(GenerationParams("x", height=16, width=16, frames=1, steps=4, seed=1))
 SPEC = {"latents": P.TensorSpec("float32", (1, 1))}

@@ -1,14 +1,14 @@
-"""Job progress (``triptych.progress``): steps fill 90 points, the decode the rest; a video job's
+"""Job progress (``triptych.core.progress``): steps fill 90 points, the decode the rest; a video job's
 record never goes back, even when a retried job steps again from 0; ``generate`` shows the same."""
 
 from __future__ import annotations
 
 import asyncio
 
-from triptych.progress import progress_percent
-from triptych.server.admission import Admission, AdmissionLimits
-from triptych.server.backend import GenerationBackend, GenerationJob
-from triptych.server.jobs import VideoJobs, VideoRecord
+from triptych.control.backend import GenerationBackend, GenerationJob
+from triptych.core.progress import progress_percent
+from triptych.head.admission import Admission, AdmissionLimits
+from triptych.head.jobs import VideoJobs, VideoRecord
 
 
 def test_steps_fill_ninety_points():

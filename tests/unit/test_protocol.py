@@ -8,12 +8,12 @@ import msgspec
 import pytest
 from PIL import Image
 
-from triptych.pipelines.base import GenerationParams
-from triptych.server import protocol as P
-from triptych.server import wire
-from triptych.server.engine.stats import EngineStats
-from triptych.server.transfer.refs import MooncakeLocation, TensorRef
-from triptych.server.transfer.stats import TransferStats
+from triptych.control import protocol as P
+from triptych.control import wire
+from triptych.engine.stats import EngineStats
+from triptych.families.base import GenerationParams
+from triptych.transfer.refs import MooncakeLocation, TensorRef
+from triptych.transfer.stats import TransferStats
 
 REF = TensorRef(
     "r1/g1/cond/cond.prompt_embeds",
@@ -123,7 +123,7 @@ def test_params_round_trip_including_image():
 
 
 def test_chat_params_round_trip_including_images_in_order():
-    from triptych.pipelines.vlm import ChatParams, ChatTurn
+    from triptych.chat import ChatParams, ChatTurn
 
     images = (Image.new("RGB", (8, 8), (10, 20, 30)), Image.new("RGB", (4, 6), (1, 2, 3)))
     params = ChatParams(

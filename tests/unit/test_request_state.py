@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from triptych.server.request_state import (
+from triptych.control.request_state import (
     ACTIVE,
     CHAT_TRANSITIONS,
     TERMINAL,

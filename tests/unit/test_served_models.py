@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from starlette.exceptions import HTTPException
 
-from triptych.server.admission import AdmissionLimits
-from triptych.server.metrics import Metrics, render_labelled
-from triptych.server.served import ServedModels
+from triptych.control.metrics import Metrics, render_labelled
+from triptych.head.admission import AdmissionLimits
+from triptych.head.served import ServedModels
 
 
 class Fam:
@@ -102,8 +102,8 @@ def test_every_series_carries_its_model_and_unrouted_outcomes_are_model_empty():
 
 
 def test_serve_model_flags_name_each_model(tmp_path):
-    from triptych.errors import InvalidParam
-    from triptych.server.cli import served_models
+    from triptych.cli.serve import served_models
+    from triptych.core.errors import InvalidParam
 
     a, b = tmp_path / "flux-a", tmp_path / "wan"
     assert served_models([str(a), f"vid={b}"]) == {"flux-a": a, "vid": b}
@@ -114,9 +114,9 @@ def test_serve_model_flags_name_each_model(tmp_path):
 def test_builtin_models_are_the_packaged_image_and_edit_model_and_the_video_model_present(tmp_path, monkeypatch):
     """The packaged default generates and edits (one model, one set of pools): its edit-only
     directory, which links the same weights, is not served beside it."""
-    from triptych import models
-    from triptych.pipelines.qwenimage.generate_edit import QwenImageGenerateEditFamily
-    from triptych.pipelines.registry import family_class
+    from triptych.families import models
+    from triptych.families.qwenimage.generate_edit import QwenImageGenerateEditFamily
+    from triptych.families.registry import family_class
 
     if not (models.PACKAGED_DEFAULT / "model_index.json").is_file():
         pytest.skip("no packaged default model")

@@ -11,19 +11,19 @@ from pathlib import Path
 
 import pytest
 
+from triptych.chat.config import ChatEngineConfig
 from triptych.cli import build_parser
-from triptych.cli_profiles import user_profiles_root
-from triptych.cluster.config import AutoscaleConfig, ClusterConfig, RoleResources
-from triptych.devices import DeviceConfig
+from triptych.cli.profiles import user_profiles_root
+from triptych.control.orchestrator import OrchestratorConfig
+from triptych.control.request_state import StateTimeouts
+from triptych.core.devices import DeviceConfig
+from triptych.deploy.config import AutoscaleConfig, ClusterConfig, RoleResources
+from triptych.deploy.launch import TopologyConfig
+from triptych.engine.config import EngineConfig
+from triptych.head.admission import AdmissionLimits
+from triptych.head.state import HeadConfig
 from triptych.parallel import ParallelConfig
-from triptych.pipelines.vlm.engine_config import ChatEngineConfig
-from triptych.server.admission import AdmissionLimits
-from triptych.server.engine.config import EngineConfig
-from triptych.server.head import HeadConfig
-from triptych.server.launch import TopologyConfig
-from triptych.server.orchestrator import OrchestratorConfig
-from triptych.server.request_state import StateTimeouts
-from triptych.server.transfer.base import TransferConfig
+from triptych.transfer.base import TransferConfig
 
 #: (config class, flag prefix, field -> flag where it is not --<prefix><field>); None: no flag of its own
 SERVE_CONFIGS = [
@@ -199,7 +199,7 @@ def test_a_bad_serve_setting_exits_2_naming_its_flag(tmp_path, monkeypatch, caps
 
 
 def worker_config(*argv: str):
-    from triptych.server.cli_worker import worker_config
+    from triptych.cli.worker import worker_config
 
     token = ("--token", "a-deployment-token-for-tests")
     return worker_config(
@@ -244,8 +244,8 @@ def test_building_the_command_line_imports_no_torch():
 def test_encoder_layer_flags_reach_the_config_and_the_workers_argv(capsys):
     import argparse
 
-    from triptych.cache.mm import MMCacheConfig
-    from triptych.server.cli import WorkerFlags
+    from triptych.cli.serve import WorkerFlags
+    from triptych.mmcache.cache import MMCacheConfig
 
     parser = argparse.ArgumentParser()
     flags = WorkerFlags.add(parser)

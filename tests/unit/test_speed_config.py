@@ -9,8 +9,8 @@ import pytest
 
 from triptych.accel import SpeedConfig
 from triptych.accel.apply import check_speed
-from triptych.accel.flags import add_speed_flags, speed_config
-from triptych.errors import InvalidParam
+from triptych.cli.accel_flags import add_speed_flags, speed_config
+from triptych.core.errors import InvalidParam
 
 
 @pytest.mark.parametrize("bad", ["vae=int8-dynamic", "transformer=int4", "transformer", "transformer=fp8,x"])
@@ -57,7 +57,7 @@ def test_flags_build_the_config_with_the_cache_dir_under_the_cache_root(tmp_path
 
 
 def test_serve_passes_compile_and_its_cache_dir_on_to_its_workers(tmp_path, monkeypatch):
-    from triptych.server.worker_flags import WorkerFlags
+    from triptych.cli.worker_flags import WorkerFlags
 
     monkeypatch.setenv("TRIPTYCH_CACHE", str(tmp_path))
     parser = argparse.ArgumentParser()

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from triptych.server.launch import TopologyConfig
-from triptych.server.supervisor import LocalWorkers
+from triptych.deploy.launch import TopologyConfig
+from triptych.deploy.supervisor import LocalWorkers
 
 
 class FakeProc:
@@ -95,11 +95,11 @@ def test_gpus_are_laid_out_denoisers_first_and_a_worker_sees_only_its_own(monkey
     rest; a worker's CUDA_VISIBLE_DEVICES holds its devices, so its own indices start at cuda:0."""
     import pytest
 
-    from triptych.devices import DeviceConfig
+    from triptych.core.devices import DeviceConfig
     from triptych.parallel import ParallelConfig
 
     for check in ("check_device", "check_dtype", "check_attention"):  # no CUDA on this machine
-        monkeypatch.setattr(f"triptych.devices.{check}", lambda *a: None)
+        monkeypatch.setattr(f"triptych.core.devices.{check}", lambda *a: None)
     cuda = DeviceConfig(device="cuda", dtype="bfloat16")
     t = TopologyConfig(encoders=1, denoisers=2, decoders=1, device=cuda, gpus=(0, 1, 2, 3))
     assert t.layout() == {"denoiser-0": (0,), "denoiser-1": (1,), "encoder-0": (2,), "decoder-0": (3,)}

@@ -7,10 +7,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from triptych.cache.hooks import RequestStateStore
-from triptych.cache.teacache import RowStep, TeaCache, TeaCacheConfig, TeaCachePlan
-from triptych.cache.teacache_profile import TeaCacheProfile
-from triptych.errors import InvalidParam
+from triptych.accel.hooks import RequestStateStore
+from triptych.accel.teacache import RowStep, TeaCache, TeaCacheConfig, TeaCachePlan
+from triptych.accel.teacache_profile import TeaCacheProfile
+from triptych.core.errors import InvalidParam
 
 IDENTITY = (0.0, 0.0, 0.0, 1.0, 0.0)  # polyval(IDENTITY, x) == x
 
@@ -179,7 +179,7 @@ def test_state_store_counts_and_releases():
 
 
 def test_family_without_a_plan_is_named():
-    from triptych.pipelines.teacache import plan_for
+    from triptych.engine.teacache import plan_for
 
     class NoPlan:
         name = "no-such-family"

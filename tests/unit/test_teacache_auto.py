@@ -9,9 +9,9 @@ from dataclasses import replace
 import pytest
 
 from tests.unit.test_teacache import FakePlan, FakeRow, base_forward, ones, profile
-from triptych.cache.teacache import TeaCache
-from triptych.cache.teacache_profile import AUTO_THRESHOLD, load_profile, save_profile
-from triptych.errors import InvalidParam
+from triptych.accel.teacache import TeaCache
+from triptych.accel.teacache_profile import AUTO_THRESHOLD, load_profile, save_profile
+from triptych.core.errors import InvalidParam
 
 
 def test_auto_is_the_profiles_recommendation():
@@ -61,7 +61,7 @@ def test_format_1_profiles_still_load_without_a_recommendation(tmp_path):
 def test_rest_models_map_auto_and_refuse_other_words():
     from pydantic import ValidationError
 
-    from triptych.server.api_models import ImageEditForm, ImageGenerationRequest, VideoCreateRequest
+    from triptych.head.api_models import ImageEditForm, ImageGenerationRequest, VideoCreateRequest
 
     assert ImageGenerationRequest(prompt="x", teacache_threshold="auto").teacache_threshold == AUTO_THRESHOLD
     assert ImageEditForm(prompt="x", teacache_threshold="auto").teacache_threshold == AUTO_THRESHOLD

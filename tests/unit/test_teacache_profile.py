@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from triptych.cache.teacache_profile import (
+from triptych.accel.teacache_profile import (
     PROFILE_FORMAT,
     PROFILED_COMPONENTS,
     ProfileError,
@@ -18,7 +18,7 @@ from triptych.cache.teacache_profile import (
     save_profile,
 )
 from triptych.calibration.fit import fit_coefficients
-from triptych.identity import model_identity
+from triptych.core.identity import model_identity
 
 COEFFS = (1.0, -2.0, 3.0, 0.5, 0.01)
 

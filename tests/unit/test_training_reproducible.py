@@ -2,16 +2,16 @@
 
 A few steps of the VAE stage (the default model's first stage, its real architecture and data) run
 twice from one seed and once from another; one torch thread, deterministic algorithms, as
-``python -m triptych.training`` runs.
+``python -m training`` runs.
 """
 
 from __future__ import annotations
 
 import torch
 
-from triptych.training import data
-from triptych.training.common import file_sha256, setup
-from triptych.training.train_vae import train_vae
+from training import data
+from training.common import file_sha256, setup
+from training.train_vae import train_vae
 
 
 def _train(out, seed):

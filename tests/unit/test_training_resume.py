@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from triptych.training.common import resume_from, rng_state, save_checkpoint
+from training.common import resume_from, rng_state, save_checkpoint
 
 
 def _model_and_opt(seed: int):
@@ -44,8 +44,8 @@ def test_resume_restores_everything_and_is_off_without_resume(tmp_path):
 def test_cli_wants_one_schedule_per_transformer_phase(tmp_path, capsys):
     import pytest
 
-    from triptych.training.__main__ import DIT_STEPS, main
-    from triptych.training.train_dit import PHASES
+    from training.__main__ import DIT_STEPS, main
+    from training.train_dit import PHASES
 
     assert len(DIT_STEPS) == len(PHASES)  # the defaults train every phase
     with pytest.raises(SystemExit) as exc:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from triptych.server.transfer.refs import (
+from triptych.transfer.refs import (
     MooncakeLocation,
     TensorRef,
     check_tensor,

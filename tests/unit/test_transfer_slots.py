@@ -2,10 +2,10 @@
 
 import pytest
 
-from triptych.server.transfer.arena import ByteArena
-from triptych.server.transfer.base import TransferConfig
-from triptych.server.transfer.errors import DuplicateTransfer, SlotUnavailable, UnknownTransfer
-from triptych.server.transfer.slots import SlotPool, SlotState
+from triptych.transfer.arena import ByteArena
+from triptych.transfer.base import TransferConfig
+from triptych.transfer.errors import DuplicateTransfer, SlotUnavailable, UnknownTransfer
+from triptych.transfer.slots import SlotPool, SlotState
 
 
 def make_pool(slots: int = 2, nbytes: int = 100) -> SlotPool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triptych.server.transfer.staging import to_device, to_host
+from triptych.transfer.staging import to_device, to_host
 
 
 def _tensors(device="cpu") -> dict[str, torch.Tensor]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triptych.training.data import contrast
+from training.data import contrast
 
 
 def test_contrast_is_the_mean_squared_colour_difference_of_shape_and_background():
@@ -20,8 +20,8 @@ def test_contrast_is_the_mean_squared_colour_difference_of_shape_and_background(
 def test_decoder_fine_tune_refuses_a_vae_whose_encoder_moved(tmp_path):
     from diffusers import AutoencoderKLQwenImage
 
-    from triptych.training.train_video_vae import train_video_vae
-    from triptych.training.video_model import IMAGE_VAE
+    from training.train_video_vae import train_video_vae
+    from training.video_model import IMAGE_VAE
 
     vae = AutoencoderKLQwenImage.from_pretrained(IMAGE_VAE)
     with torch.no_grad():
@@ -40,8 +40,8 @@ def test_redraw_from_the_top_of_the_schedule_is_the_pipelines_own_sampling():
 
     from diffusers import WanPipeline
 
-    from triptych.models import PACKAGED_VIDEO as VIDEO_MODEL
-    from triptych.training.video_vae_samples import sample_from
+    from training.video_vae_samples import sample_from
+    from triptych.families.models import PACKAGED_VIDEO as VIDEO_MODEL
 
     defaults = json.loads((VIDEO_MODEL / "triptych.json").read_text())
     prompts = [
@@ -69,7 +69,7 @@ def test_redraw_from_the_top_of_the_schedule_is_the_pipelines_own_sampling():
 
 
 def test_shape_loss_with_keep_is_the_loss_of_the_kept_clips_only():
-    from triptych.training.video_shape_probe import ShapeProbe, shape_loss
+    from training.video_shape_probe import ShapeProbe, shape_loss
 
     torch.manual_seed(0)
     probe = ShapeProbe(16).eval()
@@ -92,8 +92,8 @@ def test_set_sampler_rewrites_the_scheduler_and_its_model_index_entry(tmp_path):
 
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    from triptych.models import PACKAGED_VIDEO
-    from triptych.training.video_model import scheduler, set_sampler
+    from training.video_model import scheduler, set_sampler
+    from triptych.families.models import PACKAGED_VIDEO
 
     shutil.copy(PACKAGED_VIDEO / "model_index.json", tmp_path / "model_index.json")
     scheduler("unipc").save_pretrained(tmp_path / "scheduler")
@@ -110,10 +110,10 @@ def test_set_sampler_rewrites_the_scheduler_and_its_model_index_entry(tmp_path):
 def test_redrawn_latents_are_cached_per_model_and_setting(tmp_path, monkeypatch):
     from diffusers import AutoencoderKLQwenImage
 
-    from triptych.models import PACKAGED_VIDEO
-    from triptych.training.train_video_vae import clip_frames, encode, redrawn
-    from triptych.training.video_model import IMAGE_VAE
-    from triptych.world.video import sample_clips
+    from shapeworld.video import sample_clips
+    from training.train_video_vae import clip_frames, encode, redrawn
+    from training.video_model import IMAGE_VAE
+    from triptych.families.models import PACKAGED_VIDEO
 
     vae = AutoencoderKLQwenImage.from_pretrained(IMAGE_VAE).eval()
     clips = sample_clips(2, "validation", "train")
@@ -121,7 +121,7 @@ def test_redrawn_latents_are_cached_per_model_and_setting(tmp_path, monkeypatch)
     first = redrawn(tmp_path, PACKAGED_VIDEO, vae, clips, latents, seed=0, redraws=1)
     assert first.shape == (1, *latents.shape)
     assert 0 < (first[0] - latents).abs().mean() < latents.abs().mean()  # redrawn near, not equal
-    import triptych.training.video_vae_samples as samples
+    import training.video_vae_samples as samples
 
     real = samples.redraw
     monkeypatch.setattr(samples, "redraw", lambda *a, **k: pytest.fail("redrawn again: the cache was not used"))

@@ -12,17 +12,17 @@ import numpy as np
 import pytest
 import torch
 
-from triptych.models import PACKAGED_DEFAULT
-from triptych.pipelines.vlm import ChatParams, ChatTurn
+from shapeworld import render, sample_scenes
+from triptych.chat import ChatParams, ChatTurn
+from triptych.families.models import PACKAGED_DEFAULT
 from triptych.vllm_chat.config import VllmConfig
 from triptych.vllm_chat.engine import chat_body
 from triptych.vllm_chat.server import VllmServer, VllmStartFailed
-from triptych.world import render, sample_scenes
 
 
 @pytest.fixture(scope="module")
 def family():
-    from triptych.pipelines.registry import load_family
+    from triptych.families.registry import load_family
 
     torch.set_num_threads(1)
     return load_family(PACKAGED_DEFAULT)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from triptych.cache.chat_stats import ChatEngineStats
-from triptych.cache.mm_stats import MMCacheStats
-from triptych.server import protocol as P
-from triptych.server.engine.stats import EngineStats
-from triptych.server.metrics import Metrics
-from triptych.server.transfer.stats import TransferStats
-from triptych.server.worker_stats import stats_window
+from triptych.chat.stats import ChatEngineStats
+from triptych.control import protocol as P
+from triptych.control.metrics import Metrics
+from triptych.control.worker_stats import stats_window
+from triptych.engine.stats import EngineStats
+from triptych.mmcache.stats import MMCacheStats
+from triptych.transfer.stats import TransferStats
 
 metrics = Metrics()  # this module's own registry
 
@@ -113,7 +113,7 @@ def test_chat_engine_counters_become_prefill_and_decode_series():
 def test_each_encoder_layer_tier_has_its_series_and_tower_forwards_are_counted():
     """The embedding and processor tiers (and a prefix tier, where the chat engine reports one)
     each become hits/misses/evictions/not_stored deltas and bytes/entries gauges, by tier."""
-    from triptych.cache.mm_stats import TierStats
+    from triptych.mmcache.stats import TierStats
 
     tiers = ("embedding", "processor", "prefix")
     lookups = {

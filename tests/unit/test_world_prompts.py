@@ -1,4 +1,4 @@
-"""``triptych.world.prompts``: paraphrases of the shape world's vocabulary -> the trained captions.
+"""``shapeworld.prompts``: paraphrases of the shape world's vocabulary -> the trained captions.
 
 Pure functions, no model. Every canonical caption (each style, every scene and clip) is its own
 normal form, so the shipped models get exactly what they were trained on; a paraphrase gets the
@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import pytest
 
-from triptych.world import caption, iter_all_scenes
-from triptych.world.prompts import (
+from shapeworld import caption, iter_all_scenes
+from shapeworld.prompts import (
     normalise_edit_prompt,
     normalise_image_prompt,
     normalise_video_prompt,
     normaliser,
 )
-from triptych.world.video import clip_caption, iter_all_clips
+from shapeworld.video import clip_caption, iter_all_clips
 
 IMAGE_PAIRS = [
     (
@@ -121,7 +121,7 @@ def test_random_word_soups_never_raise_and_give_a_trained_caption_or_the_prompt(
     as a caption the models were trained on (checked against every scene's and clip's captions)."""
     import random
 
-    from triptych.world.prompts import DIRECTION_PHRASES, FILLER
+    from shapeworld.prompts import DIRECTION_PHRASES, FILLER
 
     words = sorted(FILLER) + ["red", "blue", "purple", "circle", "plus", "background", "left", "right", "small", "big"]
     words += [p for phrases in DIRECTION_PHRASES.values() for p in phrases] + ["photorealistic", ",", "+"]

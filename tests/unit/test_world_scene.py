@@ -6,7 +6,7 @@ import hashlib
 
 import pytest
 
-from triptych.world import (
+from shapeworld import (
     ATTRIBUTES,
     COLORS,
     SHAPES,

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageFilter
 
-from triptych.world import ATTRIBUTES, Scene, accuracy, iter_all_scenes, read_scene, render, score
+from shapeworld import ATTRIBUTES, Scene, accuracy, iter_all_scenes, read_scene, render, score
 
 
 def _scenes(n: int, seed: int) -> list[Scene]:

@@ -2,8 +2,8 @@
 
 import pytest
 
-from triptych.world import COLOR_NAMES, Scene, iter_all_scenes, read_scene
-from triptych.world.styles import STYLES, complement, read_effect, render_styled, style_scene
+from shapeworld import COLOR_NAMES, Scene, iter_all_scenes, read_scene
+from shapeworld.styles import STYLES, complement, read_effect, render_styled, style_scene
 
 SCENES = iter_all_scenes("all")[::11]  # 183 scenes, every shape, colour pair, position and size
 

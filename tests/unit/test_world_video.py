@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from triptych.world import combination_split
-from triptych.world.video import DIRECTIONS, Clip, clip_caption, iter_all_clips, render_clip, sample_clips
-from triptych.world.video_scorer import clip_accuracy, direction_of, read_clip, score_clip
+from shapeworld import combination_split
+from shapeworld.video import DIRECTIONS, Clip, clip_caption, iter_all_clips, render_clip, sample_clips
+from shapeworld.video_scorer import clip_accuracy, direction_of, read_clip, score_clip
 
 OPPOSITE = {"rightwards": "leftwards", "leftwards": "rightwards", "downwards": "upwards", "upwards": "downwards"}
 

@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 
 from triptych.accel.config import SpeedConfig
-from triptych.errors import InvalidParam
+from triptych.core.errors import InvalidParam
 
 logger = logging.getLogger(__name__)
 

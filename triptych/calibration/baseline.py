@@ -4,7 +4,7 @@ A baseline is a directory holding fixed-seed outputs of a request matrix (prompt
 guidance × frames): ``outputs.safetensors`` (per case ``<i>.frames``, the decoded float32 frames,
 and ``<i>.latents``, the final latents), ``case_<i>.png`` for people, and ``baseline.json`` (format
 ``triptych.quality.baseline/1``): the package version, the git commit when the code is a checkout,
-the model's identity and revision (:mod:`triptych.identity`), the configuration it ran (TeaCache
+the model's identity and revision (:mod:`triptych.core.identity`), the configuration it ran (TeaCache
 off, dtype, device, each request alone with CFG fused, as the serving engine runs it) and the cases.
 
 Comparing runs the same cases under the configuration being tested (this code, a dtype, a TeaCache
@@ -41,7 +41,7 @@ from triptych.calibration.batch import Cases, Output, run_cases
 from triptych.calibration.metrics import psnr, ssim
 from triptych.calibration.sweep import WORLD_KEYS
 from triptych.calibration.target import Target
-from triptych.errors import InvalidParam
+from triptych.core.errors import InvalidParam
 
 FORMAT = "triptych.quality.baseline/1"
 #: An acceleration may lower a video's frame-to-frame consistency (mean PSNR between consecutive
@@ -76,11 +76,11 @@ def git_commit() -> str | None:
 def default_matrix(family, world: bool) -> dict[str, list]:
     """A small matrix per family: 2 prompts (held-out shape-world captions for a world model), the
     model's default size, steps and frames, its default guidance and 1 (CFG off / weakest)."""
-    from triptych.pipelines.base import GenerationParams
+    from triptych.families.base import GenerationParams
 
     p0 = family.resolve(GenerationParams(prompt="-"))
     if world:
-        from triptych.world import caption, sample_scenes
+        from shapeworld import caption, sample_scenes
 
         prompts = [caption(s) for s in sample_scenes(2, "baseline", "heldout")]
     else:
@@ -130,7 +130,7 @@ def matrix_cases(matrix: dict[str, list]) -> list[dict[str, Any]]:
 
 
 def _params(case: dict):
-    from triptych.pipelines.base import GenerationParams
+    from triptych.families.base import GenerationParams
 
     return GenerationParams(
         prompt=case["prompt"],
@@ -146,7 +146,7 @@ def _params(case: dict):
 def adheres(frames: np.ndarray, prompt: str) -> bool | None:
     """Shape-world prompt adherence: shape, colour and background read from the pixels equal the
     prompt's; None when the prompt does not name all three."""
-    from triptych.world import parse_caption, read_scene
+    from shapeworld import parse_caption, read_scene
 
     want = parse_caption(prompt)
     if any(getattr(want, k) is None for k in WORLD_KEYS):
@@ -163,7 +163,7 @@ def save_baseline(
 
     from triptych.calibration.quality import _is_world_model
     from triptych.calibration.report_html import to_uint8
-    from triptych.identity import model_identity, model_revision
+    from triptych.core.identity import model_identity, model_revision
 
     world = _is_world_model(Path(model_dir))
     matrix = {**default_matrix(family, world), **(matrix or {})}
@@ -243,9 +243,9 @@ def compare_baseline(
     None; ``gate``: auto/exact/target, see :mod:`~triptych.calibration.baseline_run`) and gate them;
     ``exact_tolerance`` None takes the configuration's default. Returns (report, current outputs,
     baseline tensors)."""
-    from triptych.cache.teacache_profile import AUTO_THRESHOLD
-    from triptych.identity import model_identity, model_revision
-    from triptych.pipelines.teacache import check_teacache, make_teacache
+    from triptych.accel.teacache_profile import AUTO_THRESHOLD
+    from triptych.core.identity import model_identity, model_revision
+    from triptych.engine.teacache import check_teacache, make_teacache
 
     meta, tensors = load_baseline(directory)
     target = target or Target()

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from triptych.calibration.batch import Cases, Output, run_cases
-from triptych.errors import InvalidParam
+from triptych.core.errors import InvalidParam
 
 #: Batched requests differ from alone by rounding (CPU float32, ~6e-7 per forward, ENVIRONMENT.md).
 #: Measured max abs on the decoded frames of the default matrices served at batch 4: default model
@@ -113,7 +113,7 @@ def run_configuration(cases: Cases, config: Configuration, cache=None, progress=
 def _run_served(cases: Cases, batch: int, progress) -> tuple[list[Output], float]:
     """All cases at once through the serving engine's step batching (requests join at step boundaries,
     one ``denoise_step`` over the batch per tick)."""
-    from triptych.server.engine import DenoiserEngine, EngineConfig
+    from triptych.engine import DenoiserEngine, EngineConfig
 
     family = cases.family
     engine = DenoiserEngine(family, EngineConfig(max_batch_requests=batch, fuse_cfg=True))
@@ -136,7 +136,7 @@ def _run_served(cases: Cases, batch: int, progress) -> tuple[list[Output], float
 def _run_parallel(cases: Cases, parallel, progress) -> tuple[list[Output], float]:
     """Each case on a multi-rank instance (this process is rank 0; ``run_parallel_request`` spawns the
     other ranks and closes them after the case). Time is this process's CPU seconds of the whole case."""
-    from triptych.server.runners.local import run_parallel_request
+    from triptych.worker.ranks.local import run_parallel_request
 
     family, outputs, seconds = cases.family, [], 0.0
     for i, p in enumerate(cases.params):

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from triptych.pipelines.base import Conditioning, Family, GenerationParams
+from triptych.families.base import Conditioning, Family, GenerationParams
 
 
 @dataclass

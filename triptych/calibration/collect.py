@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from triptych.cache.teacache import TeaCachePlan
-from triptych.pipelines.base import Family, GenerationParams, Row
-from triptych.pipelines.teacache import plan_for
+from triptych.accel.teacache import TeaCachePlan
+from triptych.engine.teacache import plan_for
+from triptych.families.base import Family, GenerationParams, Row
 
 DEFAULT_PROMPTS = (
     "a red fox in a snowy forest at dawn",

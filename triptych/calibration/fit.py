@@ -1,5 +1,5 @@
 """Fit TeaCache's rescaling polynomial, sweep thresholds, recommend one and write a profile file
-(format: ``triptych.cache.teacache_profile``).
+(format: ``triptych.accel.teacache_profile``).
 
 ``triptych calibrate --model MODEL_DIR --steps 28``:
 
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from triptych.cache.teacache_profile import (
+from triptych.accel.teacache_profile import (
     DEGREE,
     PROFILE_FORMAT,
     PROFILED_COMPONENTS,
@@ -36,7 +36,7 @@ from triptych.cache.teacache_profile import (
 from triptych.calibration.collect import DEFAULT_PROMPTS, Trajectory, collect
 from triptych.calibration.sweep import recommend, sweep, table_markdown
 from triptych.calibration.target import FIT_SEEDS, Target
-from triptych.identity import model_identity
+from triptych.core.identity import model_identity
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ def eval_requests(model_dir, n: int, fit_prompts: Sequence[str], base):
 
     seeds = [EVAL_SEED_BASE + i for i in range(n)]
     if _is_world_model(Path(model_dir)):
-        from triptych.world import caption, sample_scenes
+        from shapeworld import caption, sample_scenes
 
         scenes = [s for s in sample_scenes(4 * n + 8, "calibrate-eval", "train") if caption(s) not in fit_prompts]
         scenes = scenes[:n]
@@ -152,13 +152,13 @@ def calibrate(
     recommendation). The profile goes to ``out``, else ``profiles_dir/<family>-<steps>steps.json``
     (the CLI's user directory), else ``model_dir/teacache/``; never into the installed package
     (``save_profile`` refuses). ``base``: other GenerationParams fields (size, guidance, image). ``device``: a
-    device name or ``triptych.devices.DeviceConfig`` for the family loaded here.
+    device name or ``triptych.core.devices.DeviceConfig`` for the family loaded here.
     """
-    from triptych.cache.teacache import TeaCache
+    from triptych.accel.teacache import TeaCache
     from triptych.calibration.batch import Cases
-    from triptych.pipelines.base import GenerationParams, Role
-    from triptych.pipelines.registry import load_family
-    from triptych.pipelines.teacache import plan_for
+    from triptych.engine.teacache import plan_for
+    from triptych.families.base import GenerationParams, Role
+    from triptych.families.registry import load_family
 
     family = family or load_family(model_dir, roles=(Role.ENCODER, Role.DENOISER, Role.DECODER), device=device)
     base_params = GenerationParams(prompt="-", steps=steps, **base)

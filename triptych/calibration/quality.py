@@ -8,7 +8,7 @@ acceleration setting, in one process on the same weights, and reports per settin
 - how much work was skipped (TeaCache rows served from the cache / rows);
 - prompt adherence on both sides, where the model draws the project's shape world (the packaged
   default model; ``triptych.json`` ``"world": "shapes"``): the held-out prompts are read back from
-  pixels by ``triptych.world.score`` (shape, colour, background all right), so an acceleration that
+  pixels by ``shapeworld.score`` (shape, colour, background all right), so an acceleration that
   keeps PSNR but breaks what was asked for shows up.
 
 Gates (``--min-psnr``, ``--min-ssim``, ``--max-adherence-drop``; on by default in the CLI at the
@@ -28,8 +28,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from triptych.cache.teacache_profile import AUTO_THRESHOLD
-from triptych.errors import InvalidParam
+from triptych.accel.teacache_profile import AUTO_THRESHOLD
+from triptych.core.errors import InvalidParam
 
 
 @dataclass
@@ -55,7 +55,7 @@ class SettingReport:
 
 
 def _is_world_model(model_dir: Path) -> bool:
-    from triptych.pipelines.geometry import model_defaults
+    from triptych.families.geometry import model_defaults
 
     return model_defaults(model_dir).get("world") == "shapes"
 
@@ -65,16 +65,16 @@ def world_prompts(model_dir: str | Path, n: int = 4) -> list[str] | None:
     quality report scores), or None for any other model."""
     if not _is_world_model(Path(model_dir)):
         return None
-    from triptych.world import caption, sample_scenes
+    from shapeworld import caption, sample_scenes
 
     return [caption(s, "short") for s in sample_scenes(n, "calibrate", "train")]
 
 
 def _requests(images: int, steps: int | None, world: bool, prompts):
-    from triptych.pipelines.base import GenerationParams
+    from triptych.families.base import GenerationParams
 
     if world:
-        from triptych.world import caption, sample_scenes
+        from shapeworld import caption, sample_scenes
 
         scenes = sample_scenes(images, "quality", "heldout")
         return [(GenerationParams(prompt=caption(s, "short"), seed=i, steps=steps), s) for i, s in enumerate(scenes)]
@@ -104,12 +104,12 @@ def quality_report(
     A threshold may be ``AUTO_THRESHOLD`` (``"auto"``): the profile's recommendation, shown as
     ``auto (value)`` with the profile's path; when the profile has no recommendation, ``auto`` is
     listed under ``"not_run"`` with the reason and the other thresholds still run. ``batch_size`` requests run per forward (1: each alone, as ``run_request``).
-    ``device``: a device name or ``triptych.devices.DeviceConfig``.
+    ``device``: a device name or ``triptych.core.devices.DeviceConfig``.
     """
     from triptych.calibration.batch import Cases, run_cases
     from triptych.calibration.sweep import fidelity, world_adherence
-    from triptych.pipelines.registry import load_family
-    from triptych.pipelines.teacache import check_teacache, make_teacache
+    from triptych.engine.teacache import check_teacache, make_teacache
+    from triptych.families.registry import load_family
 
     model_dir = Path(model_dir)
     if images < 1:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from triptych.cache.teacache_profile import TeaCacheProfile
+from triptych.accel.teacache_profile import TeaCacheProfile
 from triptych.calibration.collect import Trajectory
 from triptych.calibration.report_html import Page, fmt, pyplot, to_uint8
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from triptych.cache.teacache import TeaCache
-from triptych.cache.teacache_profile import TeaCacheProfile
+from triptych.accel.teacache import TeaCache
+from triptych.accel.teacache_profile import TeaCacheProfile
 from triptych.calibration.batch import Cases, Output, run_cases
 from triptych.calibration.metrics import psnr, ssim
 from triptych.calibration.target import Target
@@ -31,7 +31,7 @@ def world_adherence(arrays: Sequence[np.ndarray], scenes) -> float | None:
     """Share of images whose shape, colour and background read back as asked; None off-world."""
     if not scenes:
         return None
-    from triptych.world import score
+    from shapeworld import score
 
     ok = [all(score((a[0] * 255).round().astype("uint8"), s)[k] for k in WORLD_KEYS) for a, s in zip(arrays, scenes)]
     return sum(ok) / len(ok)

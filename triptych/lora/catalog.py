@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from triptych.errors import InvalidParam, TriptychError
+from triptych.core.errors import InvalidParam, TriptychError
 from triptych.lora.config import LoraConfig
 from triptych.lora.formats import LoraFormat
 from triptych.lora.journal import JournalState, LoraJournal

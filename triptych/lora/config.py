@@ -51,7 +51,7 @@ def lora_args(
     """``generate --lora NAME_OR_DIR[:SCALE]`` values → the config serving them and the request's
     ``((name, scale), ...)``; the name is the folder's (or file's stem). A bare name that is no path is
     an adapter the model ships in ``shipped`` (its ``lora/`` folder). ``InvalidParam`` names the value."""
-    from triptych.errors import InvalidParam
+    from triptych.core.errors import InvalidParam
 
     entries, spec = [], []
     for value in values:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from triptych.errors import TriptychError
+from triptych.core.errors import TriptychError
 
 
 class LoraFormatError(TriptychError, ValueError):

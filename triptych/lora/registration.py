@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from triptych.errors import InvalidParam, TriptychError
+from triptych.core.errors import InvalidParam, TriptychError
 from triptych.lora.paths import weight_file
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")

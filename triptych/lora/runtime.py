@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from triptych.errors import InvalidParam
+from triptych.core.errors import InvalidParam
 from triptych.lora.adapter import Adapter
 from triptych.lora.config import LoraConfig
 from triptych.lora.rows import RowLora

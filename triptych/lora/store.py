@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from triptych.errors import TriptychError
+from triptych.core.errors import TriptychError
 from triptych.lora.adapter import Adapter
 
 logger = logging.getLogger(__name__)

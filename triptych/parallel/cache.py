@@ -1,6 +1,6 @@
 """TeaCache on a multi-rank instance: where its pieces meet the instance's ranks.
 
-TeaCache (``triptych.cache.teacache``) runs a transformer as ``embed`` → per-row skip decision →
+TeaCache (``triptych.accel.teacache``) runs a transformer as ``embed`` → per-row skip decision →
 block stack on the rows that compute → ``head``. On a multi-rank instance every rank runs that same
 forward on the same rows (the tick is broadcast), and :class:`RanksForCache` supplies the three
 points where ranks meet:
@@ -73,7 +73,7 @@ def _block_input_split(transformer: torch.nn.Module) -> Callable[[torch.Tensor],
 
 
 class RanksForCache:
-    """A ``triptych.cache.teacache.RankComposition`` for one rank of an instance (see module docstring).
+    """A ``triptych.accel.teacache.RankComposition`` for one rank of an instance (see module docstring).
 
     Build it after ``apply_parallel`` (the split hooks must be attached), on every rank.
     """

@@ -5,7 +5,7 @@ vLLM's OpenAI server from its own environment (``install_vllm.sh`` makes ``.venv
 process of the head; ``engine.VllmChatEngine`` is the encoder's client: it sends a chat with the
 image embeddings the encoder computed (its mm-hash cache) and hands back the answer piece by piece.
 The model-specific parts (which files vLLM needs, how an image becomes an embedding item) live in
-the family (``triptych.pipelines.qwenimage.vllm``).
+the family (``triptych.families.qwenimage.vllm``).
 """
 
 from triptych.vllm_chat.config import VllmConfig

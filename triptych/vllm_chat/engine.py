@@ -25,9 +25,9 @@ import httpx
 import numpy as np
 import torch
 
-from triptych.errors import InvalidParam, TriptychError
-from triptych.pipelines.vlm import ChatParams, ChatResult
-from triptych.pipelines.vlm.chat import GREEDY_BELOW
+from triptych.chat import ChatParams, ChatResult
+from triptych.chat.vlm import GREEDY_BELOW
+from triptych.core.errors import InvalidParam, TriptychError
 
 logger = logging.getLogger(__name__)
 

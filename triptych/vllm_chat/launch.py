@@ -14,7 +14,7 @@ import dataclasses
 import logging
 from pathlib import Path
 
-from triptych.identity import model_revision
+from triptych.core.identity import model_revision
 from triptych.vllm_chat.config import VllmConfig
 from triptych.vllm_chat.server import VllmServer
 
@@ -29,7 +29,7 @@ def _vlm_key(model_dir: Path) -> str:
 
 def start_servers(config: VllmConfig, models: dict[str, Path], data_dir: Path) -> dict[str, VllmServer]:
     """Model id → the started server answering its chats (models without a VLM are left out)."""
-    from triptych.pipelines.registry import family_class
+    from triptych.families.registry import family_class
 
     groups: dict[str, list[tuple[str, Path]]] = {}
     for name, model_dir in models.items():

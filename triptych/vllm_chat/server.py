@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from triptych.errors import TriptychError
+from triptych.core.errors import TriptychError
 from triptych.vllm_chat.config import VllmConfig
 
 logger = logging.getLogger(__name__)

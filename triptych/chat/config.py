@@ -1,0 +1,60 @@
+"""The built-in chat engine's settings (no torch: the command line builds it)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ChatEngineConfig:
+    """An encoder instance's chat engine (``triptych.chat.engine.ChatEngine``)."""
+
+    max_running_chats: int = 16
+    """Chats that decode together, one batched forward per token; more wait in arrival order."""
+    prefill_tokens_per_step: int = 64
+    """Prompt tokens prefilled per engine step while chats are decoding, over all newly admitted
+    chats (one batched forward): a long prompt (a chat with 8 images) is prefilled in chunks
+    across steps, the running chats' decode in each, so its arrival does not stall their next
+    token for its whole prefill. With no chat decoding, admitted prompts prefill whole at once."""
+    prefill_images_per_step: int = 2
+    """Images whose vision tower runs per engine step while chats are decoding (a chunk stops before
+    the next image past it): with ``prefill_tokens_per_step`` it bounds what a step adds to the
+    running chats' next token. A joiner's processor (chat template, image preprocessing) runs on a
+    thread of its own."""
+    prefix_cache_mb: float = 64.0
+    """Budget in MiB (2**20 bytes) of the chat prefix KV cache (prompt KV keyed by the token ids and
+    the content hashes of the images in them); least recently used entries not in use are evicted
+    past it. 0 turns it off."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_running_chats, bool) or not isinstance(self.max_running_chats, int):
+            raise ValueError(f"ChatEngineConfig.max_running_chats={self.max_running_chats!r}: must be an integer")
+        if self.max_running_chats < 1:
+            raise ValueError(f"ChatEngineConfig.max_running_chats={self.max_running_chats}: must be >= 1")
+        if isinstance(self.prefill_tokens_per_step, bool) or not isinstance(self.prefill_tokens_per_step, int):
+            raise ValueError(
+                f"ChatEngineConfig.prefill_tokens_per_step={self.prefill_tokens_per_step!r}: must be an integer"
+            )
+        if self.prefill_tokens_per_step < 1:
+            raise ValueError(f"ChatEngineConfig.prefill_tokens_per_step={self.prefill_tokens_per_step}: must be >= 1")
+        if isinstance(self.prefill_images_per_step, bool) or not isinstance(self.prefill_images_per_step, int):
+            raise ValueError(
+                f"ChatEngineConfig.prefill_images_per_step={self.prefill_images_per_step!r}: must be an integer"
+            )
+        if self.prefill_images_per_step < 1:
+            raise ValueError(f"ChatEngineConfig.prefill_images_per_step={self.prefill_images_per_step}: must be >= 1")
+        if not (isinstance(self.prefix_cache_mb, (int, float)) and math.isfinite(self.prefix_cache_mb)):
+            raise ValueError(f"ChatEngineConfig.prefix_cache_mb={self.prefix_cache_mb!r}: must be a finite number")
+        if self.prefix_cache_mb < 0:
+            raise ValueError(f"ChatEngineConfig.prefix_cache_mb={self.prefix_cache_mb}: must be >= 0 (0 = off)")
+
+    @property
+    def chat_slots(self) -> int:
+        """Chats the head may route to one encoder at once: the running ones plus as many waiting
+        (advertised in its ``Register``, apart from its encode slots)."""
+        return 2 * self.max_running_chats
+
+    @property
+    def prefix_cache_bytes(self) -> int:
+        return int(self.prefix_cache_mb * (1 << 20))

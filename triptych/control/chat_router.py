@@ -1,0 +1,191 @@
+"""Chat routing on the head (the VLM path): one chat-capable encoder answers each chat.
+
+A chat is a request like a generation, with its own table on the same state machine (QUEUED →
+CHATTING → DONE, or FAILED / CANCELLED / TIMED_OUT) and the same retry bookkeeping (``Attempts``).
+The head charges one of a chat-capable encoder's chat slots (``Register.chat_slots``: its engine's
+running chats plus a queue, apart from its encode slots), sends a ``ChatTask``, hands each ``ChatDelta``
+to the caller and ends on ``ChatDone`` or ``StageError``. No tensor moves. A chat whose encoder
+dies (or fails retryably) before any piece reached the caller is retried on another chat-capable
+encoder under a new generation; after a piece it fails, so a client never sees an answer start
+twice. A rule only the worker can check (prompt + ``max_tokens`` within the model's context) comes
+back as the user's ``InvalidParam``. All state lives on the head's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from triptych.chat import ChatResult
+from triptych.control import protocol as P
+from triptych.control import wire
+from triptych.control.attempts import Attempts
+from triptych.control.backend import Cancelled, ChatJob, Overloaded, StageFailed, TextFn
+from triptych.control.dispatch import ChatSlots
+from triptych.control.registry import InstanceRegistry
+from triptych.control.request_state import CHAT_TRANSITIONS, RequestMachine, RequestState, StateTimeouts
+from triptych.core.errors import InvalidParam
+
+logger = logging.getLogger(__name__)
+S = RequestState
+
+
+@dataclass
+class ChatTracked:
+    """One live chat on the head: queued, then on one chat-capable encoder instance."""
+
+    job: ChatJob
+    machine: RequestMachine
+    future: asyncio.Future
+    on_text: TextFn | None
+    images_png: list[bytes] | None = None  # the images as sent on the wire (encoded off the loop)
+    instance: str | None = None  # the encoder charged a slot for it
+    streamed: bool = False  # a piece reached the client: it cannot be retried elsewhere
+    attempts: Attempts = field(default_factory=Attempts)
+
+
+class ChatRouter:
+    def __init__(
+        self,
+        registry: InstanceRegistry,
+        send: Callable[[str, P.Message], None],
+        stats: Counter,
+        timeouts: StateTimeouts,
+        max_retries: int,
+        max_queued: int,
+    ):
+        self.registry = registry
+        self.send = send
+        self.stats = stats
+        self.timeouts = timeouts
+        self.max_retries = max_retries
+        self.max_queued = max_queued
+        self.chats: dict[str, ChatTracked] = {}
+        self.policy = ChatSlots()  # chats count against an encoder's chat slots, not its encode slots
+        self.waiting: deque[str] = deque()
+
+    def submit(self, job: ChatJob, on_text: TextFn | None, images_png: list[bytes] | None = None) -> asyncio.Future:
+        """``images_png``: ``wire.chat_images(job.params)`` made already (off the event loop: large
+        images take seconds to encode); None = made at each dispatch."""
+        if len(self.waiting) >= self.max_queued:
+            raise Overloaded(f"chat queue is full ({self.max_queued} requests)", retry_after=1.0)
+        future = asyncio.get_running_loop().create_future()
+        machine = RequestMachine(job.request_id, self.timeouts, CHAT_TRANSITIONS)
+        self.chats[job.request_id] = ChatTracked(job, machine, future, on_text, images_png)
+        self.waiting.append(job.request_id)
+        return future
+
+    def cancel(self, request_id: str) -> bool:
+        ct = self.chats.get(request_id)
+        if ct is None:
+            return False
+        self._end(ct, S.CANCELLED, error=Cancelled(request_id))
+        return True
+
+    def end_all(self, error: Callable[[str], Exception]) -> None:
+        for ct in list(self.chats.values()):
+            self._end(ct, S.CANCELLED, error=error(ct.job.request_id))
+
+    def expire(self, now: float) -> None:
+        for ct in [c for c in self.chats.values() if c.machine.expired(now)]:
+            limit = ct.machine.timeouts.for_state(ct.machine.state)
+            self._end(ct, S.TIMED_OUT, error=StageFailed(f"chat timed out in {ct.machine.state.value} after {limit}s"))
+
+    def owns(self, msg) -> bool:
+        return msg.request_id in self.chats or isinstance(msg, P.ChatDelta | P.ChatDone)
+
+    def instance_lost(self, instance_id: str, why: str) -> None:
+        for ct in [c for c in self.chats.values() if c.instance == instance_id]:
+            self._retry(ct, why)
+
+    def describe(self) -> dict:
+        return {"chats": len(self.chats), "queue": len(self.waiting)}
+
+    def backlog(self, now: float) -> tuple[int, float]:
+        """The chats waiting for a chat-capable encoder slot, and how long the first has waited."""
+        first = self.chats[self.waiting[0]].machine.entered_at if self.waiting else now
+        return len(self.waiting), now - first
+
+    def pump(self) -> None:
+        while self.waiting:
+            ct = self.chats[self.waiting[0]]
+            pool = [i for i in self.registry.pool("encoder") if i.chat]
+            affinity = self.registry.affinity
+            if ct.attempts.image_keys is None:
+                ct.attempts.image_keys = affinity.keys(ct.job.params.tenant, ct.job.params.images)
+            inst = ct.attempts.pick(self.policy, "encoder", pool, affinity, chat=True)
+            if inst is None:
+                return
+            self.waiting.popleft()
+            inst.hold_chat(ct.job.request_id)
+            affinity.record(ct.attempts.image_keys, inst.instance_id)
+            ct.instance = inst.instance_id
+            ct.machine.to(S.CHATTING)
+            hints = affinity.hints(ct.attempts.image_keys, inst.instance_id, self.registry.addresses("encoder"))
+            task = wire.chat_to_wire(
+                ct.job.request_id, ct.machine.generation, ct.job.params, ct.job.stream, ct.images_png, hints
+            )
+            self.send(inst.instance_id, task)
+
+    def handle(self, msg) -> None:
+        ct = self.chats.get(msg.request_id)
+        if ct is None or msg.generation != ct.machine.generation or msg.instance_id != ct.instance:
+            # e.g. pieces already on the wire when a cancelled chat ended; a ChatDone here would mean
+            # the worker finished a chat it had been told to stop
+            self.stats[f"{type(msg).__name__}_{'after_end' if ct is None else 'stale'}"] += 1
+            return
+        if isinstance(msg, P.ChatDelta):
+            ct.streamed = True
+            if ct.on_text is not None:
+                ct.on_text(msg.text)
+        elif isinstance(msg, P.ChatDone):
+            self.registry.affinity.held(ct.attempts.image_keys or [], msg.instance_id, msg.images)
+            result = ChatResult(msg.text, msg.prompt_tokens, msg.completion_tokens, msg.finish_reason)
+            self._end(ct, S.DONE, result=result)
+        elif isinstance(msg, P.StageError):
+            if msg.invalid is not None:
+                self._end(ct, S.FAILED, error=InvalidParam(*msg.invalid))
+            elif msg.retryable:
+                self._retry(ct, f"chat failed on {msg.instance_id}: {msg.message}")
+            else:
+                self._end(ct, S.FAILED, error=StageFailed(f"chat failed on {msg.instance_id}: {msg.message}"))
+
+    def _retry(self, ct: ChatTracked, why: str) -> None:
+        """Elsewhere, while nothing was streamed yet (a client never sees two beginnings)."""
+        refusal = (
+            "part of the answer was sent" if ct.streamed else ct.attempts.refusal(self.max_retries, None, [], None)
+        )
+        if refusal is not None:
+            return self._end(ct, S.FAILED, error=StageFailed(f"{why}; no retry: {refusal}"))
+        failed = ct.instance
+        self._release(ct, cancel_worker=True, reason=f"retry: {why}")
+        ct.attempts.record("encoder", failed)
+        ct.machine.to(S.QUEUED)
+        self.waiting.appendleft(ct.job.request_id)
+        self.stats["chat_retries"] += 1
+        logger.warning("retrying chat %s as generation %d: %s", ct.job.request_id, ct.machine.generation, why)
+
+    def _release(self, ct: ChatTracked, cancel_worker: bool, reason: str) -> None:
+        rid = ct.job.request_id
+        if rid in self.waiting:
+            self.waiting.remove(rid)
+        if ct.instance is not None:
+            if cancel_worker:
+                self.send(ct.instance, P.Cancel(rid, ct.machine.generation, reason))
+            inst = self.registry.instances.get(ct.instance)
+            if inst is not None:
+                inst.unhold(rid)
+            ct.instance = None
+
+    def _end(
+        self, ct: ChatTracked, state: RequestState, result: ChatResult | None = None, error: Exception | None = None
+    ):
+        self._release(ct, cancel_worker=error is not None, reason=type(error).__name__ if error else "done")
+        ct.machine.to(state)
+        del self.chats[ct.job.request_id]
+        self.stats["chat_done" if error is None else "chat_" + type(error).__name__.lower()] += 1
+        if not ct.future.done():
+            ct.future.set_exception(error) if error is not None else ct.future.set_result(result)

@@ -1,0 +1,352 @@
+"""The head's disaggregated backend: composes the control plane, the instance registry and the two
+routers (generations, chats), and decides what an instance's death means for each.
+
+- ``control.ControlPlane``: the ROUTER socket, typed messages in and out.
+- ``registry.InstanceRegistry``: registration, heartbeats, stats windows, silence → death.
+- ``routing.GenerationRouter``: each generation through encoder → denoiser → decoder, with
+  backpressure, retries and the request state machine (its docstring has the ownership contract).
+- ``chat_router.ChatRouter``: each chat on one chat-capable encoder, same machine and retry code.
+
+A dead instance (silent past ``heartbeat_timeout_s``) is removed; every live peer is told to reclaim
+its transfer slots; each request it was serving is retried elsewhere under a new generation.
+All state lives on the asyncio loop that called ``start``; nothing here takes a lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from triptych.chat import ChatResult
+from triptych.control import protocol as P
+from triptych.control import wire
+from triptych.control.auth import ControlKey, new_token
+from triptych.control.backend import (
+    Cancelled,
+    ChatJob,
+    GenerationBackend,
+    GenerationJob,
+    PreviewFn,
+    ProgressFn,
+    TextFn,
+    Unavailable,
+)
+from triptych.control.chat_router import ChatRouter
+from triptych.control.dispatch import Instance, make_policy
+from triptych.control.listener import ControlPlane
+from triptych.control.metrics import Metrics
+from triptych.control.registry import InstanceRegistry
+from triptych.control.request_state import StateTimeouts
+from triptych.control.routing import GenerationRouter
+from triptych.core import offload
+from triptych.core.errors import InvalidParam
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class OrchestratorConfig:
+    """The head's control plane."""
+
+    host: str = "127.0.0.1"
+    """Address the control socket binds; workers connect to ``tcp://host:control_port``."""
+    control_port: int = 0
+    """Control port; 0 = a free port chosen at start (see ``Orchestrator.control_address``)."""
+    dispatch: str = "round_robin"
+    """Instance choice per role: round_robin | max_free_slots."""
+    heartbeat_interval_s: float = 0.5
+    """How often workers report (sent to them in ``RegisterAck``)."""
+    heartbeat_timeout_s: float = 5.0
+    """An instance silent this long is declared dead."""
+    timeouts: StateTimeouts = field(default_factory=StateTimeouts)
+    """Longest stay in each request state."""
+    max_retries: int = 1
+    """Retries of a request after the instance serving it died (or failed retryably)."""
+    max_queued: int = 256
+    """Requests waiting for their first slot (generation: an encoder's, all models together; chat: a
+    VLM's, a queue of its own) past which ``Overloaded`` is raised. A backstop: the HTTP head refuses
+    first, per model, at ``AdmissionLimits.max_queued_requests`` (jobs queued or running); this bounds
+    what reaches the orchestrator by any other caller."""
+    reserve_timeout_s: float = 60.0
+    """How long a receiver keeps slots reserved waiting for the upstream push."""
+    chat_timeout_s: float = 600.0
+    """Longest a chat answer may take from its first token to its last."""
+    unavailable_after_s: float = 30.0
+    """A role with no live instance for this long (and no local worker of it starting: a spawn or a
+    restart restarts the count) makes new and queued requests that need it fail at once (HTTP 503 +
+    Retry-After) instead of waiting out the queue timeout."""
+    token: str = ""
+    """The deployment's control-plane token: only workers holding it register, every control frame
+    is signed with it. Empty = a fresh random one (``Orchestrator.token``), for local workers."""
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_timeout_s <= 2 * self.heartbeat_interval_s:
+            raise ValueError(
+                f"heartbeat_timeout_s={self.heartbeat_timeout_s} must exceed 2 x heartbeat_interval_s="
+                f"{self.heartbeat_interval_s}, or live workers get declared dead"
+            )
+        if self.unavailable_after_s <= 0:
+            raise ValueError(f"unavailable_after_s={self.unavailable_after_s} must be > 0")
+        if self.max_retries < 0 or self.max_queued < 1 or self.reserve_timeout_s <= 0 or self.chat_timeout_s <= 0:
+            raise ValueError("max_retries must be >= 0, max_queued >= 1, reserve_timeout_s and chat_timeout_s > 0")
+        make_policy(self.dispatch)  # raises on an unknown name
+
+
+@dataclass(frozen=True)
+class PoolLoad:
+    """One role's pool as a scaler sees it (``Orchestrator.load``)."""
+
+    queue_depth: int  # requests waiting for a slot of this role (0 while a live instance has a free one)
+    oldest_wait_s: float  # how long the first of those has waited (0 when none waits)
+    live: tuple[str, ...]  # registered instances taking new work (not draining)
+    idle: tuple[str, ...]  # of ``live``, those holding no request
+    draining: dict[str, int]  # draining instance -> requests it still holds
+
+
+class Orchestrator(GenerationBackend):
+    """``GenerationBackend`` over registered worker pools (see the module docstring)."""
+
+    def __init__(self, model_dir: str | Path, config: OrchestratorConfig | None = None, metrics: Metrics | None = None):
+        from triptych.core.identity import model_revision
+        from triptych.families.registry import family_class
+
+        self.config = c = config or OrchestratorConfig()
+        self.model_dir = Path(model_dir)
+        self.family = family_class(self.model_dir)(self.model_dir, roles=())  # weightless: validation only
+        self.revision = model_revision(self.model_dir)
+        self.metrics = metrics or Metrics()
+        self.stats: Counter[str] = Counter()
+        self.token = c.token or new_token()
+        self.control = ControlPlane(c.host, c.control_port, ControlKey(self.token), self.stats, self._on_message)
+        self.registry = InstanceRegistry(
+            self.revision, c.dispatch, c.heartbeat_interval_s, self.control, self.metrics, self.stats
+        )
+        send = self.control.send
+        self.generations = GenerationRouter(
+            self.registry, send, self.metrics, self.stats, c.timeouts, c.max_retries, c.max_queued, c.reserve_timeout_s
+        )
+        chat_timeouts = dataclasses.replace(c.timeouts, chatting_s=c.chat_timeout_s)
+        self.chats = ChatRouter(self.registry, send, self.stats, chat_timeouts, c.max_retries, c.max_queued)
+        self._tick: asyncio.Task | None = None
+
+    @property
+    def control_address(self) -> str:
+        return self.control.address
+
+    @property
+    def instances(self) -> dict[str, Instance]:
+        return self.registry.instances
+
+    def pool(self, role: str) -> list[Instance]:
+        return self.registry.pool(role)
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.control.start()
+        self._tick = asyncio.create_task(self._tick_loop())
+        logger.info("orchestrator control plane at %s (revision %s)", self.control_address, self.revision)
+
+    async def close(self) -> None:
+        self.generations.end_all(lambda rid: Cancelled(f"{rid}: server shutting down"))
+        self.chats.end_all(lambda rid: Cancelled(f"{rid}: server shutting down"))
+        if self._tick is not None:
+            self._tick.cancel()
+            await asyncio.gather(self._tick, return_exceptions=True)
+            self._tick = None
+        await self.control.close()
+
+    def shutdown_workers(self, reason: str = "head shutting down") -> None:
+        for iid in list(self.registry.instances):
+            self.control.send(iid, P.Shutdown(reason))
+
+    def stop(self, instance_id: str, reason: str) -> None:
+        """Tell one worker to shut down (a drained instance being scaled in)."""
+        self.control.send(instance_id, P.Shutdown(reason))
+
+    async def wait_for_instances(self, counts: dict[str, int], timeout_s: float) -> None:
+        """Block until at least ``counts[role]`` instances of each role registered."""
+        end = time.monotonic() + timeout_s
+        while (missing := {r: n for r, n in counts.items() if len(self.pool(r)) < n}) and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+        if missing:
+            raise TimeoutError(f"workers missing after {timeout_s}s: {missing} (have {self.describe()['instances']})")
+
+    # ---- GenerationBackend --------------------------------------------------------------------
+    async def run(
+        self, job: GenerationJob, on_progress: ProgressFn | None = None, on_preview: PreviewFn | None = None
+    ) -> bytes:
+        assert self.control.open, "Orchestrator.start() was not called"
+        self._check_new(job.request_id)
+        self._check_available(("encoder", "denoiser", "decoder"))
+        wire_params = None
+        if job.params.image is not None:  # its PNG encode: seconds for a large image, not on the loop
+            wire_params = await offload.run(wire.params_to_wire, job.params)
+        future = self.generations.submit(job, on_progress, on_preview, wire_params)
+        return await self._await(job.request_id, future)
+
+    async def chat(self, job: ChatJob, on_text: TextFn | None = None) -> ChatResult:
+        assert self.control.open, "Orchestrator.start() was not called"
+        if not self.family.supports_chat:
+            raise InvalidParam("model", self.model_dir.name, "this model has no VLM to chat with")
+        self._check_new(job.request_id)
+        self._check_available(("encoder",))
+        if wire.small_images(job.params):
+            images_png = wire.chat_images(job.params)
+        else:  # a large image's PNG encode takes seconds: not on the loop
+            images_png = await offload.run(wire.chat_images, job.params)
+        future = self.chats.submit(job, on_text, images_png)
+        return await self._await(job.request_id, future)
+
+    async def cancel(self, request_id: str) -> bool:
+        return self.chats.cancel(request_id) or self.generations.cancel(request_id)
+
+    def load(self, role: str, now: float) -> PoolLoad:
+        """The pool of ``role`` and the requests waiting for it (see ``PoolLoad``)."""
+        pool = self.registry.pool(role)
+        live = [i for i in pool if not i.draining]
+        depth, wait = self.generations.backlog(now)["decoder" if role == "decoder" else "encode"]
+        if any(i.free > 0 for i in live):
+            depth, wait = 0, 0.0
+        if role == "encoder" and not any(i.chat_free > 0 for i in live if i.chat):  # chats wait for encoders too
+            chats, chat_wait = self.chats.backlog(now)
+            depth, wait = depth + chats, max(wait, chat_wait)
+        return PoolLoad(
+            depth,
+            wait if depth else 0.0,
+            tuple(sorted(i.instance_id for i in live)),
+            tuple(sorted(i.instance_id for i in live if not i.held)),
+            {i.instance_id: len(i.held) for i in pool if i.draining},
+        )
+
+    def drain(self, instance_id: str) -> bool:
+        """Route no new request to ``instance_id``; what it holds runs to the end. False if unknown."""
+        inst = self.registry.instances.get(instance_id)
+        if inst is None:
+            return False
+        inst.draining = True
+        logger.info("%s %s draining (%d requests held)", inst.role, instance_id, len(inst.held))
+        return True
+
+    def describe(self) -> dict:
+        gen, chats = self.generations.describe(), self.chats.describe()
+        return {
+            "control": self.control_address,
+            "revision": self.revision,
+            "instances": self.registry.describe(),
+            "empty_roles": self.registry.empty_roles(),
+            "requests": gen["requests"],
+            "chats": chats["chats"],
+            "queues": {**gen["queues"], "chat": chats["queue"]},
+            "stats": dict(self.stats),
+        }
+
+    def _unavailable(self, roles) -> Unavailable | None:
+        missing = self.registry.missing(time.monotonic(), self.config.unavailable_after_s)
+        gone = {r: s for r, s in missing.items() if r in roles}
+        if not gone:
+            return None
+        what = ", ".join(f"{r} (none for {s:.0f}s)" for r, s in sorted(gone.items()))
+        return Unavailable(f"no live instance of a role this request needs: {what}", retry_after=5.0)
+
+    def _check_available(self, roles) -> None:
+        error = self._unavailable(roles)
+        if error is not None:
+            raise error
+
+    def _check_new(self, request_id: str) -> None:
+        if request_id in self.generations.requests or request_id in self.chats.chats:
+            raise ValueError(f"request id {request_id!r} is already running")
+
+    async def _await(self, request_id: str, future: asyncio.Future):
+        self._pump()
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:  # the caller went away (client disconnect): free everything
+            await self.cancel(request_id)
+            if not future.cancelled():
+                future.exception()  # retrieved: nobody else will
+            raise
+
+    # ---- events -------------------------------------------------------------------------------
+    def _on_message(self, identity: bytes, msg: P.WorkerMessage) -> None:
+        if isinstance(msg, P.Register):
+            if self.registry.register(identity, msg):
+                self._pump()
+            return
+        if isinstance(msg, P.Heartbeat):
+            self.stats["heartbeats"] += 1
+        inst = self.registry.seen(identity, msg)
+        if inst is not None and isinstance(msg, P.StatsReport):
+            self._cancel_orphans(inst, msg.jobs)
+        if inst is None or isinstance(msg, P.Heartbeat | P.StatsReport):
+            return
+        if self.chats.owns(msg):
+            self.chats.handle(msg)
+        else:
+            self.generations.handle(msg)
+        self._pump()
+
+    def _cancel_orphans(self, inst: Instance, jobs) -> None:
+        """Cancel each job a worker reports holding whose request (at that generation) the head does
+        not hold on it: a Cancel lost while the worker was unreachable, work of a request that ended
+        meanwhile. What the head charged it is left alone; a job that finished since its report was
+        sent gets a Cancel the worker ignores."""
+        for rid, generation in jobs:
+            tracked = self.generations.requests.get(rid) or self.chats.chats.get(rid)
+            if rid in inst.held and tracked is not None and tracked.machine.generation == generation:
+                continue
+            self.stats["orphans_cancelled"] += 1
+            logger.info("%s holds %s g%d, which the head does not: cancelling it", inst.instance_id, rid, generation)
+            self.control.send(inst.instance_id, P.Cancel(rid, generation, "the head no longer holds this request"))
+
+    async def _tick_loop(self) -> None:
+        every = min(0.1, self.config.heartbeat_interval_s / 2)
+        while True:
+            before = time.monotonic()
+            await asyncio.sleep(every)
+            now = time.monotonic()
+            self._excuse_stall(now - before - every)
+            for inst in self.registry.silent(now, self.config.heartbeat_timeout_s):
+                self.instance_dead(inst.instance_id, f"silent for {now - inst.last_seen:.1f}s")
+            self.generations.expire(now)
+            self.chats.expire(now)
+            if self.generations.wait_encode:
+                error = self._unavailable(("encoder", "denoiser", "decoder"))
+                if error is not None:
+                    self.generations.fail_queued(error)
+            self._pump()
+
+    def _excuse_stall(self, late_s: float) -> None:
+        """This tick ran ``late_s`` late: the head's own event loop was held (by work that should not
+        run there, or the machine starved the process). Heartbeats sent meanwhile are still unread in
+        the socket, so that time is not the workers' silence: it is added to each one's last sight."""
+        if late_s <= self.config.heartbeat_interval_s:
+            return
+        self.stats["head_stalls"] += 1
+        logger.warning("the head's event loop was held for %.1fs; not counted as worker silence", late_s)
+        for inst in self.registry.instances.values():
+            inst.last_seen += late_s
+
+    def _pump(self) -> None:
+        """Start whatever the free slots allow: generations first, then chats."""
+        self.generations.pump()
+        self.chats.pump()
+
+    def instance_dead(self, instance_id: str, why: str) -> None:
+        """Take ``instance_id`` out of service: peers reclaim its slots, its requests are retried."""
+        inst = self.registry.remove(instance_id)
+        if inst is None:
+            return
+        self.stats["instances_lost"] += 1
+        logger.warning("%s %s declared dead (%s); %d requests affected", inst.role, instance_id, why, len(inst.held))
+        for other in list(self.registry.instances):
+            self.control.send(other, P.PeerDown(instance_id))
+        what = f"{inst.role} {instance_id} died ({why})"
+        self.generations.instance_lost(instance_id, what)
+        self.chats.instance_lost(instance_id, what)
+        self._pump()

@@ -1,0 +1,365 @@
+"""Generation routing on the head: each request through an encoder, a denoiser and a decoder.
+
+Ownership contract:
+- The router owns every generation's ``RequestMachine`` and every instance slot it charged
+  (``Instance.held``). Workers own tensors and transfer slots; the head only ever sees specs and
+  ``TensorRef`` handles (and the final media bytes).
+- Backpressure: a request starts encoding only once an encoder *and* a denoiser slot are charged
+  to it, and its denoise task is sent only once a decoder slot is charged, so no stage starts work
+  whose output has nowhere to go. Each wait is its own queue (``wait_encode``, ``wait_decoder``) so
+  a request waiting for a decoder never holds up one waiting for an encoder.
+- A slot is freed when its tensors left the instance (``PushDone``), the request ended, or the
+  instance died. Ending a request any other way than DONE also sends ``Cancel`` to every worker
+  still holding something of it.
+- A request whose instance died (or failed retryably) is retried under a new generation, away from
+  that instance (``Attempts``); messages of an older generation are counted and dropped.
+All state lives on the head's event loop; nothing here takes a lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from triptych.control import protocol as P
+from triptych.control import wire
+from triptych.control.attempts import Attempts
+from triptych.control.backend import Cancelled, GenerationJob, Overloaded, PreviewFn, ProgressFn, StageFailed
+from triptych.control.dispatch import Instance
+from triptych.control.metrics import Metrics, StageStats
+from triptych.control.registry import InstanceRegistry
+from triptych.control.request_state import RequestMachine, RequestState, StateTimeouts
+
+logger = logging.getLogger(__name__)
+S = RequestState
+
+
+@dataclass
+class Tracked:
+    """One live generation on the head."""
+
+    job: GenerationJob
+    machine: RequestMachine
+    future: asyncio.Future
+    on_progress: ProgressFn | None
+    wire: P.WireParams
+    assigned: dict[str, str] = field(default_factory=dict)  # role -> instance id charged a slot
+    cond_specs: dict[str, P.TensorSpec] | None = None
+    attempts: Attempts = field(default_factory=Attempts)
+    waited_s: float = 0.0  # queue wait of the current stage (reported with its run time at its end)
+    encoded_at: float = 0.0  # monotonic time of EncodeDone: the wait for a decoder slot starts
+    on_preview: PreviewFn | None = None  # set: the job's previews are decoded and handed here
+
+
+class GenerationRouter:
+    def __init__(
+        self,
+        registry: InstanceRegistry,
+        send: Callable[[str, P.Message], None],
+        metrics: Metrics,
+        stats: Counter,
+        timeouts: StateTimeouts,
+        max_retries: int,
+        max_queued: int,
+        reserve_timeout_s: float,
+    ):
+        self.registry = registry
+        self.send = send
+        self.metrics = metrics
+        self.stats = stats
+        self.timeouts = timeouts
+        self.max_retries = max_retries
+        self.max_queued = max_queued
+        self.reserve_timeout_s = reserve_timeout_s
+        self.requests: dict[str, Tracked] = {}
+        self.wait_encode: deque[str] = deque()
+        self.wait_decoder: deque[str] = deque()
+        self._handlers = {
+            P.EncodeDone: self._on_encode_done,
+            P.SlotsReserved: self._on_slots_reserved,
+            P.PushDone: self._on_push_done,
+            P.Progress: self._on_progress,
+            P.PreviewReady: self._on_preview_ready,
+            P.PreviewResult: self._on_preview_result,
+            P.DenoiseDone: self._on_denoise_done,
+            P.MediaResult: self._on_media,
+            P.StageError: self._on_stage_error,
+        }
+
+    def submit(
+        self,
+        job: GenerationJob,
+        on_progress: ProgressFn | None,
+        on_preview: PreviewFn | None = None,
+        wire_params: P.WireParams | None = None,
+    ) -> asyncio.Future:
+        """``wire_params``: ``wire.params_to_wire(job.params)`` made already (off the event loop: its
+        condition image's PNG encode takes seconds for a large one); None = made here."""
+        rid = job.request_id
+        if len(self.wait_encode) >= self.max_queued:
+            raise Overloaded(f"queue is full ({self.max_queued} requests)", retry_after=1.0)
+        future = asyncio.get_running_loop().create_future()
+        if wire_params is None:
+            wire_params = wire.params_to_wire(job.params)
+        tracked = Tracked(job, RequestMachine(rid, self.timeouts), future, on_progress, wire_params)
+        tracked.on_preview = on_preview
+        self.requests[rid] = tracked
+        self.wait_encode.append(rid)
+        return future
+
+    def cancel(self, request_id: str) -> bool:
+        tr = self.requests.get(request_id)
+        if tr is None:
+            return False
+        self._finish(tr, S.CANCELLED, error=Cancelled(request_id))
+        return True
+
+    def end_all(self, error: Callable[[str], Exception]) -> None:
+        for tr in list(self.requests.values()):
+            self._finish(tr, S.CANCELLED, error=error(tr.job.request_id))
+
+    def fail_queued(self, error: Exception) -> None:
+        """End every request still waiting for its encode with ``error`` (a role it needs is gone)."""
+        for rid in list(self.wait_encode):
+            self._finish(self.requests[rid], S.FAILED, error=error)
+
+    def expire(self, now: float) -> None:
+        for tr in [t for t in self.requests.values() if t.machine.expired(now)]:
+            state = tr.machine.state
+            limit = tr.machine.timeouts.for_state(state)
+            self._finish(tr, S.TIMED_OUT, error=StageFailed(f"request timed out in {state.value} after {limit}s"))
+
+    def handle(self, msg) -> None:
+        tr = self.requests.get(msg.request_id)
+        if tr is None or tr.machine.generation != msg.generation:
+            # NOTE: a PushDone racing the MediaResult of a finished request lands here too.
+            self.stats["dropped_after_end" if tr is None else "dropped_stale"] += 1
+            logger.debug("dropped stale %s for %s g%d", type(msg).__name__, msg.request_id, msg.generation)
+            return
+        self._handlers[type(msg)](tr, msg)
+
+    def instance_lost(self, instance_id: str, why: str) -> None:
+        for tr in [t for t in self.requests.values() if instance_id in t.assigned.values()]:
+            self._retry(tr, why, exclude=instance_id)
+
+    def describe(self) -> dict:
+        return {
+            "requests": dict(Counter(t.machine.state.value for t in self.requests.values())),
+            "queues": {"encode": len(self.wait_encode), "decoder": len(self.wait_decoder)},
+        }
+
+    def backlog(self, now: float) -> dict[str, tuple[int, float]]:
+        """Per queue, the requests waiting and how long the first has waited: ``encode`` (waiting for
+        an encoder and a denoiser slot) and ``decoder`` (encoded, waiting for a decoder slot)."""
+        first = self.requests[self.wait_encode[0]].machine.entered_at if self.wait_encode else now
+        first_dec = self.requests[self.wait_decoder[0]].encoded_at if self.wait_decoder else now
+        return {"encode": (len(self.wait_encode), now - first), "decoder": (len(self.wait_decoder), now - first_dec)}
+
+    # ---- placement ----------------------------------------------------------------------------
+    def pump(self) -> None:
+        """Start whatever the free slots allow: encodes (encoder + denoiser slot), then denoises
+        (decoder slot)."""
+        while self.wait_encode:
+            placed = self._place_encode()
+            if placed is None:
+                break
+            tr, enc, den = placed
+            self._charge(tr, enc)
+            self.registry.affinity.record(tr.attempts.image_keys or [], enc.instance_id)
+            self._charge(tr, den)
+            now = time.monotonic()
+            tr.waited_s = now - tr.machine.entered_at
+            tr.machine.to(S.ENCODING, now)
+            keys = tr.attempts.image_keys or []
+            hints = self.registry.affinity.hints(keys, enc.instance_id, self.registry.addresses("encoder"))
+            task = P.EncodeTask(tr.job.request_id, tr.machine.generation, tr.wire, den.instance_id, hints)
+            self.send(enc.instance_id, task)
+        while self.wait_decoder:
+            tr = self.requests[self.wait_decoder[0]]
+            dec = self._pick("decoder", tr)
+            if dec is None:
+                break
+            self.wait_decoder.popleft()
+            self._charge(tr, dec)
+            now = time.monotonic()
+            tr.waited_s = now - tr.encoded_at
+            tr.machine.to(S.DENOISING, now)
+            task = P.DenoiseTask(
+                tr.job.request_id,
+                tr.machine.generation,
+                tr.wire,
+                tr.cond_specs,
+                tr.assigned["encoder"],
+                dec.instance_id,
+                self.reserve_timeout_s,
+                tr.job.partial_images if tr.on_preview is not None else 0,
+                tr.on_progress is not None,
+            )
+            self.send(tr.assigned["denoiser"], task)
+
+    def _place_encode(self) -> tuple[Tracked, Instance, Instance] | None:
+        """The first waiting request (in order) that an encoder and a denoiser slot can take now.
+
+        A retried request may avoid instances that failed it, so it can wait while one behind it
+        starts; the first request with nothing to avoid that cannot start ends the search (every
+        later one would fail the same way), so order holds among ordinary requests."""
+        for rid in self.wait_encode:
+            tr = self.requests[rid]
+            enc = self._pick("encoder", tr)
+            den = enc and self._pick("denoiser", tr)
+            if enc is not None and den is not None:
+                self.wait_encode.remove(rid)
+                return tr, enc, den
+            if not tr.attempts.avoid:
+                return None
+        return None
+
+    def _pick(self, role: str, tr: Tracked) -> Instance | None:
+        affinity = None
+        if role == "encoder":  # prefer the encoder that holds the condition image (``affinity``)
+            affinity = self.registry.affinity
+            if tr.attempts.image_keys is None:
+                tr.attempts.image_keys = affinity.keys(tr.job.params.tenant, [tr.job.params.image])
+        loras = [name for name, _ in tr.job.params.lora] if role == "denoiser" else ()  # ``lora_affinity``
+        return tr.attempts.pick(self.registry.policies[role], role, self.registry.pool(role), affinity, loras=loras)
+
+    def _charge(self, tr: Tracked, inst: Instance) -> None:
+        inst.hold(tr.job.request_id)
+        tr.assigned[inst.role] = inst.instance_id
+
+    def _uncharge(self, tr: Tracked, role: str) -> None:
+        iid = tr.assigned.pop(role, None)
+        inst = self.registry.instances.get(iid) if iid is not None else None
+        if inst is not None:
+            inst.unhold(tr.job.request_id)
+
+    # ---- messages -----------------------------------------------------------------------------
+    def _from(self, tr: Tracked, role: str, m) -> bool:
+        if tr.assigned.get(role) == m.instance_id:
+            return True
+        self.stats["dropped_misrouted"] += 1
+        logger.debug(
+            "%s for %s from %s, expected %s %s",
+            type(m).__name__,
+            tr.job.request_id,
+            m.instance_id,
+            role,
+            tr.assigned.get(role),
+        )
+        return False
+
+    def _on_encode_done(self, tr: Tracked, m: P.EncodeDone) -> None:
+        if self._from(tr, "encoder", m) and tr.machine.state is S.ENCODING and tr.cond_specs is None:
+            tr.cond_specs = m.specs
+            self.registry.affinity.held(tr.attempts.image_keys or [], m.instance_id, m.images)
+            tr.encoded_at = self._stage_done(tr, "encode")
+            self.wait_decoder.append(tr.job.request_id)
+
+    def _on_slots_reserved(self, tr: Tracked, m: P.SlotsReserved) -> None:
+        receiver, sender = ("denoiser", "encoder") if m.handoff == "cond" else ("decoder", "denoiser")
+        if self._from(tr, receiver, m) and sender in tr.assigned:
+            self.send(tr.assigned[sender], P.PushTask(m.request_id, m.generation, m.handoff, m.refs))
+
+    def _on_push_done(self, tr: Tracked, m: P.PushDone) -> None:
+        if m.handoff in P.PREVIEW_HANDOFFS:
+            return  # a preview's push frees nothing the head charged
+        sender = "encoder" if m.handoff == "cond" else "denoiser"
+        if self._from(tr, sender, m):
+            self._uncharge(tr, sender)
+
+    def _on_progress(self, tr: Tracked, m: P.Progress) -> None:
+        if tr.on_progress is not None and self._from(tr, "denoiser", m):
+            tr.on_progress(m.step, m.total)
+
+    def _on_preview_ready(self, tr: Tracked, m: P.PreviewReady) -> None:
+        """Send the preview to the request's decoder; without a listener, the denoiser's copy is
+        freed when the request leaves it."""
+        if tr.on_preview is None or "decoder" not in tr.assigned or tr.machine.state is not S.DENOISING:
+            return
+        if self._from(tr, "denoiser", m) and 0 <= m.index < len(P.PREVIEW_HANDOFFS):
+            job = tr.job
+            task = P.PreviewTask(
+                job.request_id, m.generation, tr.wire, m.index, m.step, m.total, m.specs, m.instance_id,
+                job.output_format, job.quality, self.reserve_timeout_s,
+            )  # fmt: skip
+            self.send(tr.assigned["decoder"], task)
+
+    def _on_preview_result(self, tr: Tracked, m: P.PreviewResult) -> None:
+        if tr.on_preview is not None and self._from(tr, "decoder", m):
+            tr.on_preview(m.index, m.data)
+
+    def _on_denoise_done(self, tr: Tracked, m: P.DenoiseDone) -> None:
+        if self._from(tr, "denoiser", m) and tr.machine.state is S.DENOISING:
+            tr.waited_s = 0.0  # the decoder slot was charged before denoising started
+            tr.machine.to(S.DECODING, self._stage_done(tr, "denoise"))
+            job = tr.job
+            task = P.DecodeTask(
+                job.request_id,
+                m.generation,
+                tr.wire,
+                m.specs,
+                m.instance_id,
+                job.output_format,
+                job.fps,
+                self.reserve_timeout_s,
+                job.quality,
+            )
+            self.send(tr.assigned["decoder"], task)
+
+    def _on_media(self, tr: Tracked, m: P.MediaResult) -> None:
+        if self._from(tr, "decoder", m) and tr.machine.state is S.DECODING:
+            self._stage_done(tr, "decode")
+            self._finish(tr, S.DONE, result=m.data)
+
+    def _stage_done(self, tr: Tracked, stage: str) -> float:
+        """Report the stage that just ended (its queue wait and its run time); returns now."""
+        now = time.monotonic()
+        self.metrics.record_stage(StageStats(stage, tr.waited_s, now - tr.machine.entered_at))
+        return now
+
+    def _on_stage_error(self, tr: Tracked, m: P.StageError) -> None:
+        if m.instance_id not in tr.assigned.values():
+            return
+        what = f"{m.stage} failed on {m.instance_id}: {m.message}"
+        if m.retryable:
+            self._retry(tr, what, exclude=m.instance_id)
+        else:
+            self._finish(tr, S.FAILED, error=StageFailed(what))
+
+    # ---- endings and retries ------------------------------------------------------------------
+    def _finish(self, tr: Tracked, state: RequestState, result: bytes | None = None, error: Exception | None = None):
+        rid = tr.job.request_id
+        tr.machine.to(state)
+        self._release(tr, cancel_workers=state is not S.DONE, reason=state.value)
+        del self.requests[rid]
+        self.stats[state.value] += 1
+        if not tr.future.done():
+            tr.future.set_exception(error) if error is not None else tr.future.set_result(result)
+        logger.info("request %s %s (generation %d)", rid, state.value, tr.machine.generation)
+
+    def _release(self, tr: Tracked, cancel_workers: bool, reason: str) -> None:
+        rid = tr.job.request_id
+        for q in (self.wait_encode, self.wait_decoder):
+            if rid in q:
+                q.remove(rid)
+        for role, iid in list(tr.assigned.items()):
+            if cancel_workers:
+                self.send(iid, P.Cancel(rid, tr.machine.generation, reason))
+            self._uncharge(tr, role)
+        tr.cond_specs = None
+
+    def _retry(self, tr: Tracked, why: str, exclude: str | None = None) -> None:
+        role = next((r for r, i in tr.assigned.items() if i == exclude), None)
+        refusal = tr.attempts.refusal(self.max_retries, role, self.registry.pool(role) if role else [], exclude)
+        if refusal is not None:
+            return self._finish(tr, S.FAILED, error=StageFailed(f"{why}; {refusal}"))
+        self._release(tr, cancel_workers=True, reason=f"retry: {why}")
+        tr.attempts.record(role, exclude)
+        tr.machine.to(S.QUEUED)
+        self.wait_encode.appendleft(tr.job.request_id)
+        self.stats["retries"] += 1
+        logger.warning("retrying %s as generation %d: %s", tr.job.request_id, tr.machine.generation, why)

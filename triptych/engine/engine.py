@@ -1,0 +1,204 @@
+"""The denoiser engine: continuous step batching over requests that each own their state.
+
+Contract: the engine owns every ``DenoiseState`` between ``add`` and the tick that returns it as
+finished (or ``abort``). Requests join and leave only at step boundaries; a tick is
+schedule() → execute() → update(). ``execute`` is one ``family.denoise_step`` over the batch: one
+transformer forward (``fuse_cfg``) or one per CFG branch, never a loop over requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from itertools import count
+from pathlib import Path
+
+import torch
+
+from triptych.core.errors import InvalidParam
+from triptych.engine.config import EngineConfig
+from triptych.engine.scheduler import Running, pick_batch
+from triptych.engine.stats import LORA_FIELDS, EngineStats
+from triptych.families.base import DenoiseState, Family
+
+logger = logging.getLogger(__name__)
+
+#: Why a request may not combine an adapter with TeaCache (the head says the same).
+LORA_TEACACHE_RULE = (
+    "must be 0 with lora: a TeaCache profile is calibrated per model and is not shown to hold with an adapter"
+)
+
+
+@dataclass
+class EngineStepOutput:
+    """What one tick did."""
+
+    finished: list[DenoiseState] = field(default_factory=list)
+    progress: list[tuple[str, int, int]] = field(default_factory=list)  # (request_id, step, total)
+    batch: list[str] = field(default_factory=list)  # request ids that advanced
+    failed: list[tuple[str, Exception]] = field(default_factory=list)  # (request_id, error): left the engine
+    #: (request_id, steps done, total, predicted clean latents) for requests that asked for a preview at
+    #: this step (``DenoiseState.preview_steps``); the tensors are handed over, the engine keeps none
+    previews: list[tuple[str, int, int, torch.Tensor]] = field(default_factory=list)
+
+
+class DenoiserEngine:
+    def __init__(self, family: Family, config: EngineConfig | None = None, accel=None, wrap=None, no_accel: str = ""):
+        """``accel``: optional acceleration (e.g. TeaCache) with ``forward(rows, base_forward)``
+        and ``release(request_id)``; it owns its per-request state, the engine tells it when a
+        request leaves. ``wrap``: optional ``wrap(forward) -> forward`` around the family's rows
+        forward (a multi-rank instance's CFG split); ``accel`` calls the wrapped forward for the
+        batches it hands on unchanged, and composes with the ranks itself for the rest (TeaCache's
+        ``ranks``). ``no_accel``: why there is no ``accel`` (said when a request asks for it)."""
+        self.family = family
+        self.config = config or EngineConfig()
+        self.accel = accel
+        self.wrap = wrap
+        self.no_accel = no_accel
+        self.stats = EngineStats()
+        self._running: dict[str, Running] = {}
+        self._tick = 0
+        self._arrivals = count()
+
+    # ---- membership -------------------------------------------------------------------------
+    def add(self, state: DenoiseState) -> None:
+        """Join at the next step boundary; raises ``InvalidParam`` for an unusable TeaCache request."""
+        if state.request_id in self._running:
+            raise ValueError(f"request {state.request_id!r} is already running")
+        threshold = state.params.teacache_threshold
+        lora = state.params.lora
+        if lora and threshold > 0:
+            raise InvalidParam("teacache_threshold", threshold, LORA_TEACACHE_RULE)
+        if lora and self.family.lora is None:
+            raise InvalidParam("lora", [n for n, _ in lora], f"this {self.family.name} denoiser serves no adapters")
+        if threshold > 0:
+            if self.accel is None:
+                why = f": {self.no_accel}" if self.no_accel else ""
+                raise InvalidParam(
+                    "teacache_threshold", threshold, f"TeaCache is not available for {self.family.name}{why}"
+                )
+            self.accel.admit(state.request_id, threshold, state.total_steps)
+        if lora:
+            for name, path in state.params.lora_paths:  # run-time adapters: loaded from here on a miss
+                self.family.lora.add_path(name, Path(path))
+            try:
+                self.family.lora.acquire(state.request_id, lora)
+            finally:
+                self._lora_stats()
+        key = self.family.compat_key(state)
+        tokens = (
+            int(state.latents[0].numel() // state.latents.shape[-1])
+            if state.latents.dim() == 3
+            else int(state.latents[0, 0].numel())
+        )
+        self._running[state.request_id] = Running(state, key, tokens, self._tick, next(self._arrivals))
+
+    def abort(self, request_id: str) -> bool:
+        running = self._running.pop(request_id, None)
+        if running is None:
+            return False
+        self._release(request_id)
+        self.stats.aborted += 1
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self._running)
+
+    def __len__(self) -> int:
+        return len(self._running)
+
+    def request_ids(self) -> list[str]:
+        return list(self._running)
+
+    # ---- one tick -----------------------------------------------------------------------------
+    def step(self, order: list[str] | None = None) -> EngineStepOutput:
+        """One tick. ``order``: the batch another rank scheduled (request ids, in its order) instead of
+        scheduling here; every rank of a multi-rank instance runs the leader's batch."""
+        batch = self.schedule() if order is None else [self._running[rid] for rid in order]
+        out = EngineStepOutput()
+        if not batch:
+            return out
+        try:
+            self.execute(batch)
+        except Exception as e:  # noqa: BLE001 - one bad tick must not take the other requests down
+            # NOTE: the traceback references the tick's frames and so the batch's tensors (activations
+            # of a failed forward); kept in ``out.failed`` it would form a cycle only the cyclic GC
+            # frees, much later. The failure is reported by type and message only.
+            e.__traceback__ = e.__context__ = e.__cause__ = None
+            self.evict(batch, e, out)
+            return out
+        self.update(batch, out)
+        return out
+
+    def schedule(self) -> list[Running]:
+        return pick_batch(list(self._running.values()), self.config)
+
+    def execute(self, batch: list[Running]) -> None:
+        states = [r.state for r in batch]
+        base = self.family.forward if self.wrap is None else self.wrap(self.family.forward)
+        forward = None if self.wrap is None else base
+        if self.accel is not None:
+
+            def forward(rows):
+                return self.accel.forward(rows, base)
+
+        t = time.perf_counter()
+        step_stats = self.family.denoise_step(states, fuse_cfg=self.config.fuse_cfg, forward=forward)
+        elapsed = time.perf_counter() - t
+        s = self.stats
+        s.steps += 1
+        s.forwards += step_stats.forwards
+        s.rows += step_stats.rows
+        s.request_steps += len(states)
+        s.step_seconds += elapsed
+        s.count_batch(len(states))
+        if self.accel is not None:
+            s.skipped_rows = self.accel.stats.rows_skipped
+        self._lora_stats()
+
+    def _lora_stats(self) -> None:
+        if self.family.lora is not None:
+            for f in LORA_FIELDS:
+                setattr(self.stats, f, getattr(self.family.lora.stats, f.removeprefix("lora_")))
+            self.stats.lora_resident = self.family.lora.store.loaded()
+
+    def update(self, batch: list[Running], out: EngineStepOutput) -> None:
+        self._tick += 1
+        for r in batch:
+            r.last_tick = self._tick
+            rid = r.state.request_id
+            out.batch.append(rid)
+            out.progress.append((rid, r.state.step, r.state.total_steps))
+            if r.state.x0 is not None:
+                out.previews.append((rid, r.state.step, r.state.total_steps, r.state.x0))
+                r.state.x0 = None
+            if r.state.done:
+                del self._running[rid]
+                self._release(rid)
+                self.stats.finished += 1
+                out.finished.append(r.state)
+
+    def evict(self, batch: list[Running], error: Exception, out: EngineStepOutput) -> None:
+        """A tick raised: its requests leave the engine (their states may be half-stepped) and are
+        reported in ``out.failed``; requests outside the batch keep running untouched."""
+        logger.warning("engine step failed for %d request(s): %s: %s", len(batch), type(error).__name__, error)
+        for r in batch:
+            rid = r.state.request_id
+            if self._running.pop(rid, None) is not None:
+                self._release(rid)
+                self.stats.failed += 1
+                out.failed.append((rid, error))
+
+    def _release(self, request_id: str) -> None:
+        if self.family.lora is not None:
+            self.family.lora.release(request_id)
+        if self.accel is not None:
+            self.accel.release(request_id)
+
+    def run_until_done(self) -> list[DenoiseState]:
+        """Tick until every running request finished (tests, ``generate``)."""
+        finished: list[DenoiseState] = []
+        while self.has_work():
+            finished.extend(self.step().finished)
+        return finished

@@ -1,0 +1,87 @@
+"""Warm-up of a compiled denoiser (``triptych.accel.compile``): every graph a mixed load needs, compiled before the worker registers.
+
+The shapes that make dynamo compile a new graph (``accel/compile.py``): one row alone (a size of 1
+is specialised, no text mask), several rows with prompts of different lengths (the padding mask),
+and TeaCache's sub-batch of one masked row. ``warm_up`` runs each once on the family's
+``warmup_conditioning`` (random text embeddings of the right width; no encoder needed), so the
+first request pays nothing; the results are thrown away.
+
+With LoRA adapters served (``serve --lora``), their per-row hooks break the block graphs around each
+hooked layer (``lora/rows.py``), so the warm-up first loads every served adapter that fits the
+budget (they stay in memory, counted as loads) and runs the shapes with a row using one and a row
+using none, at two batch sizes (dynamo makes a graph dynamic at the second size it sees). An adapter
+loaded later at run time that hooks other layers compiles at its first request.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from triptych.accel.compile import compile_counts
+from triptych.families.base import COND, UNCOND, Family, GenerationParams, Row
+
+logger = logging.getLogger(__name__)
+
+
+@torch.no_grad()
+def warm_up(family: Family) -> dict[str, int] | None:
+    """Run the shapes above through ``family``'s transformer; the compile counters after it, or None
+    when the family has no warm-up conditioning (it then compiles at its first requests)."""
+    if family.requires_image:
+        logger.info("%s needs a condition image: it compiles at its first requests", family.name)
+        return None
+    params = family.resolve(GenerationParams(prompt="warm up", seed=0))
+    start = time.perf_counter()
+    states = []
+    for i, lengths in enumerate(((7, 5), (9, 5))):
+        cond = family.warmup_conditioning(params, lengths)
+        if cond is None:
+            logger.info("%s has no warm-up conditioning: it compiles at its first requests", family.name)
+            return None
+        states.append(family.prepare(f"warm-up-{i}", params, cond))
+    rows = [Row(s, b) for b in (COND, UNCOND) for s in states]
+    family.forward(rows[:1])  # one row: size 1, no mask
+    family.forward(rows)  # several rows, prompts of different lengths: the padding mask
+    adapters = _load_served_adapters(family)
+    if adapters:
+        spec = ((adapters[0], 1.0),)
+        lora_states = [family.prepare("warm-up-lora", params.replace(lora=spec), states[0].cond), states[1]]
+        lora_rows = [Row(s, b) for b in (COND, UNCOND) for s in lora_states]
+        family.lora.acquire("warm-up-lora", spec)
+        try:
+            for batch in (lora_rows[:1], lora_rows, lora_rows[:3]):  # size 1, then two sizes: dynamic
+                family.forward(batch)
+        finally:
+            family.lora.release("warm-up-lora")
+    from triptych.engine.teacache import has_plan, plan_for
+
+    if has_plan(family):  # TeaCache computes a sub-batch of the rows: one masked row
+        plan = plan_for(family)
+        plan.blocks(plan.embed(rows), torch.tensor([0]))
+    counts = compile_counts()
+    if adapters:
+        counts = dict(counts, lora_adapters=len(adapters))
+    logger.info("%s warmed up in %.1f s: %s", family.name, time.perf_counter() - start, counts)
+    return counts
+
+
+def _load_served_adapters(family: Family) -> list[str]:
+    """Load (then release) each adapter the family serves, as far as the budget allows."""
+    lora = family.lora
+    if lora is None:
+        return []
+    from triptych.lora.store import LoraBudgetError
+
+    loaded = []
+    for name in sorted(lora.paths):
+        try:
+            lora.acquire("warm-up-lora", ((name, 1.0),))
+        except LoraBudgetError:
+            logger.info("LoRA %r does not fit the budget beside the others: not warmed up", name)
+            continue
+        lora.release("warm-up-lora")
+        loaded.append(name)
+    return loaded

@@ -1,0 +1,58 @@
+"""Wan denoise stage: per-request noise and UniPC/flow sampler, one transformer call over stacked rows."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from diffusers import WanPipeline
+
+from triptych.families.base import Conditioning, DenoiseState, GenerationParams, Row
+from triptych.families.guidance import cfg_combine
+
+
+def prepare(family, request_id: str, params: GenerationParams, cond: Conditioning) -> DenoiseState:
+    pipe = family.pipe
+    scheduler = family.new_scheduler()
+    scheduler.set_timesteps(params.steps, device=family.device)
+    if not family.accepts_image:
+        scheduler.set_begin_index(0)  # WanPipeline does this; WanImageToVideoPipeline does not
+    # NOTE: WanPipeline.prepare_latents draws exactly the noise both pipelines draw (the i2v variant
+    # also VAE-encodes the condition, which the encoder role already did); it reads only geometry.
+    latents = WanPipeline.prepare_latents(
+        pipe,
+        1,
+        family.latent_channels,
+        params.height,
+        params.width,
+        params.frames,
+        torch.float32,
+        family.device,
+        family.generator(params.seed),
+    )
+    return DenoiseState(request_id, params, latents, scheduler, scheduler.timesteps, cond)
+
+
+def transformer_inputs(transformer, rows: Sequence[Row]) -> dict:
+    """The transformer's keyword arguments for stacked rows (TeaCache's split forward reuses them)."""
+    states = [r.state for r in rows]
+    if "condition" in states[0].cond.shared:  # image-to-video: noise ‖ mask ‖ condition latents
+        hidden = torch.cat([torch.cat([s.latents, s.cond.shared["condition"]], dim=1) for s in states])
+        image_embeds = torch.cat([s.cond.shared["image_embeds"] for s in states])
+    else:
+        hidden = torch.cat([s.latents for s in states])
+        image_embeds = None
+    return dict(
+        hidden_states=hidden.to(transformer.dtype),
+        timestep=torch.cat([s.timestep.expand(1) for s in states]),  # as the pipeline: t.expand(B)
+        encoder_hidden_states=torch.cat([r.state.cond.branches[r.branch]["prompt_embeds"] for r in rows]),
+        encoder_hidden_states_image=image_embeds,
+    )
+
+
+def forward(transformer, rows: Sequence[Row]) -> torch.Tensor:
+    return transformer(**transformer_inputs(transformer, rows), attention_kwargs=None, return_dict=False)[0]
+
+
+def combine(state: DenoiseState, preds: dict[str, torch.Tensor]) -> torch.Tensor:
+    return cfg_combine(preds, state.params.guidance)

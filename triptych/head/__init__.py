@@ -1,0 +1,1 @@
+"""The HTTP head: the OpenAI-compatible app, its routes, admission, jobs and the served-model table."""

@@ -1,5 +1,0 @@
-"""The VLM understanding path: chat about images with the encoder's own vision-language model."""
-
-from triptych.pipelines.vlm.chat import ChatModel, ChatParams, ChatResult, ChatTurn
-
-__all__ = ["ChatModel", "ChatParams", "ChatResult", "ChatTurn"]

@@ -1,0 +1,170 @@
+"""The worker side of a runner's port: the job table, the transfers off the loop, failures.
+
+``JobPort`` is what a runner holds (``runners.base.WorkerPort``): it owns the table of jobs this
+worker holds and the transfer futures running on a small thread pool (pushes to a peer, waits for
+a peer's push), so a slow or dead peer never stalls the loop. The worker loop calls ``collect()``
+to hand finished transfers on: an arrival to the runner, a finished push to the head.
+
+Ownership: a request's tensors belong to this worker from the moment they are produced (or their
+slots are reserved) until they were pushed downstream (``PushDone``), the stage finished, or a
+``Cancel`` / ``PeerDown`` / failure freed them; ``drop`` frees the slots and tells the runner
+(``on_drop``) to free what the stage holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
+
+from triptych.control import protocol as P
+from triptych.core.errors import InvalidParam
+from triptych.transfer import TransferError
+from triptych.transfer.base import TransferEndpoint
+from triptych.transfer.refs import TensorSpec
+from triptych.worker.runners.base import Job
+
+logger = logging.getLogger(__name__)
+
+
+class JobPort:
+    def __init__(
+        self,
+        instance_id: str,
+        send: Callable[[P.Message], None],
+        endpoint: TransferEndpoint,
+        stop: threading.Event,
+        wake: Callable[[], None] = lambda: None,
+    ):
+        """``wake``: called (from a transfer thread) when a transfer ends, so the loop collects it now."""
+        self.instance_id = instance_id
+        self.wake = wake
+        self.send = send
+        self.endpoint = endpoint
+        self.jobs: dict[str, Job] = {}
+        self.on_drop: Callable[[Job], None] = lambda job: None
+        self.on_arrived: Callable[[Job, dict], None] = lambda job, tensors: None
+        #: a preview's tensors landed (None: they never will, the transfer failed)
+        self.on_preview: Callable[[Job, str, dict | None], None] = lambda job, handoff, tensors: None
+        self.stage = ""
+        self._stop = stop
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"xfer-{instance_id}")
+        self._pending: list[tuple[Future, str, int, str]] = []  # (future, request id, generation, what)
+
+    # ---- the runner's port --------------------------------------------------------------------
+    def adopt(self, job: Job) -> None:
+        old = self.jobs.get(job.request_id)
+        if old is not None:
+            self.drop(old.request_id, old.generation, "superseded by a newer generation")
+        self.jobs[job.request_id] = job
+
+    def owns(self, job: Job) -> bool:
+        return self.jobs.get(job.request_id) is job
+
+    def finish(self, job: Job) -> None:
+        if self.owns(job):
+            del self.jobs[job.request_id]
+            for transfer_id in job.reserved:  # previews still on their way: nobody will decode them
+                self.endpoint.cancel(transfer_id)
+            job.reserved = []
+
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def reserve(self, job: Job, handoff: str, specs: dict[str, TensorSpec], source: str, timeout_s: float) -> None:
+        """Reserve receiver slots for a handoff, tell the head, and wait for the push off-loop."""
+        prefix = f"{job.request_id}/g{job.generation}/{handoff}"
+        refs = self.endpoint.reserve_bundle(prefix, specs, peer=source, timeout_s=timeout_s)
+        job.reserved += [r.transfer_id for r in refs.values()]
+        self.send(P.SlotsReserved(job.request_id, job.generation, self.instance_id, handoff, refs))
+        self._submit(job.request_id, job.generation, f"arrived:{handoff}", self.endpoint.wait_bundle, refs)
+
+    def fail(self, job: Job, error: Exception, retryable: bool) -> None:
+        logger.warning("%s: %s g%d failed: %s", self.instance_id, job.request_id, job.generation, error)
+        self.drop(job.request_id, job.generation, "failed")
+        invalid = None
+        if isinstance(error, InvalidParam):  # the request broke a rule only this worker could check
+            invalid = (error.field, repr(error.value)[:80], error.rule)
+        stage = "chat" if isinstance(job.task, P.ChatTask) else self.stage
+        kind, message = type(error).__name__, str(error)
+        self.send(
+            P.StageError(job.request_id, job.generation, self.instance_id, stage, kind, message, retryable, invalid)
+        )
+
+    # ---- the worker loop's side ---------------------------------------------------------------
+    def drop(self, request_id: str, generation: int, reason: str) -> None:
+        """Free everything held for this request generation (slots, tensors, stage state)."""
+        job = self.jobs.get(request_id)
+        if job is None or job.generation > generation:
+            return
+        del self.jobs[request_id]
+        for transfer_id in job.reserved:
+            self.endpoint.cancel(transfer_id)
+        self.on_drop(job)
+        logger.info("%s dropped %s g%d (%s)", self.instance_id, request_id, generation, reason)
+
+    def drop_all(self, reason: str) -> None:
+        for rid, job in list(self.jobs.items()):
+            self.drop(rid, job.generation, reason)
+
+    def push(self, msg: P.PushTask) -> None:
+        job = self.jobs.get(msg.request_id)
+        tensors = None
+        if job is not None and job.generation == msg.generation:
+            if msg.handoff in P.PREVIEW_HANDOFFS:
+                tensors = job.previews.pop(msg.handoff, None)
+            else:
+                tensors, job.outgoing = job.outgoing, None
+        if tensors is None:
+            logger.debug("%s: stale PushTask %s g%d", self.instance_id, msg.request_id, msg.generation)
+            return
+        self._submit(
+            msg.request_id, msg.generation, f"pushed:{msg.handoff}", self.endpoint.push_bundle, msg.refs, tensors
+        )
+
+    def collect(self) -> None:
+        """Hand finished transfer futures on; results of dropped jobs are discarded."""
+        done = [p for p in self._pending if p[0].done()]
+        self._pending = [p for p in self._pending if not p[0].done()]
+        for future, rid, gen, what in done:
+            job = self.jobs.get(rid)
+            current = job is not None and job.generation == gen
+            verb, handoff = what.split(":", 1)
+            preview = handoff in P.PREVIEW_HANDOFFS
+            if current and verb == "arrived":
+                prefix = f"{rid}/g{gen}/{handoff}/"
+                job.reserved = [t for t in job.reserved if not t.startswith(prefix)]
+            try:
+                result = future.result()
+            except TransferError as e:
+                if current and preview:  # a lost preview costs the client one partial image, no more
+                    logger.info("%s: %s of %s g%d dropped: %s", self.instance_id, handoff, rid, gen, e)
+                    if verb == "arrived":
+                        self.on_preview(job, handoff, None)
+                elif current:
+                    self.fail(job, e, retryable=True)
+                continue
+            if not current:
+                continue
+            if verb == "arrived" and preview:
+                self.on_preview(job, handoff, result)
+            elif verb == "arrived":
+                self.on_arrived(job, result)
+            elif not preview:  # a pushed preview leaves the job as it was
+                del self.jobs[rid]
+                self.send(P.PushDone(rid, gen, self.instance_id, handoff))
+
+    def settle(self, timeout_s: float) -> None:
+        """Wait for the transfers already running to end (a rejoin), then forget them."""
+        futures_wait([f for f, *_ in self._pending], timeout=timeout_s)
+        self._pending = []
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _submit(self, request_id: str, generation: int, what: str, fn, *args) -> None:
+        future = self._pool.submit(fn, *args)
+        future.add_done_callback(lambda _: self.wake())
+        self._pending.append((future, request_id, generation, what))

@@ -1,0 +1,70 @@
+"""A follower rank of a multi-rank denoiser instance: ``python -m triptych.worker.ranks.follower ...``.
+
+Spawned by rank 0 (``ranks/instance.py``), never by a user. It joins the instance's process group,
+learns what to load from rank 0 (``RankSetup``), loads the denoiser's components (and serves rank
+0's LoRA adapters, if any), attaches the
+parallelism, and applies rank 0's ticks (``ranks/ticks.follow``) until told to stop. It never
+talks to the head. It exits when rank 0's process is gone or a collective fails (a dead or hung
+peer): the instance leaves service as a whole.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import os
+import threading
+import time
+
+logger = logging.getLogger("triptych.worker.ranks.follower")
+
+
+def _watch_parent(pid: int) -> None:
+    while True:
+        time.sleep(0.5)
+        if os.getppid() != pid:
+            logger.error("rank 0 (pid %d) is gone; exiting", pid)
+            os._exit(4)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="triptych.worker.ranks.follower")
+    for name in ("--rank", "--world", "--port", "--parent-pid", "--cfg", "--ulysses", "--ring"):
+        p.add_argument(name, type=int, required=True)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--threads", type=int, default=0)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{args.rank} %(levelname)s %(message)s")
+    threading.Thread(target=_watch_parent, args=(args.parent_pid,), daemon=True).start()
+
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from triptych.families.base import Role
+    from triptych.families.registry import family_class
+    from triptych.parallel import ParallelConfig, ParallelGroups, apply_parallel, broadcast_message, destroy, init_rank
+    from triptych.worker.ranks.ticks import RankSetup, follow, instance_engine
+
+    timeout = datetime.timedelta(seconds=args.timeout)
+    device = init_rank(args.rank, args.world, args.port, device=args.device, timeout=timeout)
+    try:
+        groups = ParallelGroups.build(ParallelConfig(cfg=args.cfg, ulysses=args.ulysses, ring=args.ring), device)
+        setup = broadcast_message(None, RankSetup, groups)
+        family = family_class(setup.model_dir)(
+            setup.model_dir, roles={Role.DENOISER}, device=str(device), dtype=setup.dtype
+        )
+        if setup.lora is not None:  # rank 0's adapters, read from the same files under the same budget
+            family.enable_lora(setup.lora)
+        parallelism = apply_parallel(family.pipe.transformer, groups)
+        engine = instance_engine(family, setup.engine, parallelism, setup.teacache_profiles_dir)
+        follow(family, engine, groups)
+    finally:
+        destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

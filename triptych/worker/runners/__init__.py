@@ -1,0 +1,60 @@
+"""Role runners: the stage half of a worker process (``worker/process.py`` is the process half).
+
+``make_runner`` picks the runner for a role; a runner talks to its worker only through a
+``WorkerPort`` (``runners/base.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from triptych.families.base import Role
+from triptych.worker.runners.base import Job, RunnerBroken, StageRunner, WorkerPort
+from triptych.worker.runners.decoder import DecoderRunner
+from triptych.worker.runners.denoiser import DenoiserRunner
+from triptych.worker.runners.encoder import EncoderRunner
+
+
+def _denoiser(family, port: WorkerPort, config) -> StageRunner:
+    if config.parallel.world_size > 1:
+        from triptych.worker.runners.parallel_denoiser import ParallelDenoiserRunner
+
+        return ParallelDenoiserRunner(
+            family,
+            port,
+            config.engine,
+            config.parallel,
+            config.collective_timeout_s,
+            str(config.model_dir),
+            config.device.device,
+            dtype=config.device.dtype,
+            threads=config.torch_threads,
+            profiles_dir=config.teacache_profiles_dir,
+        )
+    from triptych.engine.teacache import make_teacache
+
+    return DenoiserRunner(family, port, config.engine, accel=make_teacache(family, config.teacache_profiles_dir))
+
+
+def _encoder(family, port: WorkerPort, config) -> StageRunner:
+    engine = None
+    if getattr(config, "chat_vllm_url", ""):
+        from triptych.vllm_chat.engine import VllmChatEngine
+
+        engine = VllmChatEngine(config.chat_vllm_url, wake=getattr(port, "wake", lambda: None))
+    return EncoderRunner(family, port, config.chat, chat_engine=engine)
+
+
+RUNNERS: dict[Role, Callable[..., StageRunner]] = {
+    Role.ENCODER: _encoder,
+    Role.DENOISER: _denoiser,
+    Role.DECODER: lambda family, port, config: DecoderRunner(family, port),
+}
+
+
+def make_runner(role: Role, family, port: WorkerPort, config) -> StageRunner:
+    """``config``: the worker's ``WorkerConfig`` (engine, parallel degrees, device...)."""
+    return RUNNERS[role](family, port, config)
+
+
+__all__ = ["Job", "RunnerBroken", "StageRunner", "WorkerPort", "make_runner", "RUNNERS"]

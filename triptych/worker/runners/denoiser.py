@@ -1,0 +1,139 @@
+"""The denoiser's stage: receive conditioning, prepare, step the batching engine, hold final latents
+for the decoder.
+
+A request whose adapters do not fit the LoRA budget beside those of the running requests
+(``LoraBudgetError``) waits, prepared, until running requests release theirs, then joins (first
+come, first joined: a later request naming adapters waits behind it; one naming none never waits).
+One that cannot fit even with no adapter in use fails at once, naming the sizes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from triptych.control import protocol as P
+from triptych.control import wire
+from triptych.engine import DenoiserEngine, EngineConfig
+from triptych.engine.previews import preview_steps
+from triptych.families.base import Conditioning
+from triptych.lora.store import LoraBudgetError
+from triptych.transfer.staging import to_host
+from triptych.worker.runners.base import Job, StageRunner, specs_of
+
+
+class DenoiserRunner(StageRunner):
+    """Every arrival is prepared at the next step boundary, then the engine advances one tick."""
+
+    stage = "denoise"
+    tasks = (P.DenoiseTask,)
+
+    def __init__(self, family, port, engine: EngineConfig, accel=None):
+        super().__init__(family, port)
+        self.engine = DenoiserEngine(family, engine, accel=accel)
+        self._jobs: dict[str, Job] = {}  # request id -> its job, while its state is in the engine
+        self._waiting: deque[tuple[Job, object]] = deque()  # (job, prepared state): no LoRA room yet
+
+    def take(self, task: P.DenoiseTask) -> None:
+        self.receive(self.new_job(task, wire.params_from_wire(task.params)), "cond", task)
+
+    def has_work(self) -> bool:
+        return bool(self.ready) or self.engine.has_work() or bool(self._waiting)
+
+    def engine_running(self) -> int:
+        return len(self.engine) + len(self._waiting)
+
+    def engine_stats(self):
+        return self.engine.stats.copy()
+
+    def execute(self) -> None:
+        while self.ready:  # prepare every arrival first: they join the batch at this step boundary
+            super().execute()
+        if self.engine.has_work():
+            self.publish(self.engine.step())
+        self._join_waiting()
+
+    def publish(self, out) -> None:
+        """Tell the head what one engine tick did."""
+        port = self.port
+        for rid, error in out.failed:  # another instance may well succeed (e.g. this one ran out of memory)
+            job = self._jobs.pop(rid, None)
+            if job is not None and port.owns(job):
+                port.fail(job, error, retryable=True)
+        for rid, step, total in out.progress:
+            job = self._jobs.get(rid)
+            if job is not None and _follows(job):
+                port.send(P.Progress(rid, job.generation, port.instance_id, step, total))
+        for rid, step, total, x0 in out.previews:
+            job = self._jobs.get(rid)
+            if job is None or not port.owns(job):
+                continue
+            index = sorted(preview_steps(_previews(job), total)).index(step)
+            handoff = P.PREVIEW_HANDOFFS[index]
+            job.previews[handoff] = to_host({"latents": x0.detach().contiguous()})
+            specs = specs_of(job.previews[handoff])
+            port.send(P.PreviewReady(rid, job.generation, port.instance_id, index, step, total, specs))
+        for state in out.finished:
+            job = self._jobs.pop(state.request_id, None)
+            if job is None or not port.owns(job):
+                continue
+            job.outgoing = to_host({"latents": state.latents.detach().contiguous()})
+            port.send(P.DenoiseDone(job.request_id, job.generation, port.instance_id, specs_of(job.outgoing)))
+
+    def compute(self, job: Job) -> None:
+        cond = Conditioning.from_flat(job.outgoing)
+        job.outgoing = None
+        with torch.no_grad():
+            state = self.family.prepare(job.request_id, job.params, cond)
+        self.admit(job, state)
+
+    def admit(self, job: Job, state) -> None:
+        """``job``'s prepared state joins the engine at the next step boundary (or waits for LoRA room)."""
+        state.preview_steps = preview_steps(_previews(job), state.total_steps)
+        if self._waiting and state.params.lora:
+            # Behind those already waiting, even if its adapters are resident: joining would keep them
+            # in use and could starve a waiting request. A request without adapters never waits.
+            self._waiting.append((job, state))
+            return
+        self._join(job, state)
+
+    def _join(self, job: Job, state) -> bool:
+        try:
+            self.engine.add(state)
+        except LoraBudgetError:
+            if not self.family.lora.store.in_use():
+                raise  # it does not fit even alone: waiting would not help
+            self._waiting.append((job, state))
+            return False
+        self._jobs[job.request_id] = job
+        return True
+
+    def _join_waiting(self) -> None:
+        """After a tick released adapters: the waiting requests that fit now join, in arrival order."""
+        while self._waiting:
+            job, state = self._waiting.popleft()
+            try:
+                if not self._join(job, state):
+                    self._waiting.rotate(1)  # _join put it last; back to the front, in order
+                    return
+            except (LoraBudgetError, ValueError) as e:
+                self.port.fail(job, e, retryable=False)
+
+    def abort(self, job: Job) -> None:
+        super().abort(job)
+        self._waiting = deque((j, s) for j, s in self._waiting if j is not job)
+        if self._jobs.get(job.request_id) is job:
+            del self._jobs[job.request_id]
+        self.engine.abort(job.request_id)
+
+
+def _follows(job: Job) -> bool:
+    """Whether the head follows ``job``'s steps (a video job's progress, the CLI's bar): a step's
+    ``Progress`` is a signed control message through the head, ~20 per image nobody reads otherwise."""
+    return isinstance(job.task, P.DenoiseTask) and job.task.progress
+
+
+def _previews(job: Job) -> int:
+    """Partial images the head asked for (a job built in process, without a task, asks for none)."""
+    return job.task.previews if isinstance(job.task, P.DenoiseTask) else 0
