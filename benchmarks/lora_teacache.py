@@ -73,7 +73,10 @@ def main() -> None:
             reads = [read_scene(a) for a, _ in rows]
             effect = np.mean([effect_present(r, s, style) for r, s in zip(reads, scenes)]) if style else 0.0
             adhere = np.mean(
-                [all(getattr(r, k) == getattr(style_scene(s, style), k) for k in ADHERENCE) for r, s in zip(reads, scenes)]
+                [
+                    all(getattr(r, k) == getattr(style_scene(s, style), k) for k in ADHERENCE)
+                    for r, s in zip(reads, scenes)
+                ]
             )
             skipped = np.mean([k for _, k in rows])
             print(
