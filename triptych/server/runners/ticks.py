@@ -43,6 +43,7 @@ class RankSetup(msgspec.Struct, frozen=True):
     engine: EngineConfig
     parallel: ParallelConfig
     teacache_profiles_dir: str | None = None  # the worker's (WorkerConfig.teacache_profiles_dir)
+    quantize: list[str] = []  # rank 0's SpeedConfig.quantize: every rank quantizes its transformer alike
 
 
 class InstanceBroken(RunnerBroken):
