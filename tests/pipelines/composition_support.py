@@ -134,7 +134,7 @@ def run_cell(family, cell: Cell, make_engine) -> dict:
             out = engine.step()
             assert not out.failed, out.failed
             widest = max(widest, len(out.batch))
-            previews += [step for rid, step, _, x0 in out.previews if rid == "main"]
+            previews += [step for rid, _, step, _, x0 in out.previews if rid == "main"]
         image = family.decode(state.latents, params).array.astype(np.float32)
     return dict(
         image=torch.from_numpy(image),
