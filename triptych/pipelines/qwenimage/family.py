@@ -34,6 +34,7 @@ from triptych.pipelines.geometry import model_defaults, vae_config
 from triptych.pipelines.qwenimage import decode as dec
 from triptych.pipelines.qwenimage import denoise as den
 from triptych.pipelines.qwenimage import encode as enc
+from triptych.pipelines.qwenimage import fast
 
 DEFAULT_NEGATIVE_PROMPT = " "
 
@@ -193,11 +194,24 @@ class QwenImageFamily(Family):
         embeds = [torch.randn(1, n, width, dtype=self.dtype, device=self.device) for n in lengths]
         return Conditioning(branches={COND: {"prompt_embeds": embeds[0]}, UNCOND: {"prompt_embeds": embeds[1]}})
 
+    #: Compute each request's per-step constants at ``prepare`` and run the step without them
+    #: (``qwenimage/fast.py``); False = the transformer's own forward at every step (the benchmark's peer).
+    step_tables = True
+
     def prepare(self, request_id: str, params: GenerationParams, cond: Conditioning) -> DenoiseState:
-        return den.prepare(self, request_id, params, cond.to(self.device))
+        state = den.prepare(self, request_id, params, cond.to(self.device))
+        if self.step_tables and not params.lora:
+            state.step_consts = fast.request_tables(self.pipe.transformer, state)
+        return state
+
+    @functools.cached_property
+    def _fast(self) -> fast.FastForward:
+        return fast.FastForward(self.pipe.transformer, self.pipe.vae_scale_factor)
 
     @torch.no_grad()
     def forward(self, rows: Sequence[Row]) -> torch.Tensor:
+        if rows[0].state.step_consts is not None and fast.usable(self.pipe.transformer, rows):
+            return self._fast(rows)
         with self.lora_plan(rows):
             return den.forward(self.pipe.transformer, rows, self.pipe.vae_scale_factor)
 

@@ -1,0 +1,275 @@
+"""Qwen-Image's step without its per-step overhead: what is constant per request is computed at ``prepare``.
+
+Profiled on the default model (benchmarks/RESULTS.md, "Step overhead"): a transformer forward there is
+a few hundred tiny operators, so its time is Python and dispatch, not arithmetic. Per request, before
+the first step, ``request_tables`` computes with the transformer's own modules, on the same shapes as
+diffusers 0.42.1's ``QwenImageTransformer2DModel.forward`` at one row, so every value is bit-identical
+to what that forward would compute again at every step:
+
+- the text stream's input ``txt_in(txt_norm(prompt_embeds))`` of each CFG branch (it depends only on
+  the prompt; the blocks' text-side projections depend on the block input and stay in the step);
+- for every step: the timestep embedding, each block's ``img_mod``/``txt_mod`` modulation already
+  split into (shift, 1 + scale, gate) as ``_modulate`` uses it, and ``norm_out``'s (1 + scale, shift)
+  (these only when the table fits ``TABLE_BYTES``; a large model computes them from the table's temb).
+
+``forward`` then runs the same block operators as diffusers' block and attention processor (the
+native SDPA backend: the same permutes and call), minus what is constant: ``Attention.forward``'s
+per-call ``inspect.signature``, ``dispatch_attention_fn``'s registry look-ups and argument checks, the
+joint text+image key mask rebuilt in every block (built once per forward), the RoPE look-up. Nothing
+in it reads a tensor's value on the host. One row: the same operators on the same tensors as
+diffusers, bit-identical (tests/pipelines/test_qwen_fast.py); several rows take each row's
+precomputed modulation instead of one batched ``img_mod`` matmul, which changes kernel reduction
+order only (the batched tolerance).
+
+``usable`` says when it applies; otherwise the family calls the transformer as before: a row with a
+LoRA (an adapter may change ``txt_in`` or a modulation linear), ``zero_cond_t`` checkpoints, a
+processor or attention backend other than diffusers' native one (sequence parallel, flash), diffusers
+hooks on the model (its forward would not run). With compiled blocks (``--compile``) the precomputed text, temb and RoPE are used
+and each block is called as a module, so its compiled graph runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
+
+from triptych.pipelines.base import DenoiseState, Row
+from triptych.pipelines.qwenimage.denoise import image_shapes
+from triptych.pipelines.qwenimage.fast_block import BlockPlan, joint_block, module_block
+
+#: Largest per-request modulation table (bytes) kept; above it the step computes modulation from temb.
+#: The default model's is 0.6 MB (20 steps); the full Qwen-Image's would be ~440 MB at 50 steps.
+TABLE_BYTES = 64 << 20
+#: Largest concatenation of every block's modulation weights kept to build a table in one matmul per
+#: step (the default model's: 2.7 MB); above it each block's ``img_mod``/``txt_mod`` runs on its own.
+FUSED_MOD_BYTES = 64 << 20
+
+
+@dataclass
+class QwenTables:
+    """One request's per-step constants (``DenoiseState.step_consts``)."""
+
+    text: dict[str, torch.Tensor]  # branch -> (1, L, dim) after txt_norm/txt_in
+    temb: torch.Tensor  # (steps, 1, dim)
+    #: (steps, blocks, 2 streams (img, txt), 6 (shift1, 1+scale1, gate1, shift2, 1+scale2, gate2), dim); or None
+    mods: torch.Tensor | None
+    head: torch.Tensor | None  # (steps, 2 (1+scale, shift), dim) of norm_out; None with mods
+
+
+def _mod_linears(t) -> list[torch.nn.Linear]:
+    """Every linear that reads ``silu(temb)``, in table order: each block's img_mod, txt_mod; norm_out."""
+    return [lin for b in t.transformer_blocks for lin in (b.img_mod[1], b.txt_mod[1])] + [t.norm_out.linear]
+
+
+def _fusable(linears) -> bool:
+    ok = all(
+        type(m) is torch.nn.Linear and m.bias is not None and type(m.weight) is torch.nn.Parameter for m in linears
+    )
+    return ok and sum(m.weight.numel() * m.weight.element_size() for m in linears) <= FUSED_MOD_BYTES
+
+
+@torch.no_grad()
+def request_tables(transformer, state: DenoiseState) -> QwenTables:
+    """The request's constants, computed as the model's forward computes them for one row (module doc).
+    The modulation linears all read the same ``silu(temb)`` (``img_mod``/``txt_mod`` are SiLU then
+    Linear; ``norm_out`` applies its own SiLU first), so a step's table is one matmul against their
+    weights concatenated along the output dimension (each output element is the same dot product;
+    bit-identical on CPU, checked by the exactness tests)."""
+    t = transformer
+    dtype = t.img_in.weight.dtype
+    text = {b: t.txt_in(t.txt_norm(v["prompt_embeds"])) for b, v in state.cond.branches.items()}
+    like = state.latents.new_empty(0, dtype=dtype)
+    tembs = []
+    for ts in state.timesteps:  # as denoise.transformer_inputs and the model's forward, one row each
+        timestep = (ts.expand(1).to(state.latents.dtype) / 1000).to(dtype)
+        tembs.append(t.time_text_embed(timestep, like, None))
+    temb = torch.stack(tembs)
+    blocks, dim = len(t.transformer_blocks), temb.shape[-1]
+    if temb.shape[0] * (blocks * 12 + 2) * dim * temb.element_size() > TABLE_BYTES:
+        return QwenTables(text, temb, None, None)
+    linears = _mod_linears(t)
+    if _fusable(linears):
+        weight = torch.cat([m.weight for m in linears])
+        bias = torch.cat([m.bias for m in linears])
+        rows = [F.linear(F.silu(e), weight, bias) for e in tembs]
+    else:
+        rows = [torch.cat([m(F.silu(e)) for m in linears], dim=-1) for e in tembs]
+    table = torch.cat(rows)  # (steps, blocks * 2 * 6 * dim + 2 * dim)
+    mods = table[:, : blocks * 12 * dim].reshape(-1, blocks, 2, 2, 3, dim)
+    mods[:, :, :, :, 1] += 1  # _modulate's (1 + scale), once per request
+    head = table[:, blocks * 12 * dim :].reshape(-1, 2, dim)
+    head[:, 0] += 1  # norm_out's (1 + scale)
+    return QwenTables(text, temb, mods.reshape(-1, blocks, 2, 6, dim), head)
+
+
+@dataclass
+class FastEmbedded:
+    """``FastForward.embed``'s batch: the block stack's inputs for every row."""
+
+    hidden: torch.Tensor  # (rows, img_seq, dim) after img_in; edit: noise ‖ condition tokens
+    txt: torch.Tensor  # (rows, txt_seq, dim) after txt_norm/txt_in, right-padded
+    mask: torch.Tensor | None  # (rows, txt_seq) bool, None when every row has the same text length
+    joint_mask: torch.Tensor | None  # (rows, 1, 1, txt_seq + img_seq) bool: the attention key mask
+    temb: torch.Tensor  # (rows, dim)
+    mods: torch.Tensor | None  # (blocks, 2, 6, dim) for one row, (blocks, 2, 6, rows, 1, dim); None: modular
+    head: torch.Tensor | None  # norm_out's (1 + scale, shift): (2, dim) or (2, rows, 1, dim)
+    rope: tuple  # (img freqs, txt freqs, joint freqs, (img, txt) as the model's pos_embed returns them)
+    noise_tokens: int
+
+
+def _native(processor) -> bool:
+    backend = processor._attention_backend
+    if backend is None:
+        backend = _AttentionBackendRegistry.get_active_backend()[0]
+    return backend in (AttentionBackendName.NATIVE, "native") and processor._parallel_config is None
+
+
+def usable(transformer, rows: Sequence[Row]) -> bool:
+    """Whether ``forward`` computes what the transformer's own forward would (see the module doc)."""
+    t = transformer
+    if t.zero_cond_t or hasattr(t, "_diffusers_hook") or t._forward_hooks or t._forward_pre_hooks:
+        return False  # a hook on the model expects its forward to run
+    if any(r.state.params.lora or r.state.step_consts is None for r in rows):
+        return False
+    for block in transformer.transformer_blocks:
+        p = block.attn.processor
+        if type(p) is not QwenDoubleStreamAttnProcessor2_0 or not _native(p) or hasattr(block, "_diffusers_hook"):
+            return False
+    return True
+
+
+def _compiled(block) -> bool:
+    return getattr(block, "_compiled_call_impl", None) is not None or bool(
+        block._forward_hooks or block._forward_pre_hooks
+    )
+
+
+class FastForward:
+    """``forward`` bound to one transformer, with its RoPE and text-padding values cached per shape."""
+
+    def __init__(self, transformer, vae_scale_factor: int):
+        self.t = transformer
+        self.vae_scale_factor = vae_scale_factor
+        self._rope: dict[tuple, tuple] = {}
+        self._pad: torch.Tensor | None = None
+        self.plans = [BlockPlan(b) for b in transformer.transformer_blocks]
+
+    def rotary(self, shapes: list[tuple[int, int, int]], text_len: int, device):
+        key = (tuple(shapes), text_len, device)
+        if key not in self._rope:
+            vid, txt = self.t.pos_embed([shapes], max_txt_seq_len=text_len, device=device)
+            joint = torch.cat([txt, vid])[:, None, None]  # text tokens first, as the joint sequence
+            self._rope[key] = (vid.unsqueeze(1), txt.unsqueeze(1), joint, (vid, txt))
+        return self._rope[key]
+
+    def pad_row(self, like: torch.Tensor) -> torch.Tensor:
+        """What ``txt_in(txt_norm(.))`` gives a zero (padding) prompt row: the padded rows' text input."""
+        if self._pad is None:
+            zeros = like.new_zeros(1, 1, self.t.config.joint_attention_dim)
+            self._pad = self.t.txt_in(self.t.txt_norm(zeros))
+        return self._pad
+
+    def text(self, rows: Sequence[Row]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Stacked text-stream inputs and the bool text mask (None when every row has the same length)."""
+        texts = [r.state.step_consts.text[r.branch] for r in rows]
+        longest = max(x.shape[1] for x in texts)
+        if all(x.shape[1] == longest for x in texts):
+            return (texts[0] if len(texts) == 1 else torch.cat(texts)), None
+        pad = self.pad_row(texts[0])
+        padded = [
+            x if x.shape[1] == longest else torch.cat([x, pad.expand(1, longest - x.shape[1], -1)], 1) for x in texts
+        ]
+        mask = torch.zeros(len(texts), longest, dtype=torch.bool, device=texts[0].device)
+        for i, x in enumerate(texts):
+            mask[i, : x.shape[1]] = True
+        return torch.cat(padded), mask
+
+    @torch.no_grad()
+    def embed(self, rows: Sequence[Row]) -> FastEmbedded:
+        """The block stack's inputs for ``rows`` (the part of the model's forward before the blocks)."""
+        t = self.t
+        states = [r.state for r in rows]
+        one = len(rows) == 1
+        latents = states[0].latents if one else torch.cat([s.latents for s in states])
+        noise_tokens = latents.shape[1]
+        if "image_latents" in states[0].cond.shared:
+            image_latents = torch.cat([s.cond.shared["image_latents"] for s in states])
+            latents = torch.cat([latents, image_latents], dim=1)
+        hidden = t.img_in(latents)
+        txt, mask = self.text(rows)
+        shapes = image_shapes(states[0], self.vae_scale_factor)
+        rope = self.rotary(shapes, txt.shape[1], hidden.device)
+        if mask is not None:  # the processor's joint (text ‖ image) key mask, once instead of per block
+            image_mask = torch.ones((hidden.shape[0], hidden.shape[1]), dtype=torch.bool, device=hidden.device)
+            joint = torch.cat([mask, image_mask], dim=1)[:, None, None, :]
+        else:
+            joint = None
+        tables = [s.step_consts for s in states]
+        temb = tables[0].temb[states[0].step] if one else torch.cat([x.temb[s.step] for x, s in zip(tables, states)])
+        mods = head = None
+        modular = tables[0].mods is None or any(_compiled(b) for b in t.transformer_blocks)
+        if not modular and one:  # (blocks, 2, 6, dim) and (2, dim): broadcast over the row and tokens
+            mods, head = tables[0].mods[states[0].step], tables[0].head[states[0].step]
+        elif not modular:  # (rows, blocks, 2, 6, dim) -> (blocks, 2, 6, rows, 1, dim)
+            mods = torch.stack([x.mods[s.step] for x, s in zip(tables, states)]).permute(1, 2, 3, 0, 4).unsqueeze(4)
+            head = torch.stack([x.head[s.step] for x, s in zip(tables, states)], dim=1).unsqueeze(2)
+        return FastEmbedded(hidden, txt, mask, joint, temb, mods, head, rope, noise_tokens)
+
+    def modulated_input(self, e: FastEmbedded) -> torch.Tensor:
+        """Block 0's modulated image-stream input (TeaCache's distance), as ``qwenimage/teacache.py``."""
+        block = self.t.transformer_blocks[0]
+        if e.mods is None:
+            img_mod1 = block.img_mod(e.temb).chunk(2, dim=-1)[0]
+            return block._modulate(block.img_norm1(e.hidden), img_mod1)[0]
+        shift, scale = e.mods[0][0][0], e.mods[0][0][1]
+        return F.layer_norm(e.hidden, block.img_norm1.normalized_shape, None, None, block.img_norm1.eps) * scale + shift
+
+    @torch.no_grad()
+    def blocks(self, e: FastEmbedded, idx: torch.Tensor | None = None) -> torch.Tensor:
+        """The block stack on every row, or on the rows ``idx`` (TeaCache's sub-batches); the image stream."""
+        hidden, txt, mask, joint, temb, mods = e.hidden, e.txt, e.mask, e.joint_mask, e.temb, e.mods
+        if idx is not None:
+            hidden, txt, temb = hidden[idx], txt[idx], temb[idx]
+            mask = mask[idx] if mask is not None else None
+            joint = joint[idx] if joint is not None else None
+            if mods is not None and mods.dim() == 6:
+                mods = mods[:, :, :, idx]
+        img_freqs, txt_freqs, joint_freqs, rotary = e.rope
+        if mods is None:
+            for block in self.t.transformer_blocks:
+                txt, hidden = block(
+                    hidden_states=hidden,
+                    encoder_hidden_states=txt,
+                    encoder_hidden_states_mask=mask,
+                    temb=temb,
+                    image_rotary_emb=rotary,
+                    joint_attention_kwargs={},
+                    modulate_index=None,
+                )
+            return hidden
+        for plan, mod in zip(self.plans, mods):
+            if plan.current():
+                hidden, txt = joint_block(plan, hidden, txt, joint, mod, joint_freqs)
+            else:
+                hidden, txt = module_block(plan.block, hidden, txt, joint, mod, img_freqs, txt_freqs)
+        return hidden
+
+    @torch.no_grad()
+    def head(self, e: FastEmbedded, hidden: torch.Tensor, idx: torch.Tensor | None = None) -> torch.Tensor:
+        """``norm_out`` with each row's own (1 + scale, shift), ``proj_out``; the noise tokens."""
+        t = self.t
+        if e.head is None:
+            return t.proj_out(t.norm_out(hidden, e.temb if idx is None else e.temb[idx]))[:, : e.noise_tokens]
+        scale, shift = e.head if idx is None or e.head.dim() == 2 else e.head[:, idx]
+        norm = t.norm_out.norm
+        hidden = F.layer_norm(hidden, norm.normalized_shape, norm.weight, norm.bias, norm.eps) * scale + shift
+        return t.proj_out(hidden)[:, : e.noise_tokens]
+
+    def __call__(self, rows: Sequence[Row]) -> torch.Tensor:
+        e = self.embed(rows)
+        return self.head(e, self.blocks(e))
