@@ -201,7 +201,7 @@ class QwenImageFamily(Family):
     def prepare(self, request_id: str, params: GenerationParams, cond: Conditioning) -> DenoiseState:
         state = den.prepare(self, request_id, params, cond.to(self.device))
         if self.step_tables and not params.lora:
-            state.step_consts = fast.request_tables(self.pipe.transformer, state)
+            state.step_consts = self._fast.tables(state)
         return state
 
     @functools.cached_property

@@ -1,31 +1,34 @@
 """Qwen-Image's step without its per-step overhead: what is constant per request is computed at ``prepare``.
 
 Profiled on the default model (benchmarks/RESULTS.md, "Step overhead"): a transformer forward there is
-a few hundred tiny operators, so its time is Python and dispatch, not arithmetic. Per request, before
-the first step, ``request_tables`` computes with the transformer's own modules, on the same shapes as
-diffusers 0.42.1's ``QwenImageTransformer2DModel.forward`` at one row, so every value is bit-identical
-to what that forward would compute again at every step:
+~960 operators on tensors of a few dozen tokens, so its time is Python and dispatch, not arithmetic.
+Per request, before the first step, ``FastForward.tables`` computes with the transformer's own
+modules on one row's shapes, as diffusers 0.42.1's ``QwenImageTransformer2DModel.forward`` would
+compute them again at every step of that row:
 
 - the text stream's input ``txt_in(txt_norm(prompt_embeds))`` of each CFG branch (it depends only on
-  the prompt; the blocks' text-side projections depend on the block input and stay in the step);
+  the prompt; the blocks' text-side projections read the block input and stay in the step);
 - for every step: the timestep embedding, each block's ``img_mod``/``txt_mod`` modulation already
   split into (shift, 1 + scale, gate) as ``_modulate`` uses it, and ``norm_out``'s (1 + scale, shift)
-  (these only when the table fits ``TABLE_BYTES``; a large model computes them from the table's temb).
+  (these only when the table fits ``TABLE_BYTES``; past it the blocks run as modules from temb).
 
-``forward`` then runs the same block operators as diffusers' block and attention processor (the
-native SDPA backend: the same permutes and call), minus what is constant: ``Attention.forward``'s
-per-call ``inspect.signature``, ``dispatch_attention_fn``'s registry look-ups and argument checks, the
-joint text+image key mask rebuilt in every block (built once per forward), the RoPE look-up. Nothing
-in it reads a tensor's value on the host. One row: the same operators on the same tensors as
-diffusers, bit-identical (tests/pipelines/test_qwen_fast.py); several rows take each row's
-precomputed modulation instead of one batched ``img_mod`` matmul, which changes kernel reduction
-order only (the batched tolerance).
+A forward of one row reads them; a forward of several rows (fused CFG, step batching) computes text,
+temb and modulation batched as the model does (one matmul for every block's modulation), because a
+matmul over the stacked rows does not give the same bits as one per row. Either way the blocks run
+``fast_block``'s kernels: the operators of diffusers' block and attention processor (native SDPA)
+without what is constant or redundant: ``Attention.forward``'s per-call ``inspect.signature``,
+``dispatch_attention_fn``'s registry look-ups and checks, the joint text+image key mask rebuilt in
+every block (built once per forward), the RoPE look-up, module-call overhead. Nothing reads a
+tensor's value on the host. Result: the same bits as the model's forward for one row and for a
+batch (tests/pipelines/test_step_tables.py, and test_qwenimage.py against pristine diffusers).
 
 ``usable`` says when it applies; otherwise the family calls the transformer as before: a row with a
 LoRA (an adapter may change ``txt_in`` or a modulation linear), ``zero_cond_t`` checkpoints, a
-processor or attention backend other than diffusers' native one (sequence parallel, flash), diffusers
-hooks on the model (its forward would not run). With compiled blocks (``--compile``) the precomputed text, temb and RoPE are used
-and each block is called as a module, so its compiled graph runs.
+processor or attention backend other than diffusers' native one (sequence parallel, flash),
+hooks on the model (a hook expects its forward to run). With compiled blocks (``--compile``) the
+text, temb and RoPE are used and each block is called as a module, so its compiled graph runs.
+The tables assume the weights do not change during a request; the fused copies (q/k/v, modulation)
+are rebuilt when a weight is replaced or changed in place.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from diffusers.models.attention_dispatch import AttentionBackendName, _Attention
 from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
 
 from triptych.pipelines.base import DenoiseState, Row
-from triptych.pipelines.qwenimage.denoise import image_shapes
+from triptych.pipelines.qwenimage.denoise import image_shapes, pad_prompts
 from triptych.pipelines.qwenimage.fast_block import BlockPlan, joint_block, module_block
 
 #: Largest per-request modulation table (bytes) kept; above it the step computes modulation from temb.
@@ -71,40 +74,6 @@ def _fusable(linears) -> bool:
         type(m) is torch.nn.Linear and m.bias is not None and type(m.weight) is torch.nn.Parameter for m in linears
     )
     return ok and sum(m.weight.numel() * m.weight.element_size() for m in linears) <= FUSED_MOD_BYTES
-
-
-@torch.no_grad()
-def request_tables(transformer, state: DenoiseState) -> QwenTables:
-    """The request's constants, computed as the model's forward computes them for one row (module doc).
-    The modulation linears all read the same ``silu(temb)`` (``img_mod``/``txt_mod`` are SiLU then
-    Linear; ``norm_out`` applies its own SiLU first), so a step's table is one matmul against their
-    weights concatenated along the output dimension (each output element is the same dot product;
-    bit-identical on CPU, checked by the exactness tests)."""
-    t = transformer
-    dtype = t.img_in.weight.dtype
-    text = {b: t.txt_in(t.txt_norm(v["prompt_embeds"])) for b, v in state.cond.branches.items()}
-    like = state.latents.new_empty(0, dtype=dtype)
-    tembs = []
-    for ts in state.timesteps:  # as denoise.transformer_inputs and the model's forward, one row each
-        timestep = (ts.expand(1).to(state.latents.dtype) / 1000).to(dtype)
-        tembs.append(t.time_text_embed(timestep, like, None))
-    temb = torch.stack(tembs)
-    blocks, dim = len(t.transformer_blocks), temb.shape[-1]
-    if temb.shape[0] * (blocks * 12 + 2) * dim * temb.element_size() > TABLE_BYTES:
-        return QwenTables(text, temb, None, None)
-    linears = _mod_linears(t)
-    if _fusable(linears):
-        weight = torch.cat([m.weight for m in linears])
-        bias = torch.cat([m.bias for m in linears])
-        rows = [F.linear(F.silu(e), weight, bias) for e in tembs]
-    else:
-        rows = [torch.cat([m(F.silu(e)) for m in linears], dim=-1) for e in tembs]
-    table = torch.cat(rows)  # (steps, blocks * 2 * 6 * dim + 2 * dim)
-    mods = table[:, : blocks * 12 * dim].reshape(-1, blocks, 2, 2, 3, dim)
-    mods[:, :, :, :, 1] += 1  # _modulate's (1 + scale), once per request
-    head = table[:, blocks * 12 * dim :].reshape(-1, 2, dim)
-    head[:, 0] += 1  # norm_out's (1 + scale)
-    return QwenTables(text, temb, mods.reshape(-1, blocks, 2, 6, dim), head)
 
 
 @dataclass
@@ -158,6 +127,66 @@ class FastForward:
         self._rope: dict[tuple, tuple] = {}
         self._pad: torch.Tensor | None = None
         self.plans = [BlockPlan(b) for b in transformer.transformer_blocks]
+        self._mod_key: list | None = None
+        self._mod: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def mod_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Every modulation linear's weight and bias concatenated (``_mod_linears`` order), rebuilt when
+        one is replaced or changed in place; None when they are not plain or exceed ``FUSED_MOD_BYTES``."""
+        linears = _mod_linears(self.t)
+        key = [(m.weight, m.weight._version, m.bias, m.bias._version if m.bias is not None else None) for m in linears]
+        if (
+            self._mod_key is None
+            or len(key) != len(self._mod_key)
+            or any(
+                w is not w0 or v != v0 or b is not b0 or bv != bv0
+                for (w, v, b, bv), (w0, v0, b0, bv0) in zip(key, self._mod_key)
+            )
+        ):
+            self._mod_key = key
+            self._mod = None
+            if _fusable(linears):
+                self._mod = (
+                    torch.cat([m.weight for m in linears]).detach(),
+                    torch.cat([m.bias for m in linears]).detach(),
+                )
+        return self._mod
+
+    def modulation(self, temb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every block's (shift, 1 + scale, gate) ×2 per stream and ``norm_out``'s (1 + scale, shift) for
+        ``temb`` (rows, dim): ((rows, blocks, 2, 6, dim), (rows, 2, dim)). The modulation linears all read
+        ``silu(temb)`` (``img_mod``/``txt_mod`` are SiLU then Linear; ``norm_out`` applies its own SiLU
+        first), so this is one matmul against their weights concatenated along the output dimension
+        (each output element is the same dot product; bit-identical on CPU, held by the exactness tests)."""
+        blocks, dim = len(self.t.transformer_blocks), temb.shape[-1]
+        fused = self.mod_weights()
+        if fused is not None:
+            table = F.linear(F.silu(temb), *fused)
+        else:
+            table = torch.cat([m(F.silu(temb)) for m in _mod_linears(self.t)], dim=-1)
+        mods = table[:, : blocks * 12 * dim].reshape(-1, blocks, 2, 2, 3, dim)
+        mods[:, :, :, :, 1] += 1  # _modulate's (1 + scale)
+        head = table[:, blocks * 12 * dim :].reshape(-1, 2, dim)
+        head[:, 0] += 1  # norm_out's (1 + scale)
+        return mods.reshape(-1, blocks, 2, 6, dim), head
+
+    @torch.no_grad()
+    def tables(self, state: DenoiseState) -> QwenTables:
+        """The request's constants, computed as the model's forward computes them for one row."""
+        t = self.t
+        dtype = t.img_in.weight.dtype
+        text = {b: t.txt_in(t.txt_norm(v["prompt_embeds"])) for b, v in state.cond.branches.items()}
+        like = state.latents.new_empty(0, dtype=dtype)
+        tembs = []
+        for ts in state.timesteps:  # as denoise.transformer_inputs and the model's forward, one row each
+            timestep = (ts.expand(1).to(state.latents.dtype) / 1000).to(dtype)
+            tembs.append(t.time_text_embed(timestep, like, None))
+        temb = torch.stack(tembs)
+        blocks, dim = len(t.transformer_blocks), temb.shape[-1]
+        if temb.shape[0] * (blocks * 12 + 2) * dim * temb.element_size() > TABLE_BYTES:
+            return QwenTables(text, temb, None, None)
+        mods, head = zip(*(self.modulation(e) for e in tembs))
+        return QwenTables(text, temb, torch.cat(mods), torch.cat(head))
 
     def rotary(self, shapes: list[tuple[int, int, int]], text_len: int, device):
         key = (tuple(shapes), text_len, device)
@@ -166,28 +195,6 @@ class FastForward:
             joint = torch.cat([txt, vid])[:, None, None]  # text tokens first, as the joint sequence
             self._rope[key] = (vid.unsqueeze(1), txt.unsqueeze(1), joint, (vid, txt))
         return self._rope[key]
-
-    def pad_row(self, like: torch.Tensor) -> torch.Tensor:
-        """What ``txt_in(txt_norm(.))`` gives a zero (padding) prompt row: the padded rows' text input."""
-        if self._pad is None:
-            zeros = like.new_zeros(1, 1, self.t.config.joint_attention_dim)
-            self._pad = self.t.txt_in(self.t.txt_norm(zeros))
-        return self._pad
-
-    def text(self, rows: Sequence[Row]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Stacked text-stream inputs and the bool text mask (None when every row has the same length)."""
-        texts = [r.state.step_consts.text[r.branch] for r in rows]
-        longest = max(x.shape[1] for x in texts)
-        if all(x.shape[1] == longest for x in texts):
-            return (texts[0] if len(texts) == 1 else torch.cat(texts)), None
-        pad = self.pad_row(texts[0])
-        padded = [
-            x if x.shape[1] == longest else torch.cat([x, pad.expand(1, longest - x.shape[1], -1)], 1) for x in texts
-        ]
-        mask = torch.zeros(len(texts), longest, dtype=torch.bool, device=texts[0].device)
-        for i, x in enumerate(texts):
-            mask[i, : x.shape[1]] = True
-        return torch.cat(padded), mask
 
     @torch.no_grad()
     def embed(self, rows: Sequence[Row]) -> FastEmbedded:
@@ -201,7 +208,23 @@ class FastForward:
             image_latents = torch.cat([s.cond.shared["image_latents"] for s in states])
             latents = torch.cat([latents, image_latents], dim=1)
         hidden = t.img_in(latents)
-        txt, mask = self.text(rows)
+        tables = [s.step_consts for s in states]
+        modular = tables[0].mods is None or any(_compiled(b) for b in t.transformer_blocks)
+        mods = head = None
+        if one:  # the request's tables
+            txt, mask = tables[0].text[rows[0].branch], None
+            temb = tables[0].temb[states[0].step]
+            if not modular:  # (blocks, 2, 6, dim) and (2, dim): broadcast over the row and its tokens
+                mods, head = tables[0].mods[states[0].step], tables[0].head[states[0].step]
+        else:  # as the model's forward computes them for these rows, batched (the same bits as it)
+            embeds, mask = pad_prompts([r.state.cond.branches[r.branch]["prompt_embeds"] for r in rows])
+            txt = t.txt_in(t.txt_norm(embeds))
+            mask = mask.to(torch.bool) if mask is not None else None
+            timestep = torch.cat([s.timestep.expand(1).to(latents.dtype) for s in states]) / 1000
+            temb = t.time_text_embed(timestep.to(hidden.dtype), hidden, None)
+            if not modular:  # (blocks, 2, 6, rows, 1, dim) and (2, rows, 1, dim)
+                mods, head = self.modulation(temb)
+                mods, head = mods.permute(1, 2, 3, 0, 4).unsqueeze(4), head.permute(1, 0, 2).unsqueeze(2)
         shapes = image_shapes(states[0], self.vae_scale_factor)
         rope = self.rotary(shapes, txt.shape[1], hidden.device)
         if mask is not None:  # the processor's joint (text ‖ image) key mask, once instead of per block
@@ -209,15 +232,6 @@ class FastForward:
             joint = torch.cat([mask, image_mask], dim=1)[:, None, None, :]
         else:
             joint = None
-        tables = [s.step_consts for s in states]
-        temb = tables[0].temb[states[0].step] if one else torch.cat([x.temb[s.step] for x, s in zip(tables, states)])
-        mods = head = None
-        modular = tables[0].mods is None or any(_compiled(b) for b in t.transformer_blocks)
-        if not modular and one:  # (blocks, 2, 6, dim) and (2, dim): broadcast over the row and tokens
-            mods, head = tables[0].mods[states[0].step], tables[0].head[states[0].step]
-        elif not modular:  # (rows, blocks, 2, 6, dim) -> (blocks, 2, 6, rows, 1, dim)
-            mods = torch.stack([x.mods[s.step] for x, s in zip(tables, states)]).permute(1, 2, 3, 0, 4).unsqueeze(4)
-            head = torch.stack([x.head[s.step] for x, s in zip(tables, states)], dim=1).unsqueeze(2)
         return FastEmbedded(hidden, txt, mask, joint, temb, mods, head, rope, noise_tokens)
 
     def modulated_input(self, e: FastEmbedded) -> torch.Tensor:
