@@ -2,25 +2,25 @@
 
 Profiled on the default model (benchmarks/RESULTS.md, "Step overhead"): a transformer forward there is
 ~960 operators on tensors of a few dozen tokens, so its time is Python and dispatch, not arithmetic.
-Per request, before the first step, ``FastForward.tables`` computes with the transformer's own
-modules on one row's shapes, as diffusers 0.42.1's ``QwenImageTransformer2DModel.forward`` would
-compute them again at every step of that row:
+What is constant per request is computed once, with the transformer's own modules on the shapes
+the model's forward would use, so every value has the bits that forward would compute again:
 
-- the text stream's input ``txt_in(txt_norm(prompt_embeds))`` of each CFG branch (it depends only on
-  the prompt; the blocks' text-side projections read the block input and stay in the step);
-- for every step: the timestep embedding, each block's ``img_mod``/``txt_mod`` modulation already
-  split into (shift, 1 + scale, gate) as ``_modulate`` uses it, and ``norm_out``'s (1 + scale, shift)
-  (these only when the table fits ``TABLE_BYTES``; past it the blocks run as modules from temb).
+- at ``prepare`` (``FastForward.tables``): the text stream's input ``txt_in(txt_norm(prompt_embeds))``
+  of each CFG branch, and of both branches padded and stacked as a fused-CFG forward of the request
+  has them (the blocks' text-side projections read the block input and stay in the step);
+- at a step's first one-row forward (``step_entry``), kept for the other branch's: the timestep
+  embedding, every block's ``img_mod``/``txt_mod`` modulation split into (shift, 1 + scale, gate) as
+  ``_modulate`` uses it, and ``norm_out``'s (1 + scale, shift). A forward of several rows computes
+  these batched, as the model does, because a matmul over stacked rows does not give the same bits
+  as one per row: one matmul for every block's modulation (weights concatenated along the output
+  dimension; each output element is the same dot product).
 
-A forward of one row reads them; a forward of several rows (fused CFG, step batching) computes text,
-temb and modulation batched as the model does (one matmul for every block's modulation), because a
-matmul over the stacked rows does not give the same bits as one per row. Either way the blocks run
-``fast_block``'s kernels: the operators of diffusers' block and attention processor (native SDPA)
-without what is constant or redundant: ``Attention.forward``'s per-call ``inspect.signature``,
-``dispatch_attention_fn``'s registry look-ups and checks, the joint text+image key mask rebuilt in
-every block (built once per forward), the RoPE look-up, module-call overhead. Nothing reads a
-tensor's value on the host. Result: the same bits as the model's forward for one row and for a
-batch (tests/pipelines/test_step_tables.py, and test_qwenimage.py against pristine diffusers).
+The blocks run ``fast_block``'s kernels: the operators of diffusers' block and attention processor
+(native SDPA) without what is constant or redundant: ``Attention.forward``'s per-call
+``inspect.signature``, ``dispatch_attention_fn``'s registry look-ups and checks, the joint text+image
+key mask rebuilt in every block (built once per forward), the RoPE look-up, module-call overhead.
+Nothing reads a tensor's value on the host. Result: the same bits as the model's forward for one row
+and for a batch (tests/pipelines/test_step_tables.py; test_qwenimage.py against pristine diffusers).
 
 ``usable`` says when it applies; otherwise the family calls the transformer as before: a row with a
 LoRA (an adapter may change ``txt_in`` or a modulation linear), ``zero_cond_t`` checkpoints, a
@@ -41,13 +41,10 @@ import torch.nn.functional as F
 from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
 from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
 
-from triptych.pipelines.base import DenoiseState, Row
+from triptych.pipelines.base import COND, UNCOND, DenoiseState, Row
 from triptych.pipelines.qwenimage.denoise import image_shapes, pad_prompts
 from triptych.pipelines.qwenimage.fast_block import BlockPlan, joint_block, module_block
 
-#: Largest per-request modulation table (bytes) kept; above it the step computes modulation from temb.
-#: The default model's is 0.6 MB (20 steps); the full Qwen-Image's would be ~440 MB at 50 steps.
-TABLE_BYTES = 64 << 20
 #: Largest concatenation of every block's modulation weights kept to build a table in one matmul per
 #: step (the default model's: 2.7 MB); above it each block's ``img_mod``/``txt_mod`` runs on its own.
 FUSED_MOD_BYTES = 64 << 20
@@ -55,13 +52,16 @@ FUSED_MOD_BYTES = 64 << 20
 
 @dataclass
 class QwenTables:
-    """One request's per-step constants (``DenoiseState.step_consts``)."""
+    """One request's constants (``DenoiseState.step_consts``)."""
 
     text: dict[str, torch.Tensor]  # branch -> (1, L, dim) after txt_norm/txt_in
-    temb: torch.Tensor  # (steps, 1, dim)
-    #: (steps, blocks, 2 streams (img, txt), 6 (shift1, 1+scale1, gate1, shift2, 1+scale2, gate2), dim); or None
-    mods: torch.Tensor | None
-    head: torch.Tensor | None  # (steps, 2 (1+scale, shift), dim) of norm_out; None with mods
+    #: both CFG branches as one forward stacks them (cond, uncond): (2, max L, dim) and the bool text
+    #: mask (None for equal lengths); None without CFG
+    pair: tuple[torch.Tensor, torch.Tensor | None] | None
+    #: the current step's one-row (temb, modulation, norm_out's) entry: computed by the first branch's
+    #: forward at that step, read by the other's
+    step: int = -1
+    entry: tuple | None = None
 
 
 def _mod_linears(t) -> list[torch.nn.Linear]:
@@ -172,21 +172,30 @@ class FastForward:
 
     @torch.no_grad()
     def tables(self, state: DenoiseState) -> QwenTables:
-        """The request's constants, computed as the model's forward computes them for one row."""
+        """The request's text constants, computed as the model's forward computes them: one branch alone,
+        and both branches stacked and padded as a fused-CFG forward of this request does."""
         t = self.t
-        dtype = t.img_in.weight.dtype
-        text = {b: t.txt_in(t.txt_norm(v["prompt_embeds"])) for b, v in state.cond.branches.items()}
-        like = state.latents.new_empty(0, dtype=dtype)
-        tembs = []
-        for ts in state.timesteps:  # as denoise.transformer_inputs and the model's forward, one row each
-            timestep = (ts.expand(1).to(state.latents.dtype) / 1000).to(dtype)
-            tembs.append(t.time_text_embed(timestep, like, None))
-        temb = torch.stack(tembs)
-        blocks, dim = len(t.transformer_blocks), temb.shape[-1]
-        if temb.shape[0] * (blocks * 12 + 2) * dim * temb.element_size() > TABLE_BYTES:
-            return QwenTables(text, temb, None, None)
-        mods, head = zip(*(self.modulation(e) for e in tembs))
-        return QwenTables(text, temb, torch.cat(mods), torch.cat(head))
+        branches = state.cond.branches
+        text = {b: t.txt_in(t.txt_norm(v["prompt_embeds"])) for b, v in branches.items()}
+        pair = None
+        if COND in branches and UNCOND in branches:
+            embeds, mask = pad_prompts([branches[b]["prompt_embeds"] for b in (COND, UNCOND)])
+            pair = (t.txt_in(t.txt_norm(embeds)), mask.to(torch.bool) if mask is not None else None)
+        return QwenTables(text, pair)
+
+    def step_entry(self, state: DenoiseState, modular: bool) -> tuple:
+        """(temb, modulation, norm_out's) for one row of ``state`` at its step, once per step."""
+        tables = state.step_consts
+        if tables.step != state.step or tables.entry is None or (tables.entry[1] is None) != modular:
+            dtype = self.t.img_in.weight.dtype
+            timestep = (state.timestep.expand(1).to(state.latents.dtype) / 1000).to(dtype)
+            temb = self.t.time_text_embed(timestep, state.latents.new_empty(0, dtype=dtype), None)
+            mods = head = None
+            if not modular:  # (blocks, 2, 6, dim) and (2, dim): broadcast over the row and its tokens
+                mods, head = self.modulation(temb)
+                mods, head = mods[0], head[0]
+            tables.step, tables.entry = state.step, (temb, mods, head)
+        return tables.entry
 
     def rotary(self, shapes: list[tuple[int, int, int]], text_len: int, device):
         key = (tuple(shapes), text_len, device)
@@ -208,18 +217,25 @@ class FastForward:
             image_latents = torch.cat([s.cond.shared["image_latents"] for s in states])
             latents = torch.cat([latents, image_latents], dim=1)
         hidden = t.img_in(latents)
-        tables = [s.step_consts for s in states]
-        modular = tables[0].mods is None or any(_compiled(b) for b in t.transformer_blocks)
+        modular = any(_compiled(b) for b in t.transformer_blocks)
         mods = head = None
         if one:  # the request's tables
-            txt, mask = tables[0].text[rows[0].branch], None
-            temb = tables[0].temb[states[0].step]
-            if not modular:  # (blocks, 2, 6, dim) and (2, dim): broadcast over the row and its tokens
-                mods, head = tables[0].mods[states[0].step], tables[0].head[states[0].step]
+            txt, mask = states[0].step_consts.text[rows[0].branch], None
+            temb, mods, head = self.step_entry(states[0], modular)
         else:  # as the model's forward computes them for these rows, batched (the same bits as it)
-            embeds, mask = pad_prompts([r.state.cond.branches[r.branch]["prompt_embeds"] for r in rows])
-            txt = t.txt_in(t.txt_norm(embeds))
-            mask = mask.to(torch.bool) if mask is not None else None
+            pair = states[0].step_consts.pair
+            if (
+                len(rows) == 2
+                and states[1] is states[0]
+                and pair is not None
+                and rows[0].branch == COND
+                and rows[1].branch == UNCOND
+            ):
+                txt, mask = pair  # this request's fused CFG rows: its own text constants
+            else:
+                embeds, mask = pad_prompts([r.state.cond.branches[r.branch]["prompt_embeds"] for r in rows])
+                txt = t.txt_in(t.txt_norm(embeds))
+                mask = mask.to(torch.bool) if mask is not None else None
             timestep = torch.cat([s.timestep.expand(1).to(latents.dtype) for s in states]) / 1000
             temb = t.time_text_embed(timestep.to(hidden.dtype), hidden, None)
             if not modular:  # (blocks, 2, 6, rows, 1, dim) and (2, rows, 1, dim)
