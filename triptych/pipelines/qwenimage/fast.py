@@ -282,7 +282,10 @@ class FastForward:
                     modulate_index=None,
                 )
             return hidden
-        for plan, mod in zip(self.plans, mods):
+        # every block's 12 modulation tensors as views from one unbind (not 3 per block)
+        flat = mods.reshape(-1, *mods.shape[3:]).unbind(0)
+        for i, plan in enumerate(self.plans):
+            mod = (flat[12 * i : 12 * i + 6], flat[12 * i + 6 : 12 * i + 12])
             if plan.current():
                 hidden, txt = joint_block(plan, hidden, txt, joint, mod, joint_freqs)
             else:

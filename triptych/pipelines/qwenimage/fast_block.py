@@ -27,6 +27,8 @@ from diffusers.models.normalization import RMSNorm
 
 def rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     """``apply_rotary_emb_qwen(x, f, use_real=False)`` with ``f`` already broadcastable to ``x``."""
+    if x.dtype == torch.float32:  # .float() and .type_as(x) are then no-ops: not dispatched
+        return torch.view_as_real(torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2)) * freqs).flatten(-2)
     x_rotated = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
     return torch.view_as_real(x_rotated * freqs).flatten(-2).type_as(x)
 
