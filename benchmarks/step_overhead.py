@@ -7,9 +7,9 @@ every step, as before this change). Then, for ``--repeats`` rounds after a warm-
 within each round:
 
 - the transformer forward over one request's rows (both CFG branches when it has them) and over
-  ``--batch`` rows (that many requests' rows stacked, as step batching runs them), up to ``--forwards``
-  forwards each (about a second's worth): best CPU time per forward, the operators it dispatches (profiler, top-level aten
-  calls: a count the machine's load does not change), and its share of the machine's measured fp32
+  ``--batch`` rows (that many requests' rows stacked, as step batching runs them), up to
+  ``--forwards`` forwards each (about a second's worth): best CPU time per forward, the operators it
+  dispatches (profiler, top-level aten calls: a count the machine's load does not change), its share of the machine's measured fp32
   matmul rate (the FLOPs that forward runs, from ``torch.utils.flop_counter``, / its time / the
   1024x1024 matmul rate on one thread, measured in the same run); a family without tables (FLUX)
   runs the same forward on both sides;

@@ -156,3 +156,36 @@ def test_wan_fast_forward_against_the_model_forward(wans, name, monkeypatch):
             want = wan_den.forward(family.pipe.transformer, [Row(plain, COND), Row(plain, UNCOND)])
             assert (both - want).abs().max().item() <= WAN_BATCH_ATOL
     assert calls == [1, 1, 2] * p.steps
+
+
+def test_qwen_idle_lora_hooks_cost_nothing_and_change_nothing(tmp_path, monkeypatch):
+    """An instance serving adapters runs a request without one on the fast path, its weights called
+    directly past the LoRA runtime's idle hooks (``fast_block.hooked``): the same bits as the model's
+    forward with those hooks running; any other hook is still honoured."""
+    from tests.helpers import tiny_qwen_with_two_adapters
+    from triptych.pipelines.qwenimage import fast_block
+
+    model, config = tiny_qwen_with_two_adapters(tmp_path)
+    family = load_family(model)
+    family.enable_lora(config)
+    family.lora.acquire("warm", (("a", 1.0), ("b", 1.0)))  # loads both and hooks their layers
+    hooked = family.pipe.transformer.transformer_blocks[0].attn.to_q
+    assert hooked._forward_hooks  # the LoRA runtime's
+    p = family.resolve(GenerationParams(prompt="a red circle", guidance=3.0, seed=0, steps=2))
+    fast, plain = prepared(family, p, True), prepared(family, p, False)
+    calls = spy(monkeypatch, qwen_fast.FastForward)
+    rows = lambda s: [Row(s, COND), Row(s, UNCOND)]  # noqa: E731
+    with torch.no_grad():
+        got = family.forward(rows(fast))
+        want = family.forward(rows(plain))
+    assert calls == [2] and torch.equal(got, want)
+    assert all(plan.joint for plan in family._fast.plans)
+    handle = hooked.register_forward_hook(lambda m, a, out: out * 2)  # not idle: must run
+    try:
+        with torch.no_grad():
+            family.forward(rows(fast))
+        assert not family._fast.plans[0].joint and fast_block.hooked(hooked, family._idle_hooks())
+        with torch.no_grad():
+            assert torch.equal(family.forward(rows(fast)), family.forward(rows(plain)))
+    finally:
+        handle.remove()

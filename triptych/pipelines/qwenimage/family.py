@@ -206,7 +206,11 @@ class QwenImageFamily(Family):
 
     @functools.cached_property
     def _fast(self) -> fast.FastForward:
-        return fast.FastForward(self.pipe.transformer, self.pipe.vae_scale_factor)
+        return fast.FastForward(self.pipe.transformer, self.pipe.vae_scale_factor, idle=self._idle_hooks)
+
+    def _idle_hooks(self) -> frozenset[int]:
+        """The LoRA runtime's hooks: they add nothing to a forward without adapter rows (``fast.usable``)."""
+        return self.lora.rows.hook_ids() if self.lora is not None else frozenset()
 
     @torch.no_grad()
     def forward(self, rows: Sequence[Row]) -> torch.Tensor:

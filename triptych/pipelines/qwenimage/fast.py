@@ -43,7 +43,7 @@ from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStream
 
 from triptych.pipelines.base import COND, UNCOND, DenoiseState, Row
 from triptych.pipelines.qwenimage.denoise import image_shapes, pad_prompts
-from triptych.pipelines.qwenimage.fast_block import BlockPlan, joint_block, module_block
+from triptych.pipelines.qwenimage.fast_block import BlockPlan, hooked, joint_block, module_block
 
 #: Largest concatenation of every block's modulation weights kept to build a table in one matmul per
 #: step (the default model's: 2.7 MB); above it each block's ``img_mod``/``txt_mod`` runs on its own.
@@ -69,7 +69,9 @@ def _mod_linears(t) -> list[torch.nn.Linear]:
     return [lin for b in t.transformer_blocks for lin in (b.img_mod[1], b.txt_mod[1])] + [t.norm_out.linear]
 
 
-def _fusable(linears) -> bool:
+def _fusable(linears, idle: frozenset[int]) -> bool:
+    if any(hooked(m, idle) for m in linears):
+        return False
     ok = all(
         type(m) is torch.nn.Linear and m.bias is not None and type(m.weight) is torch.nn.Parameter for m in linears
     )
@@ -121,9 +123,13 @@ def _compiled(block) -> bool:
 class FastForward:
     """``forward`` bound to one transformer, with its RoPE and text-padding values cached per shape."""
 
-    def __init__(self, transformer, vae_scale_factor: int):
+    def __init__(self, transformer, vae_scale_factor: int, idle=None):
+        """``idle()``: ids of forward hooks that add nothing to a forward this class runs (the LoRA
+        runtime's: the fast path runs no row with an adapter), so the linears under them may be
+        called as ``F.linear``; None = every hook counts."""
         self.t = transformer
         self.vae_scale_factor = vae_scale_factor
+        self.idle = idle or frozenset
         self._rope: dict[tuple, tuple] = {}
         self._pad: torch.Tensor | None = None
         self.plans = [BlockPlan(b) for b in transformer.transformer_blocks]
@@ -133,19 +139,16 @@ class FastForward:
     def mod_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Every modulation linear's weight and bias concatenated (``_mod_linears`` order), rebuilt when
         one is replaced or changed in place; None when they are not plain or exceed ``FUSED_MOD_BYTES``."""
-        linears = _mod_linears(self.t)
-        key = [(m.weight, m.weight._version, m.bias, m.bias._version if m.bias is not None else None) for m in linears]
-        if (
-            self._mod_key is None
-            or len(key) != len(self._mod_key)
-            or any(
-                w is not w0 or v != v0 or b is not b0 or bv != bv0
-                for (w, v, b, bv), (w0, v0, b0, bv0) in zip(key, self._mod_key)
-            )
-        ):
+        linears, idle = _mod_linears(self.t), self.idle()
+        key = [
+            (m.weight, m.weight._version, m.bias, None if m.bias is None else m.bias._version, hooked(m, idle))
+            for m in linears
+        ]
+        old = self._mod_key
+        if old is None or len(key) != len(old) or any(a is not b for x, y in zip(key, old) for a, b in zip(x, y)):
             self._mod_key = key
             self._mod = None
-            if _fusable(linears):
+            if _fusable(linears, idle):
                 self._mod = (
                     torch.cat([m.weight for m in linears]).detach(),
                     torch.cat([m.bias for m in linears]).detach(),
@@ -283,10 +286,10 @@ class FastForward:
                 )
             return hidden
         # every block's 12 modulation tensors as views from one unbind (not 3 per block)
-        flat = mods.reshape(-1, *mods.shape[3:]).unbind(0)
+        flat, idle = mods.reshape(-1, *mods.shape[3:]).unbind(0), self.idle()
         for i, plan in enumerate(self.plans):
             mod = (flat[12 * i : 12 * i + 6], flat[12 * i + 6 : 12 * i + 12])
-            if plan.current():
+            if plan.current(idle):
                 hidden, txt = joint_block(plan, hidden, txt, joint, mod, joint_freqs)
             else:
                 hidden, txt = module_block(plan.block, hidden, txt, joint, mod, img_freqs, txt_freqs)

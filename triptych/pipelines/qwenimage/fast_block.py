@@ -90,6 +90,12 @@ def module_block(block, hidden, txt, mask, mods, img_freqs, txt_freqs):
     return _gated(block, hidden, txt, img_attn, txt_attn, mods, mlp(block.img_mlp), mlp(block.txt_mlp))
 
 
+def hooked(m, idle: frozenset[int] = frozenset()) -> bool:
+    """Whether calling ``m``'s weights directly would skip a hook: any pre-hook, or a forward hook
+    other than the ``idle`` ones (the LoRA runtime's, which add nothing when no row has an adapter)."""
+    return bool(m._forward_pre_hooks) or any(k not in idle for k in m._forward_hooks)
+
+
 class BlockPlan:
     """One block's operands for ``joint_block``, resolved once and rebuilt when a weight is replaced,
     changed in place or hooked (``current``); ``joint`` says whether that kernel applies."""
@@ -115,16 +121,16 @@ class BlockPlan:
         self.joint = False
         self._weights: dict[tuple[int, int], torch.Tensor] = {}
 
-    def _valid(self) -> bool:
+    def _valid(self, idle: frozenset[int]) -> bool:
         """Whether the copies ``current`` made (fused q/k/v, stacked norm weights) still hold: the same
         parameter objects at their versions, and no linear hooked since (checked every forward)."""
         for m in self.linears:
-            if m._forward_hooks or m._forward_pre_hooks:
+            if hooked(m, idle):
                 return False
         return all(mod._parameters.get(name) is p and p._version == v for mod, name, p, v in self.key)
 
-    def _eligible(self) -> bool:
-        if any(m._forward_hooks or m._forward_pre_hooks or type(m) is not torch.nn.Linear for m in self.linears):
+    def _eligible(self, idle: frozenset[int]) -> bool:
+        if any(hooked(m, idle) or type(m) is not torch.nn.Linear for m in self.linears):
             return False
         if any(type(m.weight) is not torch.nn.Parameter or m.weight.dtype != torch.float32 for m in self.linears):
             return False
@@ -135,10 +141,12 @@ class BlockPlan:
             return False
         return all(n.weight.dtype == torch.float32 and n.eps == norms[0].eps for n in norms)
 
-    def current(self) -> bool:
-        if self.key is not None and self._valid():
+    def current(self, idle: frozenset[int] = frozenset()) -> bool:
+        """Whether ``joint_block`` applies (rebuilding the copies first if needed); ``idle``: ids of
+        forward hooks known to add nothing to this forward (``hooked``)."""
+        if self.key is not None and self._valid(idle):
             return self.joint
-        self.joint, self._weights = self._eligible(), {}
+        self.joint, self._weights = self._eligible(idle), {}
         owners = [(m, "weight") for m in self.linears[:6]] + [(m, "bias") for m in self.linears[:6]]
         owners += [(n, "weight") for n in self.norms if isinstance(getattr(n, "weight", None), torch.nn.Parameter)]
         self.key = [
