@@ -189,3 +189,26 @@ def test_qwen_idle_lora_hooks_cost_nothing_and_change_nothing(tmp_path, monkeypa
             assert torch.equal(family.forward(rows(fast)), family.forward(rows(plain)))
     finally:
         handle.remove()
+
+
+@pytest.mark.parametrize("name", ["flux", "flux-schnell"])
+def test_flux_tables_give_the_model_forward(tmp_path, name, monkeypatch):
+    from triptych.pipelines.flux import denoise as flux_den
+    from triptych.pipelines.flux import fast as flux_fast
+
+    family = load_family(make_tiny(name, tmp_path / name, seed=0))
+    p = GenerationParams(prompt="a red circle", negative_prompt="blurry", true_cfg=2.0, seed=1, steps=2)
+    p = family.resolve(p)
+    fast, plain = prepared(family, p, True), prepared(family, p, False)
+    assert fast.branches() == [COND, UNCOND] and plain.step_consts is None
+    calls = []
+    original = flux_fast.forward
+    monkeypatch.setattr(flux_fast, "forward", lambda t, rows: calls.append(len(rows)) or original(t, rows))
+    with torch.no_grad():
+        for step in range(p.steps):
+            fast.step = plain.step = step
+            for rows in ([COND], [UNCOND], [COND, UNCOND]):
+                got = family.forward([Row(fast, b) for b in rows])
+                want = flux_den.forward(family.pipe.transformer, [Row(plain, b) for b in rows])
+                assert torch.equal(got, want)
+    assert calls == [1, 1, 2] * p.steps

@@ -13,6 +13,7 @@ from triptych.pipelines.base import Conditioning, DenoiseState, Family, Frames, 
 from triptych.pipelines.flux import decode as dec
 from triptych.pipelines.flux import denoise as den
 from triptych.pipelines.flux import encode as enc
+from triptych.pipelines.flux import fast
 from triptych.pipelines.geometry import model_defaults, read_json, vae_config
 
 
@@ -74,11 +75,20 @@ class FluxFamily(Family):
     def encode(self, params: GenerationParams) -> Conditioning:
         return enc.encode(self.pipe, params, self.max_sequence_length, self.uses_true_cfg(params))
 
+    #: Compute each request's RoPE and text context at ``prepare`` (``flux/fast.py``); False = the
+    #: transformer's own forward at every step (the benchmark's peer).
+    step_tables = True
+
     def prepare(self, request_id: str, params: GenerationParams, cond: Conditioning) -> DenoiseState:
-        return den.prepare(self, request_id, params, cond.to(self.device))
+        state = den.prepare(self, request_id, params, cond.to(self.device))
+        if self.step_tables and not params.lora:
+            state.step_consts = fast.request_tables(self.pipe.transformer, state)
+        return state
 
     @torch.no_grad()
     def forward(self, rows: Sequence[Row]) -> torch.Tensor:
+        if rows[0].state.step_consts is not None and fast.usable(self.pipe.transformer, rows):
+            return fast.forward(self.pipe.transformer, rows)
         with self.lora_plan(rows):
             return den.forward(self.pipe.transformer, rows)
 
