@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from triptych.pipelines.base import DenoiseState, Row
+from triptych.pipelines.fastpath import model_hooked
 from triptych.pipelines.flux.denoise import transformer_inputs
 
 
@@ -47,7 +48,7 @@ def request_tables(transformer, state: DenoiseState) -> FluxTables:
 
 def usable(transformer, rows: Sequence[Row]) -> bool:
     t = transformer
-    if hasattr(t, "_diffusers_hook") or t._forward_hooks or t._forward_pre_hooks:
+    if model_hooked(t):
         return False  # a hook on the model expects its forward to run
     if any(r.state.params.lora or r.state.step_consts is None for r in rows):
         return False

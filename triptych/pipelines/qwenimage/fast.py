@@ -38,10 +38,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
 from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
 
 from triptych.pipelines.base import COND, UNCOND, DenoiseState, Row
+from triptych.pipelines.fastpath import model_hooked, native_attention
 from triptych.pipelines.qwenimage.denoise import image_shapes, pad_prompts
 from triptych.pipelines.qwenimage.fast_block import BlockPlan, hooked, joint_block, module_block
 
@@ -93,23 +93,16 @@ class FastEmbedded:
     noise_tokens: int
 
 
-def _native(processor) -> bool:
-    backend = processor._attention_backend
-    if backend is None:
-        backend = _AttentionBackendRegistry.get_active_backend()[0]
-    return backend in (AttentionBackendName.NATIVE, "native") and processor._parallel_config is None
-
-
 def usable(transformer, rows: Sequence[Row]) -> bool:
     """Whether ``forward`` computes what the transformer's own forward would (see the module doc)."""
     t = transformer
-    if t.zero_cond_t or hasattr(t, "_diffusers_hook") or t._forward_hooks or t._forward_pre_hooks:
+    if t.zero_cond_t or model_hooked(t):
         return False  # a hook on the model expects its forward to run
     if any(r.state.params.lora or r.state.step_consts is None for r in rows):
         return False
     for block in transformer.transformer_blocks:
         p = block.attn.processor
-        if type(p) is not QwenDoubleStreamAttnProcessor2_0 or not _native(p) or hasattr(block, "_diffusers_hook"):
+        if type(p) is not QwenDoubleStreamAttnProcessor2_0 or not native_attention(p):
             return False
     return True
 

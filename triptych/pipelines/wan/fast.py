@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
 from triptych.pipelines.base import DenoiseState, Row
-from triptych.pipelines.qwenimage.fast import _native
+from triptych.pipelines.fastpath import model_hooked, native_attention
 
 #: Largest per-request key/value table (bytes, all branches); above it the step runs the model's forward.
 #: The small Wan's is 12.6 MB; Wan 2.1 14B's would be ~1.7 GB.
@@ -94,7 +94,7 @@ def request_tables(transformer, state: DenoiseState) -> WanTables | None:
 
 def usable(transformer, rows: Sequence[Row]) -> bool:
     t = transformer
-    if hasattr(t, "_diffusers_hook") or t._forward_hooks or t._forward_pre_hooks:
+    if model_hooked(t):
         return False
     if any(r.state.params.lora or r.state.step_consts is None for r in rows):
         return False
@@ -103,7 +103,7 @@ def usable(transformer, rows: Sequence[Row]) -> bool:
             return False
         for attn in (block.attn1, block.attn2):
             p = attn.processor
-            if type(p) is not WanAttnProcessor or not _native(p) or attn.fused_projections:
+            if type(p) is not WanAttnProcessor or not native_attention(p) or attn.fused_projections:
                 return False
     return True
 
