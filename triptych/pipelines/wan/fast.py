@@ -5,15 +5,16 @@ condition embedder's text (and, image-to-video, image) projection, and in every 
 cross-attention's keys and values (``norm_k(to_k(text))``, ``to_v(text)``, and the image context's
 ``norm_added_k(add_k_proj(.))``, ``add_v_proj(.)``) read only it. On the small Wan those are 512
 text tokens against a few dozen video tokens: most of a step's matmul work. ``request_tables``
-computes them per CFG branch, and per step the timestep embedding and its ``time_proj``, with the
-model's own modules on one row's shapes, so every value is bit-identical to what the model's forward
-computes for that row. ``FastForward`` then runs the model's forward with them: the self-attention
-and the feed-forward as the block does (its modules), the cross-attention as ``WanAttnProcessor``
-does minus the key/value projections (native SDPA, the same permutes). One row: bit-identical to
-diffusers (tests/pipelines/test_wan.py); several rows use each row's own tables where the model
-would run one batched matmul, which changes kernel reduction order only (the batched tolerance).
-TeaCache's split forward (``wan/teacache.py``) takes these pieces for such rows, so it stays
-bit-identical to ``family.forward``.
+computes them per CFG branch, and for both branches stacked as a fused-CFG forward of the request
+stacks them, and per step the one-row timestep embedding and its ``time_proj``, with the model's own
+modules on those shapes, so every value has the bits the model's forward computes for those rows.
+``FastForward`` then runs the model's forward with them: the self-attention and the feed-forward
+as the block does (its modules), the cross-attention as ``WanAttnProcessor`` does minus the
+key/value projections (native SDPA, the same permutes). Other batches (several requests in one
+step) compute context, keys and values batched as the model does, because a matmul over stacked
+rows does not give the same bits as one per row. Result: the model's bits for any rows
+(tests/pipelines/test_step_tables.py; test_wan.py against pristine diffusers); TeaCache's split
+forward (``wan/teacache.py``) takes these pieces, so it stays bit-identical to ``family.forward``.
 
 ``usable`` says when it applies: tables present (the request's key/value tables fit
 ``TABLE_BYTES``), no LoRA row, diffusers' own processor with the native attention backend and
@@ -29,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
-from triptych.pipelines.base import DenoiseState, Row
+from triptych.pipelines.base import COND, UNCOND, DenoiseState, Row
 from triptych.pipelines.fastpath import model_hooked, native_attention
 
 #: Largest per-request key/value table (bytes, all branches); above it the step runs the model's forward.
@@ -43,6 +44,8 @@ class WanTables:
 
     text: dict[str, torch.Tensor]  # branch -> (1, [image +] text tokens, dim): the blocks' context
     kv: dict[str, list[tuple]]  # branch -> per block (key, value, image key | None, image value | None)
+    #: (context, kv) of both branches stacked (cond, uncond) as a fused-CFG forward has them; None without CFG
+    pair: tuple[torch.Tensor, list[tuple]] | None
     temb: torch.Tensor  # (steps, 1, dim)
     timestep_proj: torch.Tensor  # (steps, 1, 6, dim)
 
@@ -63,33 +66,49 @@ def _kv(attn, context: torch.Tensor) -> tuple:
     return key, value, key_img, attn.add_v_proj(image).unflatten(2, (attn.heads, -1))
 
 
+def _context(ce, prompt_embeds: torch.Tensor, image_embeds: torch.Tensor | None) -> torch.Tensor:
+    """The blocks' context as the condition embedder and the model's forward build it."""
+    context = ce.text_embedder(prompt_embeds)
+    if image_embeds is not None:
+        context = torch.concat([ce.image_embedder(image_embeds), context], dim=1)
+    return context
+
+
+def _time(ce, timestep: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(temb, timestep_proj (rows, 6, dim)) as ``WanTimeTextImageEmbedding`` computes them."""
+    proj = ce.timesteps_proj(timestep)
+    time_dtype = next(iter(ce.time_embedder.parameters())).dtype
+    if proj.dtype != time_dtype and time_dtype != torch.int8:
+        proj = proj.to(time_dtype)
+    temb = ce.time_embedder(proj).type_as(like)
+    return temb, ce.time_proj(ce.act_fn(temb)).unflatten(1, (6, -1))
+
+
+def _image_embeds(state: DenoiseState) -> torch.Tensor | None:
+    return state.cond.shared["image_embeds"] if "condition" in state.cond.shared else None  # as transformer_inputs
+
+
 @torch.no_grad()
 def request_tables(transformer, state: DenoiseState) -> WanTables | None:
+    """One branch alone and both CFG branches stacked (as a fused-CFG forward of the request stacks
+    them), each with the model's modules on those shapes; None past ``TABLE_BYTES``."""
     t = transformer
     ce = t.condition_embedder
-    image = state.cond.shared["image_embeds"] if "condition" in state.cond.shared else None  # as transformer_inputs
-    image = ce.image_embedder(image) if image is not None else None
-    text, kv = {}, {}
-    for branch, values in state.cond.branches.items():
-        context = ce.text_embedder(values["prompt_embeds"])
-        if image is not None:
-            context = torch.concat([image, context], dim=1)
-        text[branch] = context
-        kv[branch] = [_kv(b.attn2, context) for b in t.blocks]
-    size = sum(x.numel() * x.element_size() for v in kv.values() for blk in v for x in blk if x is not None)
-    if size > TABLE_BYTES:
+    image = _image_embeds(state)
+    branches = state.cond.branches
+    text = {b: _context(ce, v["prompt_embeds"], image) for b, v in branches.items()}
+    kv = {b: [_kv(blk.attn2, c) for blk in t.blocks] for b, c in text.items()}
+    pair = None
+    if COND in branches and UNCOND in branches:
+        embeds = torch.cat([branches[b]["prompt_embeds"] for b in (COND, UNCOND)])
+        context = _context(ce, embeds, torch.cat([image, image]) if image is not None else None)
+        pair = (context, [_kv(blk.attn2, context) for blk in t.blocks])
+    kvs = [*kv.values()] + ([pair[1]] if pair is not None else [])
+    if sum(x.numel() * x.element_size() for v in kvs for blk in v for x in blk if x is not None) > TABLE_BYTES:
         return None
-    like = next(iter(state.cond.branches.values()))["prompt_embeds"]  # the model's type_as(encoder_hidden_states)
-    time_dtype = next(iter(ce.time_embedder.parameters())).dtype
-    tembs, projs = [], []
-    for ts in state.timesteps:  # as denoise.transformer_inputs: t.expand(1), one row
-        proj = ce.timesteps_proj(ts.expand(1))
-        if proj.dtype != time_dtype and time_dtype != torch.int8:
-            proj = proj.to(time_dtype)
-        temb = ce.time_embedder(proj).type_as(like)
-        tembs.append(temb)
-        projs.append(ce.time_proj(ce.act_fn(temb)).unflatten(1, (6, -1)))
-    return WanTables(text, kv, torch.stack(tembs), torch.stack(projs))
+    like = next(iter(branches.values()))["prompt_embeds"]  # the model's type_as(encoder_hidden_states)
+    tembs, projs = zip(*(_time(ce, ts.expand(1), like) for ts in state.timesteps))  # one row each
+    return WanTables(text, kv, pair, torch.stack(tembs), torch.stack(projs))
 
 
 def usable(transformer, rows: Sequence[Row]) -> bool:
@@ -154,10 +173,6 @@ class FastEmbedded:
     shape: tuple[int, int, int, int]  # (rows, frames, height, width) after patchify
 
 
-def _stack(parts: list[torch.Tensor | None]):
-    return None if parts[0] is None else (parts[0] if len(parts) == 1 else torch.cat(parts))
-
-
 class FastForward:
     """The model's forward with a request's tables; the RoPE cached per latent shape."""
 
@@ -173,13 +188,23 @@ class FastForward:
             self._rope[key] = t.rope(hidden)
         p_t, p_h, p_w = t.config.patch_size
         hidden = t.patch_embedding(hidden).flatten(2).transpose(1, 2).contiguous()
-        tables = [r.state.step_consts for r in rows]
-        steps = [r.state.step for r in rows]
-        context = _stack([x.text[r.branch] for x, r in zip(tables, rows)])
-        per_row = [x.kv[r.branch] for x, r in zip(tables, rows)]
-        kv = [tuple(_stack([row[i][j] for row in per_row]) for j in range(4)) for i in range(len(t.blocks))]
-        temb = _stack([x.temb[s] for x, s in zip(tables, steps)])
-        proj = _stack([x.timestep_proj[s] for x, s in zip(tables, steps)])
+        states = [r.state for r in rows]
+        tables = states[0].step_consts
+        if len(rows) == 1:  # the branch's own tables
+            context, kv = tables.text[rows[0].branch], tables.kv[rows[0].branch]
+            temb, proj = tables.temb[states[0].step], tables.timestep_proj[states[0].step]
+        else:  # as the model computes them for these rows, batched (a matmul per row has other bits)
+            pair = len(rows) == 2 and states[1] is states[0] and tables.pair is not None
+            if pair and rows[0].branch == COND and rows[1].branch == UNCOND:
+                context, kv = tables.pair  # this request's fused CFG rows: its own constants
+            else:
+                images = [_image_embeds(s) for s in states]
+                embeds = torch.cat([s.cond.branches[r.branch]["prompt_embeds"] for s, r in zip(states, rows)])
+                context = _context(t.condition_embedder, embeds, None if images[0] is None else torch.cat(images))
+                kv = [_kv(blk.attn2, context) for blk in t.blocks]
+            like = states[0].cond.branches[rows[0].branch]["prompt_embeds"]
+            timestep = torch.cat([s.timestep.expand(1) for s in states])
+            temb, proj = _time(t.condition_embedder, timestep, like)
         shape = (batch_size, num_frames // p_t, height // p_h, width // p_w)
         return FastEmbedded(hidden, context, kv, temb, proj, self._rope[key], shape)
 
