@@ -29,14 +29,23 @@ def sample(name: str, labels: str = "") -> float:
 
 
 def test_first_report_is_the_whole_window_without_a_rate():
-    cur = P.StatsReport("den-x", 30.0, engine(4, 6, 0.4, {1: 2, 2: 2}), transfer(2, 100, 0.01))
+    cur = P.StatsReport(
+        instance_id="den-x", uptime_s=30.0, engine=engine(4, 6, 0.4, {1: 2, 2: 2}), transfer=transfer(2, 100, 0.01)
+    )
     w = stats_window("denoiser", None, cur)
     assert w.seconds == 0.0 and w.engine == cur.engine and w.transfer == cur.transfer
 
 
 def test_window_is_the_difference_of_consecutive_reports():
-    prev = P.StatsReport("den-x", 10.0, engine(4, 6, 0.4, {1: 2, 2: 2}), transfer(2, 100, 0.01))
-    cur = P.StatsReport("den-x", 12.0, engine(7, 14, 0.7, {1: 2, 2: 3, 3: 2}, skipped=3), transfer(5, 400, 0.04))
+    prev = P.StatsReport(
+        instance_id="den-x", uptime_s=10.0, engine=engine(4, 6, 0.4, {1: 2, 2: 2}), transfer=transfer(2, 100, 0.01)
+    )
+    cur = P.StatsReport(
+        instance_id="den-x",
+        uptime_s=12.0,
+        engine=engine(7, 14, 0.7, {1: 2, 2: 3, 3: 2}, skipped=3),
+        transfer=transfer(5, 400, 0.04),
+    )
     w = stats_window("denoiser", prev, cur)
     assert w.seconds == 2.0
     assert w.engine.steps == 3 and w.engine.request_steps == 8 and w.engine.skipped_rows == 3
@@ -45,8 +54,12 @@ def test_window_is_the_difference_of_consecutive_reports():
 
 
 def test_a_restarted_worker_counts_from_zero():
-    prev = P.StatsReport("den-x", 100.0, engine(50, 50, 5.0, {1: 50}), transfer(9, 900, 0.1))
-    cur = P.StatsReport("den-x", 3.0, engine(2, 2, 0.2, {1: 2}), transfer(1, 10, 0.01))
+    prev = P.StatsReport(
+        instance_id="den-x", uptime_s=100.0, engine=engine(50, 50, 5.0, {1: 50}), transfer=transfer(9, 900, 0.1)
+    )
+    cur = P.StatsReport(
+        instance_id="den-x", uptime_s=3.0, engine=engine(2, 2, 0.2, {1: 2}), transfer=transfer(1, 10, 0.01)
+    )
     w = stats_window("denoiser", prev, cur)
     assert w.engine == cur.engine and w.transfer == cur.transfer and w.seconds == 3.0
 
@@ -61,8 +74,15 @@ def test_windows_feed_the_denoiser_and_transfer_series():
         "bytes": sample("triptych_transfer_bytes_total", '{backend="zmq"}'),
         "pushes": sample("triptych_transfer_latency_seconds_count", '{backend="zmq"}'),
     }
-    prev = P.StatsReport("den-m", 10.0, engine(4, 6, 0.4, {1: 2, 2: 2}), transfer(2, 100, 0.01))
-    cur = P.StatsReport("den-m", 12.0, engine(7, 14, 0.7, {1: 2, 2: 3, 3: 2}, skipped=3), transfer(5, 400, 0.04))
+    prev = P.StatsReport(
+        instance_id="den-m", uptime_s=10.0, engine=engine(4, 6, 0.4, {1: 2, 2: 2}), transfer=transfer(2, 100, 0.01)
+    )
+    cur = P.StatsReport(
+        instance_id="den-m",
+        uptime_s=12.0,
+        engine=engine(7, 14, 0.7, {1: 2, 2: 3, 3: 2}, skipped=3),
+        transfer=transfer(5, 400, 0.04),
+    )
     metrics.record_worker_window(stats_window("denoiser", prev, cur))
     assert sample("triptych_denoiser_batch_size_bucket", '{le="3.0"}') - before["b3"] == 3  # one 2, two 3s
     assert sample("triptych_denoiser_batch_size_bucket", '{le="2.0"}') - before["b2"] == 1
@@ -78,8 +98,20 @@ def test_windows_feed_the_denoiser_and_transfer_series():
 
 def test_mm_cache_counters_become_deltas_and_its_size_a_gauge():
     before = {r: sample("triptych_mm_cache_lookups_total", f'{{result="{r}"}}') for r in ("hits", "misses")}
-    prev = P.StatsReport("enc-m", 10.0, None, transfer(0, 0, 0.0), MMCacheStats(4, 2, 0, 0, 2, 1000))
-    cur = P.StatsReport("enc-m", 12.0, None, transfer(0, 0, 0.0), MMCacheStats(9, 3, 0, 1, 2, 900))
+    prev = P.StatsReport(
+        instance_id="enc-m",
+        uptime_s=10.0,
+        engine=None,
+        transfer=transfer(0, 0, 0.0),
+        mm_cache=MMCacheStats(4, 2, 0, 0, 2, 1000),
+    )
+    cur = P.StatsReport(
+        instance_id="enc-m",
+        uptime_s=12.0,
+        engine=None,
+        transfer=transfer(0, 0, 0.0),
+        mm_cache=MMCacheStats(9, 3, 0, 1, 2, 900),
+    )
     w = stats_window("encoder", prev, cur)
     assert (w.mm_cache.hits, w.mm_cache.misses, w.mm_cache.evictions) == (5, 1, 1)
     assert (w.mm_cache.entries, w.mm_cache.nbytes) == (2, 900)  # levels: the latest, not a difference
@@ -95,9 +127,21 @@ def test_chat_engine_counters_become_prefill_and_decode_series():
     kinds = ("computed", "reused")
     before = {k: sample("triptych_chat_prefill_tokens_total", f'{{kind="{k}"}}') for k in kinds}
     forwards, tokens = sample("triptych_chat_decode_forwards_total"), sample("triptych_chat_decode_tokens_total")
-    prev = P.StatsReport("enc-c", 10.0, None, transfer(0, 0, 0.0), None, ChatEngineStats(100, 0, 1, 10, 10, 0, 1, 500))
+    prev = P.StatsReport(
+        instance_id="enc-c",
+        uptime_s=10.0,
+        engine=None,
+        transfer=transfer(0, 0, 0.0),
+        mm_cache=None,
+        chat=ChatEngineStats(100, 0, 1, 10, 10, 0, 1, 500),
+    )
     cur = P.StatsReport(
-        "enc-c", 12.0, None, transfer(0, 0, 0.0), None, ChatEngineStats(160, 140, 5, 30, 90, 1, 4, 2000)
+        instance_id="enc-c",
+        uptime_s=12.0,
+        engine=None,
+        transfer=transfer(0, 0, 0.0),
+        mm_cache=None,
+        chat=ChatEngineStats(160, 140, 5, 30, 90, 1, 4, 2000),
     )
     w = stats_window("encoder", prev, cur)
     assert (w.chat.prefill_computed, w.chat.prefill_reused, w.chat.decode_tokens) == (60, 140, 80)
@@ -137,8 +181,8 @@ def test_each_encoder_layer_tier_has_its_series_and_tower_forwards_are_counted()
     )
     w = stats_window(
         "encoder",
-        P.StatsReport("enc-t", 10.0, None, transfer(0, 0, 0.0), prev),
-        P.StatsReport("enc-t", 12.0, None, transfer(0, 0, 0.0), cur),
+        P.StatsReport(instance_id="enc-t", uptime_s=10.0, engine=None, transfer=transfer(0, 0, 0.0), mm_cache=prev),
+        P.StatsReport(instance_id="enc-t", uptime_s=12.0, engine=None, transfer=transfer(0, 0, 0.0), mm_cache=cur),
     )
     metrics.record_worker_window(w)
     got = {

@@ -172,7 +172,7 @@ class ChatRouter:
         if ct.instance is not None:
             rid = ct.job.request_id
             if cancel_reason is not None:
-                self.send(ct.instance, P.Cancel(rid, ct.machine.generation, cancel_reason))
+                self.send(ct.instance, P.Cancel(request_id=rid, generation=ct.machine.generation, reason=cancel_reason))
             inst = self.registry.instances.get(ct.instance)
             if inst is not None:
                 inst.unhold(rid)

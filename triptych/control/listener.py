@@ -118,12 +118,23 @@ class ControlPlane:
             logger.warning("dropped a control frame from %r: %s", identity[:64], e)
             return
         if isinstance(msg, P.Hello):
-            self.send_to(identity, P.Challenge(msg.instance_id, self.sessions.challenge(identity, msg.instance_id)))
+            self.send_to(
+                identity,
+                P.Challenge(instance_id=msg.instance_id, nonce=self.sessions.challenge(identity, msg.instance_id)),
+            )
         elif isinstance(msg, P.Register):
             reason = self.sessions.admit(identity, session, msg.instance_id)
             if reason is not None:
                 self._replay(identity, msg, reason)
-                self.send_to(identity, P.RegisterAck(msg.instance_id, False, f"registration refused: {reason}", 0.0))
+                self.send_to(
+                    identity,
+                    P.RegisterAck(
+                        instance_id=msg.instance_id,
+                        accepted=False,
+                        reason=f"registration refused: {reason}",
+                        heartbeat_interval_s=0.0,
+                    ),
+                )
                 return
             self._registering = (identity, session, seq)
             try:
@@ -156,6 +167,8 @@ class ControlPlane:
                 "refused %s: its control frames are not signed with this deployment's token", msg.instance_id
             )
             reason = "wrong or missing control-plane token (--token), or a worker older than this head"
-            refusal = P.RegisterAck(msg.instance_id, False, reason, 0.0)
+            refusal = P.RegisterAck(
+                instance_id=msg.instance_id, accepted=False, reason=reason, heartbeat_interval_s=0.0
+            )
             if self._sock is not None:
                 self._sock.send_multipart([identity, P.encode(refusal), b""])

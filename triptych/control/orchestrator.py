@@ -175,11 +175,11 @@ class Orchestrator(GenerationBackend):
 
     def shutdown_workers(self, reason: str = "head shutting down") -> None:
         for iid in list(self.registry.instances):
-            self.control.send(iid, P.Shutdown(reason))
+            self.control.send(iid, P.Shutdown(reason=reason))
 
     def stop(self, instance_id: str, reason: str) -> None:
         """Tell one worker to shut down (a drained instance being scaled in)."""
-        self.control.send(instance_id, P.Shutdown(reason))
+        self.control.send(instance_id, P.Shutdown(reason=reason))
 
     async def wait_for_instances(self, counts: dict[str, int], timeout_s: float) -> None:
         """Block until at least ``counts[role]`` instances of each role registered."""
@@ -315,7 +315,10 @@ class Orchestrator(GenerationBackend):
                 continue
             self.counters.orphans_cancelled += 1
             logger.info("%s holds %s g%d, which the head does not: cancelling it", inst.instance_id, rid, generation)
-            self.control.send(inst.instance_id, P.Cancel(rid, generation, "the head no longer holds this request"))
+            self.control.send(
+                inst.instance_id,
+                P.Cancel(request_id=rid, generation=generation, reason="the head no longer holds this request"),
+            )
 
     async def _tick_loop(self) -> None:
         every = min(0.1, self.config.heartbeat_interval_s / 2)
@@ -358,7 +361,7 @@ class Orchestrator(GenerationBackend):
         self.counters.instances_lost += 1
         logger.warning("%s %s declared dead (%s); %d requests affected", inst.role, instance_id, why, len(inst.held))
         for other in list(self.registry.instances):
-            self.control.send(other, P.PeerDown(instance_id))
+            self.control.send(other, P.PeerDown(instance_id=instance_id))
         what = f"{inst.role} {instance_id} died ({why})"
         self.generations.instance_lost(instance_id, what)
         self.chats.instance_lost(instance_id, what)

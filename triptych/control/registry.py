@@ -90,7 +90,12 @@ class InstanceRegistry:
             )
         else:
             logger.warning("refused %s: %s", m.instance_id, reason)
-        ack = P.RegisterAck(m.instance_id, reason is None, reason, self.heartbeat_interval_s)
+        ack = P.RegisterAck(
+            instance_id=m.instance_id,
+            accepted=reason is None,
+            reason=reason,
+            heartbeat_interval_s=self.heartbeat_interval_s,
+        )
         self.control.send_to(identity, ack)
         return reason is None
 
@@ -153,7 +158,7 @@ class InstanceRegistry:
         bound_ids(self._rejoin_sent)
         self.counters.rejoins_requested += 1
         logger.warning("%s is alive but not registered (declared dead earlier?); asking it to rejoin", instance_id)
-        self.control.send_to(identity, P.Rejoin("not registered with this head"))
+        self.control.send_to(identity, P.Rejoin(reason="not registered with this head"))
 
     def describe(self) -> list[dict]:
         return [

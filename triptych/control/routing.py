@@ -179,7 +179,13 @@ class GenerationRouter:
             tr.machine.to(S.ENCODING, now)
             keys = tr.attempts.image_keys or []
             hints = self.registry.affinity.hints(keys, enc.instance_id, self.registry.addresses("encoder"))
-            task = P.EncodeTask(tr.job.request_id, tr.machine.generation, tr.wire, den.instance_id, hints)
+            task = P.EncodeTask(
+                request_id=tr.job.request_id,
+                generation=tr.machine.generation,
+                params=tr.wire,
+                denoiser=den.instance_id,
+                mm_hints=hints,
+            )
             self.send(enc.instance_id, task)
         while self.wait_decoder:
             tr = self.requests[self.wait_decoder[0]]
@@ -192,15 +198,15 @@ class GenerationRouter:
             tr.waited_s = now - tr.encoded_at
             tr.machine.to(S.DENOISING, now)
             task = P.DenoiseTask(
-                tr.job.request_id,
-                tr.machine.generation,
-                tr.wire,
-                tr.cond_specs,
-                tr.assigned["encoder"],
-                dec.instance_id,
-                self.reserve_timeout_s,
-                tr.job.partial_images if tr.on_preview is not None else 0,
-                tr.on_progress is not None,
+                request_id=tr.job.request_id,
+                generation=tr.machine.generation,
+                params=tr.wire,
+                specs=tr.cond_specs,
+                source=tr.assigned["encoder"],
+                decoder=dec.instance_id,
+                reserve_timeout_s=self.reserve_timeout_s,
+                previews=tr.job.partial_images if tr.on_preview is not None else 0,
+                progress=tr.on_progress is not None,
             )
             self.send(tr.assigned["denoiser"], task)
 
@@ -265,7 +271,10 @@ class GenerationRouter:
     def _on_slots_reserved(self, tr: Tracked, m: P.SlotsReserved) -> None:
         receiver, sender = ("denoiser", "encoder") if m.handoff == "cond" else ("decoder", "denoiser")
         if self._from(tr, receiver, m) and sender in tr.assigned:
-            self.send(tr.assigned[sender], P.PushTask(m.request_id, m.generation, m.handoff, m.refs))
+            self.send(
+                tr.assigned[sender],
+                P.PushTask(request_id=m.request_id, generation=m.generation, handoff=m.handoff, refs=m.refs),
+            )
 
     def _on_push_done(self, tr: Tracked, m: P.PushDone) -> None:
         if m.handoff in P.PREVIEW_HANDOFFS:
@@ -286,9 +295,18 @@ class GenerationRouter:
         if self._from(tr, "denoiser", m) and 0 <= m.index < len(P.PREVIEW_HANDOFFS):
             job = tr.job
             task = P.PreviewTask(
-                job.request_id, m.generation, tr.wire, m.index, m.step, m.total, m.specs, m.instance_id,
-                job.output_format, job.quality, self.reserve_timeout_s,
-            )  # fmt: skip
+                request_id=job.request_id,
+                generation=m.generation,
+                params=tr.wire,
+                index=m.index,
+                step=m.step,
+                total=m.total,
+                specs=m.specs,
+                source=m.instance_id,
+                output_format=job.output_format,
+                quality=job.quality,
+                reserve_timeout_s=self.reserve_timeout_s,
+            )
             self.send(tr.assigned["decoder"], task)
 
     def _on_preview_result(self, tr: Tracked, m: P.PreviewResult) -> None:
@@ -301,15 +319,15 @@ class GenerationRouter:
             tr.machine.to(S.DECODING, self._stage_done(tr, "denoise"))
             job = tr.job
             task = P.DecodeTask(
-                job.request_id,
-                m.generation,
-                tr.wire,
-                m.specs,
-                m.instance_id,
-                job.output_format,
-                job.fps,
-                self.reserve_timeout_s,
-                job.quality,
+                request_id=job.request_id,
+                generation=m.generation,
+                params=tr.wire,
+                specs=m.specs,
+                source=m.instance_id,
+                output_format=job.output_format,
+                fps=job.fps,
+                reserve_timeout_s=self.reserve_timeout_s,
+                quality=job.quality,
             )
             self.send(tr.assigned["decoder"], task)
 
@@ -342,7 +360,7 @@ class GenerationRouter:
             self.wait_decoder.remove(rid)
         for role, iid in list(tr.assigned.items()):
             if cancel_reason is not None:
-                self.send(iid, P.Cancel(rid, tr.machine.generation, cancel_reason))
+                self.send(iid, P.Cancel(request_id=rid, generation=tr.machine.generation, reason=cancel_reason))
             self._uncharge(tr, role)
         tr.cond_specs = None
 

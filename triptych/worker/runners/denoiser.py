@@ -64,7 +64,11 @@ class DenoiserRunner(StageRunner):
         for rid, step, total in out.progress:
             job = self._jobs.get(rid)
             if job is not None and _follows(job):
-                port.send(P.Progress(rid, job.generation, port.instance_id, step, total))
+                port.send(
+                    P.Progress(
+                        request_id=rid, generation=job.generation, instance_id=port.instance_id, step=step, total=total
+                    )
+                )
         for rid, step, total, x0 in out.previews:
             job = self._jobs.get(rid)
             if job is None or not port.owns(job):
@@ -73,13 +77,30 @@ class DenoiserRunner(StageRunner):
             handoff = P.PREVIEW_HANDOFFS[index]
             job.previews[handoff] = to_host({"latents": x0.detach().contiguous()})
             specs = specs_of(job.previews[handoff])
-            port.send(P.PreviewReady(rid, job.generation, port.instance_id, index, step, total, specs))
+            port.send(
+                P.PreviewReady(
+                    request_id=rid,
+                    generation=job.generation,
+                    instance_id=port.instance_id,
+                    index=index,
+                    step=step,
+                    total=total,
+                    specs=specs,
+                )
+            )
         for state in out.finished:
             job = self._jobs.pop(state.request_id, None)
             if job is None or not port.owns(job):
                 continue
             job.outgoing = to_host({"latents": state.latents.detach().contiguous()})
-            port.send(P.DenoiseDone(job.request_id, job.generation, port.instance_id, specs_of(job.outgoing)))
+            port.send(
+                P.DenoiseDone(
+                    request_id=job.request_id,
+                    generation=job.generation,
+                    instance_id=port.instance_id,
+                    specs=specs_of(job.outgoing),
+                )
+            )
 
     def compute(self, job: Job) -> None:
         cond = Conditioning.from_flat(job.outgoing)
