@@ -235,8 +235,9 @@ def test_a_second_worker_reusing_an_instance_id_is_refused_at_once(head):
 
 @pytest.mark.parametrize("follow", [False, True])
 def test_a_denoiser_is_asked_for_step_progress_only_when_someone_follows_it(head, model, follow):
-    """Per-step ``Progress`` is asked for (``DenoiseTask.progress``) only when the caller passed
-    ``on_progress`` (a video job, the CLI's bar); when asked, each step reaches the caller."""
+    """Per-step progress is asked for (``DenoiseTask.progress``) only when the caller passed
+    ``on_progress`` (a video job, the CLI's bar); when asked, each step in a ``TickReport`` reaches
+    the caller, and entries of another generation or an ended request are counted and dropped."""
     orch, loop = head
     ctx = zmq.Context()
     enc, den, dec = (FakeWorker(ctx, orch, f"{r}-0", r) for r in ("encoder", "denoiser", "decoder"))
@@ -247,8 +248,13 @@ def test_a_denoiser_is_asked_for_step_progress_only_when_someone_follows_it(head
     enc.send(P.EncodeDone(request_id="p-2", generation=1, instance_id="encoder-0", specs=SPEC))
     denoise = _next(den, P.DenoiseTask)
     assert denoise.progress is follow
-    den.send(P.Progress(request_id="p-2", generation=1, instance_id="denoiser-0", step=1, total=2))
-    den.send(P.Progress(request_id="p-2", generation=1, instance_id="denoiser-0", step=2, total=2))
+    for step in (1, 2):  # one report per engine tick; the stale and the ended entries are dropped
+        progress = (
+            P.StepProgress(request_id="p-2", generation=1, step=step, total=2),
+            P.StepProgress(request_id="p-2", generation=0, step=step, total=2),
+            P.StepProgress(request_id="gone", generation=1, step=step, total=2),
+        )
+        den.send(P.TickReport(instance_id="denoiser-0", progress=progress))
     den.send(
         P.EncodeDone(request_id="p-2", generation=1, instance_id="denoiser-0", specs=SPEC)
     )  # wrong sender: dropped and counted, and sent last,
@@ -259,6 +265,8 @@ def test_a_denoiser_is_asked_for_step_progress_only_when_someone_follows_it(head
     with pytest.raises(Cancelled):
         pending.result(30)
     assert seen == ([(1, 2), (2, 2)] if follow else [])
+    stats = on_loop(loop, orch.describe)["stats"]
+    assert stats["dropped_stale"] == 2 and stats["dropped_after_end"] == 2
     ctx.destroy(linger=0)
 
 
@@ -408,7 +416,7 @@ def test_a_job_a_worker_reports_that_the_head_does_not_hold_is_cancelled(head, m
     _next(enc, P.EncodeTask)
     enc.send(P.EncodeDone(request_id="live-1", generation=1, instance_id="encoder-0", specs=SPEC))
     _next(den, P.DenoiseTask)
-    transfer = P.TransferStats("zmq")
+    transfer = P.TransferStats(backend="zmq")
     held = (("live-1", 1), ("live-1", 0), ("gone-7", 3))  # the routed job, an older attempt, an unknown one
     den.send(P.StatsReport(instance_id="denoiser-0", uptime_s=1.0, engine=None, transfer=transfer, jobs=held))
     cancels = {(m.request_id, m.generation) for m in (_next(den, P.Cancel), _next(den, P.Cancel))}
@@ -463,7 +471,7 @@ def test_a_worker_declared_dead_is_asked_to_rejoin_on_its_control_socket(head):
     _wait_stat(loop, orch, "from_unknown_instance", 1)
     den.send(
         P.StatsReport(
-            instance_id="denoiser-3", uptime_s=1.0, engine=None, transfer=P.TransferStats("zmq"), mm_cache=None
+            instance_id="denoiser-3", uptime_s=1.0, engine=None, transfer=P.TransferStats(backend="zmq"), mm_cache=None
         )
     )
     assert isinstance(_next(den, P.Rejoin), P.Rejoin)
@@ -483,7 +491,7 @@ def test_a_worker_of_a_previous_head_is_asked_to_rejoin(head):
     client.sender.session = bytes(range(16))  # issued by the head that died
     client.send(
         P.StatsReport(
-            instance_id="encoder-9", uptime_s=1.0, engine=None, transfer=P.TransferStats("zmq"), mm_cache=None
+            instance_id="encoder-9", uptime_s=1.0, engine=None, transfer=P.TransferStats(backend="zmq"), mm_cache=None
         )
     )
     assert sock.poll(30_000) and isinstance(client.recv(), P.Rejoin)

@@ -170,7 +170,7 @@ def test_the_denoiser_worker_fails_an_evicted_request_as_retryable_and_keeps_ser
         runner.execute()
     assert failures == [("bad", True)]
     assert [m.request_id for m in sent if isinstance(m, P.DenoiseDone)] == ["good"]
-    progress = [m.request_id for m in sent if isinstance(m, P.Progress)]
+    progress = [p.request_id for m in sent if isinstance(m, P.TickReport) for p in m.progress]
     assert "bad" not in progress and progress.count("good") == _params(family, 0).steps
 
 

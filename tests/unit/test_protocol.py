@@ -27,8 +27,27 @@ REF = TensorRef(
 )
 WIRE = wire.params_to_wire(GenerationParams("a cat", height=32, width=32, frames=1, steps=2, guidance=3.5, seed=7))
 SPEC = {"latents": P.TensorSpec("float32", (1, 16, 64))}
-ENGINE = EngineStats(10, 12, 24, 30, 2, 0.5, {1: 4, 3: 6}, 5, 1)
-TRANSFER = TransferStats("zmq", 5, 4096, 0.02, 3, 2048, 0, 0)
+ENGINE = EngineStats(
+    steps=10,
+    forwards=12,
+    rows=24,
+    request_steps=30,
+    skipped_rows=2,
+    step_seconds=0.5,
+    step_buckets=[0, 3, 7] + [0] * 14,
+    batch_sizes={1: 4, 3: 6},
+    finished=5,
+    aborted=1,
+)
+TRANSFER = TransferStats(
+    backend="zmq",
+    pushes_sent=5,
+    bytes_sent=4096,
+    push_seconds=0.02,
+    pushes_received=3,
+    bytes_received=2048,
+    push_buckets=[1, 4] + [0] * 11,
+)
 
 MESSAGES = [
     P.Register(
@@ -50,7 +69,13 @@ MESSAGES = [
         request_id="r1", generation=1, instance_id="den-0", handoff="cond", refs={"cond.prompt_embeds": REF}
     ),
     P.PushDone(request_id="r1", generation=1, instance_id="enc-0", handoff="latents"),
-    P.Progress(request_id="r1", generation=1, instance_id="den-0", step=2, total=4),
+    P.TickReport(
+        instance_id="den-0",
+        progress=(
+            P.StepProgress(request_id="r1", generation=1, step=2, total=4),
+            P.StepProgress(request_id="r2", generation=3, step=1, total=20),
+        ),
+    ),
     P.MediaResult(request_id="r1", generation=1, instance_id="dec-0", data=b"\x89PNG...", output_format="png"),
     P.PreviewReady(request_id="r1", generation=1, instance_id="den-0", index=0, step=2, total=4, specs=SPEC),
     P.PreviewResult(

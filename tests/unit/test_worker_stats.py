@@ -14,11 +14,20 @@ metrics = Metrics()  # this module's own registry
 
 
 def engine(steps: int, request_steps: int, seconds: float, sizes: dict[int, int], skipped: int = 0) -> EngineStats:
-    return EngineStats(steps, steps, steps, request_steps, skipped, seconds, sizes, 0, 0)
+    """``steps`` ticks of ``seconds`` in all, as an engine counts them (each in its time bucket)."""
+    stats = EngineStats(forwards=steps, rows=steps, request_steps=request_steps, skipped_rows=skipped)
+    for _ in range(steps):
+        stats.count_step(seconds / steps)
+    stats.steps, stats.batch_sizes = steps, sizes
+    return stats
 
 
 def transfer(pushes: int, nbytes: int, seconds: float) -> TransferStats:
-    return TransferStats("zmq", pushes, nbytes, seconds, 0, 0, 0, 0)
+    """``pushes`` pushes of ``nbytes`` and ``seconds`` in all, as a sender counts them."""
+    stats = TransferStats(backend="zmq")
+    for _ in range(pushes):
+        stats.count_push(nbytes // pushes, seconds / pushes)
+    return stats
 
 
 def sample(name: str, labels: str = "") -> float:
@@ -203,3 +212,45 @@ def test_each_encoder_layer_tier_has_its_series_and_tower_forwards_are_counted()
     assert sample("triptych_encoder_cache_evictions_total", '{reason="not_stored",tier="embedding"}') >= 2
     metrics.forget_instance("enc-t")
     assert 'instance="enc-t"' not in metrics.render().decode()
+
+
+def test_step_and_push_histograms_hold_every_real_observation_not_a_windows_mean():
+    """Each tick's and each push's time is counted in its bucket on the worker; the head's histogram
+    then equals a prometheus_client Histogram that observed every value itself (buckets, sum, count),
+    across two windows. A window's mean (2.4 s here) would have put all three ticks in one bucket."""
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from triptych.engine.stats import STEP_SECONDS_BOUNDS
+    from triptych.transfer.stats import PUSH_SECONDS_BOUNDS
+
+    ticks, pushes = [0.003, 0.2, 7.0, 0.05], [0.0004, 0.03, 3.0]
+    head = Metrics()
+    reference = CollectorRegistry()
+    step_ref = Histogram("triptych_denoiser_step_seconds", "x", buckets=STEP_SECONDS_BOUNDS, registry=reference)
+    push_ref = Histogram(
+        "triptych_transfer_latency_seconds", "x", ["backend"], buckets=PUSH_SECONDS_BOUNDS, registry=reference
+    )
+    engine_stats, transfer_stats, prev = EngineStats(), TransferStats(backend="zmq"), None
+    for window in ((ticks[:3], pushes[:2]), (ticks[3:], pushes[2:])):
+        for t in window[0]:
+            engine_stats.count_step(t)
+            step_ref.observe(t)
+        for t in window[1]:
+            transfer_stats.count_push(10, t)
+            push_ref.labels("zmq").observe(t)
+        engine_stats.steps += len(window[0])
+        cur = P.StatsReport(
+            instance_id="den-h",
+            uptime_s=float(len(ticks)),
+            engine=engine_stats.copy(),
+            transfer=transfer_stats.snapshot(),
+        )
+        head.record_worker_window(stats_window("denoiser", prev, cur))
+        prev = cur
+
+    def series(registry_text: bytes, name: str) -> list[str]:
+        return [line for line in registry_text.decode().splitlines() if line.startswith(name + "_")]
+
+    for name in ("triptych_denoiser_step_seconds", "triptych_transfer_latency_seconds"):
+        got, want = series(head.render(), name), series(generate_latest(reference), name)
+        assert got and got == [line for line in want if "_created" not in line], (got, want)

@@ -298,7 +298,9 @@ class Orchestrator(GenerationBackend):
             self._cancel_orphans(inst, msg.jobs)
         if inst is None or isinstance(msg, P.Heartbeat | P.StatsReport):
             return
-        if self.chats.owns(msg):
+        if isinstance(msg, P.TickReport):
+            self.generations.on_tick(msg)
+        elif self.chats.owns(msg):
             self.chats.handle(msg)
         else:
             self.generations.handle(msg)

@@ -158,11 +158,21 @@ class PushDone(WorkerReply, kw_only=True, frozen=True, tag="push_done"):
     handoff: HandoffName
 
 
-class Progress(WorkerReply, kw_only=True, frozen=True, tag="progress"):
-    """One denoising step finished."""
+class StepProgress(msgspec.Struct, kw_only=True, frozen=True):
+    """One request's denoising steps after an engine tick."""
 
+    request_id: str
+    generation: int
     step: int  # steps done
     total: int  # total steps
+
+
+class TickReport(msgspec.Struct, kw_only=True, frozen=True, tag="tick_report"):
+    """One engine tick of a denoiser, once per tick: the steps of the requests the head follows
+    (``DenoiseTask.progress``); not sent for a tick that advanced none of them."""
+
+    instance_id: str
+    progress: tuple[StepProgress, ...]
 
 
 class MediaResult(WorkerReply, kw_only=True, frozen=True, tag="media_result"):
@@ -247,7 +257,7 @@ class DenoiseTask(msgspec.Struct, kw_only=True, frozen=True, tag="denoise_task")
     decoder: str  # decoder instance id already holding a slot for this request
     reserve_timeout_s: float  # how long the reserved slots wait for the push
     previews: int = 0  # partial images wanted: x0 previews at evenly spaced steps (``preview_steps``)
-    progress: bool = False  # send a ``Progress`` after every step (someone follows this request's steps)
+    progress: bool = False  # report its steps in each ``TickReport`` (someone follows this request's steps)
 
 
 class DecodeTask(msgspec.Struct, kw_only=True, frozen=True, tag="decode_task"):
@@ -326,7 +336,7 @@ WorkerMessage = (
     | DenoiseDone
     | SlotsReserved
     | PushDone
-    | Progress
+    | TickReport
     | PreviewReady
     | PreviewResult
     | MediaResult

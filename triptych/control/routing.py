@@ -93,7 +93,6 @@ class GenerationRouter:
             P.EncodeDone: self._on_encode_done,
             P.SlotsReserved: self._on_slots_reserved,
             P.PushDone: self._on_push_done,
-            P.Progress: self._on_progress,
             P.PreviewReady: self._on_preview_ready,
             P.PreviewResult: self._on_preview_result,
             P.DenoiseDone: self._on_denoise_done,
@@ -145,6 +144,17 @@ class GenerationRouter:
             logger.debug("dropped stale %s for %s g%d", type(msg).__name__, msg.request_id, msg.generation)
             return
         self._handlers[type(msg)](tr, msg)
+
+    def on_tick(self, report: P.TickReport) -> None:
+        """A denoiser's tick: each followed request's steps to its ``on_progress``."""
+        for p in report.progress:
+            tr = self.requests.get(p.request_id)
+            if tr is None:
+                self.counters.dropped_after_end += 1
+            elif tr.machine.generation != p.generation:
+                self.counters.dropped_stale += 1
+            elif tr.on_progress is not None and self._from(tr, "denoiser", report):
+                tr.on_progress(p.step, p.total)
 
     def instance_lost(self, instance_id: str, why: str) -> None:
         for tr in [t for t in self.requests.values() if instance_id in t.assigned.values()]:
@@ -282,10 +292,6 @@ class GenerationRouter:
         sender = "encoder" if m.handoff == "cond" else "denoiser"
         if self._from(tr, sender, m):
             self._uncharge(tr, sender)
-
-    def _on_progress(self, tr: Tracked, m: P.Progress) -> None:
-        if tr.on_progress is not None and self._from(tr, "denoiser", m):
-            tr.on_progress(m.step, m.total)
 
     def _on_preview_ready(self, tr: Tracked, m: P.PreviewReady) -> None:
         """Send the preview to the request's decoder; without a listener, the denoiser's copy is

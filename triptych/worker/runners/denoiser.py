@@ -61,14 +61,13 @@ class DenoiserRunner(StageRunner):
             job = self._jobs.pop(rid, None)
             if job is not None and port.owns(job):
                 port.fail(job, error, retryable=True)
-        for rid, step, total in out.progress:
-            job = self._jobs.get(rid)
-            if job is not None and _follows(job):
-                port.send(
-                    P.Progress(
-                        request_id=rid, generation=job.generation, instance_id=port.instance_id, step=step, total=total
-                    )
-                )
+        followed = tuple(
+            P.StepProgress(request_id=rid, generation=job.generation, step=step, total=total)
+            for rid, step, total in out.progress
+            if (job := self._jobs.get(rid)) is not None and _follows(job)
+        )
+        if followed:  # one message per tick, not one per request
+            port.send(P.TickReport(instance_id=port.instance_id, progress=followed))
         for rid, step, total, x0 in out.previews:
             job = self._jobs.get(rid)
             if job is None or not port.owns(job):
@@ -150,8 +149,8 @@ class DenoiserRunner(StageRunner):
 
 
 def _follows(job: Job) -> bool:
-    """Whether the head follows ``job``'s steps (a video job's progress, the CLI's bar): a step's
-    ``Progress`` is a signed control message through the head, ~20 per image nobody reads otherwise."""
+    """Whether the head follows ``job``'s steps (a video job's progress, the CLI's bar): its steps
+    go in each tick's ``TickReport``, a signed control message through the head nobody reads otherwise."""
     return isinstance(job.task, P.DenoiseTask) and job.task.progress
 
 

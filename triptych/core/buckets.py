@@ -1,0 +1,22 @@
+"""Fixed histogram buckets counted where the observations happen (a worker), so the head's
+histograms get every real observation's bucket, not a report window's mean (``control.metrics_hist``).
+
+Counts are per bucket, not cumulative: ``counts[i]`` observations fell in ``(bounds[i-1], bounds[i]]``
+and the last slot holds those above every bound (Prometheus' ``+Inf``)."""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Sequence
+
+
+def observe(counts: list[int], bounds: Sequence[float], value: float) -> None:
+    """Count ``value`` in its bucket; ``counts`` grows to ``len(bounds) + 1`` slots on first use."""
+    if len(counts) < len(bounds) + 1:
+        counts.extend([0] * (len(bounds) + 1 - len(counts)))
+    counts[bisect_left(bounds, value)] += 1
+
+
+def since(cur: Sequence[int], prev: Sequence[int]) -> list[int]:
+    """The counts added from ``prev`` to ``cur`` (an absent slot counts zero)."""
+    return [n - (prev[i] if i < len(prev) else 0) for i, n in enumerate(cur)]
