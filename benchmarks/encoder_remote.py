@@ -118,7 +118,10 @@ def main(n: int, warmup: int = 3) -> int:
     same = True
     for i, image in enumerate(distinct(n + warmup)):
         _, _, held = a.chat(f"a{i}", image)
-        hints = tuple(MMHint("enc-a", a.endpoint.address, "", im.mm_hash, im.spec) for im in held.images)
+        hints = tuple(
+            MMHint(holder="enc-a", address=a.endpoint.address, tenant="", mm_hash=im.mm_hash, spec=im.spec)
+            for im in held.images
+        )
         order = [(b, hints, "remote"), (c, (), "local")]
         for enc, h, mode in order if i % 2 else order[::-1]:
             embedding, step, done = enc.chat(f"x{i}", image, h)

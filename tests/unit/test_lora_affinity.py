@@ -21,7 +21,10 @@ from triptych.transfer.stats import TransferStats
 def den(name: str, loras=(), capacity: int = 4, held: int = 0) -> Instance:
     i = Instance(name, "denoiser", capacity, "ctl", "tcp://x", "zmq", 1, 0.0)
     i.stats = P.StatsReport(
-        instance_id=name, uptime_s=1.0, engine=EngineStats(lora_resident=list(loras)), transfer=TransferStats(backend="zmq")
+        instance_id=name,
+        uptime_s=1.0,
+        engine=EngineStats(lora_resident=list(loras)),
+        transfer=TransferStats(backend="zmq"),
     )
     for n in range(held):
         i.hold(f"{name}-r{n}")

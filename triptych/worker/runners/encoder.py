@@ -151,7 +151,7 @@ class EncoderRunner(StageRunner):
         """The embeddings the job's images have here, for the head's affinity (cross-encoder hits)."""
         if self.layer is None:
             return ()
-        return tuple(MMImage(key, TensorSpec.of(t)) for key, t in self.layer.held(holder(job)))
+        return tuple(MMImage(mm_hash=key, spec=TensorSpec.of(t)) for key, t in self.layer.held(holder(job)))
 
     def _vision_ready(self, job: Job) -> bool:
         return self.layer is None or self.layer.ready(holder(job))
