@@ -112,14 +112,14 @@ def test_mm_cache_counters_become_deltas_and_its_size_a_gauge():
         uptime_s=10.0,
         engine=None,
         transfer=transfer(0, 0, 0.0),
-        mm_cache=MMCacheStats(4, 2, 0, 0, 2, 1000),
+        mm_cache=MMCacheStats(hits=4, misses=2, bypassed=0, evictions=0, entries=2, nbytes=1000),
     )
     cur = P.StatsReport(
         instance_id="enc-m",
         uptime_s=12.0,
         engine=None,
         transfer=transfer(0, 0, 0.0),
-        mm_cache=MMCacheStats(9, 3, 0, 1, 2, 900),
+        mm_cache=MMCacheStats(hits=9, misses=3, bypassed=0, evictions=1, entries=2, nbytes=900),
     )
     w = stats_window("encoder", prev, cur)
     assert (w.mm_cache.hits, w.mm_cache.misses, w.mm_cache.evictions) == (5, 1, 1)
@@ -142,7 +142,16 @@ def test_chat_engine_counters_become_prefill_and_decode_series():
         engine=None,
         transfer=transfer(0, 0, 0.0),
         mm_cache=None,
-        chat=ChatEngineStats(100, 0, 1, 10, 10, 0, 1, 500),
+        chat=ChatEngineStats(
+            prefill_computed=100,
+            prefill_reused=0,
+            prefill_forwards=1,
+            decode_forwards=10,
+            decode_tokens=10,
+            prefix_evictions=0,
+            prefix_entries=1,
+            prefix_nbytes=500,
+        ),
     )
     cur = P.StatsReport(
         instance_id="enc-c",
@@ -150,7 +159,16 @@ def test_chat_engine_counters_become_prefill_and_decode_series():
         engine=None,
         transfer=transfer(0, 0, 0.0),
         mm_cache=None,
-        chat=ChatEngineStats(160, 140, 5, 30, 90, 1, 4, 2000),
+        chat=ChatEngineStats(
+            prefill_computed=160,
+            prefill_reused=140,
+            prefill_forwards=5,
+            decode_forwards=30,
+            decode_tokens=90,
+            prefix_evictions=1,
+            prefix_entries=4,
+            prefix_nbytes=2000,
+        ),
     )
     w = stats_window("encoder", prev, cur)
     assert (w.chat.prefill_computed, w.chat.prefill_reused, w.chat.decode_tokens) == (60, 140, 80)
@@ -175,18 +193,27 @@ def test_each_encoder_layer_tier_has_its_series_and_tower_forwards_are_counted()
         for r in ("hits", "misses")
     }
     forwards = sample("triptych_vision_tower_forwards_total")
-    prev = MMCacheStats(4, 2, 0, 0, 2, 1000, forwards=3, processor=TierStats(1, 1, 0, 0, 1, 50))
+    prev = MMCacheStats(
+        hits=4,
+        misses=2,
+        bypassed=0,
+        evictions=0,
+        entries=2,
+        nbytes=1000,
+        forwards=3,
+        processor=TierStats(hits=1, misses=1, evictions=0, not_stored=0, entries=1, nbytes=50),
+    )
     cur = MMCacheStats(
-        9,
-        3,
-        0,
-        1,
-        2,
-        900,
+        hits=9,
+        misses=3,
+        bypassed=0,
+        evictions=1,
+        entries=2,
+        nbytes=900,
         not_stored=2,
         forwards=5,
-        processor=TierStats(6, 2, 1, 0, 2, 80),
-        prefix=TierStats(3, 1, 0, 0, 1, 4096),
+        processor=TierStats(hits=6, misses=2, evictions=1, not_stored=0, entries=2, nbytes=80),
+        prefix=TierStats(hits=3, misses=1, evictions=0, not_stored=0, entries=1, nbytes=4096),
     )
     w = stats_window(
         "encoder",
