@@ -247,8 +247,7 @@ def test_step_and_push_histograms_hold_every_real_observation_not_a_windows_mean
     across two windows. A window's mean (2.4 s here) would have put all three ticks in one bucket."""
     from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-    from triptych.engine.stats import STEP_SECONDS_BOUNDS
-    from triptych.transfer.stats import PUSH_SECONDS_BOUNDS
+    from triptych.core.buckets import PUSH_SECONDS_BOUNDS, STEP_SECONDS_BOUNDS
 
     ticks, pushes = [0.003, 0.2, 7.0, 0.05], [0.0004, 0.03, 3.0]
     head = Metrics()

@@ -28,8 +28,7 @@ from prometheus_client.metrics_core import Metric
 from triptych.control.metrics_hist import ReportedHistogram
 from triptych.control.metrics_lora import LoraMetrics
 from triptych.control.metrics_remote import RemoteMetrics
-from triptych.engine.stats import STEP_SECONDS_BOUNDS
-from triptych.transfer.stats import PUSH_SECONDS_BOUNDS
+from triptych.core.buckets import PUSH_SECONDS_BOUNDS, STEP_SECONDS_BOUNDS
 
 if TYPE_CHECKING:
     from triptych.control.worker_stats import StatsWindow

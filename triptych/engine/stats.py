@@ -11,9 +11,6 @@ import msgspec
 
 from triptych.core import buckets
 
-#: Upper bounds (seconds) of the step-time buckets the engine counts each step in.
-STEP_SECONDS_BOUNDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
-
 
 class EngineStats(msgspec.Struct, kw_only=True):
     """A denoiser engine's counters: cumulative since the worker started (or a window's deltas)."""
@@ -24,7 +21,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     request_steps: int = 0  # denoising steps advanced, summed over requests
     skipped_rows: int = 0  # rows served from a cache (TeaCache) instead of the transformer
     step_seconds: float = 0.0  # wall time spent in the engine's execute()
-    #: ticks per step-time bucket (``STEP_SECONDS_BOUNDS``, then +Inf): each tick counted in its own
+    #: ticks per step-time bucket (``buckets.STEP_SECONDS_BOUNDS``, then +Inf): each tick counted in its own
     step_buckets: list[int] = msgspec.field(default_factory=list)
     batch_sizes: dict[int, int] = msgspec.field(default_factory=dict)  # requests in one tick → such ticks
     finished: int = 0  # requests that finished denoising
@@ -44,7 +41,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     def count_step(self, seconds: float) -> None:
         """One tick's wall time: summed and counted in its bucket."""
         self.step_seconds += seconds
-        buckets.observe(self.step_buckets, STEP_SECONDS_BOUNDS, seconds)
+        buckets.observe(self.step_buckets, buckets.STEP_SECONDS_BOUNDS, seconds)
 
     def count_batch(self, size: int) -> None:
         self.batch_sizes[size] = self.batch_sizes.get(size, 0) + 1

@@ -15,9 +15,6 @@ from triptych.core import buckets
 # NOTE: one lock for every endpoint's counters: increments are a few per transfer, never contended.
 _LOCK = threading.Lock()
 
-#: Upper bounds (seconds) of the push-latency buckets each completed push is counted in.
-PUSH_SECONDS_BOUNDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
-
 
 class TransferStats(msgspec.Struct, kw_only=True):
     """Monotonic counters of one endpoint (cumulative since it started, or a window's deltas)."""
@@ -33,7 +30,7 @@ class TransferStats(msgspec.Struct, kw_only=True):
     reservations: int = 0  # slots reserved on this (receiver) side
     cancels: int = 0  # reservations released by `cancel`
     reclaimed: int = 0  # reservations released because their peer died
-    #: completed pushes per latency bucket (``PUSH_SECONDS_BOUNDS``, then +Inf)
+    #: completed pushes per latency bucket (``buckets.PUSH_SECONDS_BOUNDS``, then +Inf)
     push_buckets: list[int] = msgspec.field(default_factory=list)
 
     def add(
@@ -62,7 +59,7 @@ class TransferStats(msgspec.Struct, kw_only=True):
             self.pushes_sent += 1
             self.bytes_sent += nbytes
             self.push_seconds += seconds
-            buckets.observe(self.push_buckets, PUSH_SECONDS_BOUNDS, seconds)
+            buckets.observe(self.push_buckets, buckets.PUSH_SECONDS_BOUNDS, seconds)
 
     def snapshot(self) -> TransferStats:
         """A consistent copy (the endpoint's threads keep counting into this one)."""

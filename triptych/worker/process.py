@@ -293,20 +293,17 @@ class Worker:
         if now < self._next_report:
             return
         self._next_report = now + self._hb_interval
-        transfer = self.endpoint.stats.snapshot()
         runner = self.runner
-        jobs = tuple((rid, job.generation) for rid, job in self.port.jobs.items())
-        self.send(
-            P.StatsReport(
-                instance_id=self.instance_id,
-                uptime_s=now - self._started,
-                engine=runner.engine_stats(),
-                transfer=transfer,
-                mm_cache=runner.cache_stats(),
-                chat=runner.chat_stats(),
-                jobs=jobs,
-            )
+        report = P.StatsReport(
+            instance_id=self.instance_id,
+            uptime_s=now - self._started,
+            engine=runner.engine_stats(),
+            transfer=self.endpoint.stats.snapshot(),
+            mm_cache=runner.cache_stats(),
+            chat=runner.chat_stats(),
+            jobs=tuple((rid, job.generation) for rid, job in self.port.jobs.items()),
         )
+        self.send(report)
 
     def _wake(self) -> None:
         try:
