@@ -64,11 +64,18 @@ def replay_probe(url: str, token: str, beats: int = 20) -> dict:
         send = real.sender._send
         real.sender._send = lambda f: (frames.append([bytes(x) for x in f]), send(f))
         register = P.Register(
-            "chaos-probe", "encoder", 1, "chaos-probe", "tcp://127.0.0.1:1", "zmq", backend["revision"], os.getpid()
+            instance_id="chaos-probe",
+            role="encoder",
+            capacity=1,
+            control="chaos-probe",
+            data="tcp://127.0.0.1:1",
+            transfer="zmq",
+            revision=backend["revision"],
+            pid=os.getpid(),
         )
         assert real.register(register, 30.0, on_skipped=lambda m: None).accepted
         for _ in range(beats):
-            real.send(P.Heartbeat("chaos-probe", 0, 1, 1, 0))
+            real.send(P.Heartbeat(instance_id="chaos-probe", active=0, free_slots=1, max_slots=1, engine_running=0))
         before = backend["stats"].get("replays_refused", 0)
         rogue = dealer(b"chaos-rogue")
         for f in frames[1:]:  # the Register and the heartbeats

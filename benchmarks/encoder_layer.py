@@ -57,12 +57,22 @@ def load(**config):
 
 def chat_task(rid, image, max_tokens):
     parts = [P.ChatPart(image=0), P.ChatPart(text="What is in this image?")]
-    return P.ChatTask(rid, 1, [P.ChatMessage("user", parts)], [wire.png_bytes(image)], max_tokens, 0.0, 1.0, 0, False)
+    return P.ChatTask(
+        request_id=rid,
+        generation=1,
+        messages=[P.ChatMessage(role="user", parts=parts)],
+        images_png=[wire.png_bytes(image)],
+        max_tokens=max_tokens,
+        temperature=0.0,
+        top_p=1.0,
+        seed=0,
+        stream=False,
+    )
 
 
 def edit_task(family, rid, image):
     p = family.resolve(GenerationParams(prompt="make the shape red", image=image, seed=0))
-    return P.EncodeTask(rid, 1, wire.params_to_wire(p), "den-0")
+    return P.EncodeTask(request_id=rid, generation=1, params=wire.params_to_wire(p), denoiser="den-0")
 
 
 def drain(runner):

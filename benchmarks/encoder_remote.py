@@ -72,7 +72,18 @@ class Encoder:
         """(seconds of the embedding, of the layer step that encodes the image, the answer)."""
         parts = [P.ChatPart(image=0), P.ChatPart(text="What is in this image?")]
         task = P.ChatTask(
-            rid, 1, [P.ChatMessage("user", parts)], [wire.png_bytes(image)], 4, 0.0, 1.0, 0, False, True, "", hints
+            request_id=rid,
+            generation=1,
+            messages=[P.ChatMessage(role="user", parts=parts)],
+            images_png=[wire.png_bytes(image)],
+            max_tokens=4,
+            temperature=0.0,
+            top_p=1.0,
+            seed=0,
+            stream=False,
+            ignore_eos=True,
+            tenant="",
+            mm_hints=hints,
         )
         self.runner.accept(task)
         self.encode_s.clear()
@@ -107,7 +118,10 @@ def main(n: int, warmup: int = 3) -> int:
     same = True
     for i, image in enumerate(distinct(n + warmup)):
         _, _, held = a.chat(f"a{i}", image)
-        hints = tuple(MMHint("enc-a", a.endpoint.address, "", im.mm_hash, im.spec) for im in held.images)
+        hints = tuple(
+            MMHint(holder="enc-a", address=a.endpoint.address, tenant="", mm_hash=im.mm_hash, spec=im.spec)
+            for im in held.images
+        )
         order = [(b, hints, "remote"), (c, (), "local")]
         for enc, h, mode in order if i % 2 else order[::-1]:
             embedding, step, done = enc.chat(f"x{i}", image, h)

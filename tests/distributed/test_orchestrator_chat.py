@@ -53,7 +53,16 @@ class Encoder:
         self.sock.connect(head.control_address)
         self.client = ControlClient(self.sock, self.key)
         register = P.Register(
-            instance_id, role, 2, instance_id, "tcp://127.0.0.1:1", "zmq", head.revision, 1, chat, chat_slots=chat_slots
+            instance_id=instance_id,
+            role=role,
+            capacity=2,
+            control=instance_id,
+            data="tcp://127.0.0.1:1",
+            transfer="zmq",
+            revision=head.revision,
+            pid=1,
+            chat=chat,
+            chat_slots=chat_slots,
         )
         assert self.client.register(register, 30.0, on_skipped=print).accepted
 
@@ -107,8 +116,18 @@ def test_chat_goes_to_a_chat_capable_encoder_and_streams_in_order(head):
     assert isinstance(task, P.ChatTask) and task.stream and task.messages[0].parts[0].text == "hello"
     assert plain.silent()
     for text in ("a", " red", " circle"):
-        vlm.send(P.ChatDelta("c1", task.generation, "enc-b", text))
-    vlm.send(P.ChatDone("c1", task.generation, "enc-b", "a red circle", 20, 4, "stop"))
+        vlm.send(P.ChatDelta(request_id="c1", generation=task.generation, instance_id="enc-b", text=text))
+    vlm.send(
+        P.ChatDone(
+            request_id="c1",
+            generation=task.generation,
+            instance_id="enc-b",
+            text="a red circle",
+            prompt_tokens=20,
+            completion_tokens=4,
+            finish_reason="stop",
+        )
+    )
     result = future.result(30)
     assert (result.text, result.prompt_tokens, result.completion_tokens, result.finish_reason) == (
         "a red circle",
@@ -134,11 +153,31 @@ def test_chats_take_the_encoders_chat_slots_not_its_encode_slots(head):
     (inst,) = [i for i in state["instances"] if i["id"] == "enc-a"]
     assert (inst["free"], inst["chat_free"]) == (2, 0)  # encodes still have both slots
     first = tasks[0]
-    vlm.send(P.ChatDone(first.request_id, first.generation, "enc-a", "ok", 5, 1, "stop"))
+    vlm.send(
+        P.ChatDone(
+            request_id=first.request_id,
+            generation=first.generation,
+            instance_id="enc-a",
+            text="ok",
+            prompt_tokens=5,
+            completion_tokens=1,
+            finish_reason="stop",
+        )
+    )
     ninth = vlm.next(P.ChatTask)
     assert ninth.request_id not in ids
     for t in (*tasks[1:], ninth):
-        vlm.send(P.ChatDone(t.request_id, t.generation, "enc-a", "ok", 5, 1, "stop"))
+        vlm.send(
+            P.ChatDone(
+                request_id=t.request_id,
+                generation=t.generation,
+                instance_id="enc-a",
+                text="ok",
+                prompt_tokens=5,
+                completion_tokens=1,
+                finish_reason="stop",
+            )
+        )
     assert all(f.result(30).text == "ok" for f in futures)
 
     old = Encoder(ctx, orch, "enc-b", chat=True)
@@ -149,9 +188,29 @@ def test_chats_take_the_encoders_chat_slots_not_its_encode_slots(head):
     tasks = [old.next(P.ChatTask) for _ in range(2)]
     assert old.silent()  # two encode slots: the third chat waits
     for t in tasks:
-        old.send(P.ChatDone(t.request_id, t.generation, "enc-b", "ok", 5, 1, "stop"))
+        old.send(
+            P.ChatDone(
+                request_id=t.request_id,
+                generation=t.generation,
+                instance_id="enc-b",
+                text="ok",
+                prompt_tokens=5,
+                completion_tokens=1,
+                finish_reason="stop",
+            )
+        )
     last = old.next(P.ChatTask)
-    old.send(P.ChatDone(last.request_id, last.generation, "enc-b", "ok", 5, 1, "stop"))
+    old.send(
+        P.ChatDone(
+            request_id=last.request_id,
+            generation=last.generation,
+            instance_id="enc-b",
+            text="ok",
+            prompt_tokens=5,
+            completion_tokens=1,
+            finish_reason="stop",
+        )
+    )
     assert all(f.result(30).text == "ok" for f in futures)
 
 
@@ -169,14 +228,34 @@ def test_a_dead_encoder_before_any_piece_retries_elsewhere_after_one_fails(head)
     loop.call_soon_threadsafe(orch.instance_dead, victim, "test: killed")
     retry = other.next(P.ChatTask)  # after a PeerDown about the victim
     assert retry.generation == task.generation + 1
-    other.send(P.ChatDone("c1", task.generation, other.id, "stale", 1, 1, "stop"))  # an older generation: dropped
-    other.send(P.ChatDone("c1", retry.generation, other.id, "fine", 20, 2, "stop"))
+    other.send(
+        P.ChatDone(
+            request_id="c1",
+            generation=task.generation,
+            instance_id=other.id,
+            text="stale",
+            prompt_tokens=1,
+            completion_tokens=1,
+            finish_reason="stop",
+        )
+    )  # an older generation: dropped
+    other.send(
+        P.ChatDone(
+            request_id="c1",
+            generation=retry.generation,
+            instance_id=other.id,
+            text="fine",
+            prompt_tokens=20,
+            completion_tokens=2,
+            finish_reason="stop",
+        )
+    )
     assert future.result(30).text == "fine"
 
     pieces: list[str] = []
     future = start_chat(loop, orch, "c2", pieces)
     task = other.next(P.ChatTask)
-    other.send(P.ChatDelta("c2", task.generation, other.id, "half"))
+    other.send(P.ChatDelta(request_id="c2", generation=task.generation, instance_id=other.id, text="half"))
     wait_for(lambda: pieces == ["half"], "the piece reached the caller")
     loop.call_soon_threadsafe(orch.instance_dead, other.id, "test: killed")
     with pytest.raises(StageFailed, match="part of the answer was sent"):
@@ -192,14 +271,14 @@ def test_worker_side_rule_break_is_the_users_error_and_cancel_frees_the_slot(hea
     assert not task.stream
     vlm.send(
         P.StageError(
-            "c1",
-            task.generation,
-            "enc-a",
-            "chat",
-            "InvalidParam",
-            "x",
-            False,
-            ("max_tokens", "4096", "must fit the model's context of 4096 tokens"),
+            request_id="c1",
+            generation=task.generation,
+            instance_id="enc-a",
+            stage="chat",
+            kind="InvalidParam",
+            message="x",
+            retryable=False,
+            invalid=("max_tokens", "4096", "must fit the model's context of 4096 tokens"),
         )
     )
     with pytest.raises(InvalidParam) as e:
@@ -241,7 +320,17 @@ def test_chats_waiting_for_an_encoder_count_in_the_encoder_pools_load(head):
     load = asyncio.run_coroutine_threadsafe(_load(orch), loop).result(10)
     assert (load.queue_depth, load.live) == (1, ("enc-a", "enc-b")) and 0 <= load.oldest_wait_s < 30
     for task in tasks:
-        vlm.send(P.ChatDone(task.request_id, task.generation, "enc-b", "ok", 1, 1, "stop"))
+        vlm.send(
+            P.ChatDone(
+                request_id=task.request_id,
+                generation=task.generation,
+                instance_id="enc-b",
+                text="ok",
+                prompt_tokens=1,
+                completion_tokens=1,
+                finish_reason="stop",
+            )
+        )
     third = vlm.next(P.ChatTask)
     deadline = time.monotonic() + 30
     while (
@@ -249,7 +338,17 @@ def test_chats_waiting_for_an_encoder_count_in_the_encoder_pools_load(head):
     ).queue_depth and time.monotonic() < deadline:
         time.sleep(0.05)
     assert load.queue_depth == 0 and load.oldest_wait_s == 0.0
-    vlm.send(P.ChatDone(third.request_id, third.generation, "enc-b", "ok", 1, 1, "stop"))
+    vlm.send(
+        P.ChatDone(
+            request_id=third.request_id,
+            generation=third.generation,
+            instance_id="enc-b",
+            text="ok",
+            prompt_tokens=1,
+            completion_tokens=1,
+            finish_reason="stop",
+        )
+    )
     assert [f.result(30).text for f in futures] == ["ok"] * 3
     plain.close()
 
@@ -275,7 +374,17 @@ def test_image_affinity_sends_an_image_back_to_the_encoder_that_holds_it_within_
         for w in workers.values():  # whoever got it answers
             if not w.silent(1.0):
                 task = w.next(P.ChatTask)
-                w.send(P.ChatDone(rid, task.generation, w.id, "ok", 20, 1, "stop"))
+                w.send(
+                    P.ChatDone(
+                        request_id=rid,
+                        generation=task.generation,
+                        instance_id=w.id,
+                        text="ok",
+                        prompt_tokens=20,
+                        completion_tokens=1,
+                        finish_reason="stop",
+                    )
+                )
                 future.result(30)
                 return w.id
         raise AssertionError("no encoder got the chat")

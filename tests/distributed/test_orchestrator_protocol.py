@@ -51,7 +51,14 @@ class FakeWorker:
         self.sock.connect(head.control_address)
         self.client = ControlClient(self.sock, self.key)
         register = P.Register(
-            instance_id, role, 2, instance_id, "tcp://127.0.0.1:1", "zmq", revision or head.revision, 1
+            instance_id=instance_id,
+            role=role,
+            capacity=2,
+            control=instance_id,
+            data="tcp://127.0.0.1:1",
+            transfer="zmq",
+            revision=revision or head.revision,
+            pid=1,
         )
         self.ack = self.client.register(register, 30.0, on_skipped=print)
 
@@ -89,9 +96,13 @@ def test_stale_and_malformed_messages_are_dropped_and_cancel_reaches_every_holde
     assert isinstance(task, P.EncodeTask) and task.denoiser == "denoiser-0" and task.generation == 1
 
     enc.client.sender.send(b"\xc1 not msgpack")
-    enc.send(P.EncodeDone("p-1", 7, "encoder-0", SPEC))  # a generation that does not exist
-    den.send(P.EncodeDone("p-1", 1, "denoiser-0", SPEC))  # right generation, wrong sender
-    enc.send(P.EncodeDone("p-1", 1, "encoder-0", SPEC))
+    enc.send(
+        P.EncodeDone(request_id="p-1", generation=7, instance_id="encoder-0", specs=SPEC)
+    )  # a generation that does not exist
+    den.send(
+        P.EncodeDone(request_id="p-1", generation=1, instance_id="denoiser-0", specs=SPEC)
+    )  # right generation, wrong sender
+    enc.send(P.EncodeDone(request_id="p-1", generation=1, instance_id="encoder-0", specs=SPEC))
     denoise = den.recv()
     assert isinstance(denoise, P.DenoiseTask) and denoise.source == "encoder-0" and denoise.decoder == "decoder-0"
     stats = on_loop(loop, orch.describe)["stats"]
@@ -130,9 +141,19 @@ def test_a_retry_avoids_the_instance_that_failed_the_request(head, model):
     asyncio.run_coroutine_threadsafe(orch.run(job(model[1], "r-2")), loop)
     b = _next(enc, P.EncodeTask)
     assert {a.denoiser, b.denoiser} == set(dens)  # round robin: r-2 went to the other one
-    enc.send(P.EncodeDone("r-1", 1, "encoder-0", SPEC))
+    enc.send(P.EncodeDone(request_id="r-1", generation=1, instance_id="encoder-0", specs=SPEC))
     _next(dens[a.denoiser], P.DenoiseTask)
-    dens[a.denoiser].send(P.StageError("r-1", 1, a.denoiser, "denoise", "OutOfMemoryError", "out of memory", True))
+    dens[a.denoiser].send(
+        P.StageError(
+            request_id="r-1",
+            generation=1,
+            instance_id=a.denoiser,
+            stage="denoise",
+            kind="OutOfMemoryError",
+            message="out of memory",
+            retryable=True,
+        )
+    )
     retry = _next(enc, P.EncodeTask)
     assert (retry.request_id, retry.generation) == ("r-1", 2)
     assert retry.denoiser == b.denoiser != a.denoiser  # round robin's turn was a.denoiser again
@@ -153,14 +174,23 @@ def test_a_worker_without_the_token_cannot_register_or_speak(head):
     rogue = ctx.socket(zmq.DEALER)
     rogue.setsockopt(zmq.LINGER, 0)
     rogue.connect(orch.control_address)
-    register = P.Register("den-rogue", "denoiser", 2, "den-rogue", "tcp://127.0.0.1:1", "zmq", orch.revision, 1)
+    register = P.Register(
+        instance_id="den-rogue",
+        role="denoiser",
+        capacity=2,
+        control="den-rogue",
+        data="tcp://127.0.0.1:1",
+        transfer="zmq",
+        revision=orch.revision,
+        pid=1,
+    )
     rogue.send(P.encode(register))
     assert rogue.poll(30_000)
     ack = P.decode_from_head(rogue.recv_multipart()[0])
     assert ack.accepted is False and "token" in ack.reason
     rogue.send_multipart(ControlKey("another-deployment-token").seal(P.encode(register)))
     assert rogue.poll(30_000) and P.decode_from_head(rogue.recv_multipart()[0]).accepted is False
-    beat = P.Heartbeat("den-rogue", 0, 4, 4, 0)
+    beat = P.Heartbeat(instance_id="den-rogue", active=0, free_slots=4, max_slots=4, engine_running=0)
     rogue.send_multipart(ControlKey("another-deployment-token").seal(P.encode(beat)))
     assert not rogue.poll(500)  # not a registration: nothing comes back
     desc = on_loop(loop, orch.describe)
@@ -187,7 +217,16 @@ def test_a_second_worker_reusing_an_instance_id_is_refused_at_once(head):
             self.client = ControlClient(self.sock, self.key)
 
     second = Second()
-    register = P.Register("denoiser-7", "denoiser", 2, "denoiser-7", "tcp://127.0.0.1:2", "zmq", orch.revision, 2)
+    register = P.Register(
+        instance_id="denoiser-7",
+        role="denoiser",
+        capacity=2,
+        control="denoiser-7",
+        data="tcp://127.0.0.1:2",
+        transfer="zmq",
+        revision=orch.revision,
+        pid=2,
+    )
     ack = second.client.register(register, 10.0, on_skipped=print)
     assert ack.accepted is False and "already registered" in ack.reason
     assert [i["pid"] for i in on_loop(loop, orch.describe)["instances"]] == [1]
@@ -196,8 +235,9 @@ def test_a_second_worker_reusing_an_instance_id_is_refused_at_once(head):
 
 @pytest.mark.parametrize("follow", [False, True])
 def test_a_denoiser_is_asked_for_step_progress_only_when_someone_follows_it(head, model, follow):
-    """Per-step ``Progress`` is asked for (``DenoiseTask.progress``) only when the caller passed
-    ``on_progress`` (a video job, the CLI's bar); when asked, each step reaches the caller."""
+    """Per-step progress is asked for (``DenoiseTask.progress``) only when the caller passed
+    ``on_progress`` (a video job, the CLI's bar); when asked, each step in a ``TickReport`` reaches
+    the caller, and entries of another generation or an ended request are counted and dropped."""
     orch, loop = head
     ctx = zmq.Context()
     enc, den, dec = (FakeWorker(ctx, orch, f"{r}-0", r) for r in ("encoder", "denoiser", "decoder"))
@@ -205,12 +245,19 @@ def test_a_denoiser_is_asked_for_step_progress_only_when_someone_follows_it(head
     on_progress = (lambda step, total: seen.append((step, total))) if follow else None
     pending = asyncio.run_coroutine_threadsafe(orch.run(job(model[1], "p-2"), on_progress), loop)
     assert isinstance(enc.recv(), P.EncodeTask)
-    enc.send(P.EncodeDone("p-2", 1, "encoder-0", SPEC))
+    enc.send(P.EncodeDone(request_id="p-2", generation=1, instance_id="encoder-0", specs=SPEC))
     denoise = _next(den, P.DenoiseTask)
     assert denoise.progress is follow
-    den.send(P.Progress("p-2", 1, "denoiser-0", 1, 2))
-    den.send(P.Progress("p-2", 1, "denoiser-0", 2, 2))
-    den.send(P.EncodeDone("p-2", 1, "denoiser-0", SPEC))  # wrong sender: dropped and counted, and sent last,
+    for step in (1, 2):  # one report per engine tick; the stale and the ended entries are dropped
+        progress = (
+            P.StepProgress(request_id="p-2", generation=1, step=step, total=2),
+            P.StepProgress(request_id="p-2", generation=0, step=step, total=2),
+            P.StepProgress(request_id="gone", generation=1, step=step, total=2),
+        )
+        den.send(P.TickReport(instance_id="denoiser-0", progress=progress))
+    den.send(
+        P.EncodeDone(request_id="p-2", generation=1, instance_id="denoiser-0", specs=SPEC)
+    )  # wrong sender: dropped and counted, and sent last,
     deadline = time.monotonic() + 30  # once it is counted, both Progress messages were handled
     while on_loop(loop, orch.describe)["stats"].get("dropped_misrouted", 0) < 1 and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -218,6 +265,8 @@ def test_a_denoiser_is_asked_for_step_progress_only_when_someone_follows_it(head
     with pytest.raises(Cancelled):
         pending.result(30)
     assert seen == ([(1, 2), (2, 2)] if follow else [])
+    stats = on_loop(loop, orch.describe)["stats"]
+    assert stats["dropped_stale"] == 2 and stats["dropped_after_end"] == 2
     ctx.destroy(linger=0)
 
 
@@ -273,17 +322,33 @@ def test_replayed_register_and_heartbeats_register_nothing_and_are_counted(head,
             self.sock.connect(orch.control_address)
             self.client = ControlClient(self.sock, self.key)
             self.tap = Recorder(self)
-            register = P.Register(instance_id, role, 2, instance_id, "tcp://127.0.0.1:1", "zmq", orch.revision, 1)
+            register = P.Register(
+                instance_id=instance_id,
+                role=role,
+                capacity=2,
+                control=instance_id,
+                data="tcp://127.0.0.1:1",
+                transfer="zmq",
+                revision=orch.revision,
+                pid=1,
+            )
             self.ack = self.client.register(register, 30.0, on_skipped=print)
 
     den = Captured("denoiser-0", "denoiser")
     enc, dec = FakeWorker(ctx, orch, "encoder-0", "encoder"), FakeWorker(ctx, orch, "decoder-0", "decoder")
     assert den.ack.accepted and enc.ack.accepted and dec.ack.accepted
     for _ in range(3):
-        den.send(P.Heartbeat("denoiser-0", 0, 4, 4, 0))
+        den.send(P.Heartbeat(instance_id="denoiser-0", active=0, free_slots=4, max_slots=4, engine_running=0))
     hello, register, *beats = den.tap.frames
     assert P.decode_any(register[1]) == P.Register(
-        "denoiser-0", "denoiser", 2, "denoiser-0", "tcp://127.0.0.1:1", "zmq", orch.revision, 1
+        instance_id="denoiser-0",
+        role="denoiser",
+        capacity=2,
+        control="denoiser-0",
+        data="tcp://127.0.0.1:1",
+        transfer="zmq",
+        revision=orch.revision,
+        pid=1,
     )
 
     # while the worker lives: another socket replays its frames
@@ -297,10 +362,10 @@ def test_replayed_register_and_heartbeats_register_nothing_and_are_counted(head,
     # ... and the real worker keeps working: a request reaches it, its heartbeats count
     pending = asyncio.run_coroutine_threadsafe(orch.run(job(model[1], "r-1")), loop)
     assert isinstance(_next(enc, P.EncodeTask), P.EncodeTask)
-    enc.send(P.EncodeDone("r-1", 1, "encoder-0", SPEC))
+    enc.send(P.EncodeDone(request_id="r-1", generation=1, instance_id="encoder-0", specs=SPEC))
     assert _next(den, P.DenoiseTask).request_id == "r-1"
     refused = _stat(loop, orch, "replays_refused")
-    den.send(P.Heartbeat("denoiser-0", 1, 3, 4, 1))
+    den.send(P.Heartbeat(instance_id="denoiser-0", active=1, free_slots=3, max_slots=4, engine_running=1))
     end = time.monotonic() + 30
     while time.monotonic() < end:
         reports = {i["id"]: i["report"] for i in on_loop(loop, orch.describe)["instances"]}
@@ -349,16 +414,20 @@ def test_a_job_a_worker_reports_that_the_head_does_not_hold_is_cancelled(head, m
     enc, den, dec = (FakeWorker(ctx, orch, f"{r}-0", r) for r in ("encoder", "denoiser", "decoder"))
     pending = asyncio.run_coroutine_threadsafe(orch.run(job(model[1], "live-1")), loop)
     _next(enc, P.EncodeTask)
-    enc.send(P.EncodeDone("live-1", 1, "encoder-0", SPEC))
+    enc.send(P.EncodeDone(request_id="live-1", generation=1, instance_id="encoder-0", specs=SPEC))
     _next(den, P.DenoiseTask)
-    transfer = P.TransferStats("zmq")
+    transfer = P.TransferStats(backend="zmq")
     held = (("live-1", 1), ("live-1", 0), ("gone-7", 3))  # the routed job, an older attempt, an unknown one
-    den.send(P.StatsReport("denoiser-0", 1.0, None, transfer, jobs=held))
+    den.send(P.StatsReport(instance_id="denoiser-0", uptime_s=1.0, engine=None, transfer=transfer, jobs=held))
     cancels = {(m.request_id, m.generation) for m in (_next(den, P.Cancel), _next(den, P.Cancel))}
     assert cancels == {("live-1", 0), ("gone-7", 3)}
     assert _stat(loop, orch, "orphans_cancelled") == 2
-    den.send(P.StatsReport("denoiser-0", 2.0, None, transfer, jobs=(("live-1", 1),)))
-    den.send(P.Heartbeat("denoiser-0", 1, 3, 4, 1))  # its answer, if any, would come before this one's none
+    den.send(
+        P.StatsReport(instance_id="denoiser-0", uptime_s=2.0, engine=None, transfer=transfer, jobs=(("live-1", 1),))
+    )
+    den.send(
+        P.Heartbeat(instance_id="denoiser-0", active=1, free_slots=3, max_slots=4, engine_running=1)
+    )  # its answer, if any, would come before this one's none
     assert not den.sock.poll(500) and _stat(loop, orch, "orphans_cancelled") == 2
     assert on_loop(loop, orch.describe)["requests"] == {"denoising": 1}
     asyncio.run_coroutine_threadsafe(orch.cancel("live-1"), loop).result(30)
@@ -389,7 +458,7 @@ def test_a_worker_declared_dead_is_asked_to_rejoin_on_its_control_socket(head):
             self.sock.connect(orch.control_address)
             self.client = ControlClient(self.sock, self.key)
             reg = P.Register(
-                "denoiser-3", "denoiser", 2, "denoiser-3", "tcp://127.0.0.1:1", "zmq", orch.revision, 3,
+                instance_id="denoiser-3", role="denoiser", capacity=2, control="denoiser-3", data="tcp://127.0.0.1:1", transfer="zmq", revision=orch.revision, pid=3,
                 channels=(b"denoiser-3#heartbeat",),
             )  # fmt: skip
             self.ack = self.client.register(reg, 30.0, on_skipped=print)
@@ -398,9 +467,13 @@ def test_a_worker_declared_dead_is_asked_to_rejoin_on_its_control_socket(head):
     assert den.ack.accepted
     beats.session = den.client.session
     on_loop(loop, lambda: orch.instance_dead("denoiser-3", "declared dead by the test"))
-    beats.send(P.encode(P.Heartbeat("denoiser-3", 0, 4, 4, 0)))
+    beats.send(P.encode(P.Heartbeat(instance_id="denoiser-3", active=0, free_slots=4, max_slots=4, engine_running=0)))
     _wait_stat(loop, orch, "from_unknown_instance", 1)
-    den.send(P.StatsReport("denoiser-3", 1.0, None, P.TransferStats("zmq"), None))
+    den.send(
+        P.StatsReport(
+            instance_id="denoiser-3", uptime_s=1.0, engine=None, transfer=P.TransferStats(backend="zmq"), mm_cache=None
+        )
+    )
     assert isinstance(_next(den, P.Rejoin), P.Rejoin)
     assert not beat_sock.poll(200)  # nothing was sent where nobody reads
     ctx.destroy(linger=0)
@@ -416,7 +489,11 @@ def test_a_worker_of_a_previous_head_is_asked_to_rejoin(head):
     sock.connect(orch.control_address)
     client = ControlClient(sock, ControlKey(orch.token))
     client.sender.session = bytes(range(16))  # issued by the head that died
-    client.send(P.StatsReport("encoder-9", 1.0, None, P.TransferStats("zmq"), None))
+    client.send(
+        P.StatsReport(
+            instance_id="encoder-9", uptime_s=1.0, engine=None, transfer=P.TransferStats(backend="zmq"), mm_cache=None
+        )
+    )
     assert sock.poll(30_000) and isinstance(client.recv(), P.Rejoin)
     assert _stat(loop, orch, "replays_refused") == 0
     ctx.destroy(linger=0)

@@ -257,6 +257,6 @@ def test_embedded_chat_on_the_encoder_shares_the_edit_cache_and_stops_when_the_c
         assert again.choices[0].message.content == reference
         health = httpx.get(f"{base}/health").json()
         stats = health["backend"]["stats"]
-        assert stats.get("ChatDone_after_end", 0) == 0, stats  # it never finished the 4000 tokens
+        assert stats.get("chat_done_after_end", 0) == 0, stats  # it never finished the 4000 tokens
         assert stats["chat_done"] == 3 and health["in_flight"] == 0
         assert all(not i["held"] for i in health["backend"]["instances"])

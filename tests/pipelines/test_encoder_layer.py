@@ -45,13 +45,25 @@ def images(n, name):
 
 def edit_task(family, rid, image, tenant=""):
     p = family.resolve(GenerationParams(prompt="make the shape red", image=image, seed=0, tenant=tenant))
-    return P.EncodeTask(rid, 1, wire.params_to_wire(p), "den-0"), p
+    return P.EncodeTask(request_id=rid, generation=1, params=wire.params_to_wire(p), denoiser="den-0"), p
 
 
 def chat_task(rid, pics, tenant="", max_tokens=4):
     parts = [P.ChatPart(image=i) for i in range(len(pics))] + [P.ChatPart(text="What is in this image?")]
-    msgs = [P.ChatMessage("user", parts)]
-    return P.ChatTask(rid, 1, msgs, [wire.png_bytes(im) for im in pics], max_tokens, 0.0, 1.0, 0, False, False, tenant)
+    msgs = [P.ChatMessage(role="user", parts=parts)]
+    return P.ChatTask(
+        request_id=rid,
+        generation=1,
+        messages=msgs,
+        images_png=[wire.png_bytes(im) for im in pics],
+        max_tokens=max_tokens,
+        temperature=0.0,
+        top_p=1.0,
+        seed=0,
+        stream=False,
+        ignore_eos=False,
+        tenant=tenant,
+    )
 
 
 def drain(runner, limit=500):

@@ -51,7 +51,15 @@ def test_an_edit_encoded_on_one_encoder_is_a_remote_hit_on_the_other(sides):
     affinity.held(keys, "enc-a", done.images)
     hints = affinity.hints(keys, "enc-b", {"enc-a": a.endpoint.address, "enc-b": b.endpoint.address})
     again, _ = edit_task(b.family, "e2", image)
-    b.runner.accept(P.EncodeTask(again.request_id, again.generation, again.params, again.denoiser, hints))
+    b.runner.accept(
+        P.EncodeTask(
+            request_id=again.request_id,
+            generation=again.generation,
+            params=again.params,
+            denoiser=again.denoiser,
+            mm_hints=hints,
+        )
+    )
     drain(b.runner)
     assert b.family.mm_cache.stats.forwards == 0 and b.remote.snapshot().hits == 1
     got = b.port.jobs["e2"].outgoing

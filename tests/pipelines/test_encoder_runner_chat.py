@@ -36,7 +36,9 @@ def test_concurrent_chats_share_each_forward_and_encodes_take_turns(family):
         runner.accept(wire.chat_to_wire(f"c{i}", 0, p, stream=True))
     encode = family.resolve(GenerationParams(prompt="a red square", seed=0))
     for i in range(2):
-        runner.accept(P.EncodeTask(f"e{i}", 0, wire.params_to_wire(encode), "den-0"))
+        runner.accept(
+            P.EncodeTask(request_id=f"e{i}", generation=0, params=wire.params_to_wire(encode), denoiser="den-0")
+        )
     order = []
     while runner.has_work():
         encodes, forwards = len(runner.ready), runner.engine.stats.decode_forwards

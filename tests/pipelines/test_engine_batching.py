@@ -149,7 +149,16 @@ def test_the_denoiser_worker_fails_an_evicted_request_as_retryable_and_keeps_ser
     runner = DenoiserRunner(family, Port(), EngineConfig(max_batch_requests=1))
     for rid in ("bad", "good"):
         p = _params(family, 0)
-        task = P.DenoiseTask(rid, 1, params_to_wire(p), {}, "e0", "dec0", 30.0, progress=True)
+        task = P.DenoiseTask(
+            request_id=rid,
+            generation=1,
+            params=params_to_wire(p),
+            specs={},
+            source="e0",
+            decoder="dec0",
+            reserve_timeout_s=30.0,
+            progress=True,
+        )
         runner.admit(Job(rid, 1, p, task=task), family.prepare(rid, p, family.encode(p)))
     real = family.forward
     monkeypatch.setattr(
@@ -161,7 +170,7 @@ def test_the_denoiser_worker_fails_an_evicted_request_as_retryable_and_keeps_ser
         runner.execute()
     assert failures == [("bad", True)]
     assert [m.request_id for m in sent if isinstance(m, P.DenoiseDone)] == ["good"]
-    progress = [m.request_id for m in sent if isinstance(m, P.Progress)]
+    progress = [p.request_id for m in sent if isinstance(m, P.TickReport) for p in m.progress]
     assert "bad" not in progress and progress.count("good") == _params(family, 0).steps
 
 

@@ -61,7 +61,20 @@ def params(family, i: int, lora):
 
 
 def admit(runner, family, rid: str, p) -> Job:
-    job = Job(rid, 1, p, task=P.DenoiseTask(rid, 1, params_to_wire(p), {}, "e0", "dec0", 30.0))
+    job = Job(
+        rid,
+        1,
+        p,
+        task=P.DenoiseTask(
+            request_id=rid,
+            generation=1,
+            params=params_to_wire(p),
+            specs={},
+            source="e0",
+            decoder="dec0",
+            reserve_timeout_s=30.0,
+        ),
+    )
     runner.admit(job, family.prepare(rid, p, family.encode(p)))
     return job
 
@@ -129,7 +142,20 @@ def test_an_adapter_that_cannot_fit_alone_fails_at_once_with_the_sizes(setup):
     runner = DenoiserRunner(family, port, EngineConfig(fuse_cfg=True))
     big = "a" if sizes["a"] > sizes["b"] else "b"
     p = params(family, 0, ((big, 1.0),))
-    job = Job("r", 1, p, task=P.DenoiseTask("r", 1, params_to_wire(p), {}, "e0", "dec0", 30.0))
+    job = Job(
+        "r",
+        1,
+        p,
+        task=P.DenoiseTask(
+            request_id="r",
+            generation=1,
+            params=params_to_wire(p),
+            specs={},
+            source="e0",
+            decoder="dec0",
+            reserve_timeout_s=30.0,
+        ),
+    )
     job.outgoing = family.encode(p).flat()
     runner.run(job)
     assert len(port.failed) == 1, port.failed

@@ -48,7 +48,7 @@ def test_hints_name_another_live_holder_of_the_reported_embeddings_within_the_te
 
     aff = ImageAffinity()
     one, two = picture(1), picture(2)
-    emb = MMImage("h1", TensorSpec("float32", (16, 64)))
+    emb = MMImage(mm_hash="h1", spec=TensorSpec("float32", (16, 64)))
     addresses = {"enc-a": "tcp://127.0.0.1:5001", "enc-b": "tcp://127.0.0.1:5002"}
     aff.held(aff.keys("t", [one]), "enc-a", (emb,))
     (hint,) = aff.hints(aff.keys("t", [one.copy(), two]), "enc-b", addresses)

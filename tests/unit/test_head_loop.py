@@ -54,7 +54,7 @@ def test_a_stall_of_the_head_is_not_counted_as_worker_silence(tiny_model_dir):
     assert orch.registry.instances["den-0"].last_seen == now - 4.0
     orch._excuse_stall(6.0)  # the loop was held 6 s: without the excuse den-0 is silent 10 s, declared dead
     assert orch.registry.silent(time.monotonic() + 2.0, 5.0) == []
-    assert orch.stats["head_stalls"] == 1
+    assert orch.counters.head_stalls == 1
 
 
 @pytest.mark.parametrize("size", [0, 1, 5, 3 * 1024 * 1024 + 1])

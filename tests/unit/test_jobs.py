@@ -87,7 +87,8 @@ def test_file_store_serves_until_expiry_then_sweeps(tmp_path):
 def test_metrics_update_from_stats_objects():
     metrics = Metrics()
     metrics.record_stage(StageStats("denoise", queue_wait_s=0.5, run_s=2.0))
-    transfer = TransferStats("zmq", pushes_sent=1, bytes_sent=1024, push_seconds=0.01)
+    transfer = TransferStats(backend="zmq")
+    transfer.count_push(1024, 0.01)
     metrics.record_worker_window(StatsWindow("den-0", "denoiser", 1.0, None, transfer))
     metrics.update_from_describe(
         {"instances": [{"role": "encoder", "state": "ready"}] * 2, "queues": {"encode": 3}}, head_in_flight=1

@@ -3,14 +3,15 @@ before the dispatch policy's own choice; otherwise the policy chooses as usual."
 
 from __future__ import annotations
 
-from collections import Counter
 from types import SimpleNamespace
 
 import pytest
 
 from triptych.control import protocol as P
 from triptych.control.attempts import Attempts
+from triptych.control.counters import LifecycleCounters
 from triptych.control.dispatch import Instance, MaxFreeSlots, RoundRobin
+from triptych.control.request_state import StateTimeouts
 from triptych.control.routing import GenerationRouter
 from triptych.engine.stats import EngineStats
 from triptych.families.types import GenerationParams
@@ -19,7 +20,12 @@ from triptych.transfer.stats import TransferStats
 
 def den(name: str, loras=(), capacity: int = 4, held: int = 0) -> Instance:
     i = Instance(name, "denoiser", capacity, "ctl", "tcp://x", "zmq", 1, 0.0)
-    i.stats = P.StatsReport(name, 1.0, EngineStats(lora_resident=list(loras)), TransferStats("zmq"))
+    i.stats = P.StatsReport(
+        instance_id=name,
+        uptime_s=1.0,
+        engine=EngineStats(lora_resident=list(loras)),
+        transfer=TransferStats(backend="zmq"),
+    )
     for n in range(held):
         i.hold(f"{name}-r{n}")
     return i
@@ -58,7 +64,16 @@ def test_the_router_prefers_the_holder_for_the_denoiser_only():
     pool = [den("a"), den("b", loras=["style"], held=3)]
     policies = {"denoiser": MaxFreeSlots(), "decoder": MaxFreeSlots()}
     registry = SimpleNamespace(policies=policies, pool=lambda role: pool, affinity=None)
-    router = GenerationRouter(registry, lambda *a: None, None, Counter(), None, 0, 0, 0.0)
+    router = GenerationRouter(
+        registry=registry,
+        send=lambda *a: None,
+        metrics=None,
+        counters=LifecycleCounters(),
+        timeouts=StateTimeouts(),
+        max_retries=0,
+        max_queued=1,
+        reserve_timeout_s=1.0,
+    )
     params = GenerationParams(prompt="x", lora=(("style", 1.0),))
     tr = SimpleNamespace(job=SimpleNamespace(params=params), attempts=Attempts())
     assert router._pick("denoiser", tr).instance_id == "b"

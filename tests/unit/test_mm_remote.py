@@ -27,7 +27,13 @@ class Encoder:
 
     def hint_for(self, key: str, tensor: torch.Tensor, tenant: str = "") -> MMHint:
         """What the head would send another encoder about this encoder's entry ``key``."""
-        return MMHint(self.endpoint.instance_id, self.endpoint.address, tenant, key, TensorSpec.of(tensor))
+        return MMHint(
+            holder=self.endpoint.instance_id,
+            address=self.endpoint.address,
+            tenant=tenant,
+            mm_hash=key,
+            spec=TensorSpec.of(tensor),
+        )
 
     def idle(self) -> bool:
         return self.endpoint.idle() and self.endpoint.lending.running == 0 and self.cache.store.holder_count() == 0
@@ -96,7 +102,13 @@ def test_another_token_count_or_tenant_never_moves_a_byte(pair):
     a, b = pair
     img, want, key = encoded_on_a(a)
     hint = a.hint_for(key, want)
-    wrong = MMHint(hint.holder, hint.address, "", key, TensorSpec(hint.spec.dtype, (hint.tokens + 1, want.shape[1])))
+    wrong = MMHint(
+        holder=hint.holder,
+        address=hint.address,
+        tenant="",
+        mm_hash=key,
+        spec=TensorSpec(hint.spec.dtype, (hint.tokens + 1, want.shape[1])),
+    )
     b.remote.hint("r1", "", [wrong])
     assert torch.equal(call(b.enc, img), want) and b.enc.calls == 1
     assert b.remote.snapshot().tokens == 1 and a.endpoint.stats.snapshot().pushes_sent == 0

@@ -48,10 +48,31 @@ class Family:
 
 
 def preview_task(index):
-    return P.PreviewTask("r1", 1, WIRE, index, index + 1, 4, SPEC, "den-0", "png", None, 30.0)
+    return P.PreviewTask(
+        request_id="r1",
+        generation=1,
+        params=WIRE,
+        index=index,
+        step=index + 1,
+        total=4,
+        specs=SPEC,
+        source="den-0",
+        output_format="png",
+        quality=None,
+        reserve_timeout_s=30.0,
+    )
 
 
-DECODE = P.DecodeTask("r1", 1, WIRE, SPEC, "den-0", "png", 16, 30.0)
+DECODE = P.DecodeTask(
+    request_id="r1",
+    generation=1,
+    params=WIRE,
+    specs=SPEC,
+    source="den-0",
+    output_format="png",
+    fps=16,
+    reserve_timeout_s=30.0,
+)
 
 
 @pytest.fixture
@@ -95,7 +116,16 @@ def test_abort_forgets_previews_and_a_new_generation_starts_clean(runner):
     runner.port.jobs.pop("r1")
     runner.abort(job)
     assert not runner.has_work()
-    retry = P.DecodeTask("r1", 2, WIRE, SPEC, "den-0", "png", 16, 30.0)
+    retry = P.DecodeTask(
+        request_id="r1",
+        generation=2,
+        params=WIRE,
+        specs=SPEC,
+        source="den-0",
+        output_format="png",
+        fps=16,
+        reserve_timeout_s=30.0,
+    )
     runner.accept(retry)
     runner.arrived(runner.port.jobs["r1"], {"latents": torch.ones(1, 1)})
     assert drain(runner) == ["MediaResult"]

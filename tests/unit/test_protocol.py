@@ -27,53 +27,172 @@ REF = TensorRef(
 )
 WIRE = wire.params_to_wire(GenerationParams("a cat", height=32, width=32, frames=1, steps=2, guidance=3.5, seed=7))
 SPEC = {"latents": P.TensorSpec("float32", (1, 16, 64))}
-ENGINE = EngineStats(10, 12, 24, 30, 2, 0.5, {1: 4, 3: 6}, 5, 1)
-TRANSFER = TransferStats("zmq", 5, 4096, 0.02, 3, 2048, 0, 0)
+ENGINE = EngineStats(
+    steps=10,
+    forwards=12,
+    rows=24,
+    request_steps=30,
+    skipped_rows=2,
+    step_seconds=0.5,
+    step_buckets=[0, 3, 7] + [0] * 14,
+    batch_sizes={1: 4, 3: 6},
+    finished=5,
+    aborted=1,
+)
+TRANSFER = TransferStats(
+    backend="zmq",
+    pushes_sent=5,
+    bytes_sent=4096,
+    push_seconds=0.02,
+    pushes_received=3,
+    bytes_received=2048,
+    push_buckets=[1, 4] + [0] * 11,
+)
 
 MESSAGES = [
-    P.Register("enc-0", "encoder", 4, "enc-0", "tcp://127.0.0.1:1", "zmq", "abc", 123),
-    P.Heartbeat("den-0", 1, 63, 64, 1),
-    P.StatsReport("den-0", 12.5, ENGINE, TRANSFER),
-    P.StatsReport("enc-0", 3.0, None, TRANSFER),
-    P.EncodeDone("r1", 1, "enc-0", SPEC),
-    P.DenoiseDone("r1", 2, "den-0", SPEC),
-    P.SlotsReserved("r1", 1, "den-0", "cond", {"cond.prompt_embeds": REF}),
-    P.PushDone("r1", 1, "enc-0", "latents"),
-    P.Progress("r1", 1, "den-0", 2, 4),
-    P.MediaResult("r1", 1, "dec-0", b"\x89PNG...", "png"),
-    P.PreviewReady("r1", 1, "den-0", 0, 2, 4, SPEC),
-    P.PreviewResult("r1", 1, "dec-0", 1, 3, 4, b"\x89PNG...", "png"),
-    P.SlotsReserved("r1", 1, "dec-0", "preview2", {"latents": REF}),
-    P.StageError("r1", 1, "dec-0", "decode", "RuntimeError", "boom", False),
+    P.Register(
+        instance_id="enc-0",
+        role="encoder",
+        capacity=4,
+        control="enc-0",
+        data="tcp://127.0.0.1:1",
+        transfer="zmq",
+        revision="abc",
+        pid=123,
+    ),
+    P.Heartbeat(instance_id="den-0", active=1, free_slots=63, max_slots=64, engine_running=1),
+    P.StatsReport(instance_id="den-0", uptime_s=12.5, engine=ENGINE, transfer=TRANSFER),
+    P.StatsReport(instance_id="enc-0", uptime_s=3.0, engine=None, transfer=TRANSFER),
+    P.EncodeDone(request_id="r1", generation=1, instance_id="enc-0", specs=SPEC),
+    P.DenoiseDone(request_id="r1", generation=2, instance_id="den-0", specs=SPEC),
+    P.SlotsReserved(
+        request_id="r1", generation=1, instance_id="den-0", handoff="cond", refs={"cond.prompt_embeds": REF}
+    ),
+    P.PushDone(request_id="r1", generation=1, instance_id="enc-0", handoff="latents"),
+    P.TickReport(
+        instance_id="den-0",
+        progress=(
+            P.StepProgress(request_id="r1", generation=1, step=2, total=4),
+            P.StepProgress(request_id="r2", generation=3, step=1, total=20),
+        ),
+    ),
+    P.MediaResult(request_id="r1", generation=1, instance_id="dec-0", data=b"\x89PNG...", output_format="png"),
+    P.PreviewReady(request_id="r1", generation=1, instance_id="den-0", index=0, step=2, total=4, specs=SPEC),
+    P.PreviewResult(
+        request_id="r1",
+        generation=1,
+        instance_id="dec-0",
+        index=1,
+        step=3,
+        total=4,
+        data=b"\x89PNG...",
+        output_format="png",
+    ),
+    P.SlotsReserved(request_id="r1", generation=1, instance_id="dec-0", handoff="preview2", refs={"latents": REF}),
     P.StageError(
-        "c1", 0, "enc-0", "chat", "InvalidParam", "too long", False, ("max_tokens", "4096", "fit the context")
+        request_id="r1",
+        generation=1,
+        instance_id="dec-0",
+        stage="decode",
+        kind="RuntimeError",
+        message="boom",
+        retryable=False,
     ),
-    P.Register("enc-1", "encoder", 4, "enc-1", "tcp://127.0.0.1:2", "zmq", "abc", 124, True),
-    P.ChatDelta("c1", 0, "enc-0", " circle"),
-    P.ChatDone("c1", 0, "enc-0", "a red circle", 43, 12, "stop"),
+    P.StageError(
+        request_id="c1",
+        generation=0,
+        instance_id="enc-0",
+        stage="chat",
+        kind="InvalidParam",
+        message="too long",
+        retryable=False,
+        invalid=("max_tokens", "4096", "fit the context"),
+    ),
+    P.Register(
+        instance_id="enc-1",
+        role="encoder",
+        capacity=4,
+        control="enc-1",
+        data="tcp://127.0.0.1:2",
+        transfer="zmq",
+        revision="abc",
+        pid=124,
+        chat=True,
+    ),
+    P.ChatDelta(request_id="c1", generation=0, instance_id="enc-0", text=" circle"),
+    P.ChatDone(
+        request_id="c1",
+        generation=0,
+        instance_id="enc-0",
+        text="a red circle",
+        prompt_tokens=43,
+        completion_tokens=12,
+        finish_reason="stop",
+    ),
     P.ChatTask(
-        "c1",
-        0,
-        [P.ChatMessage("user", [P.ChatPart(image=0), P.ChatPart(text="hi")])],
-        [b"\x89PNG"],
-        16,
-        0.0,
-        1.0,
-        5,
-        True,
+        request_id="c1",
+        generation=0,
+        messages=[P.ChatMessage(role="user", parts=[P.ChatPart(image=0), P.ChatPart(text="hi")])],
+        images_png=[b"\x89PNG"],
+        max_tokens=16,
+        temperature=0.0,
+        top_p=1.0,
+        seed=5,
+        stream=True,
     ),
-    P.RegisterAck("enc-0", False, "revision differs", 0.5),
-    P.EncodeTask("r1", 1, WIRE, "den-0"),
-    P.DenoiseTask("r1", 1, WIRE, SPEC, "enc-0", "dec-0", 30.0),
-    P.DenoiseTask("r1", 1, WIRE, SPEC, "enc-0", "dec-0", 30.0, previews=3),
-    P.DenoiseTask("r1", 1, WIRE, SPEC, "enc-0", "dec-0", 30.0, progress=True),
-    P.PreviewTask("r1", 1, WIRE, 1, 3, 4, SPEC, "den-0", "webp", 80, 30.0),
-    P.PushTask("r1", 1, "preview0", {"latents": REF}),
-    P.DecodeTask("r1", 1, WIRE, SPEC, "den-0", "png", 16, 30.0),
-    P.PushTask("r1", 1, "cond", {"x": REF}),
-    P.Cancel("r1", 3, "client disconnected"),
-    P.PeerDown("den-1"),
-    P.Shutdown("bye"),
+    P.RegisterAck(instance_id="enc-0", accepted=False, reason="revision differs", heartbeat_interval_s=0.5),
+    P.EncodeTask(request_id="r1", generation=1, params=WIRE, denoiser="den-0"),
+    P.DenoiseTask(
+        request_id="r1", generation=1, params=WIRE, specs=SPEC, source="enc-0", decoder="dec-0", reserve_timeout_s=30.0
+    ),
+    P.DenoiseTask(
+        request_id="r1",
+        generation=1,
+        params=WIRE,
+        specs=SPEC,
+        source="enc-0",
+        decoder="dec-0",
+        reserve_timeout_s=30.0,
+        previews=3,
+    ),
+    P.DenoiseTask(
+        request_id="r1",
+        generation=1,
+        params=WIRE,
+        specs=SPEC,
+        source="enc-0",
+        decoder="dec-0",
+        reserve_timeout_s=30.0,
+        progress=True,
+    ),
+    P.PreviewTask(
+        request_id="r1",
+        generation=1,
+        params=WIRE,
+        index=1,
+        step=3,
+        total=4,
+        specs=SPEC,
+        source="den-0",
+        output_format="webp",
+        quality=80,
+        reserve_timeout_s=30.0,
+    ),
+    P.PushTask(request_id="r1", generation=1, handoff="preview0", refs={"latents": REF}),
+    P.DecodeTask(
+        request_id="r1",
+        generation=1,
+        params=WIRE,
+        specs=SPEC,
+        source="den-0",
+        output_format="png",
+        fps=16,
+        reserve_timeout_s=30.0,
+    ),
+    P.PushTask(request_id="r1", generation=1, handoff="cond", refs={"x": REF}),
+    P.Cancel(request_id="r1", generation=3, reason="client disconnected"),
+    P.PeerDown(instance_id="den-1"),
+    P.Shutdown(reason="bye"),
 ]
 
 
@@ -84,9 +203,11 @@ def test_round_trip(msg):
 
 def test_direction_is_enforced():
     with pytest.raises(P.ProtocolError):
-        P.decode_from_worker(P.encode(P.Cancel("r1", 1, "x")))
+        P.decode_from_worker(P.encode(P.Cancel(request_id="r1", generation=1, reason="x")))
     with pytest.raises(P.ProtocolError):
-        P.decode_from_head(P.encode(P.Heartbeat("den-0", 1, 1, 1, 0)))
+        P.decode_from_head(
+            P.encode(P.Heartbeat(instance_id="den-0", active=1, free_slots=1, max_slots=1, engine_running=0))
+        )
 
 
 @pytest.mark.parametrize(
@@ -98,7 +219,7 @@ def test_direction_is_enforced():
         msgspec.msgpack.encode({"type": "cancel", "request_id": "r1"}),  # generation missing
         msgspec.msgpack.encode({"type": "cancel", "request_id": "r1", "generation": "1", "reason": "x"}),
         msgspec.msgpack.encode(["cancel", "r1", 1, "x"]),
-        pickle.dumps(P.Shutdown("x")),
+        pickle.dumps(P.Shutdown(reason="x")),
     ],
 )
 def test_malformed_or_unknown_frames_are_rejected(frame):
@@ -107,7 +228,7 @@ def test_malformed_or_unknown_frames_are_rejected(frame):
 
 
 def test_a_preview_handoff_past_the_third_is_rejected():
-    frame = P.encode(P.PushTask("r1", 1, "preview2", {}))
+    frame = P.encode(P.PushTask(request_id="r1", generation=1, handoff="preview2", refs={}))
     with pytest.raises(P.ProtocolError):
         P.decode_from_head(frame.replace(b"preview2", b"preview3"))
 

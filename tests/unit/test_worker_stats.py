@@ -14,11 +14,20 @@ metrics = Metrics()  # this module's own registry
 
 
 def engine(steps: int, request_steps: int, seconds: float, sizes: dict[int, int], skipped: int = 0) -> EngineStats:
-    return EngineStats(steps, steps, steps, request_steps, skipped, seconds, sizes, 0, 0)
+    """``steps`` ticks of ``seconds`` in all, as an engine counts them (each in its time bucket)."""
+    stats = EngineStats(forwards=steps, rows=steps, request_steps=request_steps, skipped_rows=skipped)
+    for _ in range(steps):
+        stats.count_step(seconds / steps)
+    stats.steps, stats.batch_sizes = steps, sizes
+    return stats
 
 
 def transfer(pushes: int, nbytes: int, seconds: float) -> TransferStats:
-    return TransferStats("zmq", pushes, nbytes, seconds, 0, 0, 0, 0)
+    """``pushes`` pushes of ``nbytes`` and ``seconds`` in all, as a sender counts them."""
+    stats = TransferStats(backend="zmq")
+    for _ in range(pushes):
+        stats.count_push(nbytes // pushes, seconds / pushes)
+    return stats
 
 
 def sample(name: str, labels: str = "") -> float:
@@ -29,14 +38,23 @@ def sample(name: str, labels: str = "") -> float:
 
 
 def test_first_report_is_the_whole_window_without_a_rate():
-    cur = P.StatsReport("den-x", 30.0, engine(4, 6, 0.4, {1: 2, 2: 2}), transfer(2, 100, 0.01))
+    cur = P.StatsReport(
+        instance_id="den-x", uptime_s=30.0, engine=engine(4, 6, 0.4, {1: 2, 2: 2}), transfer=transfer(2, 100, 0.01)
+    )
     w = stats_window("denoiser", None, cur)
     assert w.seconds == 0.0 and w.engine == cur.engine and w.transfer == cur.transfer
 
 
 def test_window_is_the_difference_of_consecutive_reports():
-    prev = P.StatsReport("den-x", 10.0, engine(4, 6, 0.4, {1: 2, 2: 2}), transfer(2, 100, 0.01))
-    cur = P.StatsReport("den-x", 12.0, engine(7, 14, 0.7, {1: 2, 2: 3, 3: 2}, skipped=3), transfer(5, 400, 0.04))
+    prev = P.StatsReport(
+        instance_id="den-x", uptime_s=10.0, engine=engine(4, 6, 0.4, {1: 2, 2: 2}), transfer=transfer(2, 100, 0.01)
+    )
+    cur = P.StatsReport(
+        instance_id="den-x",
+        uptime_s=12.0,
+        engine=engine(7, 14, 0.7, {1: 2, 2: 3, 3: 2}, skipped=3),
+        transfer=transfer(5, 400, 0.04),
+    )
     w = stats_window("denoiser", prev, cur)
     assert w.seconds == 2.0
     assert w.engine.steps == 3 and w.engine.request_steps == 8 and w.engine.skipped_rows == 3
@@ -45,8 +63,12 @@ def test_window_is_the_difference_of_consecutive_reports():
 
 
 def test_a_restarted_worker_counts_from_zero():
-    prev = P.StatsReport("den-x", 100.0, engine(50, 50, 5.0, {1: 50}), transfer(9, 900, 0.1))
-    cur = P.StatsReport("den-x", 3.0, engine(2, 2, 0.2, {1: 2}), transfer(1, 10, 0.01))
+    prev = P.StatsReport(
+        instance_id="den-x", uptime_s=100.0, engine=engine(50, 50, 5.0, {1: 50}), transfer=transfer(9, 900, 0.1)
+    )
+    cur = P.StatsReport(
+        instance_id="den-x", uptime_s=3.0, engine=engine(2, 2, 0.2, {1: 2}), transfer=transfer(1, 10, 0.01)
+    )
     w = stats_window("denoiser", prev, cur)
     assert w.engine == cur.engine and w.transfer == cur.transfer and w.seconds == 3.0
 
@@ -61,8 +83,15 @@ def test_windows_feed_the_denoiser_and_transfer_series():
         "bytes": sample("triptych_transfer_bytes_total", '{backend="zmq"}'),
         "pushes": sample("triptych_transfer_latency_seconds_count", '{backend="zmq"}'),
     }
-    prev = P.StatsReport("den-m", 10.0, engine(4, 6, 0.4, {1: 2, 2: 2}), transfer(2, 100, 0.01))
-    cur = P.StatsReport("den-m", 12.0, engine(7, 14, 0.7, {1: 2, 2: 3, 3: 2}, skipped=3), transfer(5, 400, 0.04))
+    prev = P.StatsReport(
+        instance_id="den-m", uptime_s=10.0, engine=engine(4, 6, 0.4, {1: 2, 2: 2}), transfer=transfer(2, 100, 0.01)
+    )
+    cur = P.StatsReport(
+        instance_id="den-m",
+        uptime_s=12.0,
+        engine=engine(7, 14, 0.7, {1: 2, 2: 3, 3: 2}, skipped=3),
+        transfer=transfer(5, 400, 0.04),
+    )
     metrics.record_worker_window(stats_window("denoiser", prev, cur))
     assert sample("triptych_denoiser_batch_size_bucket", '{le="3.0"}') - before["b3"] == 3  # one 2, two 3s
     assert sample("triptych_denoiser_batch_size_bucket", '{le="2.0"}') - before["b2"] == 1
@@ -78,8 +107,20 @@ def test_windows_feed_the_denoiser_and_transfer_series():
 
 def test_mm_cache_counters_become_deltas_and_its_size_a_gauge():
     before = {r: sample("triptych_mm_cache_lookups_total", f'{{result="{r}"}}') for r in ("hits", "misses")}
-    prev = P.StatsReport("enc-m", 10.0, None, transfer(0, 0, 0.0), MMCacheStats(4, 2, 0, 0, 2, 1000))
-    cur = P.StatsReport("enc-m", 12.0, None, transfer(0, 0, 0.0), MMCacheStats(9, 3, 0, 1, 2, 900))
+    prev = P.StatsReport(
+        instance_id="enc-m",
+        uptime_s=10.0,
+        engine=None,
+        transfer=transfer(0, 0, 0.0),
+        mm_cache=MMCacheStats(hits=4, misses=2, bypassed=0, evictions=0, entries=2, nbytes=1000),
+    )
+    cur = P.StatsReport(
+        instance_id="enc-m",
+        uptime_s=12.0,
+        engine=None,
+        transfer=transfer(0, 0, 0.0),
+        mm_cache=MMCacheStats(hits=9, misses=3, bypassed=0, evictions=1, entries=2, nbytes=900),
+    )
     w = stats_window("encoder", prev, cur)
     assert (w.mm_cache.hits, w.mm_cache.misses, w.mm_cache.evictions) == (5, 1, 1)
     assert (w.mm_cache.entries, w.mm_cache.nbytes) == (2, 900)  # levels: the latest, not a difference
@@ -95,9 +136,39 @@ def test_chat_engine_counters_become_prefill_and_decode_series():
     kinds = ("computed", "reused")
     before = {k: sample("triptych_chat_prefill_tokens_total", f'{{kind="{k}"}}') for k in kinds}
     forwards, tokens = sample("triptych_chat_decode_forwards_total"), sample("triptych_chat_decode_tokens_total")
-    prev = P.StatsReport("enc-c", 10.0, None, transfer(0, 0, 0.0), None, ChatEngineStats(100, 0, 1, 10, 10, 0, 1, 500))
+    prev = P.StatsReport(
+        instance_id="enc-c",
+        uptime_s=10.0,
+        engine=None,
+        transfer=transfer(0, 0, 0.0),
+        mm_cache=None,
+        chat=ChatEngineStats(
+            prefill_computed=100,
+            prefill_reused=0,
+            prefill_forwards=1,
+            decode_forwards=10,
+            decode_tokens=10,
+            prefix_evictions=0,
+            prefix_entries=1,
+            prefix_nbytes=500,
+        ),
+    )
     cur = P.StatsReport(
-        "enc-c", 12.0, None, transfer(0, 0, 0.0), None, ChatEngineStats(160, 140, 5, 30, 90, 1, 4, 2000)
+        instance_id="enc-c",
+        uptime_s=12.0,
+        engine=None,
+        transfer=transfer(0, 0, 0.0),
+        mm_cache=None,
+        chat=ChatEngineStats(
+            prefill_computed=160,
+            prefill_reused=140,
+            prefill_forwards=5,
+            decode_forwards=30,
+            decode_tokens=90,
+            prefix_evictions=1,
+            prefix_entries=4,
+            prefix_nbytes=2000,
+        ),
     )
     w = stats_window("encoder", prev, cur)
     assert (w.chat.prefill_computed, w.chat.prefill_reused, w.chat.decode_tokens) == (60, 140, 80)
@@ -122,23 +193,32 @@ def test_each_encoder_layer_tier_has_its_series_and_tower_forwards_are_counted()
         for r in ("hits", "misses")
     }
     forwards = sample("triptych_vision_tower_forwards_total")
-    prev = MMCacheStats(4, 2, 0, 0, 2, 1000, forwards=3, processor=TierStats(1, 1, 0, 0, 1, 50))
+    prev = MMCacheStats(
+        hits=4,
+        misses=2,
+        bypassed=0,
+        evictions=0,
+        entries=2,
+        nbytes=1000,
+        forwards=3,
+        processor=TierStats(hits=1, misses=1, evictions=0, not_stored=0, entries=1, nbytes=50),
+    )
     cur = MMCacheStats(
-        9,
-        3,
-        0,
-        1,
-        2,
-        900,
+        hits=9,
+        misses=3,
+        bypassed=0,
+        evictions=1,
+        entries=2,
+        nbytes=900,
         not_stored=2,
         forwards=5,
-        processor=TierStats(6, 2, 1, 0, 2, 80),
-        prefix=TierStats(3, 1, 0, 0, 1, 4096),
+        processor=TierStats(hits=6, misses=2, evictions=1, not_stored=0, entries=2, nbytes=80),
+        prefix=TierStats(hits=3, misses=1, evictions=0, not_stored=0, entries=1, nbytes=4096),
     )
     w = stats_window(
         "encoder",
-        P.StatsReport("enc-t", 10.0, None, transfer(0, 0, 0.0), prev),
-        P.StatsReport("enc-t", 12.0, None, transfer(0, 0, 0.0), cur),
+        P.StatsReport(instance_id="enc-t", uptime_s=10.0, engine=None, transfer=transfer(0, 0, 0.0), mm_cache=prev),
+        P.StatsReport(instance_id="enc-t", uptime_s=12.0, engine=None, transfer=transfer(0, 0, 0.0), mm_cache=cur),
     )
     metrics.record_worker_window(w)
     got = {
@@ -159,3 +239,44 @@ def test_each_encoder_layer_tier_has_its_series_and_tower_forwards_are_counted()
     assert sample("triptych_encoder_cache_evictions_total", '{reason="not_stored",tier="embedding"}') >= 2
     metrics.forget_instance("enc-t")
     assert 'instance="enc-t"' not in metrics.render().decode()
+
+
+def test_step_and_push_histograms_hold_every_real_observation_not_a_windows_mean():
+    """Each tick's and each push's time is counted in its bucket on the worker; the head's histogram
+    then equals a prometheus_client Histogram that observed every value itself (buckets, sum, count),
+    across two windows. A window's mean (2.4 s here) would have put all three ticks in one bucket."""
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from triptych.core.buckets import PUSH_SECONDS_BOUNDS, STEP_SECONDS_BOUNDS
+
+    ticks, pushes = [0.003, 0.2, 7.0, 0.05], [0.0004, 0.03, 3.0]
+    head = Metrics()
+    reference = CollectorRegistry()
+    step_ref = Histogram("triptych_denoiser_step_seconds", "x", buckets=STEP_SECONDS_BOUNDS, registry=reference)
+    push_ref = Histogram(
+        "triptych_transfer_latency_seconds", "x", ["backend"], buckets=PUSH_SECONDS_BOUNDS, registry=reference
+    )
+    engine_stats, transfer_stats, prev = EngineStats(), TransferStats(backend="zmq"), None
+    for window in ((ticks[:3], pushes[:2]), (ticks[3:], pushes[2:])):
+        for t in window[0]:
+            engine_stats.count_step(t)
+            step_ref.observe(t)
+        for t in window[1]:
+            transfer_stats.count_push(10, t)
+            push_ref.labels("zmq").observe(t)
+        engine_stats.steps += len(window[0])
+        cur = P.StatsReport(
+            instance_id="den-h",
+            uptime_s=float(len(ticks)),
+            engine=engine_stats.copy(),
+            transfer=transfer_stats.snapshot(),
+        )
+        head.record_worker_window(stats_window("denoiser", prev, cur))
+        prev = cur
+
+    def series(registry_text: bytes, name: str) -> list[str]:
+        return [line for line in registry_text.decode().splitlines() if line.startswith(name + "_")]
+
+    for name in ("triptych_denoiser_step_seconds", "triptych_transfer_latency_seconds"):
+        got, want = series(head.render(), name), series(generate_latest(reference), name)
+        assert got and got == [line for line in want if "_created" not in line], (got, want)

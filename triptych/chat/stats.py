@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 
 
-class ChatEngineStats(msgspec.Struct):
+class ChatEngineStats(msgspec.Struct, kw_only=True):
     """Cumulative counters and levels of one encoder's chat engine; sent to the head as they are
     inside a worker's stats report (``protocol.StatsReport.chat``)."""
 

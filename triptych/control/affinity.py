@@ -100,7 +100,10 @@ class ImageAffinity:
             if holder is None or holder == target or holder not in addresses:
                 continue
             for im in images:
-                out.setdefault(im.mm_hash, MMHint(holder, addresses[holder], tenant, im.mm_hash, im.spec))
+                out.setdefault(
+                    im.mm_hash,
+                    MMHint(holder=holder, address=addresses[holder], tenant=tenant, mm_hash=im.mm_hash, spec=im.spec),
+                )
         return tuple(out.values())
 
     def forget(self, instance_id: str) -> None:

@@ -1,7 +1,8 @@
 """Chat routing on the head (the VLM path): one chat-capable encoder answers each chat.
 
 A chat is a request like a generation, with its own table on the same state machine (QUEUED →
-CHATTING → DONE, or FAILED / CANCELLED / TIMED_OUT) and the same retry bookkeeping (``Attempts``).
+CHATTING → DONE, or FAILED / CANCELLED / TIMED_OUT) and the same lifecycle (``lifecycle.Lifecycle``:
+admission, cancel, expiry, retries with ``Attempts``, endings; the generation router composes it too).
 The head charges one of a chat-capable encoder's chat slots (``Register.chat_slots``: its engine's
 running chats plus a queue, apart from its encode slots), sends a ``ChatTask``, hands each ``ChatDelta``
 to the caller and ends on ``ChatDone`` or ``StageError``. No tensor moves. A chat whose encoder
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -23,8 +23,10 @@ from triptych.chat import ChatResult
 from triptych.control import protocol as P
 from triptych.control import wire
 from triptych.control.attempts import Attempts
-from triptych.control.backend import Cancelled, ChatJob, Overloaded, StageFailed, TextFn
+from triptych.control.backend import ChatJob, StageFailed, TextFn
+from triptych.control.counters import LifecycleCounters
 from triptych.control.dispatch import ChatSlots
+from triptych.control.lifecycle import Lifecycle
 from triptych.control.registry import InstanceRegistry
 from triptych.control.request_state import CHAT_TRANSITIONS, RequestMachine, RequestState, StateTimeouts
 from triptych.core.errors import InvalidParam
@@ -50,49 +52,45 @@ class ChatTracked:
 class ChatRouter:
     def __init__(
         self,
+        *,
         registry: InstanceRegistry,
         send: Callable[[str, P.Message], None],
-        stats: Counter,
+        counters: LifecycleCounters,
         timeouts: StateTimeouts,
         max_retries: int,
         max_queued: int,
     ):
         self.registry = registry
         self.send = send
-        self.stats = stats
-        self.timeouts = timeouts
-        self.max_retries = max_retries
-        self.max_queued = max_queued
-        self.chats: dict[str, ChatTracked] = {}
+        self.counters = counters
         self.policy = ChatSlots()  # chats count against an encoder's chat slots, not its encode slots
-        self.waiting: deque[str] = deque()
+        self.lifecycle: Lifecycle[ChatTracked] = Lifecycle(
+            kind="chat",
+            table=CHAT_TRANSITIONS,
+            timeouts=timeouts,
+            max_retries=max_retries,
+            max_queued=max_queued,
+            counters=counters,
+            release=self._release,
+        )
+        self.chats = self.lifecycle.requests
+        self.waiting = self.lifecycle.queue
 
     def submit(self, job: ChatJob, on_text: TextFn | None, images_png: list[bytes] | None = None) -> asyncio.Future:
         """``images_png``: ``wire.chat_images(job.params)`` made already (off the event loop: large
         images take seconds to encode); None = made at each dispatch."""
-        if len(self.waiting) >= self.max_queued:
-            raise Overloaded(f"chat queue is full ({self.max_queued} requests)", retry_after=1.0)
         future = asyncio.get_running_loop().create_future()
-        machine = RequestMachine(job.request_id, self.timeouts, CHAT_TRANSITIONS)
-        self.chats[job.request_id] = ChatTracked(job, machine, future, on_text, images_png)
-        self.waiting.append(job.request_id)
+        self.lifecycle.admit(ChatTracked(job, self.lifecycle.machine(job.request_id), future, on_text, images_png))
         return future
 
     def cancel(self, request_id: str) -> bool:
-        ct = self.chats.get(request_id)
-        if ct is None:
-            return False
-        self._end(ct, S.CANCELLED, error=Cancelled(request_id))
-        return True
+        return self.lifecycle.cancel(request_id)
 
     def end_all(self, error: Callable[[str], Exception]) -> None:
-        for ct in list(self.chats.values()):
-            self._end(ct, S.CANCELLED, error=error(ct.job.request_id))
+        self.lifecycle.end_all(error)
 
     def expire(self, now: float) -> None:
-        for ct in [c for c in self.chats.values() if c.machine.expired(now)]:
-            limit = ct.machine.timeouts.for_state(ct.machine.state)
-            self._end(ct, S.TIMED_OUT, error=StageFailed(f"chat timed out in {ct.machine.state.value} after {limit}s"))
+        self.lifecycle.expire(now)
 
     def owns(self, msg) -> bool:
         return msg.request_id in self.chats or isinstance(msg, P.ChatDelta | P.ChatDone)
@@ -106,8 +104,7 @@ class ChatRouter:
 
     def backlog(self, now: float) -> tuple[int, float]:
         """The chats waiting for a chat-capable encoder slot, and how long the first has waited."""
-        first = self.chats[self.waiting[0]].machine.entered_at if self.waiting else now
-        return len(self.waiting), now - first
+        return self.lifecycle.backlog(now)
 
     def pump(self) -> None:
         while self.waiting:
@@ -135,7 +132,12 @@ class ChatRouter:
         if ct is None or msg.generation != ct.machine.generation or msg.instance_id != ct.instance:
             # e.g. pieces already on the wire when a cancelled chat ended; a ChatDone here would mean
             # the worker finished a chat it had been told to stop
-            self.stats[f"{type(msg).__name__}_{'after_end' if ct is None else 'stale'}"] += 1
+            if ct is not None:
+                self.counters.dropped_stale += 1
+            elif isinstance(msg, P.ChatDone):
+                self.counters.done_after_end += 1
+            else:
+                self.counters.dropped_after_end += 1
             return
         if isinstance(msg, P.ChatDelta):
             ct.streamed = True
@@ -144,48 +146,34 @@ class ChatRouter:
         elif isinstance(msg, P.ChatDone):
             self.registry.affinity.held(ct.attempts.image_keys or [], msg.instance_id, msg.images)
             result = ChatResult(msg.text, msg.prompt_tokens, msg.completion_tokens, msg.finish_reason)
-            self._end(ct, S.DONE, result=result)
+            self.lifecycle.finish(ct, S.DONE, result=result)
         elif isinstance(msg, P.StageError):
             if msg.invalid is not None:
-                self._end(ct, S.FAILED, error=InvalidParam(*msg.invalid))
+                self.counters.invalid += 1
+                self.lifecycle.finish(ct, S.FAILED, error=InvalidParam(*msg.invalid))
             elif msg.retryable:
                 self._retry(ct, f"chat failed on {msg.instance_id}: {msg.message}")
             else:
-                self._end(ct, S.FAILED, error=StageFailed(f"chat failed on {msg.instance_id}: {msg.message}"))
+                error = StageFailed(f"chat failed on {msg.instance_id}: {msg.message}")
+                self.lifecycle.finish(ct, S.FAILED, error=error)
 
     def _retry(self, ct: ChatTracked, why: str) -> None:
         """Elsewhere, while nothing was streamed yet (a client never sees two beginnings)."""
         refusal = (
-            "part of the answer was sent" if ct.streamed else ct.attempts.refusal(self.max_retries, None, [], None)
+            "part of the answer was sent"
+            if ct.streamed
+            else ct.attempts.refusal(self.lifecycle.max_retries, None, [], None)
         )
-        if refusal is not None:
-            return self._end(ct, S.FAILED, error=StageFailed(f"{why}; no retry: {refusal}"))
-        failed = ct.instance
-        self._release(ct, cancel_worker=True, reason=f"retry: {why}")
-        ct.attempts.record("encoder", failed)
-        ct.machine.to(S.QUEUED)
-        self.waiting.appendleft(ct.job.request_id)
-        self.stats["chat_retries"] += 1
-        logger.warning("retrying chat %s as generation %d: %s", ct.job.request_id, ct.machine.generation, why)
+        refusal = None if refusal is None else f"no retry: {refusal}"
+        self.lifecycle.retry(ct, why, refusal, "encoder", ct.instance)
 
-    def _release(self, ct: ChatTracked, cancel_worker: bool, reason: str) -> None:
-        rid = ct.job.request_id
-        if rid in self.waiting:
-            self.waiting.remove(rid)
+    def _release(self, ct: ChatTracked, cancel_reason: str | None) -> None:
+        """The lifecycle's release: its chat slot freed (``Cancel`` sent to the encoder with a reason)."""
         if ct.instance is not None:
-            if cancel_worker:
-                self.send(ct.instance, P.Cancel(rid, ct.machine.generation, reason))
+            rid = ct.job.request_id
+            if cancel_reason is not None:
+                self.send(ct.instance, P.Cancel(request_id=rid, generation=ct.machine.generation, reason=cancel_reason))
             inst = self.registry.instances.get(ct.instance)
             if inst is not None:
                 inst.unhold(rid)
             ct.instance = None
-
-    def _end(
-        self, ct: ChatTracked, state: RequestState, result: ChatResult | None = None, error: Exception | None = None
-    ):
-        self._release(ct, cancel_worker=error is not None, reason=type(error).__name__ if error else "done")
-        ct.machine.to(state)
-        del self.chats[ct.job.request_id]
-        self.stats["chat_done" if error is None else "chat_" + type(error).__name__.lower()] += 1
-        if not ct.future.done():
-            ct.future.set_exception(error) if error is not None else ct.future.set_result(result)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import Counter
 from collections.abc import Callable
 
 import zmq
@@ -22,6 +21,7 @@ import zmq.asyncio
 
 from triptych.control import protocol as P
 from triptych.control.auth import ControlKey
+from triptych.control.counters import ControlCounters
 from triptych.control.sessions import SessionTable, Verdict
 
 logger = logging.getLogger(__name__)
@@ -33,13 +33,13 @@ class ControlPlane:
         host: str,
         port: int,
         key: ControlKey,
-        stats: Counter,
+        counters: ControlCounters,
         on_message: Callable[[bytes, P.WorkerMessage], None],
     ):
         self.host = host
         self.key = key
         self.port = port
-        self.stats = stats
+        self.counters = counters
         self.on_message = on_message
         self.address = ""
         self._identity: dict[str, bytes] = {}
@@ -104,7 +104,7 @@ class ControlPlane:
     def receive(self, frames: list[bytes]) -> None:
         """One frame as the ROUTER delivered it: ``[identity, header, payload, mac]``."""
         if len(frames) not in (2, 3, 4):
-            self.stats["malformed"] += 1
+            self.counters.malformed += 1
             return
         identity = bytes(frames[0])
         opened = self.key.open_sequenced(frames[1:])
@@ -114,16 +114,27 @@ class ControlPlane:
         try:
             msg = P.decode_from_worker(payload)
         except P.ProtocolError as e:
-            self.stats["malformed"] += 1
+            self.counters.malformed += 1
             logger.warning("dropped a control frame from %r: %s", identity[:64], e)
             return
         if isinstance(msg, P.Hello):
-            self.send_to(identity, P.Challenge(msg.instance_id, self.sessions.challenge(identity, msg.instance_id)))
+            self.send_to(
+                identity,
+                P.Challenge(instance_id=msg.instance_id, nonce=self.sessions.challenge(identity, msg.instance_id)),
+            )
         elif isinstance(msg, P.Register):
             reason = self.sessions.admit(identity, session, msg.instance_id)
             if reason is not None:
                 self._replay(identity, msg, reason)
-                self.send_to(identity, P.RegisterAck(msg.instance_id, False, f"registration refused: {reason}", 0.0))
+                self.send_to(
+                    identity,
+                    P.RegisterAck(
+                        instance_id=msg.instance_id,
+                        accepted=False,
+                        reason=f"registration refused: {reason}",
+                        heartbeat_interval_s=0.0,
+                    ),
+                )
                 return
             self._registering = (identity, session, seq)
             try:
@@ -135,18 +146,18 @@ class ControlPlane:
             if verdict is Verdict.REPLAY:
                 self._replay(identity, msg, "an old sequence number, or a socket its session is not bound to")
             elif verdict is Verdict.STALE:
-                self.stats["stale_session"] += 1
+                self.counters.stale_session += 1
             else:  # OK, or ORPHAN: the registry asks a live but unregistered instance to rejoin
                 self.on_message(identity, msg)
 
     def _replay(self, identity: bytes, msg: P.WorkerMessage, why: str) -> None:
-        self.stats["replays_refused"] += 1
-        n = self.stats["replays_refused"]
+        self.counters.replays_refused += 1
+        n = self.counters.replays_refused
         log = logger.warning if n == 1 or n % 1000 == 0 else logger.debug
         log("dropped %s for %s from %r: %s (%d so far)", type(msg).__name__, msg.instance_id, identity[:64], why, n)
 
     def _unauthenticated(self, identity: bytes, frames: list[bytes]) -> None:
-        self.stats["unauthenticated"] += 1
+        self.counters.unauthenticated += 1
         try:
             msg = P.decode_from_worker(frames[1 if len(frames) == 3 else 0])
         except P.ProtocolError:
@@ -156,6 +167,8 @@ class ControlPlane:
                 "refused %s: its control frames are not signed with this deployment's token", msg.instance_id
             )
             reason = "wrong or missing control-plane token (--token), or a worker older than this head"
-            refusal = P.RegisterAck(msg.instance_id, False, reason, 0.0)
+            refusal = P.RegisterAck(
+                instance_id=msg.instance_id, accepted=False, reason=reason, heartbeat_interval_s=0.0
+            )
             if self._sock is not None:
                 self._sock.send_multipart([identity, P.encode(refusal), b""])

@@ -21,12 +21,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summary, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import Metric
 
+from triptych.control.metrics_hist import ReportedHistogram
 from triptych.control.metrics_lora import LoraMetrics
 from triptych.control.metrics_remote import RemoteMetrics
+from triptych.core.buckets import PUSH_SECONDS_BOUNDS, STEP_SECONDS_BOUNDS
 
 if TYPE_CHECKING:
     from triptych.control.worker_stats import StatsWindow
@@ -79,12 +81,8 @@ class Metrics:
         self.transfer_bytes = Counter(
             "triptych_transfer_bytes", "Tensor bytes moved between instances", ["backend"], registry=r
         )
-        self.transfer_latency = Histogram(
-            "triptych_transfer_latency_seconds",
-            "Latency of one tensor transfer",
-            ["backend"],
-            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
-            registry=r,
+        self.transfer_latency = ReportedHistogram(
+            "triptych_transfer_latency_seconds", "Latency of one tensor transfer", PUSH_SECONDS_BOUNDS, r, ["backend"]
         )
         self.requests = Counter(
             "triptych_requests", "Finished API requests by endpoint and outcome", ["endpoint", "outcome"], registry=r
@@ -195,10 +193,11 @@ class Metrics:
             buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64),
             registry=r,
         )
-        self.denoiser_step_time = Summary(
+        self.denoiser_step_time = ReportedHistogram(
             "triptych_denoiser_step_seconds",
             "Wall time of one denoiser engine step (all requests of its batch)",
-            registry=r,
+            STEP_SECONDS_BOUNDS,
+            r,
         )
         self.denoiser_steps = Counter(
             "triptych_denoiser_steps", "Denoising steps advanced, summed over requests", registry=r
@@ -229,13 +228,13 @@ class Metrics:
     def record_worker_window(self, window: StatsWindow) -> None:
         """One worker report window (``worker_stats.stats_window``): engine and transfer deltas.
 
-        Reports carry counts and sums, so the step-time summary and the transfer latency histogram observe
-        the window's mean once per event: ``_count``/``_sum`` exact, buckets smoothed over one window.
+        The step-time and transfer-latency histograms add the window's per-bucket counts (each step
+        and push counted in its bucket on the worker, ``metrics_hist``): buckets, sum and count exact.
         """
         t = window.transfer
         if t.pushes_sent > 0:
             self.transfer_bytes.labels(t.backend).inc(t.bytes_sent)
-            self._observe_mean(self.transfer_latency.labels(t.backend), t.push_seconds, t.pushes_sent)
+            self.transfer_latency.add(t.push_buckets, t.push_seconds, [t.backend])
         c = window.mm_cache
         if c is not None:
             for result in ("hits", "misses", "bypassed"):
@@ -265,7 +264,7 @@ class Metrics:
         for size, ticks in e.batch_sizes.items():
             for _ in range(ticks):
                 self.denoiser_batch_size.observe(size)
-        self._observe_mean(self.denoiser_step_time, e.step_seconds, e.steps)
+        self.denoiser_step_time.add(e.step_buckets, e.step_seconds)
         self.denoiser_steps.inc(e.request_steps)
         self.denoiser_skipped.inc(e.skipped_rows)
         self.denoiser_forwards.inc(e.forwards)
@@ -273,11 +272,6 @@ class Metrics:
         self.denoiser_lora.record(e)
         if window.seconds > 0:
             self.denoiser_step_rate.labels(window.instance_id).set(e.request_steps / window.seconds)
-
-    @staticmethod
-    def _observe_mean(metric, total: float, count: int) -> None:
-        for _ in range(count):
-            metric.observe(total / count)
 
     def forget_instance(self, instance_id: str) -> None:
         """Drop the per-instance series of an instance that left (died or shut down)."""

@@ -13,14 +13,14 @@ import msgspec
 from triptych.transfer.refs import TensorSpec
 
 
-class MMImage(msgspec.Struct, frozen=True):
+class MMImage(msgspec.Struct, kw_only=True, frozen=True):
     """One embedding an encoder holds for a request's image."""
 
     mm_hash: str  # the encoder layer's key (content, processor output, model identity, tenant)
     spec: TensorSpec  # dtype and shape (tokens, hidden) of the stored embedding
 
 
-class MMHint(msgspec.Struct, frozen=True):
+class MMHint(msgspec.Struct, kw_only=True, frozen=True):
     """Another encoder holds this embedding: on a local miss, fetch it from there."""
 
     holder: str  # instance id of the encoder that reported it

@@ -18,7 +18,6 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +36,7 @@ from triptych.control.backend import (
     Unavailable,
 )
 from triptych.control.chat_router import ChatRouter
+from triptych.control.counters import HeadCounters
 from triptych.control.dispatch import Instance, make_policy
 from triptych.control.listener import ControlPlane
 from triptych.control.metrics import Metrics
@@ -120,18 +120,31 @@ class Orchestrator(GenerationBackend):
         self.family = family_class(self.model_dir)(self.model_dir, roles=())  # weightless: validation only
         self.revision = model_revision(self.model_dir)
         self.metrics = metrics or Metrics()
-        self.stats: Counter[str] = Counter()
+        self.counters = counts = HeadCounters()
         self.token = c.token or new_token()
-        self.control = ControlPlane(c.host, c.control_port, ControlKey(self.token), self.stats, self._on_message)
+        self.control = ControlPlane(c.host, c.control_port, ControlKey(self.token), counts.control, self._on_message)
         self.registry = InstanceRegistry(
-            self.revision, c.dispatch, c.heartbeat_interval_s, self.control, self.metrics, self.stats
+            self.revision, c.dispatch, c.heartbeat_interval_s, self.control, self.metrics, counts.registry
         )
         send = self.control.send
         self.generations = GenerationRouter(
-            self.registry, send, self.metrics, self.stats, c.timeouts, c.max_retries, c.max_queued, c.reserve_timeout_s
+            registry=self.registry,
+            send=send,
+            metrics=self.metrics,
+            counters=counts.generations,
+            timeouts=c.timeouts,
+            max_retries=c.max_retries,
+            max_queued=c.max_queued,
+            reserve_timeout_s=c.reserve_timeout_s,
         )
-        chat_timeouts = dataclasses.replace(c.timeouts, chatting_s=c.chat_timeout_s)
-        self.chats = ChatRouter(self.registry, send, self.stats, chat_timeouts, c.max_retries, c.max_queued)
+        self.chats = ChatRouter(
+            registry=self.registry,
+            send=send,
+            counters=counts.chats,
+            timeouts=dataclasses.replace(c.timeouts, chatting_s=c.chat_timeout_s),
+            max_retries=c.max_retries,
+            max_queued=c.max_queued,
+        )
         self._tick: asyncio.Task | None = None
 
     @property
@@ -162,11 +175,11 @@ class Orchestrator(GenerationBackend):
 
     def shutdown_workers(self, reason: str = "head shutting down") -> None:
         for iid in list(self.registry.instances):
-            self.control.send(iid, P.Shutdown(reason))
+            self.control.send(iid, P.Shutdown(reason=reason))
 
     def stop(self, instance_id: str, reason: str) -> None:
         """Tell one worker to shut down (a drained instance being scaled in)."""
-        self.control.send(instance_id, P.Shutdown(reason))
+        self.control.send(instance_id, P.Shutdown(reason=reason))
 
     async def wait_for_instances(self, counts: dict[str, int], timeout_s: float) -> None:
         """Block until at least ``counts[role]`` instances of each role registered."""
@@ -242,7 +255,7 @@ class Orchestrator(GenerationBackend):
             "requests": gen["requests"],
             "chats": chats["chats"],
             "queues": {**gen["queues"], "chat": chats["queue"]},
-            "stats": dict(self.stats),
+            "stats": self.counters.labels(),
         }
 
     def _unavailable(self, roles) -> Unavailable | None:
@@ -279,13 +292,15 @@ class Orchestrator(GenerationBackend):
                 self._pump()
             return
         if isinstance(msg, P.Heartbeat):
-            self.stats["heartbeats"] += 1
+            self.counters.heartbeats += 1
         inst = self.registry.seen(identity, msg)
         if inst is not None and isinstance(msg, P.StatsReport):
             self._cancel_orphans(inst, msg.jobs)
         if inst is None or isinstance(msg, P.Heartbeat | P.StatsReport):
             return
-        if self.chats.owns(msg):
+        if isinstance(msg, P.TickReport):
+            self.generations.on_tick(msg)
+        elif self.chats.owns(msg):
             self.chats.handle(msg)
         else:
             self.generations.handle(msg)
@@ -300,9 +315,12 @@ class Orchestrator(GenerationBackend):
             tracked = self.generations.requests.get(rid) or self.chats.chats.get(rid)
             if rid in inst.held and tracked is not None and tracked.machine.generation == generation:
                 continue
-            self.stats["orphans_cancelled"] += 1
+            self.counters.orphans_cancelled += 1
             logger.info("%s holds %s g%d, which the head does not: cancelling it", inst.instance_id, rid, generation)
-            self.control.send(inst.instance_id, P.Cancel(rid, generation, "the head no longer holds this request"))
+            self.control.send(
+                inst.instance_id,
+                P.Cancel(request_id=rid, generation=generation, reason="the head no longer holds this request"),
+            )
 
     async def _tick_loop(self) -> None:
         every = min(0.1, self.config.heartbeat_interval_s / 2)
@@ -327,7 +345,7 @@ class Orchestrator(GenerationBackend):
         the socket, so that time is not the workers' silence: it is added to each one's last sight."""
         if late_s <= self.config.heartbeat_interval_s:
             return
-        self.stats["head_stalls"] += 1
+        self.counters.head_stalls += 1
         logger.warning("the head's event loop was held for %.1fs; not counted as worker silence", late_s)
         for inst in self.registry.instances.values():
             inst.last_seen += late_s
@@ -342,10 +360,10 @@ class Orchestrator(GenerationBackend):
         inst = self.registry.remove(instance_id)
         if inst is None:
             return
-        self.stats["instances_lost"] += 1
+        self.counters.instances_lost += 1
         logger.warning("%s %s declared dead (%s); %d requests affected", inst.role, instance_id, why, len(inst.held))
         for other in list(self.registry.instances):
-            self.control.send(other, P.PeerDown(instance_id))
+            self.control.send(other, P.PeerDown(instance_id=instance_id))
         what = f"{inst.role} {instance_id} died ({why})"
         self.generations.instance_lost(instance_id, what)
         self.chats.instance_lost(instance_id, what)

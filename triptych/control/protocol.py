@@ -49,7 +49,7 @@ class ProtocolError(TriptychError):
     """A frame that is not a well-formed control message (malformed, unknown tag, wrong fields)."""
 
 
-class WireParams(msgspec.Struct, frozen=True):
+class WireParams(msgspec.Struct, kw_only=True, frozen=True):
     """``GenerationParams`` after ``Family.resolve``, as plain wire types."""
 
     prompt: str
@@ -69,13 +69,13 @@ class WireParams(msgspec.Struct, frozen=True):
 
 
 # ---- worker → head ---------------------------------------------------------------------------
-class Hello(msgspec.Struct, frozen=True, tag="hello"):
+class Hello(msgspec.Struct, kw_only=True, frozen=True, tag="hello"):
     """A worker asks for a registration challenge; the head answers ``Challenge``."""
 
     instance_id: str
 
 
-class Register(msgspec.Struct, frozen=True, tag="register"):
+class Register(msgspec.Struct, kw_only=True, frozen=True, tag="register"):
     """A worker announces itself; the head answers ``RegisterAck``."""
 
     instance_id: str  # unique per worker process, chosen by the worker
@@ -92,7 +92,7 @@ class Register(msgspec.Struct, frozen=True, tag="register"):
     chat_slots: int = 0  # chats it may hold apart from its slots (running + waiting); 0: each takes a slot
 
 
-class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat"):
+class Heartbeat(msgspec.Struct, kw_only=True, frozen=True, tag="heartbeat"):
     """Periodic liveness + load report; an instance silent past the timeout is declared dead."""
 
     instance_id: str
@@ -102,7 +102,7 @@ class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat"):
     engine_running: int  # denoiser: requests in the step-batching engine; 0 for other roles
 
 
-class StatsReport(msgspec.Struct, frozen=True, tag="stats_report"):
+class StatsReport(msgspec.Struct, kw_only=True, frozen=True, tag="stats_report"):
     """Periodic cumulative counters of a worker; the head turns consecutive reports into metric deltas."""
 
     instance_id: str
@@ -114,7 +114,7 @@ class StatsReport(msgspec.Struct, frozen=True, tag="stats_report"):
     jobs: tuple[tuple[str, int], ...] = ()  # (request id, generation) it holds: the head cancels any it does not
 
 
-class WorkerReply(msgspec.Struct, frozen=True):
+class WorkerReply(msgspec.Struct, kw_only=True, frozen=True):
     """What every worker message about one request carries (an older ``generation`` is dropped)."""
 
     request_id: str
@@ -122,20 +122,20 @@ class WorkerReply(msgspec.Struct, frozen=True):
     instance_id: str
 
 
-class EncodeDone(WorkerReply, frozen=True, tag="encode_done"):
+class EncodeDone(WorkerReply, kw_only=True, frozen=True, tag="encode_done"):
     """Conditioning is ready on the encoder and held there until ``PushTask`` arrives."""
 
     specs: dict[str, TensorSpec]  # ``Conditioning.flat()`` names → spec
     images: tuple[MMImage, ...] = ()  # the embeddings its condition image has here (cross-encoder hits)
 
 
-class DenoiseDone(WorkerReply, frozen=True, tag="denoise_done"):
+class DenoiseDone(WorkerReply, kw_only=True, frozen=True, tag="denoise_done"):
     """Final latents are ready on the denoiser and held there until ``PushTask`` arrives."""
 
     specs: dict[str, TensorSpec]  # {"latents": spec}
 
 
-class PreviewReady(WorkerReply, frozen=True, tag="preview_ready"):
+class PreviewReady(WorkerReply, kw_only=True, frozen=True, tag="preview_ready"):
     """A preview's predicted clean latents are ready on the denoiser, held there until ``PushTask``
     (handoff ``PREVIEW_HANDOFFS[index]``) or until the request leaves the denoiser."""
 
@@ -145,34 +145,44 @@ class PreviewReady(WorkerReply, frozen=True, tag="preview_ready"):
     specs: dict[str, TensorSpec]  # {"latents": spec}
 
 
-class SlotsReserved(WorkerReply, frozen=True, tag="slots_reserved"):
+class SlotsReserved(WorkerReply, kw_only=True, frozen=True, tag="slots_reserved"):
     """The downstream worker reserved receiver slots for a handoff; the head forwards the refs."""
 
     handoff: HandoffName
     refs: dict[str, TensorRef]  # one reserved slot per tensor name
 
 
-class PushDone(WorkerReply, frozen=True, tag="push_done"):
+class PushDone(WorkerReply, kw_only=True, frozen=True, tag="push_done"):
     """The upstream worker pushed every tensor of a handoff and freed its own copy."""
 
     handoff: HandoffName
 
 
-class Progress(WorkerReply, frozen=True, tag="progress"):
-    """One denoising step finished."""
+class StepProgress(msgspec.Struct, kw_only=True, frozen=True):
+    """One request's denoising steps after an engine tick."""
 
+    request_id: str
+    generation: int
     step: int  # steps done
     total: int  # total steps
 
 
-class MediaResult(WorkerReply, frozen=True, tag="media_result"):
+class TickReport(msgspec.Struct, kw_only=True, frozen=True, tag="tick_report"):
+    """One engine tick of a denoiser, once per tick: the steps of the requests the head follows
+    (``DenoiseTask.progress``); not sent for a tick that advanced none of them."""
+
+    instance_id: str
+    progress: tuple[StepProgress, ...]
+
+
+class MediaResult(WorkerReply, kw_only=True, frozen=True, tag="media_result"):
     """The decoder's encoded output (media bytes may pass through the head; tensors never do)."""
 
     data: bytes  # PNG/JPEG/WebP/MP4 bytes
     output_format: str
 
 
-class PreviewResult(WorkerReply, frozen=True, tag="preview_result"):
+class PreviewResult(WorkerReply, kw_only=True, frozen=True, tag="preview_result"):
     """A decoded preview (media bytes, like ``MediaResult``), sent before the request's ``MediaResult``."""
 
     index: int  # 0-based preview number
@@ -182,13 +192,13 @@ class PreviewResult(WorkerReply, frozen=True, tag="preview_result"):
     output_format: str
 
 
-class ChatDelta(WorkerReply, frozen=True, tag="chat_delta"):
+class ChatDelta(WorkerReply, kw_only=True, frozen=True, tag="chat_delta"):
     """The next piece of a chat answer, sent as it is decoded (streaming)."""
 
     text: str
 
 
-class ChatDone(WorkerReply, frozen=True, tag="chat_done"):
+class ChatDone(WorkerReply, kw_only=True, frozen=True, tag="chat_done"):
     """A chat answer is complete; ``text`` is the whole answer (the deltas concatenated)."""
 
     text: str
@@ -198,7 +208,7 @@ class ChatDone(WorkerReply, frozen=True, tag="chat_done"):
     images: tuple[MMImage, ...] = ()  # the embeddings its images have on this encoder (cross-encoder hits)
 
 
-class StageError(WorkerReply, frozen=True, tag="stage_error"):
+class StageError(WorkerReply, kw_only=True, frozen=True, tag="stage_error"):
     """A stage failed on a worker; ``retryable`` says whether another instance may succeed."""
 
     stage: StageName
@@ -210,14 +220,14 @@ class StageError(WorkerReply, frozen=True, tag="stage_error"):
 
 
 # ---- head → worker ---------------------------------------------------------------------------
-class Challenge(msgspec.Struct, frozen=True, tag="challenge"):
+class Challenge(msgspec.Struct, kw_only=True, frozen=True, tag="challenge"):
     """The answer to ``Hello``: seal the ``Register`` under ``nonce``, good once, for the asking socket."""
 
     instance_id: str
     nonce: bytes  # ``auth.SESSION_BYTES`` random bytes
 
 
-class RegisterAck(msgspec.Struct, frozen=True, tag="register_ack"):
+class RegisterAck(msgspec.Struct, kw_only=True, frozen=True, tag="register_ack"):
     """Accept or refuse a ``Register`` (e.g. model revision mismatch)."""
 
     instance_id: str
@@ -226,7 +236,7 @@ class RegisterAck(msgspec.Struct, frozen=True, tag="register_ack"):
     heartbeat_interval_s: float  # how often the worker must send ``Heartbeat``
 
 
-class EncodeTask(msgspec.Struct, frozen=True, tag="encode_task"):
+class EncodeTask(msgspec.Struct, kw_only=True, frozen=True, tag="encode_task"):
     """Encode one request; the conditioning will be pushed to ``denoiser``."""
 
     request_id: str
@@ -236,7 +246,7 @@ class EncodeTask(msgspec.Struct, frozen=True, tag="encode_task"):
     mm_hints: tuple[MMHint, ...] = ()  # other encoders holding its image's embeddings (``mm_remote``)
 
 
-class DenoiseTask(msgspec.Struct, frozen=True, tag="denoise_task"):
+class DenoiseTask(msgspec.Struct, kw_only=True, frozen=True, tag="denoise_task"):
     """Receive conditioning from ``source``, prepare, denoise; latents will go to ``decoder``."""
 
     request_id: str
@@ -247,10 +257,10 @@ class DenoiseTask(msgspec.Struct, frozen=True, tag="denoise_task"):
     decoder: str  # decoder instance id already holding a slot for this request
     reserve_timeout_s: float  # how long the reserved slots wait for the push
     previews: int = 0  # partial images wanted: x0 previews at evenly spaced steps (``preview_steps``)
-    progress: bool = False  # send a ``Progress`` after every step (someone follows this request's steps)
+    progress: bool = False  # report its steps in each ``TickReport`` (someone follows this request's steps)
 
 
-class DecodeTask(msgspec.Struct, frozen=True, tag="decode_task"):
+class DecodeTask(msgspec.Struct, kw_only=True, frozen=True, tag="decode_task"):
     """Receive final latents from ``source``, decode, encode media, answer ``MediaResult``."""
 
     request_id: str
@@ -264,7 +274,7 @@ class DecodeTask(msgspec.Struct, frozen=True, tag="decode_task"):
     quality: int | None = None  # jpeg/webp quality; None: the encoder's default
 
 
-class PreviewTask(msgspec.Struct, frozen=True, tag="preview_task"):
+class PreviewTask(msgspec.Struct, kw_only=True, frozen=True, tag="preview_task"):
     """Receive a preview's latents from ``source`` (the request's denoiser) into slots for ``handoff``, decode
     them like final latents, answer ``PreviewResult``. Sent to the request's decoder, before its ``DecodeTask``."""
 
@@ -281,7 +291,7 @@ class PreviewTask(msgspec.Struct, frozen=True, tag="preview_task"):
     reserve_timeout_s: float
 
 
-class PushTask(msgspec.Struct, frozen=True, tag="push_task"):
+class PushTask(msgspec.Struct, kw_only=True, frozen=True, tag="push_task"):
     """Push the held tensors of a handoff into the downstream slots ``refs``."""
 
     request_id: str
@@ -290,7 +300,7 @@ class PushTask(msgspec.Struct, frozen=True, tag="push_task"):
     refs: dict[str, TensorRef]
 
 
-class Cancel(msgspec.Struct, frozen=True, tag="cancel"):
+class Cancel(msgspec.Struct, kw_only=True, frozen=True, tag="cancel"):
     """Drop everything held for this request generation: slots, held tensors, engine state."""
 
     request_id: str
@@ -298,19 +308,19 @@ class Cancel(msgspec.Struct, frozen=True, tag="cancel"):
     reason: str
 
 
-class PeerDown(msgspec.Struct, frozen=True, tag="peer_down"):
+class PeerDown(msgspec.Struct, kw_only=True, frozen=True, tag="peer_down"):
     """An instance was declared dead: reclaim every receiver slot reserved for it."""
 
     instance_id: str
 
 
-class Shutdown(msgspec.Struct, frozen=True, tag="shutdown"):
+class Shutdown(msgspec.Struct, kw_only=True, frozen=True, tag="shutdown"):
     """Stop the worker process cleanly."""
 
     reason: str
 
 
-class Rejoin(msgspec.Struct, frozen=True, tag="rejoin"):
+class Rejoin(msgspec.Struct, kw_only=True, frozen=True, tag="rejoin"):
     """The head heard from an instance it does not know (declared dead while it was only silent, or
     the head restarted): drop every job (the head retried them), then ``Register`` again."""
 
@@ -326,7 +336,7 @@ WorkerMessage = (
     | DenoiseDone
     | SlotsReserved
     | PushDone
-    | Progress
+    | TickReport
     | PreviewReady
     | PreviewResult
     | MediaResult

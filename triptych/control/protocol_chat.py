@@ -8,19 +8,19 @@ import msgspec
 from triptych.control.mm_hints import MMHint
 
 
-class ChatPart(msgspec.Struct, frozen=True):
+class ChatPart(msgspec.Struct, kw_only=True, frozen=True):
     """A text, or the index of one of ``ChatTask.images``."""
 
     text: str | None = None
     image: int | None = None
 
 
-class ChatMessage(msgspec.Struct, frozen=True):
+class ChatMessage(msgspec.Struct, kw_only=True, frozen=True):
     role: str  # system | user | assistant
     parts: list[ChatPart]
 
 
-class ChatTask(msgspec.Struct, frozen=True, tag="chat_task"):
+class ChatTask(msgspec.Struct, kw_only=True, frozen=True, tag="chat_task"):
     """Answer a chat with the encoder's VLM; reply with ``ChatDelta``s, then ``ChatDone`` or ``StageError``."""
 
     request_id: str

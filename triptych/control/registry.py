@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 
 import msgspec
 
 from triptych.control import protocol as P
 from triptych.control.affinity import ImageAffinity
+from triptych.control.counters import RegistryCounters
 from triptych.control.dispatch import DispatchPolicy, Instance, bound_ids, make_policy
 from triptych.control.listener import ControlPlane
 from triptych.control.metrics import Metrics
@@ -34,13 +34,13 @@ class InstanceRegistry:
         heartbeat_interval_s: float,
         control: ControlPlane,
         metrics: Metrics,
-        stats: Counter,
+        counters: RegistryCounters,
     ):
         self.revision = revision
         self.heartbeat_interval_s = heartbeat_interval_s
         self.control = control
         self.metrics = metrics
-        self.stats = stats
+        self.counters = counters
         self.instances: dict[str, Instance] = {}
         self.policies: dict[str, DispatchPolicy] = {
             r: make_policy(dispatch) for r in ("encoder", "denoiser", "decoder")
@@ -90,7 +90,12 @@ class InstanceRegistry:
             )
         else:
             logger.warning("refused %s: %s", m.instance_id, reason)
-        ack = P.RegisterAck(m.instance_id, reason is None, reason, self.heartbeat_interval_s)
+        ack = P.RegisterAck(
+            instance_id=m.instance_id,
+            accepted=reason is None,
+            reason=reason,
+            heartbeat_interval_s=self.heartbeat_interval_s,
+        )
         self.control.send_to(identity, ack)
         return reason is None
 
@@ -99,7 +104,7 @@ class InstanceRegistry:
         Heartbeats and stats reports are consumed here."""
         inst = self.instances.get(msg.instance_id)
         if inst is None:
-            self.stats["from_unknown_instance"] += 1
+            self.counters.from_unknown_instance += 1
             logger.debug("message from unknown instance %s dropped", msg.instance_id)
             if not isinstance(msg, P.Heartbeat):  # the heartbeat socket never reads: answer the control one
                 self._tell_rejoin(identity, msg.instance_id)
@@ -151,9 +156,9 @@ class InstanceRegistry:
             return
         self._rejoin_sent[instance_id] = now
         bound_ids(self._rejoin_sent)
-        self.stats["rejoins_requested"] += 1
+        self.counters.rejoins_requested += 1
         logger.warning("%s is alive but not registered (declared dead earlier?); asking it to rejoin", instance_id)
-        self.control.send_to(identity, P.Rejoin("not registered with this head"))
+        self.control.send_to(identity, P.Rejoin(reason="not registered with this head"))
 
     def describe(self) -> list[dict]:
         return [

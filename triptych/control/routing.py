@@ -13,6 +13,8 @@ Ownership contract:
   still holding something of it.
 - A request whose instance died (or failed retryably) is retried under a new generation, away from
   that instance (``Attempts``); messages of an older generation are counted and dropped.
+- Admission, cancel, expiry, retries and endings are the shared ``lifecycle.Lifecycle`` (the chat
+  router composes the same one); this module adds placement and the stage messages.
 All state lives on the head's event loop; nothing here takes a lock.
 """
 
@@ -28,11 +30,13 @@ from dataclasses import dataclass, field
 from triptych.control import protocol as P
 from triptych.control import wire
 from triptych.control.attempts import Attempts
-from triptych.control.backend import Cancelled, GenerationJob, Overloaded, PreviewFn, ProgressFn, StageFailed
+from triptych.control.backend import GenerationJob, PreviewFn, ProgressFn, StageFailed
+from triptych.control.counters import LifecycleCounters
 from triptych.control.dispatch import Instance
+from triptych.control.lifecycle import Lifecycle
 from triptych.control.metrics import Metrics, StageStats
 from triptych.control.registry import InstanceRegistry
-from triptych.control.request_state import RequestMachine, RequestState, StateTimeouts
+from triptych.control.request_state import TRANSITIONS, RequestMachine, RequestState, StateTimeouts
 
 logger = logging.getLogger(__name__)
 S = RequestState
@@ -58,10 +62,11 @@ class Tracked:
 class GenerationRouter:
     def __init__(
         self,
+        *,
         registry: InstanceRegistry,
         send: Callable[[str, P.Message], None],
         metrics: Metrics,
-        stats: Counter,
+        counters: LifecycleCounters,
         timeouts: StateTimeouts,
         max_retries: int,
         max_queued: int,
@@ -70,19 +75,24 @@ class GenerationRouter:
         self.registry = registry
         self.send = send
         self.metrics = metrics
-        self.stats = stats
-        self.timeouts = timeouts
-        self.max_retries = max_retries
-        self.max_queued = max_queued
+        self.counters = counters
         self.reserve_timeout_s = reserve_timeout_s
-        self.requests: dict[str, Tracked] = {}
-        self.wait_encode: deque[str] = deque()
-        self.wait_decoder: deque[str] = deque()
+        self.lifecycle: Lifecycle[Tracked] = Lifecycle(
+            kind="request",
+            table=TRANSITIONS,
+            timeouts=timeouts,
+            max_retries=max_retries,
+            max_queued=max_queued,
+            counters=counters,
+            release=self._release,
+        )
+        self.requests = self.lifecycle.requests
+        self.wait_encode = self.lifecycle.queue  # waiting for an encoder and a denoiser slot
+        self.wait_decoder: deque[str] = deque()  # encoded, waiting for a decoder slot
         self._handlers = {
             P.EncodeDone: self._on_encode_done,
             P.SlotsReserved: self._on_slots_reserved,
             P.PushDone: self._on_push_done,
-            P.Progress: self._on_progress,
             P.PreviewReady: self._on_preview_ready,
             P.PreviewResult: self._on_preview_result,
             P.DenoiseDone: self._on_denoise_done,
@@ -99,48 +109,52 @@ class GenerationRouter:
     ) -> asyncio.Future:
         """``wire_params``: ``wire.params_to_wire(job.params)`` made already (off the event loop: its
         condition image's PNG encode takes seconds for a large one); None = made here."""
-        rid = job.request_id
-        if len(self.wait_encode) >= self.max_queued:
-            raise Overloaded(f"queue is full ({self.max_queued} requests)", retry_after=1.0)
-        future = asyncio.get_running_loop().create_future()
         if wire_params is None:
             wire_params = wire.params_to_wire(job.params)
-        tracked = Tracked(job, RequestMachine(rid, self.timeouts), future, on_progress, wire_params)
-        tracked.on_preview = on_preview
-        self.requests[rid] = tracked
-        self.wait_encode.append(rid)
+        future = asyncio.get_running_loop().create_future()
+        machine = self.lifecycle.machine(job.request_id)
+        tracked = Tracked(job, machine, future, on_progress, wire_params, on_preview=on_preview)
+        self.lifecycle.admit(tracked)
         return future
 
     def cancel(self, request_id: str) -> bool:
-        tr = self.requests.get(request_id)
-        if tr is None:
-            return False
-        self._finish(tr, S.CANCELLED, error=Cancelled(request_id))
-        return True
+        return self.lifecycle.cancel(request_id)
 
     def end_all(self, error: Callable[[str], Exception]) -> None:
-        for tr in list(self.requests.values()):
-            self._finish(tr, S.CANCELLED, error=error(tr.job.request_id))
+        self.lifecycle.end_all(error)
 
     def fail_queued(self, error: Exception) -> None:
         """End every request still waiting for its encode with ``error`` (a role it needs is gone)."""
-        for rid in list(self.wait_encode):
-            self._finish(self.requests[rid], S.FAILED, error=error)
+        self.lifecycle.fail_queued(error)
 
     def expire(self, now: float) -> None:
-        for tr in [t for t in self.requests.values() if t.machine.expired(now)]:
-            state = tr.machine.state
-            limit = tr.machine.timeouts.for_state(state)
-            self._finish(tr, S.TIMED_OUT, error=StageFailed(f"request timed out in {state.value} after {limit}s"))
+        self.lifecycle.expire(now)
 
     def handle(self, msg) -> None:
         tr = self.requests.get(msg.request_id)
+        if tr is None and isinstance(msg, P.MediaResult):
+            self.counters.done_after_end += 1
+            return
         if tr is None or tr.machine.generation != msg.generation:
             # NOTE: a PushDone racing the MediaResult of a finished request lands here too.
-            self.stats["dropped_after_end" if tr is None else "dropped_stale"] += 1
+            if tr is None:
+                self.counters.dropped_after_end += 1
+            else:
+                self.counters.dropped_stale += 1
             logger.debug("dropped stale %s for %s g%d", type(msg).__name__, msg.request_id, msg.generation)
             return
         self._handlers[type(msg)](tr, msg)
+
+    def on_tick(self, report: P.TickReport) -> None:
+        """A denoiser's tick: each followed request's steps to its ``on_progress``."""
+        for p in report.progress:
+            tr = self.requests.get(p.request_id)
+            if tr is None:
+                self.counters.dropped_after_end += 1
+            elif tr.machine.generation != p.generation:
+                self.counters.dropped_stale += 1
+            elif tr.on_progress is not None and self._from(tr, "denoiser", report):
+                tr.on_progress(p.step, p.total)
 
     def instance_lost(self, instance_id: str, why: str) -> None:
         for tr in [t for t in self.requests.values() if instance_id in t.assigned.values()]:
@@ -155,9 +169,8 @@ class GenerationRouter:
     def backlog(self, now: float) -> dict[str, tuple[int, float]]:
         """Per queue, the requests waiting and how long the first has waited: ``encode`` (waiting for
         an encoder and a denoiser slot) and ``decoder`` (encoded, waiting for a decoder slot)."""
-        first = self.requests[self.wait_encode[0]].machine.entered_at if self.wait_encode else now
         first_dec = self.requests[self.wait_decoder[0]].encoded_at if self.wait_decoder else now
-        return {"encode": (len(self.wait_encode), now - first), "decoder": (len(self.wait_decoder), now - first_dec)}
+        return {"encode": self.lifecycle.backlog(now), "decoder": (len(self.wait_decoder), now - first_dec)}
 
     # ---- placement ----------------------------------------------------------------------------
     def pump(self) -> None:
@@ -176,7 +189,13 @@ class GenerationRouter:
             tr.machine.to(S.ENCODING, now)
             keys = tr.attempts.image_keys or []
             hints = self.registry.affinity.hints(keys, enc.instance_id, self.registry.addresses("encoder"))
-            task = P.EncodeTask(tr.job.request_id, tr.machine.generation, tr.wire, den.instance_id, hints)
+            task = P.EncodeTask(
+                request_id=tr.job.request_id,
+                generation=tr.machine.generation,
+                params=tr.wire,
+                denoiser=den.instance_id,
+                mm_hints=hints,
+            )
             self.send(enc.instance_id, task)
         while self.wait_decoder:
             tr = self.requests[self.wait_decoder[0]]
@@ -189,15 +208,15 @@ class GenerationRouter:
             tr.waited_s = now - tr.encoded_at
             tr.machine.to(S.DENOISING, now)
             task = P.DenoiseTask(
-                tr.job.request_id,
-                tr.machine.generation,
-                tr.wire,
-                tr.cond_specs,
-                tr.assigned["encoder"],
-                dec.instance_id,
-                self.reserve_timeout_s,
-                tr.job.partial_images if tr.on_preview is not None else 0,
-                tr.on_progress is not None,
+                request_id=tr.job.request_id,
+                generation=tr.machine.generation,
+                params=tr.wire,
+                specs=tr.cond_specs,
+                source=tr.assigned["encoder"],
+                decoder=dec.instance_id,
+                reserve_timeout_s=self.reserve_timeout_s,
+                previews=tr.job.partial_images if tr.on_preview is not None else 0,
+                progress=tr.on_progress is not None,
             )
             self.send(tr.assigned["denoiser"], task)
 
@@ -241,7 +260,7 @@ class GenerationRouter:
     def _from(self, tr: Tracked, role: str, m) -> bool:
         if tr.assigned.get(role) == m.instance_id:
             return True
-        self.stats["dropped_misrouted"] += 1
+        self.counters.dropped_misrouted += 1
         logger.debug(
             "%s for %s from %s, expected %s %s",
             type(m).__name__,
@@ -262,7 +281,10 @@ class GenerationRouter:
     def _on_slots_reserved(self, tr: Tracked, m: P.SlotsReserved) -> None:
         receiver, sender = ("denoiser", "encoder") if m.handoff == "cond" else ("decoder", "denoiser")
         if self._from(tr, receiver, m) and sender in tr.assigned:
-            self.send(tr.assigned[sender], P.PushTask(m.request_id, m.generation, m.handoff, m.refs))
+            self.send(
+                tr.assigned[sender],
+                P.PushTask(request_id=m.request_id, generation=m.generation, handoff=m.handoff, refs=m.refs),
+            )
 
     def _on_push_done(self, tr: Tracked, m: P.PushDone) -> None:
         if m.handoff in P.PREVIEW_HANDOFFS:
@@ -270,10 +292,6 @@ class GenerationRouter:
         sender = "encoder" if m.handoff == "cond" else "denoiser"
         if self._from(tr, sender, m):
             self._uncharge(tr, sender)
-
-    def _on_progress(self, tr: Tracked, m: P.Progress) -> None:
-        if tr.on_progress is not None and self._from(tr, "denoiser", m):
-            tr.on_progress(m.step, m.total)
 
     def _on_preview_ready(self, tr: Tracked, m: P.PreviewReady) -> None:
         """Send the preview to the request's decoder; without a listener, the denoiser's copy is
@@ -283,9 +301,18 @@ class GenerationRouter:
         if self._from(tr, "denoiser", m) and 0 <= m.index < len(P.PREVIEW_HANDOFFS):
             job = tr.job
             task = P.PreviewTask(
-                job.request_id, m.generation, tr.wire, m.index, m.step, m.total, m.specs, m.instance_id,
-                job.output_format, job.quality, self.reserve_timeout_s,
-            )  # fmt: skip
+                request_id=job.request_id,
+                generation=m.generation,
+                params=tr.wire,
+                index=m.index,
+                step=m.step,
+                total=m.total,
+                specs=m.specs,
+                source=m.instance_id,
+                output_format=job.output_format,
+                quality=job.quality,
+                reserve_timeout_s=self.reserve_timeout_s,
+            )
             self.send(tr.assigned["decoder"], task)
 
     def _on_preview_result(self, tr: Tracked, m: P.PreviewResult) -> None:
@@ -298,22 +325,22 @@ class GenerationRouter:
             tr.machine.to(S.DECODING, self._stage_done(tr, "denoise"))
             job = tr.job
             task = P.DecodeTask(
-                job.request_id,
-                m.generation,
-                tr.wire,
-                m.specs,
-                m.instance_id,
-                job.output_format,
-                job.fps,
-                self.reserve_timeout_s,
-                job.quality,
+                request_id=job.request_id,
+                generation=m.generation,
+                params=tr.wire,
+                specs=m.specs,
+                source=m.instance_id,
+                output_format=job.output_format,
+                fps=job.fps,
+                reserve_timeout_s=self.reserve_timeout_s,
+                quality=job.quality,
             )
             self.send(tr.assigned["decoder"], task)
 
     def _on_media(self, tr: Tracked, m: P.MediaResult) -> None:
         if self._from(tr, "decoder", m) and tr.machine.state is S.DECODING:
             self._stage_done(tr, "decode")
-            self._finish(tr, S.DONE, result=m.data)
+            self.lifecycle.finish(tr, S.DONE, result=m.data)
 
     def _stage_done(self, tr: Tracked, stage: str) -> float:
         """Report the stage that just ended (its queue wait and its run time); returns now."""
@@ -328,38 +355,23 @@ class GenerationRouter:
         if m.retryable:
             self._retry(tr, what, exclude=m.instance_id)
         else:
-            self._finish(tr, S.FAILED, error=StageFailed(what))
+            self.lifecycle.finish(tr, S.FAILED, error=StageFailed(what))
 
     # ---- endings and retries ------------------------------------------------------------------
-    def _finish(self, tr: Tracked, state: RequestState, result: bytes | None = None, error: Exception | None = None):
+    def _release(self, tr: Tracked, cancel_reason: str | None) -> None:
+        """The lifecycle's release: out of the decoder queue, every slot freed (``Cancel`` sent to
+        each holder with a reason)."""
         rid = tr.job.request_id
-        tr.machine.to(state)
-        self._release(tr, cancel_workers=state is not S.DONE, reason=state.value)
-        del self.requests[rid]
-        self.stats[state.value] += 1
-        if not tr.future.done():
-            tr.future.set_exception(error) if error is not None else tr.future.set_result(result)
-        logger.info("request %s %s (generation %d)", rid, state.value, tr.machine.generation)
-
-    def _release(self, tr: Tracked, cancel_workers: bool, reason: str) -> None:
-        rid = tr.job.request_id
-        for q in (self.wait_encode, self.wait_decoder):
-            if rid in q:
-                q.remove(rid)
+        if rid in self.wait_decoder:
+            self.wait_decoder.remove(rid)
         for role, iid in list(tr.assigned.items()):
-            if cancel_workers:
-                self.send(iid, P.Cancel(rid, tr.machine.generation, reason))
+            if cancel_reason is not None:
+                self.send(iid, P.Cancel(request_id=rid, generation=tr.machine.generation, reason=cancel_reason))
             self._uncharge(tr, role)
         tr.cond_specs = None
 
     def _retry(self, tr: Tracked, why: str, exclude: str | None = None) -> None:
         role = next((r for r, i in tr.assigned.items() if i == exclude), None)
-        refusal = tr.attempts.refusal(self.max_retries, role, self.registry.pool(role) if role else [], exclude)
-        if refusal is not None:
-            return self._finish(tr, S.FAILED, error=StageFailed(f"{why}; {refusal}"))
-        self._release(tr, cancel_workers=True, reason=f"retry: {why}")
-        tr.attempts.record(role, exclude)
-        tr.machine.to(S.QUEUED)
-        self.wait_encode.appendleft(tr.job.request_id)
-        self.stats["retries"] += 1
-        logger.warning("retrying %s as generation %d: %s", tr.job.request_id, tr.machine.generation, why)
+        pool = self.registry.pool(role) if role else []
+        refusal = tr.attempts.refusal(self.lifecycle.max_retries, role, pool, exclude)
+        self.lifecycle.retry(tr, why, refusal, role, exclude)

@@ -90,22 +90,22 @@ def chat_to_wire(
     (``images_png``: ``chat_images(p)`` made already; None = made here); ``mm_hints``: other encoders
     holding its images' embeddings (``worker.mm_remote``)."""
     messages = [
-        ChatMessage(t.role, [ChatPart(image=x) if isinstance(x, int) else ChatPart(text=x) for x in t.parts])
+        ChatMessage(role=t.role, parts=[ChatPart(image=x) if isinstance(x, int) else ChatPart(text=x) for x in t.parts])
         for t in p.turns
     ]
     return ChatTask(
-        request_id,
-        generation,
-        messages,
-        chat_images(p) if images_png is None else images_png,
-        int(p.max_tokens),
-        float(p.temperature),
-        float(p.top_p),
-        int(p.seed),
-        stream,
-        bool(p.ignore_eos),
-        p.tenant,
-        tuple(mm_hints),
+        request_id=request_id,
+        generation=generation,
+        messages=messages,
+        images_png=chat_images(p) if images_png is None else images_png,
+        max_tokens=int(p.max_tokens),
+        temperature=float(p.temperature),
+        top_p=float(p.top_p),
+        seed=int(p.seed),
+        stream=stream,
+        ignore_eos=bool(p.ignore_eos),
+        tenant=p.tenant,
+        mm_hints=tuple(mm_hints),
     )
 
 

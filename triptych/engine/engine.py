@@ -154,7 +154,7 @@ class DenoiserEngine:
         s.forwards += step_stats.forwards
         s.rows += step_stats.rows
         s.request_steps += len(states)
-        s.step_seconds += elapsed
+        s.count_step(elapsed)
         s.count_batch(len(states))
         if self.accel is not None:
             s.skipped_rows = self.accel.stats.rows_skipped

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import msgspec
 
+from triptych.core import buckets
 
-class EngineStats(msgspec.Struct):
+
+class EngineStats(msgspec.Struct, kw_only=True):
     """A denoiser engine's counters: cumulative since the worker started (or a window's deltas)."""
 
     steps: int = 0  # engine ticks that ran a forward
@@ -19,6 +21,8 @@ class EngineStats(msgspec.Struct):
     request_steps: int = 0  # denoising steps advanced, summed over requests
     skipped_rows: int = 0  # rows served from a cache (TeaCache) instead of the transformer
     step_seconds: float = 0.0  # wall time spent in the engine's execute()
+    #: ticks per step-time bucket (``buckets.STEP_SECONDS_BOUNDS``, then +Inf): each tick counted in its own
+    step_buckets: list[int] = msgspec.field(default_factory=list)
     batch_sizes: dict[int, int] = msgspec.field(default_factory=dict)  # requests in one tick → such ticks
     finished: int = 0  # requests that finished denoising
     aborted: int = 0  # requests dropped from the engine before finishing
@@ -34,11 +38,21 @@ class EngineStats(msgspec.Struct):
     def steps_per_second(self) -> float:
         return self.request_steps / self.step_seconds if self.step_seconds else 0.0
 
+    def count_step(self, seconds: float) -> None:
+        """One tick's wall time: summed and counted in its bucket."""
+        self.step_seconds += seconds
+        buckets.observe(self.step_buckets, buckets.STEP_SECONDS_BOUNDS, seconds)
+
     def count_batch(self, size: int) -> None:
         self.batch_sizes[size] = self.batch_sizes.get(size, 0) + 1
 
     def copy(self) -> EngineStats:
-        return msgspec.structs.replace(self, batch_sizes=dict(self.batch_sizes), lora_resident=list(self.lora_resident))
+        return msgspec.structs.replace(
+            self,
+            batch_sizes=dict(self.batch_sizes),
+            step_buckets=list(self.step_buckets),
+            lora_resident=list(self.lora_resident),
+        )
 
     def since(self, prev: EngineStats) -> EngineStats:
         """The window from ``prev`` (an earlier report of the same engine) to this one."""
@@ -50,6 +64,7 @@ class EngineStats(msgspec.Struct):
             request_steps=self.request_steps - prev.request_steps,
             skipped_rows=self.skipped_rows - prev.skipped_rows,
             step_seconds=self.step_seconds - prev.step_seconds,
+            step_buckets=buckets.since(self.step_buckets, prev.step_buckets),
             batch_sizes={k: n for k, n in sizes.items() if n},
             finished=self.finished - prev.finished,
             aborted=self.aborted - prev.aborted,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import msgspec
 
 
-class TierStats(msgspec.Struct):
+class TierStats(msgspec.Struct, kw_only=True):
     """One tier's counters (cumulative) and its size (levels)."""
 
     hits: int = 0
@@ -34,7 +34,7 @@ class TierStats(msgspec.Struct):
         )
 
 
-class RemoteStats(msgspec.Struct):
+class RemoteStats(msgspec.Struct, kw_only=True):
     """Embeddings moved between encoders over the transfer plane (``worker.mm_remote``), cumulative.
 
     The asking side: ``hits`` (a local miss the holder named in the head's hint pushed here instead
@@ -60,10 +60,10 @@ class RemoteStats(msgspec.Struct):
         if prev is None:
             return self
         fields = self.__struct_fields__
-        return RemoteStats(*(getattr(self, f) - getattr(prev, f) for f in fields))
+        return RemoteStats(**{f: getattr(self, f) - getattr(prev, f) for f in fields})
 
 
-class MMCacheStats(msgspec.Struct):
+class MMCacheStats(msgspec.Struct, kw_only=True):
     """The embedding tier's counters (cumulative) and its size (levels, filled in by ``snapshot``),
     plus the other tiers; sent to the head as it is inside a worker's stats report."""
 
@@ -102,7 +102,14 @@ class MMCacheStats(msgspec.Struct):
     def tiers(self) -> dict[str, TierStats]:
         """Every tier present, by name (``embedding``, ``processor``, ``prefix``, ``shared``)."""
         out = {
-            "embedding": TierStats(self.hits, self.misses, self.evictions, self.not_stored, self.entries, self.nbytes)
+            "embedding": TierStats(
+                hits=self.hits,
+                misses=self.misses,
+                evictions=self.evictions,
+                not_stored=self.not_stored,
+                entries=self.entries,
+                nbytes=self.nbytes,
+            )
         }
         for name in ("processor", "prefix", "shared"):
             tier = getattr(self, name)

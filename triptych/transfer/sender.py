@@ -55,7 +55,7 @@ class PushSender:
         else:
             msg = DataPush(next(self._seq), ref.transfer_id, self.instance_id, ref.dtype, ref.shape, ref.nbytes)
             self.request(ref, msg, [_raw_bytes(data)], timeout)
-        self.stats.add(pushes_sent=1, bytes_sent=ref.nbytes, push_seconds=time.perf_counter() - start)
+        self.stats.count_push(ref.nbytes, time.perf_counter() - start)
 
     def _write(self, ref: TensorRef, data: torch.Tensor, timeout_s: float) -> None:
         assert ref.mooncake is not None and self.carrier is not None

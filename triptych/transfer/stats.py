@@ -10,11 +10,13 @@ import threading
 
 import msgspec
 
+from triptych.core import buckets
+
 # NOTE: one lock for every endpoint's counters: increments are a few per transfer, never contended.
 _LOCK = threading.Lock()
 
 
-class TransferStats(msgspec.Struct):
+class TransferStats(msgspec.Struct, kw_only=True):
     """Monotonic counters of one endpoint (cumulative since it started, or a window's deltas)."""
 
     backend: str  # transfer backend kind ("zmq" | "mooncake")
@@ -28,13 +30,12 @@ class TransferStats(msgspec.Struct):
     reservations: int = 0  # slots reserved on this (receiver) side
     cancels: int = 0  # reservations released by `cancel`
     reclaimed: int = 0  # reservations released because their peer died
+    #: completed pushes per latency bucket (``buckets.PUSH_SECONDS_BOUNDS``, then +Inf)
+    push_buckets: list[int] = msgspec.field(default_factory=list)
 
     def add(
         self,
         *,
-        pushes_sent: int = 0,
-        bytes_sent: int = 0,
-        push_seconds: float = 0.0,
         pushes_received: int = 0,
         bytes_received: int = 0,
         rejected_pushes: int = 0,
@@ -44,9 +45,6 @@ class TransferStats(msgspec.Struct):
         reclaimed: int = 0,
     ) -> None:
         with _LOCK:
-            self.pushes_sent += pushes_sent
-            self.bytes_sent += bytes_sent
-            self.push_seconds += push_seconds
             self.pushes_received += pushes_received
             self.bytes_received += bytes_received
             self.rejected_pushes += rejected_pushes
@@ -55,10 +53,18 @@ class TransferStats(msgspec.Struct):
             self.cancels += cancels
             self.reclaimed += reclaimed
 
+    def count_push(self, nbytes: int, seconds: float) -> None:
+        """One completed, acknowledged push of ``nbytes`` that took ``seconds``."""
+        with _LOCK:
+            self.pushes_sent += 1
+            self.bytes_sent += nbytes
+            self.push_seconds += seconds
+            buckets.observe(self.push_buckets, buckets.PUSH_SECONDS_BOUNDS, seconds)
+
     def snapshot(self) -> TransferStats:
         """A consistent copy (the endpoint's threads keep counting into this one)."""
         with _LOCK:
-            return msgspec.structs.replace(self)
+            return msgspec.structs.replace(self, push_buckets=list(self.push_buckets))
 
     def since(self, prev: TransferStats) -> TransferStats:
         """The window from ``prev`` (an earlier snapshot of the same endpoint) to this one."""
@@ -74,4 +80,5 @@ class TransferStats(msgspec.Struct):
             reservations=self.reservations - prev.reservations,
             cancels=self.cancels - prev.cancels,
             reclaimed=self.reclaimed - prev.reclaimed,
+            push_buckets=buckets.since(self.push_buckets, prev.push_buckets),
         )

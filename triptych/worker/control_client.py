@@ -54,7 +54,7 @@ class ControlClient:
         Raises ``TimeoutError`` when the head does not answer in ``timeout_s``. What arrives before
         each answer (a stale ``Rejoin``, a malformed frame) goes to ``on_skipped``."""
         deadline = time.monotonic() + timeout_s
-        self.send(P.Hello(register.instance_id))
+        self.send(P.Hello(instance_id=register.instance_id))
         answer = self._await((P.Challenge, P.RegisterAck), deadline, on_skipped)
         if isinstance(answer, P.RegisterAck):  # refused before a challenge: no token
             return answer

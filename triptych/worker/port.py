@@ -78,7 +78,15 @@ class JobPort:
         prefix = f"{job.request_id}/g{job.generation}/{handoff}"
         refs = self.endpoint.reserve_bundle(prefix, specs, peer=source, timeout_s=timeout_s)
         job.reserved += [r.transfer_id for r in refs.values()]
-        self.send(P.SlotsReserved(job.request_id, job.generation, self.instance_id, handoff, refs))
+        self.send(
+            P.SlotsReserved(
+                request_id=job.request_id,
+                generation=job.generation,
+                instance_id=self.instance_id,
+                handoff=handoff,
+                refs=refs,
+            )
+        )
         self._submit(job.request_id, job.generation, f"arrived:{handoff}", self.endpoint.wait_bundle, refs)
 
     def fail(self, job: Job, error: Exception, retryable: bool) -> None:
@@ -90,7 +98,16 @@ class JobPort:
         stage = "chat" if isinstance(job.task, P.ChatTask) else self.stage
         kind, message = type(error).__name__, str(error)
         self.send(
-            P.StageError(job.request_id, job.generation, self.instance_id, stage, kind, message, retryable, invalid)
+            P.StageError(
+                request_id=job.request_id,
+                generation=job.generation,
+                instance_id=self.instance_id,
+                stage=stage,
+                kind=kind,
+                message=message,
+                retryable=retryable,
+                invalid=invalid,
+            )
         )
 
     # ---- the worker loop's side ---------------------------------------------------------------
@@ -154,7 +171,7 @@ class JobPort:
                 self.on_arrived(job, result)
             elif not preview:  # a pushed preview leaves the job as it was
                 del self.jobs[rid]
-                self.send(P.PushDone(rid, gen, self.instance_id, handoff))
+                self.send(P.PushDone(request_id=rid, generation=gen, instance_id=self.instance_id, handoff=handoff))
 
     def settle(self, timeout_s: float) -> None:
         """Wait for the transfers already running to end (a rejoin), then forget them."""

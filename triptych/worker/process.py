@@ -202,17 +202,17 @@ class Worker:
     def register(self) -> None:
         chat = self.role is Role.ENCODER and self.family.chat_model() is not None
         register = P.Register(
-            self.instance_id,
-            self.role.value,
-            self.config.capacity,
-            self.instance_id,
-            self.endpoint.address,
-            self.endpoint.kind,
-            model_revision(self.config.model_dir),
-            os.getpid(),
-            chat,
-            (self._hb_sock.getsockopt(zmq.IDENTITY),),
-            self.config.chat.chat_slots if chat else 0,
+            instance_id=self.instance_id,
+            role=self.role.value,
+            capacity=self.config.capacity,
+            control=self.instance_id,
+            data=self.endpoint.address,
+            transfer=self.endpoint.kind,
+            revision=model_revision(self.config.model_dir),
+            pid=os.getpid(),
+            chat=chat,
+            channels=(self._hb_sock.getsockopt(zmq.IDENTITY),),
+            chat_slots=self.config.chat.chat_slots if chat else 0,
         )
 
         def skipped(what) -> None:  # a stale Rejoin, a malformed frame
@@ -252,7 +252,11 @@ class Worker:
                 return self._orphaned()
             pool = self.endpoint.pool
             beat = P.Heartbeat(
-                self.instance_id, len(self.port.jobs), pool.free_slots, pool.max_slots, self.runner.engine_running()
+                instance_id=self.instance_id,
+                active=len(self.port.jobs),
+                free_slots=pool.free_slots,
+                max_slots=pool.max_slots,
+                engine_running=self.runner.engine_running(),
             )
             self._hb.send(P.encode(beat))
 
@@ -289,20 +293,17 @@ class Worker:
         if now < self._next_report:
             return
         self._next_report = now + self._hb_interval
-        transfer = self.endpoint.stats.snapshot()
         runner = self.runner
-        jobs = tuple((rid, job.generation) for rid, job in self.port.jobs.items())
-        self.send(
-            P.StatsReport(
-                self.instance_id,
-                now - self._started,
-                runner.engine_stats(),
-                transfer,
-                runner.cache_stats(),
-                runner.chat_stats(),
-                jobs,
-            )
+        report = P.StatsReport(
+            instance_id=self.instance_id,
+            uptime_s=now - self._started,
+            engine=runner.engine_stats(),
+            transfer=self.endpoint.stats.snapshot(),
+            mm_cache=runner.cache_stats(),
+            chat=runner.chat_stats(),
+            jobs=tuple((rid, job.generation) for rid, job in self.port.jobs.items()),
         )
+        self.send(report)
 
     def _wake(self) -> None:
         try:

@@ -87,8 +87,8 @@ class DecoderRunner(StageRunner):
             logger.warning("%s: %s of %s not decoded: %s", self.port.instance_id, handoff, job.request_id, e)
         else:
             msg = P.PreviewResult(
-                job.request_id, job.generation, self.port.instance_id, task.index, task.step, task.total, data,
-                task.output_format,
+                request_id=job.request_id, generation=job.generation, instance_id=self.port.instance_id, index=task.index, step=task.step, total=task.total, data=data,
+                output_format=task.output_format,
             )  # fmt: skip
             self.port.send(msg)
         self._preview_done(job, handoff)
@@ -109,7 +109,15 @@ class DecoderRunner(StageRunner):
         data = encode_frames(frames.to_uint8(), task.output_format, task.fps, task.quality)
         self._forget(job)
         self.port.finish(job)
-        self.port.send(P.MediaResult(job.request_id, job.generation, self.port.instance_id, data, task.output_format))
+        self.port.send(
+            P.MediaResult(
+                request_id=job.request_id,
+                generation=job.generation,
+                instance_id=self.port.instance_id,
+                data=data,
+                output_format=task.output_format,
+            )
+        )
 
     def abort(self, job: Job) -> None:
         super().abort(job)

@@ -61,10 +61,13 @@ class DenoiserRunner(StageRunner):
             job = self._jobs.pop(rid, None)
             if job is not None and port.owns(job):
                 port.fail(job, error, retryable=True)
-        for rid, step, total in out.progress:
-            job = self._jobs.get(rid)
-            if job is not None and _follows(job):
-                port.send(P.Progress(rid, job.generation, port.instance_id, step, total))
+        followed = tuple(
+            P.StepProgress(request_id=rid, generation=job.generation, step=step, total=total)
+            for rid, step, total in out.progress
+            if (job := self._jobs.get(rid)) is not None and _follows(job)
+        )
+        if followed:  # one message per tick, not one per request
+            port.send(P.TickReport(instance_id=port.instance_id, progress=followed))
         for rid, index, step, total, x0 in out.previews:
             job = self._jobs.get(rid)
             if job is None or not port.owns(job):
@@ -72,13 +75,30 @@ class DenoiserRunner(StageRunner):
             handoff = P.PREVIEW_HANDOFFS[index]
             job.previews[handoff] = to_host({"latents": x0.detach().contiguous()})
             specs = specs_of(job.previews[handoff])
-            port.send(P.PreviewReady(rid, job.generation, port.instance_id, index, step, total, specs))
+            port.send(
+                P.PreviewReady(
+                    request_id=rid,
+                    generation=job.generation,
+                    instance_id=port.instance_id,
+                    index=index,
+                    step=step,
+                    total=total,
+                    specs=specs,
+                )
+            )
         for state in out.finished:
             job = self._jobs.pop(state.request_id, None)
             if job is None or not port.owns(job):
                 continue
             job.outgoing = to_host({"latents": state.latents.detach().contiguous()})
-            port.send(P.DenoiseDone(job.request_id, job.generation, port.instance_id, specs_of(job.outgoing)))
+            port.send(
+                P.DenoiseDone(
+                    request_id=job.request_id,
+                    generation=job.generation,
+                    instance_id=port.instance_id,
+                    specs=specs_of(job.outgoing),
+                )
+            )
 
     def compute(self, job: Job) -> None:
         cond = Conditioning.from_flat(job.outgoing)
@@ -128,8 +148,8 @@ class DenoiserRunner(StageRunner):
 
 
 def _follows(job: Job) -> bool:
-    """Whether the head follows ``job``'s steps (a video job's progress, the CLI's bar): a step's
-    ``Progress`` is a signed control message through the head, ~20 per image nobody reads otherwise."""
+    """Whether the head follows ``job``'s steps (a video job's progress, the CLI's bar): its steps
+    go in each tick's ``TickReport``, a signed control message through the head nobody reads otherwise."""
     return isinstance(job.task, P.DenoiseTask) and job.task.progress
 
 

@@ -101,7 +101,13 @@ class EncoderRunner(StageRunner):
         job.outgoing = to_host(owned(cond.flat()))
         specs = specs_of(job.outgoing)
         self.port.send(
-            P.EncodeDone(job.request_id, job.generation, self.port.instance_id, specs, self._held_images(job))
+            P.EncodeDone(
+                request_id=job.request_id,
+                generation=job.generation,
+                instance_id=self.port.instance_id,
+                specs=specs,
+                images=self._held_images(job),
+            )
         )
 
     def abort(self, job: Job) -> None:
@@ -145,7 +151,7 @@ class EncoderRunner(StageRunner):
         """The embeddings the job's images have here, for the head's affinity (cross-encoder hits)."""
         if self.layer is None:
             return ()
-        return tuple(MMImage(key, TensorSpec.of(t)) for key, t in self.layer.held(holder(job)))
+        return tuple(MMImage(mm_hash=key, spec=TensorSpec.of(t)) for key, t in self.layer.held(holder(job)))
 
     def _vision_ready(self, job: Job) -> bool:
         return self.layer is None or self.layer.ready(holder(job))
@@ -187,7 +193,11 @@ class EncoderRunner(StageRunner):
             if job is None:  # aborted: nothing more goes to the head
                 continue
             for text in chat.pieces:
-                port.send(P.ChatDelta(job.request_id, job.generation, port.instance_id, text))
+                port.send(
+                    P.ChatDelta(
+                        request_id=job.request_id, generation=job.generation, instance_id=port.instance_id, text=text
+                    )
+                )
             chat.pieces.clear()
             if chat.done:
                 del self.chats[chat.id]
@@ -205,14 +215,14 @@ class EncoderRunner(StageRunner):
         port.finish(job)
         port.send(
             P.ChatDone(
-                job.request_id,
-                job.generation,
-                port.instance_id,
-                result.text,
-                result.prompt_tokens,
-                result.completion_tokens,
-                result.finish_reason,
-                images,
+                request_id=job.request_id,
+                generation=job.generation,
+                instance_id=port.instance_id,
+                text=result.text,
+                prompt_tokens=result.prompt_tokens,
+                completion_tokens=result.completion_tokens,
+                finish_reason=result.finish_reason,
+                images=images,
             )
         )
 

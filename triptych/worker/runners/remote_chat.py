@@ -130,7 +130,14 @@ class RemoteChats:
             return port.fail(job, event.error, retryable=event.retryable)
         if event.result is None:
             if job.task.stream:
-                port.send(P.ChatDelta(job.request_id, job.generation, port.instance_id, event.text))
+                port.send(
+                    P.ChatDelta(
+                        request_id=job.request_id,
+                        generation=job.generation,
+                        instance_id=port.instance_id,
+                        text=event.text,
+                    )
+                )
             return
         del self.running[event.key]
         self._release(event.key)
@@ -138,12 +145,12 @@ class RemoteChats:
         port.finish(job)
         port.send(
             P.ChatDone(
-                job.request_id,
-                job.generation,
-                port.instance_id,
-                r.text,
-                r.prompt_tokens,
-                r.completion_tokens,
-                r.finish_reason,
+                request_id=job.request_id,
+                generation=job.generation,
+                instance_id=port.instance_id,
+                text=r.text,
+                prompt_tokens=r.prompt_tokens,
+                completion_tokens=r.completion_tokens,
+                finish_reason=r.finish_reason,
             )
         )
