@@ -130,7 +130,7 @@ def test_an_adapter_that_cannot_fit_alone_fails_at_once_with_the_sizes(setup):
     big = "a" if sizes["a"] > sizes["b"] else "b"
     p = params(family, 0, ((big, 1.0),))
     job = Job("r", 1, p, task=P.DenoiseTask("r", 1, params_to_wire(p), {}, "e0", "dec0", 30.0))
-    job.outgoing = family.encode(p).flat()
+    job.incoming = family.encode(p).flat()
     runner.run(job)
     assert len(port.failed) == 1, port.failed
     rid, message, retryable = port.failed[0]

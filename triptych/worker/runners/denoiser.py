@@ -82,8 +82,8 @@ class DenoiserRunner(StageRunner):
             port.send(P.DenoiseDone(job.request_id, job.generation, port.instance_id, specs_of(job.outgoing)))
 
     def compute(self, job: Job) -> None:
-        cond = Conditioning.from_flat(job.outgoing)
-        job.outgoing = None
+        cond = Conditioning.from_flat(job.incoming)
+        job.incoming = None
         with torch.no_grad():
             state = self.family.prepare(job.request_id, job.params, cond)
         self.admit(job, state)

@@ -65,13 +65,13 @@ class ParallelDenoiserRunner(DenoiserRunner):
 
     def compute(self, job: Job) -> None:
         """An arrival joins at this step boundary, on every rank at once (``execute``)."""
-        cond, job.outgoing = job.outgoing, None
+        cond, job.incoming = job.incoming, None
         self._joins.append((job, cond))
 
     def abort(self, job: Job) -> None:
         if job in self.ready:
             self.ready.remove(job)
-        job.outgoing = None
+        job.incoming = None
         self._joins = [(j, c) for j, c in self._joins if j is not job]
         if self._jobs.get(job.request_id) is job:
             del self._jobs[job.request_id]
@@ -103,7 +103,7 @@ class ParallelDenoiserRunner(DenoiserRunner):
         that joined are broadcast (a refusal, e.g. TeaCache on this instance, is the same everywhere)."""
         joined, conds = [], []
         for job, cond in self._joins:
-            job.outgoing = cond  # where DenoiserRunner.compute reads it
+            job.incoming = cond  # where DenoiserRunner.compute reads it
             try:
                 super().compute(job)
             except (TriptychError, ValueError) as e:
