@@ -146,7 +146,7 @@ def test_the_denoiser_worker_fails_an_evicted_request_as_retryable_and_keeps_ser
 
     from triptych.control.wire import params_to_wire
 
-    runner = DenoiserRunner(family, Port(), EngineConfig(max_batch_requests=1))
+    runner = DenoiserRunner(family, Port(), DenoiserEngine(family, EngineConfig(max_batch_requests=1)))
     for rid in ("bad", "good"):
         p = _params(family, 0)
         task = P.DenoiseTask(rid, 1, params_to_wire(p), {}, "e0", "dec0", 30.0, progress=True)

@@ -81,7 +81,7 @@ def test_a_request_waits_for_lora_room_and_joins_in_order(setup):
     family, config, sizes = setup
     family = with_budget(family, config, max(sizes.values()) + 16)
     port = Port()
-    runner = DenoiserRunner(family, port, EngineConfig(fuse_cfg=True))
+    runner = DenoiserRunner(family, port, DenoiserEngine(family, EngineConfig(fuse_cfg=True)))
     plan = {"ra": (("a", 1.0),), "rb": (("b", 0.7),), "plain": (), "ra2": (("a", 0.5),)}
     ps = {rid: params(family, i, lora) for i, (rid, lora) in enumerate(plan.items())}
     for rid, p in ps.items():
@@ -104,7 +104,7 @@ def test_each_waiting_request_gives_the_latents_it_gives_alone(setup):
     family = with_budget(family, config, max(sizes.values()) + 16)
     engine_out = {}
     port = Port()
-    runner = DenoiserRunner(family, port, EngineConfig(fuse_cfg=True))
+    runner = DenoiserRunner(family, port, DenoiserEngine(family, EngineConfig(fuse_cfg=True)))
     original = runner.publish
 
     def publish(out):
@@ -126,7 +126,7 @@ def test_an_adapter_that_cannot_fit_alone_fails_at_once_with_the_sizes(setup):
     family, config, sizes = setup
     family = with_budget(family, config, min(sizes.values()) - 1)
     port = Port()
-    runner = DenoiserRunner(family, port, EngineConfig(fuse_cfg=True))
+    runner = DenoiserRunner(family, port, DenoiserEngine(family, EngineConfig(fuse_cfg=True)))
     big = "a" if sizes["a"] > sizes["b"] else "b"
     p = params(family, 0, ((big, 1.0),))
     job = Job("r", 1, p, task=P.DenoiseTask("r", 1, params_to_wire(p), {}, "e0", "dec0", 30.0))
@@ -143,7 +143,7 @@ def test_an_aborted_waiting_request_never_runs_and_holds_nothing(setup):
     family, config, sizes = setup
     family = with_budget(family, config, max(sizes.values()) + 16)
     port = Port()
-    runner = DenoiserRunner(family, port, EngineConfig(fuse_cfg=True))
+    runner = DenoiserRunner(family, port, DenoiserEngine(family, EngineConfig(fuse_cfg=True)))
     admit(runner, family, "ra", params(family, 0, (("a", 1.0),)))
     waiting = admit(runner, family, "rb", params(family, 1, (("b", 1.0),)))
     assert runner.engine_running() == 2 and len(runner.engine) == 1

@@ -50,10 +50,11 @@ class ParallelDenoiserRunner(DenoiserRunner):
     ):
         if parallel.cfg > 1 and not engine.fuse_cfg:
             raise ValueError("CFG parallel splits the rows of one fused forward: it needs fuse_cfg=True")
-        super().__init__(family, port, engine, accel=None)
-        self.ranks = InstanceRanks(parallel, collective_timeout_s, threads)
-        self.groups = self.ranks.start(family, model_dir, device, dtype, engine, profiles_dir)
-        self.engine = instance_engine(family, engine, self.ranks.parallelism, profiles_dir)
+        ranks = InstanceRanks(parallel, collective_timeout_s, threads)
+        groups = ranks.start(family, model_dir, device, dtype, engine, profiles_dir)
+        super().__init__(family, port, instance_engine(family, engine, ranks.parallelism, profiles_dir))
+        self.ranks, self.groups = ranks, groups
+        self._broken = False  # a collective failed: closing must not wait on another one
         self.keepalive_s = collective_timeout_s / 4
         self._joins: list[tuple[Job, dict[str, torch.Tensor]]] = []
         self._aborts: list[str] = []
@@ -116,10 +117,10 @@ class ParallelDenoiserRunner(DenoiserRunner):
 
     def _fail_all(self, error: Exception) -> None:
         logger.error("%s: multi-rank instance broken: %s", self.port.instance_id, error)
-        self.ranks.broken = True
+        self._broken = True
         for job in list(self._jobs.values()) + [j for j, _ in self._joins] + list(self.ready):
             if self.port.owns(job):
                 self.port.fail(job, TriptychError(f"the denoiser instance's ranks failed: {error}"), retryable=True)
 
     def close(self) -> None:
-        self.ranks.close()
+        self.ranks.close(broken=self._broken)
