@@ -227,3 +227,11 @@ def test_run_request_raises_a_failed_tick_and_stops_at_a_raising_callback(family
     seen.clear()
     run_request(family, p, on_step=lambda s: seen.append(s.step))
     assert seen == [1, 2, 3]
+
+
+def test_a_packed_row_costs_its_transformer_sequence_in_tokens(family):
+    """The family tells the engine a row's token count (``Family.row_tokens``), from the state it
+    prepared; for FLUX's packed latents that is the image stream the transformer sees."""
+    p = _params(family, 0)
+    state = family.prepare("t", p, family.encode(p))
+    assert family.row_tokens(state) == family.sequence_tokens(p)
