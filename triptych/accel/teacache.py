@@ -43,6 +43,7 @@ with a threshold > 0 is refused unless it brings its coefficients.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -258,11 +259,14 @@ class TeaCache:
         profiles: Callable[[int], TeaCacheProfile | None] | None = None,
         config: TeaCacheConfig | None = None,
         ranks: RankComposition | None = None,
+        lora_plan: Callable[[Sequence[Any]], Any] | None = None,
     ):
         """``ranks``: the instance's composition when this cache runs on every rank of a multi-rank
-        denoiser (``triptych.parallel.cache``); None on a single rank."""
+        denoiser (``triptych.parallel.cache``); None on a single rank. ``lora_plan(rows)``: the context
+        applying the rows' LoRA adapters (``Family.lora_plan``), around each piece of the forward."""
         self.plan = plan
         self.ranks = ranks
+        self.lora_plan = lora_plan
         self.profiles = profiles or (lambda steps: None)
         self.config = config or TeaCacheConfig()
         self.stats = TeaCacheStats()
@@ -311,9 +315,15 @@ class TeaCache:
             s = steps[i]
             if s.request_id not in self._settings:
                 self._settings[s.request_id] = self.resolve(s.threshold, s.num_steps, s.coefficients)
-        emb = self.plan.embed(rows)
-        compute = self._decide(steps, active, self.plan.modulated_input(emb))
-        return self._run(emb, steps, compute)
+        with self._adapters(rows):
+            emb = self.plan.embed(rows)
+            compute = self._decide(steps, active, self.plan.modulated_input(emb))
+        return self._run(emb, steps, compute, rows)
+
+    def _adapters(self, rows: Sequence[Any]):
+        """The rows' LoRA adapters applied to the pieces of the forward run here (``family.lora_plan``,
+        which ``Family.forward`` applies itself on the plain path); a no-op without adapters."""
+        return self.lora_plan(rows) if self.lora_plan is not None else contextlib.nullcontext()
 
     def _decide(self, steps: list[RowStep], active: list[int], modulated: torch.Tensor) -> list[bool]:
         compute = [True] * len(steps)
@@ -359,12 +369,12 @@ class TeaCache:
             compute[i] = leader[k]
             st.accumulated = accumulated[k]
 
-    def _run(self, emb: Embedded, steps: list[RowStep], compute: list[bool]) -> torch.Tensor:
+    def _run(self, emb: Embedded, steps: list[RowStep], compute: list[bool], rows: Sequence[Any]) -> torch.Tensor:
         n = len(steps)
         idx = [i for i in range(n) if compute[i]]
         computed = None
         if idx:
-            computed = self._blocks(emb, idx, n)
+            computed = self._blocks(emb, idx, rows)
             self.stats.block_calls += 1
         self.stats.rows_computed += len(idx)
         self.stats.rows_skipped += n - len(idx)
@@ -387,12 +397,16 @@ class TeaCache:
         hidden = computed if len(idx) == n else torch.cat(pieces)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("teacache: %d/%d rows computed", len(idx), n)
-        return self.plan.head(emb, hidden)
+        with self._adapters(rows):
+            return self.plan.head(emb, hidden)
 
-    def _blocks(self, emb: Embedded, idx: list[int], n: int) -> torch.Tensor:
-        def run(rows: list[int]) -> torch.Tensor:
-            every = len(rows) == n  # rows are ascending and distinct: all n means rows == range(n)
-            return self.plan.blocks(emb, None if every else torch.tensor(rows, device=emb.hidden.device))
+    def _blocks(self, emb: Embedded, idx: list[int], rows: Sequence[Any]) -> torch.Tensor:
+        n = len(rows)
+
+        def run(sub: list[int]) -> torch.Tensor:
+            every = len(sub) == n  # ascending and distinct: all n means sub == range(n)
+            with self._adapters([rows[i] for i in sub]):
+                return self.plan.blocks(emb, None if every else torch.tensor(sub, device=emb.hidden.device))
 
         return run(idx) if self.ranks is None else self.ranks.blocks(run, idx)
 

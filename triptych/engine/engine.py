@@ -25,9 +25,10 @@ from triptych.families.base import DenoiseState, Family
 
 logger = logging.getLogger(__name__)
 
-#: Why a request may not combine an adapter with TeaCache (the head says the same).
+#: Why a multi-rank denoiser refuses an adapter with TeaCache (a single rank applies both: docs/lora.md).
 LORA_TEACACHE_RULE = (
-    "must be 0 with lora: a TeaCache profile is calibrated per model and is not shown to hold with an adapter"
+    "must be 0 with lora on a multi-rank denoiser: TeaCache's piecewise forward with adapters is checked on one "
+    "rank only"
 )
 
 
@@ -70,7 +71,7 @@ class DenoiserEngine:
             raise ValueError(f"request {state.request_id!r} is already running")
         threshold = state.params.teacache_threshold
         lora = state.params.lora
-        if lora and threshold > 0:
+        if lora and threshold > 0 and getattr(self.accel, "ranks", None) is not None:
             raise InvalidParam("teacache_threshold", threshold, LORA_TEACACHE_RULE)
         if lora and self.family.lora is None:
             raise InvalidParam("lora", [n for n, _ in lora], f"this {self.family.name} denoiser serves no adapters")

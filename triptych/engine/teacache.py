@@ -50,7 +50,8 @@ def make_teacache(
     ``RankComposition`` on a multi-rank denoiser (``Parallelism.for_cache()``)."""
     if not has_plan(family):
         return None
-    return TeaCache(plan_for(family), ProfileIndex(family.model_dir, family.name, profiles_dir), config, ranks)
+    profiles = ProfileIndex(family.model_dir, family.name, profiles_dir)
+    return TeaCache(plan_for(family), profiles, config, ranks, lora_plan=family.lora_plan)
 
 
 def check_teacache(
