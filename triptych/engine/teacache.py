@@ -17,8 +17,9 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
-from triptych.accel.teacache import TeaCache, TeaCacheConfig, TeaCachePlan, resolve_settings
+from triptych.accel.teacache import TeaCache, TeaCachePlan
 from triptych.accel.teacache_profile import ProfileIndex
+from triptych.accel.teacache_settings import TeaCacheConfig, resolve_settings
 from triptych.core.errors import InvalidParam
 from triptych.families.base import Family, GenerationParams
 
