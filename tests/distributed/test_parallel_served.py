@@ -10,7 +10,6 @@ import dataclasses
 import io
 import os
 import signal
-import time
 
 import numpy as np
 import pytest
