@@ -30,6 +30,7 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
+import psutil
 import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -103,24 +104,18 @@ def replay_probe(url: str, token: str, beats: int = 20) -> dict:
 
 
 def proc_state(pid: int) -> str | None:
+    """``psutil``'s status of ``pid`` (``"zombie"``, ``"running"``, ``"sleeping"``...); None: gone."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
+        return psutil.Process(pid).status()
+    except psutil.NoSuchProcess:
         return None
 
 
 def children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        out.append(int(entry))
-            except OSError:
-                pass
-    return out
+    try:
+        return [c.pid for c in psutil.Process(pid).children()]
+    except psutil.NoSuchProcess:
+        return []
 
 
 class Load:
@@ -185,7 +180,7 @@ def main() -> int:
                     break
                 time.sleep(0.2)
             time.sleep(args.settle_s)
-            zombies = [c for c in children(server.proc.pid) if proc_state(c) == "Z"]
+            zombies = [c for c in children(server.proc.pid) if proc_state(c) == psutil.STATUS_ZOMBIE]
             rows.append({"kill": victim, "replaced_s": replaced, "zombies": zombies, "load1": load1()})
             ok &= replaced is not None and replaced < 30 and not zombies
         load.phase = "kill head"
@@ -193,9 +188,9 @@ def main() -> int:
         os.kill(server.proc.pid, signal.SIGKILL)
         server.proc.wait(30)
         t0 = time.monotonic()
-        while any(proc_state(p) not in (None, "Z") for p in workers) and time.monotonic() - t0 < 60:
+        while any(proc_state(p) not in (None, psutil.STATUS_ZOMBIE) for p in workers) and time.monotonic() - t0 < 60:
             time.sleep(0.2)
-        orphans = [p for p in workers if proc_state(p) not in (None, "Z")]
+        orphans = [p for p in workers if proc_state(p) not in (None, psutil.STATUS_ZOMBIE)]
         gone_s = time.monotonic() - t0
         rows.append({"kill": "head", "workers_gone_s": gone_s, "orphans": orphans, "load1": load1()})
         ok &= not orphans

@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -66,26 +67,24 @@ class Server:
         raise RuntimeError(f"{self.name} did not start")
 
     def pids(self) -> list[int]:
+        """The server's process group (``start_new_session``): the head and every worker it spawned."""
         out = []
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                try:
-                    if os.getpgid(int(entry)) == self.proc.pid:
-                        out.append(int(entry))
-                except ProcessLookupError:
-                    pass
+        for proc in psutil.process_iter():
+            try:
+                if os.getpgid(proc.pid) == self.proc.pid:
+                    out.append(proc.pid)
+            except (ProcessLookupError, psutil.NoSuchProcess):
+                pass
         return out
 
     def rss_mb(self) -> float:
         total = 0
         for pid in self.pids():
             try:
-                for line in open(f"/proc/{pid}/status"):
-                    if line.startswith("VmRSS:"):
-                        total += int(line.split()[1])
-            except OSError:
+                total += psutil.Process(pid).memory_info().rss
+            except psutil.NoSuchProcess:
                 pass
-        return total / 1024
+        return total / (1 << 20)
 
     def stop(self) -> None:
         try:

@@ -153,28 +153,20 @@ def test_workers_of_a_head_killed_with_sigkill_exit_on_their_own(model, tmp_path
     import signal
     import subprocess
     import sys
-    import time
+
+    from tests.procs import alive, wait_gone
 
     head = subprocess.Popen([sys.executable, "-c", HEAD_SCRIPT, str(model[0])], stdout=subprocess.PIPE, text=True)
     try:
         pids = json.loads(head.stdout.readline())
         assert sorted(pids) == ["decoder-0", "denoiser-0", "encoder-0"]
 
-        def alive(pid: int) -> bool:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                return False
-            with open(f"/proc/{pid}/stat") as f:  # reaped by init or not yet: a zombie has exited
-                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-
         assert all(alive(p) for p in pids.values())
         head.send_signal(signal.SIGKILL)
         head.wait(30)
-        deadline = time.monotonic() + 60  # a liveness bound: heartbeat interval + the loop's stop
-        while any(alive(p) for p in pids.values()) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not [i for i, p in pids.items() if alive(p)], "orphaned workers still running"
+        # a liveness bound: heartbeat interval + the loop's stop (a zombie, reaped by init or not yet, has exited)
+        left = wait_gone(pids.values(), 60)
+        assert not [i for i, p in pids.items() if p in left], "orphaned workers still running"
     finally:
         head.kill()
         head.wait(30)

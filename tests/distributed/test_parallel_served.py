@@ -10,13 +10,13 @@ import dataclasses
 import io
 import os
 import signal
-import time
 
 import numpy as np
 import pytest
 from orchestrator_support import Cluster, job, nothing_held, progress_event
 from PIL import Image
 
+from tests.procs import children, wait_gone
 from triptych.control.backend import StageFailed
 from triptych.deploy.launch import TopologyConfig
 from triptych.engine.runner import run_request
@@ -72,20 +72,6 @@ def pixels(data: bytes) -> np.ndarray:
 def alone(family, j) -> np.ndarray:
     frames, _ = run_request(family, j.params, request_id=j.request_id)
     return frames.to_uint8()[0].astype(np.int16)
-
-
-def children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid and fields[0] != "Z":
-                out.append(int(entry))
-    return out
 
 
 def test_one_request_matches_the_single_rank_pipeline(cluster, model):
@@ -155,17 +141,7 @@ def test_killing_a_follower_rank_takes_the_instance_out_and_it_comes_back(cluste
         with pytest.raises(StageFailed, match="denoiser"):
             p.result(120)
 
-    def gone(pid: int) -> bool:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-        except OSError:
-            return True
-
-    deadline = time.monotonic() + 30
-    while not (gone(den["pid"]) and gone(followers[0])) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert gone(den["pid"]) and gone(followers[0]), "a rank of the broken instance is still running"
+    assert not wait_gone([den["pid"], followers[0]], 30), "a rank of the broken instance is still running"
     back = cluster.wait_until(
         lambda d: any(i["role"] == "denoiser" and i["pid"] != den["pid"] for i in d["instances"]) and nothing_held(d),
         "the denoiser instance restarted",

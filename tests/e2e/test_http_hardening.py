@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from tests.e2e.http_support import FakeBackend, FakeFamily, serve
+from tests.procs import rss_bytes
 from triptych.head.app import HeadConfig, create_app
 
 MB = 1 << 20
@@ -36,11 +37,6 @@ def raw(base: str, request: bytes, then: bytes = b"", wait_s: float = 30.0) -> b
         while chunk := s.recv(65536):
             out += chunk
         return out
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
 def test_a_declared_256_mib_json_body_is_refused_before_it_is_read(tmp_path):

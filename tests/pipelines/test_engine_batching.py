@@ -146,7 +146,7 @@ def test_the_denoiser_worker_fails_an_evicted_request_as_retryable_and_keeps_ser
 
     from triptych.control.wire import params_to_wire
 
-    runner = DenoiserRunner(family, Port(), EngineConfig(max_batch_requests=1))
+    runner = DenoiserRunner(family, Port(), DenoiserEngine(family, EngineConfig(max_batch_requests=1)))
     for rid in ("bad", "good"):
         p = _params(family, 0)
         task = P.DenoiseTask(
@@ -236,3 +236,11 @@ def test_run_request_raises_a_failed_tick_and_stops_at_a_raising_callback(family
     seen.clear()
     run_request(family, p, on_step=lambda s: seen.append(s.step))
     assert seen == [1, 2, 3]
+
+
+def test_a_packed_row_costs_its_transformer_sequence_in_tokens(family):
+    """The family tells the engine a row's token count (``Family.row_tokens``), from the state it
+    prepared; for FLUX's packed latents that is the image stream the transformer sees."""
+    p = _params(family, 0)
+    state = family.prepare("t", p, family.encode(p))
+    assert family.row_tokens(state) == family.sequence_tokens(p)

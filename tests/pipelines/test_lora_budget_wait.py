@@ -94,7 +94,7 @@ def test_a_request_waits_for_lora_room_and_joins_in_order(setup):
     family, config, sizes = setup
     family = with_budget(family, config, max(sizes.values()) + 16)
     port = Port()
-    runner = DenoiserRunner(family, port, EngineConfig(fuse_cfg=True))
+    runner = DenoiserRunner(family, port, DenoiserEngine(family, EngineConfig(fuse_cfg=True)))
     plan = {"ra": (("a", 1.0),), "rb": (("b", 0.7),), "plain": (), "ra2": (("a", 0.5),)}
     ps = {rid: params(family, i, lora) for i, (rid, lora) in enumerate(plan.items())}
     for rid, p in ps.items():
@@ -117,7 +117,7 @@ def test_each_waiting_request_gives_the_latents_it_gives_alone(setup):
     family = with_budget(family, config, max(sizes.values()) + 16)
     engine_out = {}
     port = Port()
-    runner = DenoiserRunner(family, port, EngineConfig(fuse_cfg=True))
+    runner = DenoiserRunner(family, port, DenoiserEngine(family, EngineConfig(fuse_cfg=True)))
     original = runner.publish
 
     def publish(out):
@@ -139,7 +139,7 @@ def test_an_adapter_that_cannot_fit_alone_fails_at_once_with_the_sizes(setup):
     family, config, sizes = setup
     family = with_budget(family, config, min(sizes.values()) - 1)
     port = Port()
-    runner = DenoiserRunner(family, port, EngineConfig(fuse_cfg=True))
+    runner = DenoiserRunner(family, port, DenoiserEngine(family, EngineConfig(fuse_cfg=True)))
     big = "a" if sizes["a"] > sizes["b"] else "b"
     p = params(family, 0, ((big, 1.0),))
     job = Job(
@@ -156,7 +156,7 @@ def test_an_adapter_that_cannot_fit_alone_fails_at_once_with_the_sizes(setup):
             reserve_timeout_s=30.0,
         ),
     )
-    job.outgoing = family.encode(p).flat()
+    job.incoming = family.encode(p).flat()
     runner.run(job)
     assert len(port.failed) == 1, port.failed
     rid, message, retryable = port.failed[0]
@@ -169,7 +169,7 @@ def test_an_aborted_waiting_request_never_runs_and_holds_nothing(setup):
     family, config, sizes = setup
     family = with_budget(family, config, max(sizes.values()) + 16)
     port = Port()
-    runner = DenoiserRunner(family, port, EngineConfig(fuse_cfg=True))
+    runner = DenoiserRunner(family, port, DenoiserEngine(family, EngineConfig(fuse_cfg=True)))
     admit(runner, family, "ra", params(family, 0, (("a", 1.0),)))
     waiting = admit(runner, family, "rb", params(family, 1, (("b", 1.0),)))
     assert runner.engine_running() == 2 and len(runner.engine) == 1

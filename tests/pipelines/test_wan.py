@@ -254,3 +254,12 @@ def test_requests_own_their_scheduler(families):
     fam.reference_call(params.replace(steps=5), output_type="latent")
     after, _ = _staged(fam, params)
     assert torch.equal(before, after)
+
+
+def test_a_video_row_costs_its_latent_positions_in_tokens(families):
+    """Wan's latents are (batch, channels, frames, height, width): the engine's token unit
+    (``Family.row_tokens``) is one latent position, the transformer's patches times the patch size."""
+    fam = families["wan-t2v"]
+    params = fam.resolve(_params("wan-t2v", seed=1, steps=2))
+    state = fam.prepare("t", params, fam.encode(params))
+    assert fam.row_tokens(state) == fam.sequence_tokens(params) * int(np.prod(fam.patch_size))

@@ -42,6 +42,20 @@ def test_the_map_is_bounded_oldest_first():
     assert len(aff) == 2 and aff.prefer(aff.keys("t", [pics[0]]), [instance("enc-a")]) is None
 
 
+def test_a_new_record_refreshes_an_image_a_lookup_does_not():
+    aff = ImageAffinity(most=2)
+    pics = [picture(i) for i in range(4)]
+    aff.record(aff.keys("t", [pics[0]]), "enc-a")
+    aff.record(aff.keys("t", [pics[1]]), "enc-b")
+    aff.record(aff.keys("t", [pics[0]]), "enc-a")  # recorded again: now the newest
+    aff.record(aff.keys("t", [pics[2]]), "enc-a")  # forgets pics[1], the oldest record
+    a, b = instance("enc-a"), instance("enc-b")
+    assert aff.prefer(aff.keys("t", [pics[1]]), [a, b]) is None
+    assert aff.prefer(aff.keys("t", [pics[0]]), [a, b]) is a  # a lookup, not a record: pics[0] stays oldest
+    aff.record(aff.keys("t", [pics[3]]), "enc-b")  # forgets pics[0]
+    assert aff.prefer(aff.keys("t", [pics[0]]), [a, b]) is None and aff.prefer(aff.keys("t", [pics[2]]), [a, b]) is a
+
+
 def test_hints_name_another_live_holder_of_the_reported_embeddings_within_the_tenant():
     from triptych.control.mm_hints import MMImage
     from triptych.transfer import TensorSpec

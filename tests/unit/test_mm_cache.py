@@ -215,3 +215,23 @@ def test_the_shared_directory_is_bounded_and_a_bad_or_other_shaped_file_is_a_mis
     assert store.load("d", 15) is None  # another token count: a miss
     (tmp_path / "e.safetensors").write_bytes(b"not a tensor file")
     assert store.load("e", 16) is None and store.stats.hits == 1
+
+
+def test_processor_tier_is_lru_by_bytes_and_a_hit_refreshes_its_entry():
+    from triptych.mmcache.processor import ProcessorCache
+
+    def entry(i: int) -> tuple[torch.Tensor, torch.Tensor]:  # 16 + 8 = 24 bytes per entry
+        return torch.full((1, 4), float(i)), torch.tensor([[1]], dtype=torch.int64)
+
+    tier = ProcessorCache(max_bytes=3 * 24)
+    for key in "abc":
+        tier.put(key, *entry(ord(key)))
+    assert tier.nbytes == 72 and len(tier) == 3 and tier.stats.evictions == 0
+    assert tier.get("a")[0][0, 0].item() == ord("a")  # "a" is now the most recently used
+    tier.put("d", *entry(ord("d")))  # one must go: the least recently used is "b"
+    assert tier.get("b") is None and tier.get("a") is not None and tier.get("c") is not None
+    assert tier.nbytes == 72 and tier.stats.evictions == 1
+    tier.put("big", torch.zeros(1, 32), torch.zeros(1, 1, dtype=torch.int64))  # 136 bytes > 72: not stored
+    assert tier.get("big") is None and tier.stats.not_stored == 1 and tier.nbytes == 72
+    snap = tier.snapshot()
+    assert (snap.entries, snap.nbytes, snap.hits, snap.misses) == (3, 72, 3, 2)

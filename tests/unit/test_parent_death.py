@@ -8,9 +8,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
+
+from tests.procs import alive, wait_gone
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG) is Linux's")
 
@@ -31,31 +32,21 @@ time.sleep(600)
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:  # a zombie has exited already
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def test_a_child_dies_with_its_sigkilled_parent():
     env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
     parent = subprocess.Popen([sys.executable, "-c", PARENT, CHILD], stdout=subprocess.PIPE, text=True, env=env)
     child_pid = 0
     try:
         child_pid, sig = map(int, parent.stdout.readline().split())
-        assert sig == signal.SIGTERM and _alive(child_pid)
+        assert sig == signal.SIGTERM and alive(child_pid)
         parent.send_signal(signal.SIGKILL)
         parent.wait(30)
-        deadline = time.monotonic() + 30  # a liveness bound; the child itself would sleep 600 s
-        while _alive(child_pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not _alive(child_pid), "the child outlived its SIGKILLed parent"
+        # a liveness bound; the child itself would sleep 600 s
+        assert not wait_gone([child_pid], 30), "the child outlived its SIGKILLed parent"
     finally:
         parent.kill()
         parent.wait(30)
-        if child_pid and _alive(child_pid):
+        if child_pid and alive(child_pid):
             os.kill(child_pid, signal.SIGKILL)
 
 

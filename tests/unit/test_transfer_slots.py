@@ -36,6 +36,17 @@ def test_released_id_cannot_be_reused():
         pool.reserve("t1", 10, "a", 10.0)
 
 
+def test_released_ids_are_remembered_up_to_the_bound_oldest_forgotten_first():
+    pool = SlotPool(max_slots=2, max_bytes=100, remember_finished=2)
+    for tid in ("t1", "t2", "t3"):
+        pool.reserve(tid, 10, "a", 10.0)
+        pool.release(tid)
+    pool.reserve("t1", 10, "a", 10.0)  # the oldest of three released ids is forgotten: usable again
+    for tid in ("t2", "t3"):
+        with pytest.raises(DuplicateTransfer):
+            pool.reserve(tid, 10, "a", 10.0)
+
+
 def test_second_mark_ready_rejected():
     pool = make_pool()
     pool.reserve("t1", 10, "a", 10.0)

@@ -8,7 +8,8 @@ items: five questions about one image pay the prefill of their own words only.
 
 Entries are bounded by bytes and evicted least recently used, but only entries no running chat
 holds (``acquire`` / ``release`` count the holders). Stored tensors are never written: a cache
-that grows past them (``DynamicCache.update``) concatenates into new tensors.
+that grows past them (``DynamicCache.update``) concatenates into new tensors. The LRU is hand-written
+for that reason (held entries are skipped; ``mmcache/store.py`` says why ``cachetools`` does not fit).
 """
 
 from __future__ import annotations

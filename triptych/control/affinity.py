@@ -17,8 +17,9 @@ fetches the embedding peer to peer instead of running its tower (``worker.mm_rem
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
 from collections.abc import Iterable
+
+from cachetools import FIFOCache
 
 from triptych.control.dispatch import Instance
 from triptych.control.mm_hints import MMHint, MMImage
@@ -36,10 +37,14 @@ def image_key(image) -> str:
 
 class ImageAffinity:
     def __init__(self, most: int = MOST):
+        if most < 1:
+            raise ValueError(f"most={most}: must be >= 1")
         self.most = most
-        self._where: OrderedDict[tuple[str, str], str] = OrderedDict()
+        # Bounded by entries, the least recently *recorded* forgotten first: a lookup (``prefer``,
+        # ``hints``) does not refresh an entry, a new record does (FIFO with re-insertion).
+        self._where: FIFOCache[tuple[str, str], str] = FIFOCache(most)
         #: (tenant, image hash) → (instance, the embeddings it reported for the request carrying it)
-        self._held: OrderedDict[tuple[str, str], tuple[str, tuple[MMImage, ...]]] = OrderedDict()
+        self._held: FIFOCache[tuple[str, str], tuple[str, tuple[MMImage, ...]]] = FIFOCache(most)
         self.preferred = 0  # requests routed to the instance holding their images (tests, describe)
 
     def __len__(self) -> int:
@@ -73,9 +78,6 @@ class ImageAffinity:
         """These images are (about to be) encoded on ``instance_id``."""
         for key in keys:
             self._where[key] = instance_id
-            self._where.move_to_end(key)
-        while len(self._where) > self.most:
-            self._where.popitem(last=False)
 
     def held(self, keys: list[tuple[str, str]], instance_id: str, images: tuple[MMImage, ...]) -> None:
         """``instance_id`` reports holding ``images`` (embeddings) for a request with these image keys.
@@ -87,9 +89,6 @@ class ImageAffinity:
             return
         for key in keys:
             self._held[key] = (instance_id, images)
-            self._held.move_to_end(key)
-        while len(self._held) > self.most:
-            self._held.popitem(last=False)
 
     def hints(self, keys: list[tuple[str, str]], target: str, addresses: dict[str, str]) -> tuple[MMHint, ...]:
         """Hints for a request with these image keys sent to ``target``: the embeddings another live

@@ -23,9 +23,10 @@ only silent (its frames still fresh) is told to rejoin.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import Enum
+
+from cachetools import FIFOCache
 
 from triptych.control.auth import new_session
 
@@ -49,8 +50,9 @@ class SessionTable:
         self.challenge_ttl_s = challenge_ttl_s
         self.max_pending = max_pending
         self.max_sessions = max_sessions
-        self._pending: OrderedDict[bytes, tuple[bytes, str, float]] = OrderedDict()  # identity -> (nonce, id, expiry)
-        self._sessions: OrderedDict[bytes, _Session] = OrderedDict()
+        # Both bounded, the oldest forgotten first. Pending: identity -> (nonce, instance id, expiry).
+        self._pending: FIFOCache[bytes, tuple[bytes, str, float]] = FIFOCache(max_pending)
+        self._sessions: FIFOCache[bytes, _Session] = FIFOCache(max_sessions)
         self._current: dict[str, bytes] = {}  # live instance id -> its session
 
     def challenge(self, identity: bytes, instance_id: str, now: float | None = None) -> bytes:
@@ -59,8 +61,6 @@ class SessionTable:
         nonce = new_session()
         self._pending.pop(identity, None)
         self._pending[identity] = (nonce, instance_id, now + self.challenge_ttl_s)
-        while len(self._pending) > self.max_pending:
-            self._pending.popitem(last=False)
         return nonce
 
     def admit(self, identity: bytes, session: bytes, instance_id: str, now: float | None = None) -> str | None:
@@ -82,8 +82,6 @@ class SessionTable:
         self.retire(instance_id)
         self._sessions[session] = _Session(instance_id, {i: first_seq.get(i, 0) for i in identities})
         self._current[instance_id] = session
-        while len(self._sessions) > self.max_sessions:
-            self._sessions.popitem(last=False)
 
     def retire(self, instance_id: str) -> None:
         """``instance_id`` left (declared dead or removed): its session stays known, not live."""

@@ -90,11 +90,7 @@ class DenoiserEngine:
             finally:
                 self._lora_stats()
         key = self.family.compat_key(state)
-        tokens = (
-            int(state.latents[0].numel() // state.latents.shape[-1])
-            if state.latents.dim() == 3
-            else int(state.latents[0, 0].numel())
-        )
+        tokens = self.family.row_tokens(state)  # the family knows its latent layout; the engine counts rows
         self._running[state.request_id] = Running(state, key, tokens, self._tick, next(self._arrivals))
 
     def abort(self, request_id: str) -> bool:

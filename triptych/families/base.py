@@ -277,6 +277,11 @@ class Family(ABC):
         sigma = state.scheduler.sigmas[state.step].to(noise_pred.device, noise_pred.dtype)
         return state.latents - sigma * noise_pred
 
+    def row_tokens(self, state: DenoiseState) -> int:
+        """Latent tokens of one row of ``state`` (the engine's ``max_batch_tokens`` unit): packed
+        latents are (batch, sequence, channels)."""
+        return int(state.latents[0].numel() // state.latents.shape[-1])
+
     def compat_key(self, state: DenoiseState) -> tuple:
         """Requests with equal keys may share one forward (family, size, frames, dtype)."""
         p = state.params

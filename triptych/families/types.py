@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils._pytree import tree_map
 
 COND = "cond"
 UNCOND = "uncond"
@@ -71,10 +72,8 @@ class Conditioning:
 
     def to(self, device: torch.device) -> Conditioning:
         """The same conditioning with every tensor on ``device`` (no copy for those already there)."""
-        return Conditioning(
-            branches={b: {k: v.to(device) for k, v in d.items()} for b, d in self.branches.items()},
-            shared={k: v.to(device) for k, v in self.shared.items()},
-        )
+        branches, shared = tree_map(lambda t: t.to(device), (self.branches, self.shared))
+        return Conditioning(branches=branches, shared=shared)
 
     def flat(self) -> dict[str, torch.Tensor]:
         """Flatten to ``"<branch>.<name>"`` keys for transport; ``from_flat`` inverts it."""

@@ -7,6 +7,9 @@ adapters stay loaded in least-recently-used order and are evicted only when a lo
 load that cannot fit beside the referenced adapters raises ``LoraBudgetError`` and loads nothing
 (the request fails; nothing already running is touched). Every load is handed to ``on_load`` (the
 ``RowLora`` hooks its layers), so the hooks always know an adapter before a row uses it.
+
+The LRU is hand-written, as the mm-hash store's (``mmcache/store.py`` says why ``cachetools`` does not
+fit): referenced adapters are skipped, and a load that cannot fit evicts nothing.
 """
 
 from __future__ import annotations

@@ -10,8 +10,9 @@ call's keyword arguments, and the tenant (``mm.TENANT``). Images that are not PI
 with other arguments, run as they are (``bypassed``).
 
 Installed on the image processor instance's ``preprocess`` (what its ``__call__`` runs).
-Entries are LRU by bytes; a hit returns the stored tensors (read-only by contract: the processor's
-consumers only concatenate and move them).
+Entries are LRU by bytes (a ``cachetools.LRUCache`` sized by each entry's bytes: nothing holds a
+processor entry past the call that reads it, so any entry may go); a hit returns the stored tensors
+(read-only by contract: the processor's consumers only concatenate and move them).
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ import hashlib
 import json
 import threading
 import weakref
-from collections import OrderedDict
 
 import msgspec
 import torch
+from cachetools import LRUCache
 from transformers import BatchFeature
 
 from triptych.mmcache import cache as mm
@@ -41,6 +42,18 @@ def image_hash(image) -> str | None:
     return h.hexdigest()
 
 
+class _Entries(LRUCache):
+    """(pixel_values rows, image_grid_thw row, bytes) by key, least recently used evicted first."""
+
+    def __init__(self, max_bytes: int, stats: TierStats):
+        super().__init__(max_bytes, getsizeof=lambda entry: entry[2])
+        self.stats = stats
+
+    def popitem(self):
+        self.stats.evictions += 1
+        return super().popitem()
+
+
 class ProcessorCache:
     """image key → (pixel_values rows, image_grid_thw row), LRU within ``max_bytes``."""
 
@@ -50,8 +63,7 @@ class ProcessorCache:
         self.max_bytes = max_bytes
         self.stats = TierStats()
         self.bypassed = 0
-        self._entries: OrderedDict[str, tuple[torch.Tensor, torch.Tensor, int]] = OrderedDict()
-        self._bytes = 0
+        self._entries = _Entries(max_bytes, self.stats)
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -59,19 +71,18 @@ class ProcessorCache:
 
     @property
     def nbytes(self) -> int:
-        return self._bytes
+        return int(self._entries.currsize)
 
     def snapshot(self) -> TierStats:
         with self._lock:
-            return msgspec.structs.replace(self.stats, entries=len(self._entries), nbytes=self._bytes)
+            return msgspec.structs.replace(self.stats, entries=len(self._entries), nbytes=self.nbytes)
 
     def get(self, key: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         with self._lock:
-            found = self._entries.get(key)
+            found = self._entries.get(key)  # a hit is the most recently used entry now
             if found is None:
                 self.stats.misses += 1
                 return None
-            self._entries.move_to_end(key)
             self.stats.hits += 1
             return found[0], found[1]
 
@@ -83,12 +94,7 @@ class ProcessorCache:
             if size > self.max_bytes:
                 self.stats.not_stored += 1
                 return
-            self._entries[key] = (pixels.contiguous().clone(), grid.contiguous().clone(), size)
-            self._bytes += size
-            while self._bytes > self.max_bytes:
-                _, (_, _, freed) = self._entries.popitem(last=False)
-                self._bytes -= freed
-                self.stats.evictions += 1
+            self._entries[key] = (pixels.contiguous().clone(), grid.contiguous().clone(), size)  # evicts LRU first
 
 
 def settings_of(image_processor) -> str:

@@ -9,6 +9,12 @@ request that computed it still gets it) and ``not_stored`` counts it.
 A hit hands out the stored tensor itself, not a copy: entries are read-only by contract. Every
 consumer in the serving path reads them out of place (transformers' Qwen2.5-VL splits and
 concatenates the tower output, ``masked_scatter`` is out of place); ``checksum`` lets tests hold that.
+
+Why the LRU here is hand-written (the processor tier's is ``cachetools``): a ``cachetools`` cache
+evicts whatever its ``popitem`` names, one entry at a time, until the new one fits, and raises only
+for an entry larger than the whole cache. This store must skip held entries and, when even every
+free entry gone would not make room, evict nothing at all; neither is expressible there without
+reaching into its private order.
 """
 
 from __future__ import annotations

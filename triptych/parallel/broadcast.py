@@ -1,7 +1,7 @@
 """Leader-to-ranks broadcasts for a multi-rank instance (contract 8: each tick is decided on rank 0).
 
 Nothing here pickles: a message travels as msgspec msgpack bytes in a uint8 tensor, tensors travel
-as tensors after a msgspec header naming their dtypes and shapes. Every rank of the group calls the
+as tensors after a msgspec header naming their dtypes and shapes (``core.tensors.TensorSpec`` by name). Every rank of the group calls the
 same function in the same order; only the source passes the payload, the others pass ``None``.
 On NCCL the transport tensors live on the rank's CUDA device (``ParallelGroups.device``).
 """
@@ -14,17 +14,10 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from triptych.core.tensors import TensorSpec
 from triptych.parallel.groups import ParallelGroups
 
 T = TypeVar("T")
-
-
-class TensorSpec(msgspec.Struct, frozen=True):
-    """One broadcast tensor's header."""
-
-    name: str  # key in the broadcast dict
-    dtype: str  # torch dtype name without the "torch." prefix, e.g. "float32"
-    shape: list[int]
 
 
 def broadcast_bytes(payload: bytes | None, groups: ParallelGroups, src: int = 0) -> bytes:
@@ -58,14 +51,14 @@ def broadcast_tensors(
     are returned as given). Use it for what only the leader received: conditioning, initial latents."""
     specs = None
     if groups.rank == src:
-        specs = [TensorSpec(k, str(v.dtype).removeprefix("torch."), list(v.shape)) for k, v in tensors.items()]
-    specs = broadcast_message(specs, list[TensorSpec], groups, src)
+        specs = {k: TensorSpec.of(v) for k, v in tensors.items()}
+    specs = broadcast_message(specs, dict[str, TensorSpec], groups, src)
     out: dict[str, torch.Tensor] = {}
-    for spec in specs:
+    for name, spec in specs.items():
         if groups.rank == src:
-            buffer = tensors[spec.name].to(groups.device).contiguous()
+            buffer = tensors[name].to(groups.device).contiguous()
         else:
-            buffer = torch.empty(spec.shape, dtype=getattr(torch, spec.dtype), device=groups.device)
+            buffer = torch.empty(spec.shape, dtype=spec.torch_dtype, device=groups.device)
         dist.broadcast(buffer, src=src, group=groups.world)
-        out[spec.name] = tensors[spec.name] if groups.rank == src else buffer
+        out[name] = tensors[name] if groups.rank == src else buffer
     return out

@@ -18,13 +18,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import msgspec
 import torch
 import zmq
+from cachetools import FIFOCache
 
 from triptych.transfer.base import TransferConfig, TransferEndpoint
 from triptych.transfer.carrier import Carrier
@@ -99,7 +99,7 @@ class PeerEndpoint(TransferEndpoint):
         self._cond = threading.Condition()
         self._entries: dict[str, Entry] = {}
         self._parked: dict[str, tuple[int, str]] = {}  # transfer id -> (carrier offset, peer)
-        self._outcomes: OrderedDict[str, TransferError] = OrderedDict()
+        self._outcomes: FIFOCache[str, TransferError] = FIFOCache(_REMEMBER_OUTCOMES)  # the oldest forgotten
         self._ctx = zmq.Context()
         self.sender = PushSender(instance_id, self._ctx, carrier, self.stats, self.config.push_timeout_s)
         self.lending: Lending | None = None  # what it lends to peers' FetchRequests (``lending``); None: nothing
@@ -201,8 +201,6 @@ class PeerEndpoint(TransferEndpoint):
         if error is not None:
             entry.error, entry.tensor = error, None
             self._outcomes[transfer_id] = error
-            while len(self._outcomes) > _REMEMBER_OUTCOMES:
-                self._outcomes.popitem(last=False)
         self._free(entry)
         self._cond.notify_all()
 

@@ -7,8 +7,9 @@ serializes calls to it and maps slots to buffers.
 from __future__ import annotations
 
 import enum
-from collections import OrderedDict
 from dataclasses import dataclass
+
+from cachetools import FIFOCache
 
 from triptych.transfer.errors import DuplicateTransfer, SlotUnavailable, UnknownTransfer
 
@@ -54,10 +55,11 @@ class SlotPool:
             raise ValueError(f"max_bytes={max_bytes} must be >= 0")
         self.max_slots = max_slots
         self.max_bytes = max_bytes
-        self._remember = remember_finished
+        if remember_finished < 1:
+            raise ValueError(f"remember_finished={remember_finished} must be >= 1")
         self._free: list[int] = list(range(max_slots - 1, -1, -1))  # pop() gives the lowest index
         self._live: dict[str, Slot] = {}
-        self._finished: OrderedDict[str, None] = OrderedDict()
+        self._finished: FIFOCache[str, None] = FIFOCache(remember_finished)  # released ids, the oldest forgotten
         self._used_bytes = 0
 
     # -- queries ------------------------------------------------------------------------------
@@ -122,8 +124,6 @@ class SlotPool:
         self._free.append(slot.slot)
         self._free.sort(reverse=True)
         self._finished[transfer_id] = None
-        while len(self._finished) > self._remember:
-            self._finished.popitem(last=False)
         return slot
 
     def expire(self, now: float) -> list[Slot]:

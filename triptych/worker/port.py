@@ -8,7 +8,12 @@ to hand finished transfers on: an arrival to the runner, a finished push to the 
 Ownership: a request's tensors belong to this worker from the moment they are produced (or their
 slots are reserved) until they were pushed downstream (``PushDone``), the stage finished, or a
 ``Cancel`` / ``PeerDown`` / failure freed them; ``drop`` frees the slots and tells the runner
-(``on_drop``) to free what the stage holds.
+(``abort``) to free what the stage holds.
+
+Wiring: the port builds its runner (``runner(port)``, the last step of its constructor), so each is
+whole once built and nothing is assigned from outside; the port reaches the runner only through
+``StageCallbacks``. Every transfer it runs is tagged with a typed ``Transfer`` (which request
+generation, which handoff, in or out).
 """
 
 from __future__ import annotations
@@ -18,6 +23,11 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
+from dataclasses import dataclass
+from enum import Enum
+from typing import Protocol
+
+import torch
 
 from triptych.control import protocol as P
 from triptych.core.errors import InvalidParam
@@ -29,6 +39,45 @@ from triptych.worker.runners.base import Job
 logger = logging.getLogger(__name__)
 
 
+class StageCallbacks(Protocol):
+    """What the port tells its runner (``StageRunner`` has them all)."""
+
+    stage: str  # the stage named in this worker's ``StageError``s
+
+    def abort(self, job: Job) -> None:
+        """``job`` was dropped: free what the stage holds for it."""
+
+    def arrived(self, job: Job, tensors: dict[str, torch.Tensor]) -> None:
+        """A handoff ``job`` waited for landed in our slots."""
+
+    def preview_arrived(self, job: Job, handoff: str, tensors: dict[str, torch.Tensor] | None) -> None:
+        """A preview's tensors landed (None: they never will, the transfer failed)."""
+
+
+class Way(Enum):
+    IN = "arrived"  # a peer's push into slots we reserved
+    OUT = "pushed"  # our push into a peer's slots
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """What one transfer future is for."""
+
+    request_id: str
+    generation: int
+    handoff: str  # ``cond``, ``latents`` or a preview (``P.PREVIEW_HANDOFFS``)
+    way: Way
+
+    @property
+    def preview(self) -> bool:
+        return self.handoff in P.PREVIEW_HANDOFFS
+
+    @property
+    def prefix(self) -> str:
+        """The transfer-id prefix of this handoff's slots (``reserve``; ids ``prefix/name``)."""
+        return f"{self.request_id}/g{self.generation}/{self.handoff}"
+
+
 class JobPort:
     def __init__(
         self,
@@ -36,22 +85,20 @@ class JobPort:
         send: Callable[[P.Message], None],
         endpoint: TransferEndpoint,
         stop: threading.Event,
+        runner: Callable[[JobPort], StageCallbacks],
         wake: Callable[[], None] = lambda: None,
     ):
-        """``wake``: called (from a transfer thread) when a transfer ends, so the loop collects it now."""
+        """``runner(port)`` builds the runner this port serves (it gets the port whole, bar ``runner``).
+        ``wake``: called (from a transfer thread) when a transfer ends, so the loop collects it now."""
         self.instance_id = instance_id
         self.wake = wake
         self.send = send
         self.endpoint = endpoint
         self.jobs: dict[str, Job] = {}
-        self.on_drop: Callable[[Job], None] = lambda job: None
-        self.on_arrived: Callable[[Job, dict], None] = lambda job, tensors: None
-        #: a preview's tensors landed (None: they never will, the transfer failed)
-        self.on_preview: Callable[[Job, str, dict | None], None] = lambda job, handoff, tensors: None
-        self.stage = ""
         self._stop = stop
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"xfer-{instance_id}")
-        self._pending: list[tuple[Future, str, int, str]] = []  # (future, request id, generation, what)
+        self._pending: list[tuple[Future, Transfer]] = []
+        self.runner = runner(self)
 
     # ---- the runner's port --------------------------------------------------------------------
     def adopt(self, job: Job) -> None:
@@ -75,8 +122,8 @@ class JobPort:
 
     def reserve(self, job: Job, handoff: str, specs: dict[str, TensorSpec], source: str, timeout_s: float) -> None:
         """Reserve receiver slots for a handoff, tell the head, and wait for the push off-loop."""
-        prefix = f"{job.request_id}/g{job.generation}/{handoff}"
-        refs = self.endpoint.reserve_bundle(prefix, specs, peer=source, timeout_s=timeout_s)
+        transfer = Transfer(job.request_id, job.generation, handoff, Way.IN)
+        refs = self.endpoint.reserve_bundle(transfer.prefix, specs, peer=source, timeout_s=timeout_s)
         job.reserved += [r.transfer_id for r in refs.values()]
         self.send(
             P.SlotsReserved(
@@ -87,7 +134,7 @@ class JobPort:
                 refs=refs,
             )
         )
-        self._submit(job.request_id, job.generation, f"arrived:{handoff}", self.endpoint.wait_bundle, refs)
+        self._submit(transfer, self.endpoint.wait_bundle, refs)
 
     def fail(self, job: Job, error: Exception, retryable: bool) -> None:
         logger.warning("%s: %s g%d failed: %s", self.instance_id, job.request_id, job.generation, error)
@@ -95,7 +142,7 @@ class JobPort:
         invalid = None
         if isinstance(error, InvalidParam):  # the request broke a rule only this worker could check
             invalid = (error.field, repr(error.value)[:80], error.rule)
-        stage = "chat" if isinstance(job.task, P.ChatTask) else self.stage
+        stage = "chat" if isinstance(job.task, P.ChatTask) else self.runner.stage
         kind, message = type(error).__name__, str(error)
         self.send(
             P.StageError(
@@ -119,7 +166,7 @@ class JobPort:
         del self.jobs[request_id]
         for transfer_id in job.reserved:
             self.endpoint.cancel(transfer_id)
-        self.on_drop(job)
+        self.runner.abort(job)
         logger.info("%s dropped %s g%d (%s)", self.instance_id, request_id, generation, reason)
 
     def drop_all(self, reason: str) -> None:
@@ -138,50 +185,56 @@ class JobPort:
             logger.debug("%s: stale PushTask %s g%d", self.instance_id, msg.request_id, msg.generation)
             return
         self._submit(
-            msg.request_id, msg.generation, f"pushed:{msg.handoff}", self.endpoint.push_bundle, msg.refs, tensors
+            Transfer(msg.request_id, msg.generation, msg.handoff, Way.OUT), self.endpoint.push_bundle, msg.refs, tensors
         )
 
     def collect(self) -> None:
         """Hand finished transfer futures on; results of dropped jobs are discarded."""
         done = [p for p in self._pending if p[0].done()]
         self._pending = [p for p in self._pending if not p[0].done()]
-        for future, rid, gen, what in done:
-            job = self.jobs.get(rid)
-            current = job is not None and job.generation == gen
-            verb, handoff = what.split(":", 1)
-            preview = handoff in P.PREVIEW_HANDOFFS
-            if current and verb == "arrived":
-                prefix = f"{rid}/g{gen}/{handoff}/"
-                job.reserved = [t for t in job.reserved if not t.startswith(prefix)]
+        for future, t in done:
+            job = self.jobs.get(t.request_id)
+            current = job is not None and job.generation == t.generation
+            if current and t.way is Way.IN:
+                job.reserved = [r for r in job.reserved if not r.startswith(t.prefix + "/")]
             try:
                 result = future.result()
             except TransferError as e:
-                if current and preview:  # a lost preview costs the client one partial image, no more
-                    logger.info("%s: %s of %s g%d dropped: %s", self.instance_id, handoff, rid, gen, e)
-                    if verb == "arrived":
-                        self.on_preview(job, handoff, None)
+                if current and t.preview:  # a lost preview costs the client one partial image, no more
+                    logger.info(
+                        "%s: %s of %s g%d dropped: %s", self.instance_id, t.handoff, t.request_id, t.generation, e
+                    )
+                    if t.way is Way.IN:
+                        self.runner.preview_arrived(job, t.handoff, None)
                 elif current:
                     self.fail(job, e, retryable=True)
                 continue
             if not current:
                 continue
-            if verb == "arrived" and preview:
-                self.on_preview(job, handoff, result)
-            elif verb == "arrived":
-                self.on_arrived(job, result)
-            elif not preview:  # a pushed preview leaves the job as it was
-                del self.jobs[rid]
-                self.send(P.PushDone(request_id=rid, generation=gen, instance_id=self.instance_id, handoff=handoff))
+            if t.way is Way.IN and t.preview:
+                self.runner.preview_arrived(job, t.handoff, result)
+            elif t.way is Way.IN:
+                self.runner.arrived(job, result)
+            elif not t.preview:  # a pushed preview leaves the job as it was
+                del self.jobs[t.request_id]
+                self.send(
+                    P.PushDone(
+                        request_id=t.request_id,
+                        generation=t.generation,
+                        instance_id=self.instance_id,
+                        handoff=t.handoff,
+                    )
+                )
 
     def settle(self, timeout_s: float) -> None:
         """Wait for the transfers already running to end (a rejoin), then forget them."""
-        futures_wait([f for f, *_ in self._pending], timeout=timeout_s)
+        futures_wait([f for f, _ in self._pending], timeout=timeout_s)
         self._pending = []
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def _submit(self, request_id: str, generation: int, what: str, fn, *args) -> None:
+    def _submit(self, transfer: Transfer, fn, *args) -> None:
         future = self._pool.submit(fn, *args)
         future.add_done_callback(lambda _: self.wake())
-        self._pending.append((future, request_id, generation, what))
+        self._pending.append((future, transfer))

@@ -3,7 +3,7 @@
 One loop, three verbs: ``receive()`` control messages → ``execute()`` one unit of stage work (an
 encode, a chat token, one engine step, a decode) → ``collect()`` finished transfers. The stage work
 is the role's runner (``worker/runners/``), which reaches this process only through its port
-(``worker_port.JobPort``: the job table, transfers off the loop, failures); heartbeats go out from
+(``worker.port.JobPort``, which builds it: the job table, transfers off the loop, failures); heartbeats go out from
 their own thread and socket.
 
 Rank 0 is the instance's only control and data endpoint; the other ranks of a multi-rank denoiser
@@ -169,12 +169,12 @@ class Worker:
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
-        self.port = JobPort(self.instance_id, self.send, self.endpoint, self._stop, wake=self._wake)
-        self.runner: StageRunner = make_runner(self.role, self.family, self.port, config)
-        self.port.stage = self.runner.stage
-        self.port.on_drop = self.runner.abort
-        self.port.on_arrived = self.runner.arrived
-        self.port.on_preview = self.runner.preview_arrived
+
+        def runner(port: JobPort) -> StageRunner:  # the port builds its runner, so each is whole once built
+            return make_runner(self.role, self.family, port, config)
+
+        self.port = JobPort(self.instance_id, self.send, self.endpoint, self._stop, runner, wake=self._wake)
+        self.runner: StageRunner = self.port.runner
         cache = getattr(self.family, "mm_cache", None)
         if cache is not None and config.mm_cache.remote:  # cross-encoder embedding hits (``mm_remote``)
             mm_remote.attach(cache, self.endpoint, config.mm_cache.remote_timeout_s)

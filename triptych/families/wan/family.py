@@ -93,6 +93,10 @@ class WanFamily(Family):
             self._check_image(p.image)
         return p
 
+    def row_tokens(self, state: DenoiseState) -> int:
+        """Latents are (batch, channels, frames, height, width): one token per latent position."""
+        return int(state.latents[0, 0].numel())
+
     def sequence_tokens(self, p: GenerationParams) -> int:
         temporal, spatial = self.pipe.vae_scale_factor_temporal, self.pipe.vae_scale_factor_spatial
         pt, ph, pw = self.patch_size

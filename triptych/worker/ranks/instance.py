@@ -3,7 +3,8 @@
 ``InstanceRanks.start`` spawns ranks 1..N-1 (``python -m triptych.worker.ranks.follower``), forms the
 instance's process group with them on a free loopback port (gloo on CPU, NCCL on CUDA; every
 collective times out after ``collective_timeout_s``), builds the rank groups, tells the followers
-what to load (the model, the adapters rank 0 serves), and attaches the parallelism to rank 0's transformer. ``close`` tells them to stop,
+what to load (the model, the adapters rank 0 serves), and attaches the parallelism to rank 0's transformer. ``close`` tells them to stop
+(unless the group broke),
 waits, and kills by pid whatever is left. Followers watch rank 0's pid and exit if it is gone.
 """
 
@@ -31,7 +32,6 @@ class InstanceRanks:
         self.procs: list[subprocess.Popen] = []
         self.groups: ParallelGroups | None = None
         self.parallelism = None
-        self.broken = False  # a collective failed: closing must not wait on another one
 
     def start(
         self, family, model_dir: str, device: str, dtype: str | None, engine: EngineConfig, profiles_dir=None
@@ -59,9 +59,10 @@ class InstanceRanks:
             raise
         return self.groups
 
-    def close(self) -> None:
-        """Tell the followers to stop (if the group still works), then make sure they are gone."""
-        if self.groups is not None and not self.broken:
+    def close(self, broken: bool = False) -> None:
+        """Tell the followers to stop, then make sure they are gone. ``broken``: a collective failed,
+        so the group is not asked for another one (the followers are killed)."""
+        if self.groups is not None and not broken:
             try:
                 broadcast_message(Tick([], [], [], stop=True), Tick, self.groups)
             except Exception as e:  # noqa: BLE001 - a broken group: the followers are killed below

@@ -31,9 +31,11 @@ def _denoiser(family, port: WorkerPort, config) -> StageRunner:
             threads=config.torch_threads,
             profiles_dir=config.teacache_profiles_dir,
         )
+    from triptych.engine import DenoiserEngine
     from triptych.engine.teacache import make_teacache
 
-    return DenoiserRunner(family, port, config.engine, accel=make_teacache(family, config.teacache_profiles_dir))
+    engine = DenoiserEngine(family, config.engine, accel=make_teacache(family, config.teacache_profiles_dir))
+    return DenoiserRunner(family, port, engine)
 
 
 def _encoder(family, port: WorkerPort, config) -> StageRunner:

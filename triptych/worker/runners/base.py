@@ -43,6 +43,7 @@ class Job:
     params: GenerationParams | None  # None for a chat
     task: Task
     reserved: list[str] = field(default_factory=list)  # transfer ids of our slots still waiting for a push
+    incoming: dict[str, torch.Tensor] | None = None  # a handoff that landed here, until compute takes it
     outgoing: dict[str, torch.Tensor] | None = None  # produced tensors held until PushTask
     #: denoiser: preview tensors held until their PushTask, by handoff name (``PREVIEW_HANDOFFS``)
     previews: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
@@ -119,7 +120,7 @@ class StageRunner:
         raise NotImplementedError
 
     def arrived(self, job: Job, tensors: dict[str, torch.Tensor]) -> None:
-        job.outgoing = tensors  # consumed by compute
+        job.incoming = tensors  # consumed by compute
         self.ready.append(job)
 
     def preview_arrived(self, job: Job, handoff: str, tensors: dict[str, torch.Tensor]) -> None:
@@ -128,7 +129,7 @@ class StageRunner:
     def abort(self, job: Job) -> None:
         if job in self.ready:
             self.ready.remove(job)
-        job.outgoing = None
+        job.incoming = job.outgoing = None
         job.previews.clear()
 
     def close(self) -> None:

@@ -63,7 +63,7 @@ class DecoderRunner(StageRunner):
             super().execute()
 
     def arrived(self, job: Job, tensors: dict[str, torch.Tensor]) -> None:
-        job.outgoing = tensors
+        job.incoming = tensors
         if self._pending.get(job.request_id):
             self._final_waiting[job.request_id] = job
         else:
@@ -102,7 +102,7 @@ class DecoderRunner(StageRunner):
             self.ready.append(self._final_waiting.pop(job.request_id))
 
     def compute(self, job: Job) -> None:
-        latents, job.outgoing = job.outgoing["latents"], None
+        latents, job.incoming = job.incoming["latents"], None
         task: P.DecodeTask = job.task
         with torch.no_grad():
             frames = self.family.decode(latents, job.params)

@@ -15,7 +15,7 @@ import torch
 
 from triptych.control import protocol as P
 from triptych.control import wire
-from triptych.engine import DenoiserEngine, EngineConfig
+from triptych.engine import DenoiserEngine
 from triptych.engine.previews import preview_steps
 from triptych.families.base import Conditioning
 from triptych.lora.store import LoraBudgetError
@@ -29,9 +29,11 @@ class DenoiserRunner(StageRunner):
     stage = "denoise"
     tasks = (P.DenoiseTask,)
 
-    def __init__(self, family, port, engine: EngineConfig, accel=None):
+    def __init__(self, family, port, engine: DenoiserEngine):
+        """``engine``: the batching engine this stage steps (built by ``make_runner``: the family's own,
+        or a multi-rank instance's)."""
         super().__init__(family, port)
-        self.engine = DenoiserEngine(family, engine, accel=accel)
+        self.engine = engine
         self._jobs: dict[str, Job] = {}  # request id -> its job, while its state is in the engine
         self._waiting: deque[tuple[Job, object]] = deque()  # (job, prepared state): no LoRA room yet
 
@@ -101,8 +103,8 @@ class DenoiserRunner(StageRunner):
             )
 
     def compute(self, job: Job) -> None:
-        cond = Conditioning.from_flat(job.outgoing)
-        job.outgoing = None
+        cond = Conditioning.from_flat(job.incoming)
+        job.incoming = None
         with torch.no_grad():
             state = self.family.prepare(job.request_id, job.params, cond)
         self.admit(job, state)

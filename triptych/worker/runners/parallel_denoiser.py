@@ -50,10 +50,11 @@ class ParallelDenoiserRunner(DenoiserRunner):
     ):
         if parallel.cfg > 1 and not engine.fuse_cfg:
             raise ValueError("CFG parallel splits the rows of one fused forward: it needs fuse_cfg=True")
-        super().__init__(family, port, engine, accel=None)
-        self.ranks = InstanceRanks(parallel, collective_timeout_s, threads)
-        self.groups = self.ranks.start(family, model_dir, device, dtype, engine, profiles_dir)
-        self.engine = instance_engine(family, engine, self.ranks.parallelism, profiles_dir)
+        ranks = InstanceRanks(parallel, collective_timeout_s, threads)
+        groups = ranks.start(family, model_dir, device, dtype, engine, profiles_dir)
+        super().__init__(family, port, instance_engine(family, engine, ranks.parallelism, profiles_dir))
+        self.ranks, self.groups = ranks, groups
+        self._broken = False  # a collective failed: closing must not wait on another one
         self.keepalive_s = collective_timeout_s / 4
         self._joins: list[tuple[Job, dict[str, torch.Tensor]]] = []
         self._aborts: list[str] = []
@@ -65,13 +66,13 @@ class ParallelDenoiserRunner(DenoiserRunner):
 
     def compute(self, job: Job) -> None:
         """An arrival joins at this step boundary, on every rank at once (``execute``)."""
-        cond, job.outgoing = job.outgoing, None
+        cond, job.incoming = job.incoming, None
         self._joins.append((job, cond))
 
     def abort(self, job: Job) -> None:
         if job in self.ready:
             self.ready.remove(job)
-        job.outgoing = None
+        job.incoming = None
         self._joins = [(j, c) for j, c in self._joins if j is not job]
         if self._jobs.get(job.request_id) is job:
             del self._jobs[job.request_id]
@@ -103,7 +104,7 @@ class ParallelDenoiserRunner(DenoiserRunner):
         that joined are broadcast (a refusal, e.g. TeaCache on this instance, is the same everywhere)."""
         joined, conds = [], []
         for job, cond in self._joins:
-            job.outgoing = cond  # where DenoiserRunner.compute reads it
+            job.incoming = cond  # where DenoiserRunner.compute reads it
             try:
                 super().compute(job)
             except (TriptychError, ValueError) as e:
@@ -116,10 +117,10 @@ class ParallelDenoiserRunner(DenoiserRunner):
 
     def _fail_all(self, error: Exception) -> None:
         logger.error("%s: multi-rank instance broken: %s", self.port.instance_id, error)
-        self.ranks.broken = True
+        self._broken = True
         for job in list(self._jobs.values()) + [j for j, _ in self._joins] + list(self.ready):
             if self.port.owns(job):
                 self.port.fail(job, TriptychError(f"the denoiser instance's ranks failed: {error}"), retryable=True)
 
     def close(self) -> None:
-        self.ranks.close()
+        self.ranks.close(broken=self._broken)
