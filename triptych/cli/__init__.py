@@ -103,10 +103,10 @@ def _threshold_arg(text: str) -> float:
 
 
 def _add_make_tiny(sub) -> None:
-    from triptych.families.registry import TINY_MAKERS
+    from triptych.families.registry import tiny_names
 
     p = sub.add_parser("make-tiny", help="write a seeded tiny diffusers model directory")
-    p.add_argument("--family", required=True, choices=sorted(TINY_MAKERS))
+    p.add_argument("--family", required=True, choices=tiny_names())
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--size", choices=["tiny", "small"], default="tiny")
@@ -248,7 +248,7 @@ def _add_chat(sub) -> None:
 
 def cmd_chat(args) -> int:
     from triptych.chat import ChatParams, ChatTurn
-    from triptych.families.base import Role
+    from triptych.core.kinds import Role
     from triptych.families.models import resolve_model
     from triptych.families.registry import family_class
 

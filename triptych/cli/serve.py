@@ -37,6 +37,7 @@ from triptych.cli.worker import cmd_worker
 from triptych.cli.worker_flags import WorkerFlags
 from triptych.control.auth import write_token
 from triptych.control.dispatch import POLICIES
+from triptych.core.kinds import Role, TransferKind
 from triptych.vllm_chat.launch import chat_engines
 
 if TYPE_CHECKING:
@@ -46,7 +47,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-TRANSFER_KINDS = ("auto", "mooncake", "zmq")
 HEAD_FLAGS = {"data_dir": "--data-dir", "api_keys": "--api-key", "teacache_profiles_root": None}
 HEAD_RENAMED = {"model_aliases": "model-alias"}
 
@@ -71,7 +71,8 @@ class ServeFlags:
     def add(cls, parser: argparse.ArgumentParser) -> ServeFlags:
         from triptych.control.orchestrator import OrchestratorConfig
         from triptych.control.request_state import StateTimeouts
-        from triptych.deploy.config import ROLES, AutoscaleConfig, ClusterConfig, RoleResources
+        from triptych.core.kinds import ROLES
+        from triptych.deploy.config import AutoscaleConfig, ClusterConfig, RoleResources
         from triptych.deploy.launch import MOONCAKE_LOG_LEVELS, TopologyConfig
         from triptych.head.admission import AdmissionLimits
         from triptych.head.state import HeadConfig
@@ -88,7 +89,7 @@ class ServeFlags:
                 group("local workers (TopologyConfig)"),
                 TopologyConfig,
                 rename={"torch_threads": "threads"},
-                choices={"transfer": TRANSFER_KINDS, "mooncake_log_level": MOONCAKE_LOG_LEVELS},
+                choices={"mooncake_log_level": MOONCAKE_LOG_LEVELS},
                 explicit={"extra_args": None, "parallel": None, "device": None},  # the worker flags below
             ),
             orchestrator=ConfigFlags(
@@ -187,12 +188,12 @@ def add_server_commands(sub) -> None:
     add_flags_later(p, lambda parser: parser.set_defaults(serve_flags=ServeFlags.add(parser)))
 
     w = sub.add_parser("worker", help="run one encoder/denoiser/decoder instance that registers with a head")
-    w.add_argument("--role", required=True, choices=["encoder", "denoiser", "decoder"])
+    w.add_argument("--role", required=True, type=Role, choices=list(Role))
     w.add_argument("--head", required=True, help="head control address, tcp://HOST:PORT")
     w.add_argument("--model", help="diffusers model directory (must match the head's)")
     w.add_argument("--instance-id", default="", help="unique id (default: <role>-<random>)")
     w.add_argument("--capacity", type=int, default=4, help="requests this instance may hold at once")
-    w.add_argument("--transfer", choices=TRANSFER_KINDS, default="auto")
+    w.add_argument("--transfer", type=TransferKind, choices=list(TransferKind), default=TransferKind.AUTO)
     w.add_argument("--host", default="127.0.0.1", help="address peers push tensors to")
     w.add_argument(
         "--token",

@@ -14,7 +14,7 @@ def worker_config(args: argparse.Namespace):
     """The ``WorkerConfig`` of parsed ``triptych worker`` flags (TeaCache: the user's profiles first)."""
     from triptych.cli.profiles import user_profiles_dir
     from triptych.core.devices import device_config_from_args
-    from triptych.families.base import Role
+    from triptych.core.kinds import Role
     from triptych.families.models import resolve_model
     from triptych.worker.process import WorkerConfig
 

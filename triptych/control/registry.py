@@ -22,6 +22,7 @@ from triptych.control.dispatch import DispatchPolicy, Instance, bound_ids, make_
 from triptych.control.listener import ControlPlane
 from triptych.control.metrics import Metrics
 from triptych.control.worker_stats import stats_window
+from triptych.core.kinds import ROLES
 
 logger = logging.getLogger(__name__)
 
@@ -42,9 +43,7 @@ class InstanceRegistry:
         self.metrics = metrics
         self.stats = stats
         self.instances: dict[str, Instance] = {}
-        self.policies: dict[str, DispatchPolicy] = {
-            r: make_policy(dispatch) for r in ("encoder", "denoiser", "decoder")
-        }
+        self.policies: dict[str, DispatchPolicy] = {r: make_policy(dispatch) for r in ROLES}
         self.affinity = ImageAffinity()  # which encoder holds which tenant's images (``affinity``)
         self._rejoin_sent: dict[str, float] = {}  # unknown instance id -> when it was last told to rejoin
         self._last_stats: dict[str, tuple[int, P.StatsReport]] = {}  # dead instance -> (pid, last report)

@@ -6,7 +6,7 @@ import ipaddress
 from dataclasses import dataclass, field
 from typing import Literal
 
-ROLES = ("encoder", "denoiser", "decoder")
+from triptych.core.kinds import ROLES
 
 
 def parse_amounts(items: tuple[str, ...], what: str) -> dict[str, float]:

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from triptych.core.kinds import ROLES
 from triptych.deploy.config import AutoscaleConfig, ClusterConfig
 from triptych.deploy.placement import actor_options, bundles, cpus_needed, group_strategy
 from triptych.deploy.supervisor import worker_command
@@ -53,12 +54,12 @@ def ray_pool(
     joined here (a no-op otherwise; the caller runs it once every backend is closed). A Ray instance
     started here gets the logical CPUs and custom resources of ``copies`` topologies (one per served
     model) at their largest (autoscaled pools at their MAX)."""
-    counts = {"encoder": topology.encoders, "denoiser": topology.denoisers, "decoder": topology.decoders}
+    counts = {role: topology.count(role) for role in ROLES}
     for role, (_, hi) in autoscale.bounds().items():
         counts[role] = max(counts[role], hi)
     cpus, custom = 0.0, {}
     for role, n in counts.items():
-        res, ranks = cluster.resources(role), topology.parallel.world_size if role == "denoiser" else 1
+        res, ranks = cluster.resources(role), topology.ranks(role)
         cpus += cpus_needed(res, n, ranks)
         for name, amount in res.custom.items():
             custom[name] = custom.get(name, 0.0) + amount * n * ranks
@@ -186,7 +187,7 @@ class RayWorkers:
             n += 1
         iid = instance_id or f"{role}-{n}"
         res = self.cluster.resources(role)
-        ranks = self.topology.parallel.world_size if role == "denoiser" else 1
+        ranks = self.topology.ranks(role)
         threads = self.topology.torch_threads or max(1, int(res.cpus))
         cmd = worker_command(self.topology, self.model_dir, role, head, iid, threads)
         options = actor_options(res, self.cluster.ray_max_restarts, ranks)

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Protocol
 
 from triptych.core.devices import split_threads
+from triptych.core.kinds import ROLES
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ def worker_command(topology, model_dir: Path, role: str, head: str, instance_id:
     cmd += ["--model", str(model_dir), "--instance-id", instance_id, "--transfer", t.transfer]
     cmd += ["--capacity", str(t.capacity), "--threads", str(threads)]
     cmd += [*t.device_for(role, instance_id).to_args(), *t.extra_args]
-    if role == "denoiser" and t.parallel.world_size > 1:
+    if t.ranks(role) > 1:
         p = t.parallel
         cmd += ["--cfg-parallel", str(p.cfg), "--ulysses", str(p.ulysses), "--ring", str(p.ring)]
     if logger.isEnabledFor(logging.DEBUG):
@@ -140,7 +141,7 @@ class LocalWorkers:
         if t.torch_threads:
             return t.torch_threads
         if self._threads is None:  # once: later spawns would count the running workers as load
-            self._threads = split_threads(t.encoders + t.denoisers * t.parallel.world_size + t.decoders)
+            self._threads = split_threads(sum(t.count(role) * t.ranks(role) for role in ROLES))
         return self._threads
 
     def kill(self, instance_id: str, sig: int = signal.SIGKILL) -> None:

@@ -7,23 +7,16 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 import numpy as np
 import torch
 
+from triptych.core.kinds import Role
+
 COND = "cond"
 UNCOND = "uncond"
 BRANCH_ORDER = (COND, UNCOND)
-
-
-class Role(str, Enum):
-    """The pools an instance can serve; each loads only its components."""
-
-    ENCODER = "encoder"
-    DENOISER = "denoiser"
-    DECODER = "decoder"
 
 
 ALL_ROLES = frozenset(Role)

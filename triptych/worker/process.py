@@ -30,8 +30,8 @@ from triptych.control.auth import ControlKey, SequencedSender
 from triptych.core.devices import DeviceConfig
 from triptych.core.errors import TriptychError
 from triptych.core.identity import model_revision
+from triptych.core.kinds import Role, TransferKind
 from triptych.engine import EngineConfig
-from triptych.families.base import Role
 from triptych.lora.config import LoraConfig
 from triptych.mmcache.cache import MMCacheConfig
 from triptych.parallel import ParallelConfig
@@ -66,8 +66,8 @@ class WorkerConfig:
     """Unique id; empty = ``<role>-<random>``."""
     capacity: int = 4
     """Requests this instance may hold at once (the head never routes more)."""
-    transfer: str = "auto"
-    """Transfer backend: auto | mooncake | zmq."""
+    transfer: TransferKind = TransferKind.AUTO
+    """Transfer backend."""
     host: str = "127.0.0.1"
     """Address the transfer endpoint binds and advertises."""
     transfer_max_bytes: int = 256 << 20
@@ -111,6 +111,8 @@ class WorkerConfig:
     before the process exits hard."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "role", Role(self.role))  # a plain string as its member; ValueError if none
+        object.__setattr__(self, "transfer", TransferKind(self.transfer))
         if self.capacity < 1:
             raise ValueError(f"capacity={self.capacity} must be >= 1")
         if not self.head.startswith("tcp://"):
