@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from triptych.chat import ChatResult
 from triptych.control.backend import ChatJob, GenerationBackend, GenerationJob, PreviewFn, ProgressFn, TextFn
 from triptych.control.orchestrator import Orchestrator, OrchestratorConfig
+from triptych.control.worker_config import WorkerConfig
 from triptych.core.devices import DeviceConfig
 from triptych.core.kinds import ROLES, Role, TransferKind
 from triptych.deploy.supervisor import LocalWorkers, WorkerPool
@@ -47,9 +48,9 @@ class TopologyConfig:
     """Denoiser processes (>= 0)."""
     decoders: int = 1
     """Decoder processes (>= 0)."""
-    transfer: TransferKind = TransferKind.AUTO
+    transfer: TransferKind = WorkerConfig.transfer
     """Transfer backend of every local worker."""
-    capacity: int = 4
+    capacity: int = WorkerConfig.capacity
     """Slots per worker (requests it may hold at once)."""
     torch_threads: int = 0
     """torch threads per local worker; 0 = the machine's cores split evenly among the local workers."""

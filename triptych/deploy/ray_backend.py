@@ -36,7 +36,7 @@ from pathlib import Path
 from triptych.core.kinds import ROLES
 from triptych.deploy.config import AutoscaleConfig, ClusterConfig
 from triptych.deploy.placement import actor_options, bundles, cpus_needed, group_strategy
-from triptych.deploy.supervisor import worker_command
+from triptych.deploy.supervisor import worker_command, worker_config
 
 logger = logging.getLogger(__name__)
 
@@ -189,7 +189,8 @@ class RayWorkers:
         res = self.cluster.resources(role)
         ranks = self.topology.ranks(role)
         threads = self.topology.torch_threads or max(1, int(res.cpus))
-        cmd = worker_command(self.topology, self.model_dir, role, head, iid, threads)
+        config = worker_config(self.topology, self.model_dir, role, head, iid, threads, self.token)
+        cmd = worker_command(config, self.topology.extra_args)
         options = actor_options(res, self.cluster.ray_max_restarts, ranks)
         group = None
         if (strategy := group_strategy(ranks)) is not None:

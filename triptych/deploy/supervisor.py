@@ -26,8 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from triptych.control.worker_config import WorkerConfig, worker_argv
 from triptych.core.devices import split_threads
-from triptych.core.kinds import ROLES
+from triptych.core.kinds import ROLES, Role
+from triptych.core.parallel_config import ParallelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -71,16 +73,30 @@ class WorkerPool(Protocol):
         """Wait for every worker to exit after a shutdown was sent; kill what does not."""
 
 
-def worker_command(topology, model_dir: Path, role: str, head: str, instance_id: str, threads: int) -> list[str]:
-    """The ``triptych worker`` command line of one worker of ``topology`` (no parent pid, no host)."""
+def worker_config(
+    topology, model_dir: Path, role: Role, head: str, instance_id: str, threads: int, token: str, parent_pid: int = 0
+) -> WorkerConfig:
+    """The ``WorkerConfig`` of one worker of ``topology`` (its host: the worker's default)."""
     t = topology
-    cmd = [sys.executable, "-m", "triptych.cli", "worker", "--role", role, "--head", head]
-    cmd += ["--model", str(model_dir), "--instance-id", instance_id, "--transfer", t.transfer]
-    cmd += ["--capacity", str(t.capacity), "--threads", str(threads)]
-    cmd += [*t.device_for(role, instance_id).to_args(), *t.extra_args]
-    if t.ranks(role) > 1:
-        p = t.parallel
-        cmd += ["--cfg-parallel", str(p.cfg), "--ulysses", str(p.ulysses), "--ring", str(p.ring)]
+    return WorkerConfig(
+        role=role,
+        head=head,
+        token=token,
+        model_dir=Path(model_dir),
+        instance_id=instance_id,
+        capacity=t.capacity,
+        transfer=t.transfer,
+        torch_threads=threads,
+        device=t.device_for(role, instance_id),
+        parallel=t.parallel if t.ranks(role) > 1 else ParallelConfig(),
+        parent_pid=parent_pid,
+    )
+
+
+def worker_command(config: WorkerConfig, extra_args: tuple[str, ...] = ()) -> list[str]:
+    """The ``triptych worker`` command line that rebuilds ``config`` (``worker_argv``; the token is
+    not on it) followed by ``extra_args`` (``TopologyConfig.extra_args``: engine, cache, LoRA flags)."""
+    cmd = [sys.executable, "-m", "triptych.cli", "worker", *worker_argv(config), *extra_args]
     if logger.isEnabledFor(logging.DEBUG):
         cmd.insert(3, "-v")
     return cmd
@@ -121,8 +137,8 @@ class LocalWorkers:
 
     def _start(self, role: str, head: str, instance_id: str) -> subprocess.Popen:
         t = self.topology
-        cmd = worker_command(t, self.model_dir, role, head, instance_id, self.threads())
-        cmd += ["--exit-with-parent", str(os.getpid())]
+        config = worker_config(t, self.model_dir, role, head, instance_id, self.threads(), self.token, os.getpid())
+        cmd = worker_command(config, t.extra_args)
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRIPTYCH_TOKEN": self.token}
         env["MC_LOG_LEVEL"] = t.mooncake_log_level  # read by Mooncake when a transfer engine starts
         gpus = t.layout().get(instance_id)
