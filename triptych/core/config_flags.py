@@ -9,7 +9,8 @@ config back into the flags that reproduce it (to pass on to a child process).
 ``add_flags_later(parser, add)`` defers adding a subcommand's flags until it is used.
 
 Supported annotations: ``int``, ``float``, ``str``, ``bool`` (``--x`` / ``--no-x``), ``Path``,
-``Literal[...]`` and ``Enum`` (choices), ``X | None`` (the value ``none`` gives None) and
+``Literal[...]`` and ``Enum`` (choices), ``X | None`` (the value ``none`` gives None; for
+``bool | None``, giving neither ``--x`` nor ``--no-x``) and
 ``tuple[X, ...]`` (the flag repeated); ``parse`` gives a field its own value parser. A field without
 a default is a required flag. A field whose type is a dataclass (a nested config) gets no flag; the
 caller handles it, as it does any field it names in ``explicit``. Another annotation raises
@@ -87,6 +88,8 @@ def _one_of(parse: Callable[[str], Any], allowed: Sequence[Any]) -> Callable[[st
 def _flag_kwargs(name: str, annotation: Any) -> dict[str, Any] | None:
     """argparse keyword arguments for a field of this annotation; None for a nested dataclass."""
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType) and set(args) == {bool, type(None)}:
+        return {"action": argparse.BooleanOptionalAction}  # neither --x nor --no-x: None (auto)
     if origin in (typing.Union, types.UnionType) and type(None) in args and len(args) == 2:
         inner = _flag_kwargs(name, next(a for a in args if a is not type(None)))
         if inner is None or "type" not in inner or inner.get("action"):
