@@ -50,6 +50,7 @@ def test_no_module_attr_strings_are_resolved_in_the_package():
 def test_role_and_transfer_kind_are_their_strings_on_the_wire_and_in_text():
     assert [str(r) for r in ROLES] == ["encoder", "denoiser", "decoder"] and f"{Role.DECODER}-0" == "decoder-0"
     assert {Role.ENCODER: 1}["encoder"] == 1 and set(TransferKind) == {"auto", "mooncake", "zmq"}
+    assert repr(ROLES) == "('encoder', 'denoiser', 'decoder')" and repr({TransferKind.ZMQ: 1}) == "{'zmq': 1}"
     msg = P.Register("enc-0", Role.ENCODER, 4, "enc-0", "tcp://127.0.0.1:1", TransferKind.ZMQ, "abc", 1)
     raw = msgspec.msgpack.encode(msg)
     assert b"encoder" in raw and b"zmq" in raw and b"Role" not in raw

@@ -143,7 +143,7 @@ class Orchestrator(GenerationBackend):
     def instances(self) -> dict[str, Instance]:
         return self.registry.instances
 
-    def pool(self, role: str) -> list[Instance]:
+    def pool(self, role: Role) -> list[Instance]:
         return self.registry.pool(role)
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -206,7 +206,7 @@ class Orchestrator(GenerationBackend):
     async def cancel(self, request_id: str) -> bool:
         return self.chats.cancel(request_id) or self.generations.cancel(request_id)
 
-    def load(self, role: str, now: float) -> PoolLoad:
+    def load(self, role: Role, now: float) -> PoolLoad:
         """The pool of ``role`` and the requests waiting for it (see ``PoolLoad``)."""
         pool = self.registry.pool(role)
         live = [i for i in pool if not i.draining]

@@ -129,7 +129,7 @@ class TopologyConfig:
             out[iid] = (rest[n % len(rest)],)
         return out
 
-    def device_for(self, role: str, instance_id: str) -> DeviceConfig:
+    def device_for(self, role: Role, instance_id: str) -> DeviceConfig:
         """The device flags of one local worker: with ``gpus`` its visible devices start at cuda:0."""
         if instance_id in self.layout():
             return dataclasses.replace(self.device, device="cuda")
@@ -184,7 +184,7 @@ class EmbeddedBackend(GenerationBackend):
             await self.close()
             raise
 
-    def spawn(self, role: str, instance_id: str | None = None) -> str:
+    def spawn(self, role: Role, instance_id: str | None = None) -> str:
         return self.workers.spawn(role, self.orchestrator.control_address, instance_id)
 
     def _exited(self, instance_id: str, returncode: int) -> None:

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from triptych.core.kinds import ROLES
+from triptych.core.kinds import ROLES, Role
 from triptych.deploy.config import AutoscaleConfig, ClusterConfig
 from triptych.deploy.placement import actor_options, bundles, cpus_needed, group_strategy
 from triptych.deploy.supervisor import worker_command, worker_config
@@ -142,7 +142,7 @@ class WorkerActor:
 
 @dataclass
 class _Actor:
-    role: str
+    role: Role
     base_id: str  # the id of its first incarnation
     instance_id: str  # the current incarnation's
     actor: object
@@ -181,7 +181,7 @@ class RayWorkers:
         self._remote = ray.remote(WorkerActor)
         self._task: asyncio.Task | None = None
 
-    def spawn(self, role: str, head: str, instance_id: str | None = None) -> str:
+    def spawn(self, role: Role, head: str, instance_id: str | None = None) -> str:
         n = 0
         while f"{role}-{n}" in self.actors:
             n += 1
@@ -211,7 +211,7 @@ class RayWorkers:
                 return a
         raise KeyError(instance_id)
 
-    def current(self, role: str) -> list[str]:
+    def current(self, role: Role) -> list[str]:
         return sorted(a.instance_id for a in self.actors.values() if a.role == role and not (a.retired or a.given_up))
 
     def retire(self, instance_id: str) -> None:

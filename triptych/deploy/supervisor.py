@@ -38,7 +38,7 @@ MAX_BACKOFF_S = 30.0
 
 @dataclass
 class _Worker:
-    role: str
+    role: Role
     proc: subprocess.Popen
     restarts: list[float] = field(default_factory=list)  # monotonic times of restarts in the window
     restart_at: float | None = None  # when a dead one starts again
@@ -50,7 +50,7 @@ class WorkerPool(Protocol):
     """Spawns, supervises and stops a head's workers. ``on_exit(instance_id, code)`` is called once per
     exit of a worker (the head declares it dead); ``on_start(role)`` when one starts."""
 
-    def spawn(self, role: str, head: str, instance_id: str | None = None) -> str:
+    def spawn(self, role: Role, head: str, instance_id: str | None = None) -> str:
         """Start one worker of ``role`` registering with ``head``; returns its instance id."""
 
     def watch(self, head: str) -> None:
@@ -58,7 +58,7 @@ class WorkerPool(Protocol):
 
     async def stop_watching(self) -> None: ...
 
-    def current(self, role: str) -> list[str]:
+    def current(self, role: Role) -> list[str]:
         """Instance ids of the running (or starting, or restarting) workers of ``role``, retired ones
         excluded."""
 
@@ -126,7 +126,7 @@ class LocalWorkers:
     def procs(self) -> dict[str, subprocess.Popen]:
         return {iid: w.proc for iid, w in self.workers.items()}
 
-    def spawn(self, role: str, head: str, instance_id: str | None = None) -> str:
+    def spawn(self, role: Role, head: str, instance_id: str | None = None) -> str:
         """Start one local worker process of ``role`` that registers with ``head``; returns its id."""
         n = 0
         while f"{role}-{n}" in self.workers:  # retired workers stay listed, so an id is never reused
@@ -135,7 +135,7 @@ class LocalWorkers:
         self.workers[instance_id] = _Worker(role, self._start(role, head, instance_id))
         return instance_id
 
-    def _start(self, role: str, head: str, instance_id: str) -> subprocess.Popen:
+    def _start(self, role: Role, head: str, instance_id: str) -> subprocess.Popen:
         t = self.topology
         config = worker_config(t, self.model_dir, role, head, instance_id, self.threads(), self.token, os.getpid())
         cmd = worker_command(config, t.extra_args)
@@ -164,7 +164,7 @@ class LocalWorkers:
         """Send ``sig`` to a local worker (tests: kill -9 mid-request)."""
         self.workers[instance_id].proc.send_signal(sig)
 
-    def current(self, role: str) -> list[str]:
+    def current(self, role: Role) -> list[str]:
         return sorted(i for i, w in self.workers.items() if w.role == role and not (w.given_up or w.retired))
 
     def retire(self, instance_id: str) -> None:
