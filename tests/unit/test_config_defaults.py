@@ -118,3 +118,8 @@ def test_generate_given_only_its_required_flags_asks_for_the_dataclass_defaults(
     assert ParallelConfig(cfg=args.cfg_parallel, ulysses=args.ulysses, ring=args.ring) == ParallelConfig()
     assert args.mm_cache_mb == MMCacheConfig().max_mb
     assert device_config_from_args(args) == DeviceConfig()
+
+
+def test_quality_degrees_default_to_parallel_configs():
+    args = build_parser().parse_args(["quality", "--teacache-threshold", "0.1"])
+    assert ParallelConfig(cfg=args.cfg_parallel, ulysses=args.ulysses, ring=args.ring) == ParallelConfig()

@@ -12,6 +12,7 @@ import sys
 
 from triptych.cli import checks as cli_checks
 from triptych.cli.accel_flags import add_speed_flags, speed_config
+from triptych.cli.worker_flags import add_degree_flags
 from triptych.core.config_flags import ConfigFlags
 from triptych.core.devices import add_device_flags, add_threads_flag, device_config_from_args, set_torch_threads
 from triptych.core.errors import InvalidParam, UnknownModel
@@ -53,8 +54,6 @@ def _mm_cache_config(args):
 
 
 def _add_generate(sub) -> None:
-    from triptych.core.parallel_config import FLAG_NAMES as PARALLEL_FLAG_NAMES
-    from triptych.core.parallel_config import ParallelConfig
     from triptych.families.params import GenerationParams
 
     p = sub.add_parser("generate", help="run one generation in this process")
@@ -88,7 +87,7 @@ def _add_generate(sub) -> None:
     add_threads_flag(p)
     p.set_defaults(speed_flags=add_speed_flags(p))
     g = p.add_argument_group("multi-rank denoiser (this process is rank 0 and spawns the others)")
-    ConfigFlags(g, ParallelConfig, only=("cfg", "ulysses", "ring"), rename=PARALLEL_FLAG_NAMES)
+    add_degree_flags(g)
     p.set_defaults(func=cmd_generate, check=cli_checks.check_generate)
 
 

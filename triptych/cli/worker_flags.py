@@ -21,6 +21,13 @@ if TYPE_CHECKING:
 WORKER_TRANSFER_FIELDS = ("max_bytes",)
 
 
+def add_degree_flags(group) -> ConfigFlags:
+    """``--cfg-parallel --ulysses --ring`` from ``ParallelConfig`` (no torch: ``generate``, ``quality``)."""
+    from triptych.core.parallel_config import FLAG_NAMES, ParallelConfig
+
+    return ConfigFlags(group, ParallelConfig, only=("cfg", "ulysses", "ring"), rename=FLAG_NAMES)
+
+
 @dataclass(frozen=True)
 class WorkerFlags:
     """The config flags ``serve`` and ``worker`` share: engine batch limits, transfer pool, compile and
