@@ -1,8 +1,9 @@
 """What one role worker process is told (``WorkerConfig``), and how its command line spells it.
 
-``triptych worker`` builds its flags from ``WorkerConfig`` (``WORKER_FLAGS``; its degrees ``core.parallel_config.FLAG_NAMES``) and a
-head that spawns workers (``deploy.supervisor``, ``deploy.ray_backend``) turns a ``WorkerConfig``
-back into those flags with ``worker_argv``: one spelling of each flag and one default, both here.
+``triptych worker`` builds its flags from ``WorkerConfig`` (``WORKER_FLAGS``; the degrees'
+``core.parallel_config.FLAG_NAMES``) and a head that spawns workers (``deploy.supervisor``,
+``deploy.ray_backend``) turns a ``WorkerConfig`` back into those flags with ``worker_argv``: one
+spelling of each flag and one default, both here.
 It lives in ``control`` (the head <-> worker contract) so the head's deploy layer and the worker
 both reach it.
 """
@@ -22,7 +23,7 @@ from triptych.core.parallel_config import FLAG_NAMES as PARALLEL_FLAG_NAMES
 from triptych.core.parallel_config import ParallelConfig
 from triptych.engine.config import EngineConfig
 from triptych.lora.config import LoraConfig
-from triptych.mmcache.cache import MMCacheConfig
+from triptych.mmcache.config import MMCacheConfig
 from triptych.transfer.base import TransferConfig
 
 #: ``ConfigFlags`` options of ``WorkerConfig`` on ``triptych worker``: the flags not spelt
@@ -63,7 +64,7 @@ class WorkerConfig:
     """Requests this instance may hold at once (the head never routes more)."""
     transfer: TransferKind = TransferKind.AUTO
     """Transfer backend."""
-    host: str = "127.0.0.1"
+    host: str = TransferConfig.host
     """Address the transfer endpoint binds and advertises."""
     transfer_max_bytes: int = TransferConfig.max_bytes
     """Receiver bytes of the transfer slot pool (``TransferConfig.max_bytes``)."""
