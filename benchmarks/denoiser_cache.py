@@ -6,8 +6,8 @@ Every method runs the same held-out shape-world requests (the prompts and seeds 
 scores: ``sample_scenes(n, "quality", "heldout")``, seed = index) on the packaged default model
 (qwen-image, 64×64, 20 steps, true CFG 4.0) and is compared with the uncached output of the same run:
 
-- Triptych TeaCache through Triptych's staged path (``Family.denoise_step`` per CFG branch, with
-  ``TeaCache.bind``), with the shipped profile's polynomial: plain (first step computed, no cap) and
+- Triptych TeaCache through the serving engine (``DenoiserEngine``, one forward per CFG branch, the
+  TeaCache as its acceleration), with the shipped profile's polynomial: plain (first step computed, no cap) and
   with the first 4 steps computed and at most 1 or 2 skips in a row (the calibrated variants);
 - diffusers 0.42.1 FirstBlockCache, MagCache (ratios from its own calibrate mode on train-split
   captions, cond and uncond averaged) and TaylorSeerCache (order 1, first 3 steps computed), via
@@ -103,17 +103,14 @@ def run_pipeline(family, p, cond) -> torch.Tensor:
 
 
 def run_staged(family, p, cond, tc=None, threshold=0.0, rid="r") -> torch.Tensor:
+    """One request alone through the serving engine, CFG branches as diffusers runs them, ``tc`` as
+    the engine's acceleration (it admits and releases the request)."""
+    from triptych.engine import DenoiserEngine, EngineConfig
+
     state = family.prepare(rid, p.replace(teacache_threshold=threshold), cond)
-    forward = None
-    if tc is not None:
-        tc.admit(rid, threshold, state.total_steps)
-        forward = tc.bind(family.forward)
-    try:
-        while not state.done:
-            family.denoise_step([state], fuse_cfg=False, forward=forward)
-    finally:
-        if tc is not None:
-            tc.release(rid)
+    engine = DenoiserEngine(family, EngineConfig(max_batch_requests=1, fuse_cfg=False), accel=tc)
+    engine.add(state)
+    engine.run_until_done()
     return state.latents
 
 

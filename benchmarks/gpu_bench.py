@@ -11,8 +11,8 @@ directory, deleted at exit. Text encoders and the VAE are not built: every conte
 random prompt embeddings and stops at latents (``output_type="latent"``), so the table measures the
 denoise loop only:
 
-- ``triptych``: N requests prepared separately, then ``Family.denoise_step`` on all of them at once, CFG
-  branches fused: one transformer forward of N (x2 with CFG) rows per step.
+- ``triptych``: N requests prepared separately, then the serving engine (``DenoiserEngine``) steps all of
+  them in each tick, CFG branches fused: one transformer forward of N (x2 with CFG) rows per step.
 - ``diffusers batched``: one ``pipe(prompt_embeds=<N stacked>)`` call (CFG as separate forwards).
 - ``diffusers sequential``: N ``pipe(...)`` calls of one request each.
 
@@ -256,9 +256,13 @@ def run_triptych(arch: Arch, family, emb: dict, n: int, size: int, steps: int) -
         family.resolve(GenerationParams("-", neg, size, size, arch.frames, steps, arch.guidance, seed=i))
         for i in range(n)
     ]
-    states = [family.prepare(f"r{i}", p, conditioning(arch, family, emb, i)) for i, p in enumerate(params)]
-    while not all(s.done for s in states):
-        family.denoise_step(states, fuse_cfg=True)
+    from triptych.engine import DenoiserEngine, EngineConfig
+
+    # the serving engine, every request in each tick's one forward (no token budget cuts the batch)
+    engine = DenoiserEngine(family, EngineConfig(max_batch_requests=n, max_batch_tokens=2**62, fuse_cfg=True))
+    for i, p in enumerate(params):
+        engine.add(family.prepare(f"r{i}", p, conditioning(arch, family, emb, i)))
+    engine.run_until_done()
 
 
 def run_diffusers(arch: Arch, family, emb: dict, rows: slice, size: int, steps: int) -> None:

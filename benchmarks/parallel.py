@@ -6,8 +6,8 @@ own context parallel, on the same weights, in the same run.
 Two spawned gloo ranks (loopback, free port), one torch thread each. Per round, alternating, after
 one warm-up round:
 
-- ``single``: rank 0 alone runs ``Family.denoise_step(fuse_cfg=True)`` (the other rank waits);
-- ``triptych <mode>``: both ranks run the same step through ``apply_parallel(...).wrap(forward)``
+- ``single``: rank 0 alone runs the serving engine (``DenoiserEngine``, CFG fused; the other rank waits);
+- ``triptych <mode>``: both ranks run the same engine step through ``apply_parallel(...).wrap(forward)``
   for CFG-2, Ulysses-2 and ring-2 (ring through Triptych's log-sum-exp attention backend); Ulysses
   twice: as served (``uneven_sequences=True``: any token count, diffusers' ``ulysses_anything``
   path plus Triptych's uneven gather) and ``ulysses2-even`` (diffusers' equal split, like the peer);
@@ -63,10 +63,14 @@ def _timed(groups, family, params, cond, forward=None, active=True) -> tuple[flo
     dist.barrier()
     start = time.perf_counter()
     latents = None
-    if active:
+    if active:  # the serving engine, the ranks' forward as its wrap (as instance_engine builds it)
+        from triptych.engine import DenoiserEngine, EngineConfig
+
         state = family.prepare("bench", params, cond)
-        while not state.done:
-            family.denoise_step([state], fuse_cfg=True, forward=forward)
+        wrap = None if forward is None else (lambda _: forward)
+        engine = DenoiserEngine(family, EngineConfig(max_batch_requests=1), wrap=wrap)
+        engine.add(state)
+        engine.run_until_done()
         latents = state.latents
     dist.barrier()
     return time.perf_counter() - start, latents

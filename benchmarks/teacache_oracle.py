@@ -16,6 +16,7 @@ from triptych.calibration.batch import Cases, run_cases
 from triptych.calibration.collect import Trajectory, _Recorder
 from triptych.calibration.quality import _requests
 from triptych.calibration.sweep import fidelity, world_adherence
+from triptych.engine import DenoiserEngine, EngineConfig
 from triptych.engine.teacache import plan_for
 from triptych.families.models import resolve_model
 from triptych.families.registry import load_family
@@ -25,15 +26,14 @@ def oracle_changes(family, plan, cases) -> dict[tuple[int, str], dict[int, float
     """(case index, branch) -> {step: true uncached output rel-L1 change since the step before}."""
     traj: dict = {}
     rec = _Recorder(plan, traj)
+    engine = DenoiserEngine(family, EngineConfig(max_batch_requests=4), wrap=lambda _: rec)  # as run_cases batches
     for start in range(0, len(cases), 4):
-        states = []
         for i in range(start, min(start + 4, len(cases))):
             st = family.prepare(f"o-{i}", cases.params[i], cases.cond(i))
             for b in st.branches():
                 traj[(st.request_id, b)] = Trajectory(st.request_id, "", 0, b)
-            states.append(st)
-        while not all(s.done for s in states):
-            family.denoise_step([s for s in states if not s.done], fuse_cfg=True, forward=rec)
+            engine.add(st)
+        engine.run_until_done()
     return {(int(k[0].split("-")[1]), k[1]): dict(zip(t.steps, t.output_rel)) for k, t in traj.items()}
 
 

@@ -1,5 +1,5 @@
 """Small helpers shared by tests: transformer call counting, pristine reference pipelines (and a
-Qwen-Image call of one), a staged single-request run, the Mooncake skip marker."""
+Qwen-Image call of one), a staged single-request run (through the serving engine), the Mooncake skip marker."""
 
 from __future__ import annotations
 
@@ -86,12 +86,13 @@ def qwen_reference(pipe, p, **extra):
 
 
 def staged(family, params, fuse_cfg=False):
-    """One request through a family's stages in this process: (final state, decoded frames)."""
-    cond = family.encode(params)
-    state = family.prepare("r", params, cond)
-    while not state.done:
-        family.denoise_step([state], fuse_cfg=fuse_cfg)
-    return state, family.decode(state.latents, params)
+    """One request through a family's stages in this process (``run_request``: the serving engine):
+    (final state, decoded frames)."""
+    from triptych.engine.runner import run_request
+
+    states = []
+    frames, _ = run_request(family, params, "r", on_step=states.append, fuse_cfg=fuse_cfg)
+    return states[-1], frames
 
 
 class EncoderPort:

@@ -110,7 +110,6 @@ def test_killing_the_last_denoiser_fails_with_a_clear_error_then_it_is_replaced(
 def test_a_role_gone_for_good_fails_requests_at_once_with_unavailable(model):
     """No denoiser for longer than ``unavailable_after_s`` (restarts off): a request queued before
     the grace ran out and one submitted after both get ``Unavailable`` (HTTP 503), not a 300 s wait."""
-    import time
 
     path, family = model
     config = OrchestratorConfig(heartbeat_interval_s=0.2, heartbeat_timeout_s=2.0, unavailable_after_s=3.0)
@@ -120,11 +119,9 @@ def test_a_role_gone_for_good_fails_requests_at_once_with_unavailable(model):
         (den,) = [i["id"] for i in cluster.describe()["instances"] if i["role"] == "denoiser"]
         cluster.on_loop(cluster.backend.kill, den)
         cluster.wait_until(lambda d: d["empty_roles"] == ["denoiser"], "the dead denoiser noticed")
-        t0 = time.monotonic()
         queued = cluster.submit(job(family, "queued-1", seed=1))
-        with pytest.raises(Unavailable, match="denoiser"):
+        with pytest.raises(Unavailable, match="denoiser"):  # Unavailable, not the queue timeout's error
             queued.result(60)
-        assert time.monotonic() - t0 < 30  # the grace (3 s) plus a tick, far from the queue timeout (300 s)
         with pytest.raises(Unavailable, match="denoiser"):
             cluster.submit(job(family, "late-1", seed=2)).result(10)
         cluster.wait_until(nothing_held, "nothing held after the refusals")

@@ -125,13 +125,6 @@ def test_bad_lora_is_a_400_naming_field_value_and_rule(server, lora, field, word
     assert err["param"] == field and words in err["message"], err
 
 
-def test_lora_with_teacache_is_refused_at_the_head_with_the_reason(server):
-    _, base, _, _ = server
-    status, body = post(base, dict(prompt="x", num_inference_steps=2, lora="a", teacache_threshold=0.1))
-    assert status == 400 and body["error"]["param"] == "teacache_threshold", body
-    assert "not shown to hold with an adapter" in body["error"]["message"]
-
-
 def test_models_lists_the_adapters_that_fit(server):
     _, base, _, _ = server
     with urllib.request.urlopen(f"{base}/v1/models", timeout=30) as r:

@@ -192,3 +192,38 @@ def test_a_failed_tick_frees_its_memory_at_once(family, monkeypatch):
         assert held and held[0]() is None, "the failed tick's tensors are still referenced"
     finally:
         gc.enable()
+
+
+def test_run_request_raises_a_failed_tick_and_stops_at_a_raising_callback(family, monkeypatch):
+    """In process nobody retries: the engine's evicted failure leaves ``run_request`` as the error
+    itself (not a silently unfinished request), and a callback that raises (the in-process backend's
+    cancel) stops the request at that step."""
+    from triptych.engine.runner import run_request
+
+    p = _params(family, 1)  # 3 steps
+    real = family.forward
+
+    def broken(rows):
+        raise RuntimeError("out of memory (simulated)")
+
+    monkeypatch.setattr(family, "forward", broken)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        run_request(family, p)
+    monkeypatch.setattr(family, "forward", real)
+
+    class Stop(Exception):
+        pass
+
+    seen = []
+
+    def on_step(state):
+        seen.append(state.step)
+        if state.step == 1:
+            raise Stop
+
+    with pytest.raises(Stop):
+        run_request(family, p, on_step=on_step)
+    assert seen == [1]
+    seen.clear()
+    run_request(family, p, on_step=lambda s: seen.append(s.step))
+    assert seen == [1, 2, 3]

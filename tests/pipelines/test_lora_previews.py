@@ -38,7 +38,7 @@ def run_batch(family, previews: dict[str, frozenset[int]]):
     finished, got = {}, {}
     while engine.has_work():
         out = engine.step()
-        for rid, step, _, x0 in out.previews:
+        for rid, _, step, _, x0 in out.previews:
             got.setdefault(rid, []).append((step, x0))
         finished.update({s.request_id: s.latents for s in out.finished})
     return finished, got, engine.stats

@@ -127,9 +127,15 @@ def test_adapter_for_another_shape_is_refused_naming_module_and_shapes(setup, tm
     assert "wide" not in family.lora.store.loaded()
 
 
-def test_lora_with_teacache_is_refused_at_the_engine(setup):
+def test_lora_with_teacache_is_refused_on_a_multi_rank_engine(setup):
+    """One rank applies adapters in TeaCache's pieces (``test_lora_teacache.py``); an instance of
+    several ranks is not checked, so its engine refuses the pair (the ranks are a stand-in here: the
+    refusal comes before anything uses them)."""
+    from triptych.engine.teacache import make_teacache
+
     _, _, family = setup
     p = params(family, 0, (("a", 1.0),)).replace(teacache_threshold=0.1)
-    engine = DenoiserEngine(family, EngineConfig())
-    with pytest.raises(InvalidParam, match="teacache_threshold"):
+    engine = DenoiserEngine(family, EngineConfig(), accel=make_teacache(family, ranks=object()))
+    with pytest.raises(InvalidParam, match="teacache_threshold") as err:
         engine.add(family.prepare("t", p, family.encode(p)))
+    assert "multi-rank" in err.value.rule and not engine.has_work()

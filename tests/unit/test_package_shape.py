@@ -74,8 +74,8 @@ def import_circles() -> list[list[str]]:
 # Bottom to top. A package imports only packages of lower tiers: none of its own tier, none above.
 TIERS = (
     ("core",),  # errors, identity, devices, media codecs, owner-only files
-    ("lora", "mmcache", "accel", "parallel", "transfer"),  # mechanisms, each on core alone
-    ("chat",),  # the VLM understanding path (chat engine)
+    ("mmcache", "accel", "parallel", "transfer"),  # mechanisms, each on core alone
+    ("lora", "chat"),  # per-row adapters (their deltas gathered as parallel gathers outputs); the chat engine
     ("families",),  # the stage protocol and the model families
     ("engine",),  # step batching, the in-process driver, TeaCache per family
     ("vllm_chat", "control"),  # the vLLM chat client; head <-> worker messages, backends, routing, registry

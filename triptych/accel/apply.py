@@ -17,7 +17,7 @@ FP8_CAPABILITY = (8, 9)
 
 def check_speed(config: SpeedConfig, device: str = "cpu", world_size: int = 1) -> None:
     """Raise ``InvalidParam`` naming the flag, before anything loads, for a setting that cannot run:
-    torchao missing, fp8 off CUDA or on a GPU without fp8 matmuls, either with several denoiser ranks."""
+    torchao missing, fp8 off CUDA or on a GPU without fp8 matmuls, ``--compile`` with several denoiser ranks."""
     for component, mode in config.quantized.items():
         if mode != "fp8":
             continue
@@ -34,11 +34,10 @@ def check_speed(config: SpeedConfig, device: str = "cpu", world_size: int = 1) -
             raise InvalidParam(
                 "--quantize", f"{component}={mode}", f"fp8 needs compute capability >= 8.9; {device} has {capability}"
             )
-    if world_size > 1 and config.active:
-        flag = "--compile" if config.compile else "--quantize"
+    if world_size > 1 and config.compile:  # --quantize reaches the followers (worker/ranks/ticks.RankSetup)
         raise InvalidParam(
-            flag,
-            True if config.compile else ",".join(config.quantize),
+            "--compile",
+            True,
             "is not supported on a multi-rank denoiser (--cfg-parallel/--ulysses/--ring): its follower ranks load "
             "their own transformer without it; run a single-rank denoiser",
         )

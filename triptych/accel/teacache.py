@@ -43,8 +43,8 @@ with a threshold > 0 is refused unless it brings its coefficients.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -53,8 +53,8 @@ import numpy as np
 import torch
 
 from triptych.accel.hooks import RequestStateStore
-from triptych.accel.teacache_profile import AUTO_THRESHOLD, TeaCacheProfile, check_coefficients
-from triptych.core.errors import InvalidParam
+from triptych.accel.teacache_profile import TeaCacheProfile
+from triptych.accel.teacache_settings import RequestSettings, TeaCacheConfig, resolve_settings
 
 logger = logging.getLogger(__name__)
 
@@ -95,40 +95,6 @@ class TeaCachePlan:
 
 
 # ---- config and state ----------------------------------------------------------------------------
-@dataclass(frozen=True)
-class TeaCacheConfig:
-    """Serving-side TeaCache settings (per loaded model). See https://arxiv.org/abs/2411.19108."""
-
-    warmup_steps: int | None = None
-    """First steps of a request that always compute; None = the profile's ``warmup`` (explicit
-    coefficients: 1)."""
-    cooldown_steps: int | None = None
-    """Last steps of a request that always compute; None = the profile's ``cooldown`` (explicit: 1)."""
-    max_threshold: float = 2.0
-    """Largest accepted ``teacache_threshold``; above it a request is refused."""
-
-    def __post_init__(self) -> None:
-        for name in ("warmup_steps", "cooldown_steps"):
-            v = getattr(self, name)
-            if v is not None and v < 0:
-                raise ValueError(f"TeaCacheConfig.{name}={v}: must be >= 0 or None (use the profile's)")
-        if not self.max_threshold > 0:
-            raise ValueError(f"TeaCacheConfig.max_threshold={self.max_threshold}: must be > 0")
-
-
-@dataclass(frozen=True)
-class RequestSettings:
-    """One request's resolved TeaCache settings (fixed at admission)."""
-
-    threshold: float
-    num_steps: int
-    coefficients: tuple[float, ...]
-    warmup: int
-    cooldown: int
-    profile: str | None  # profile path, or None for explicit coefficients
-    max_skips: int | None = None  # cap on consecutive skips of one row; None = no cap
-
-
 @dataclass
 class BranchState:
     """TeaCache state of one (request, CFG branch). Tensors are owned (no views into batch buffers)."""
@@ -180,65 +146,6 @@ class RankComposition(Protocol):
 
 
 # ---- the cache -----------------------------------------------------------------------------------
-def resolve_settings(
-    family: str,
-    profiles: Callable[[int], TeaCacheProfile | None],
-    config: TeaCacheConfig,
-    threshold: float,
-    steps: int,
-    coefficients: Sequence[float] | None = None,
-) -> RequestSettings:
-    """Check a request's TeaCache parameters; raises ``InvalidParam`` (HTTP 400) when unusable.
-
-    Needs no weights, so the head validates with it before a request is queued. ``AUTO_THRESHOLD``
-    becomes the profile's ``recommended_threshold``.
-    """
-    if threshold == AUTO_THRESHOLD:
-        return _resolve_auto(family, profiles, config, steps)
-    if not (isinstance(threshold, (int, float)) and math.isfinite(threshold)) or not (
-        0 < threshold <= config.max_threshold
-    ):
-        raise InvalidParam("teacache_threshold", threshold, f"must be 0 (off) or in (0, {config.max_threshold}]")
-    profile = None
-    if coefficients is not None:
-        try:
-            coeffs = check_coefficients(coefficients, "teacache coefficients")
-        except (TypeError, ValueError) as e:
-            raise InvalidParam("teacache_coefficients", coefficients, str(e)) from e
-    else:
-        profile = profiles(steps)
-        if profile is None:
-            raise InvalidParam(
-                "teacache_threshold",
-                threshold,
-                f"TeaCache is not calibrated for family {family!r} at {steps} steps: no profile "
-                "found; calibrate one (triptych calibrate), set threshold 0, or pass coefficients",
-            )
-        coeffs = profile.coefficients
-    warmup = config.warmup_steps if config.warmup_steps is not None else (profile.warmup if profile else 1)
-    cooldown = config.cooldown_steps
-    if cooldown is None:
-        cooldown = profile.cooldown if profile else 1
-    max_skips = profile.max_skips if profile else None
-    return RequestSettings(
-        float(threshold), steps, coeffs, warmup, cooldown, profile.path if profile else None, max_skips
-    )
-
-
-def _resolve_auto(family: str, profiles, config: TeaCacheConfig, steps: int) -> RequestSettings:
-    profile = profiles(steps)
-    recommended = profile.recommended_threshold if profile is not None else None
-    if recommended is None:
-        where = "no profile found" if profile is None else f"profile {profile.path} has no recommended threshold"
-        raise InvalidParam(
-            "teacache_threshold",
-            "auto",
-            f"needs a recommended threshold for family {family!r} at {steps} steps ({where}); "
-            "run triptych calibrate, or give a number",
-        )
-    return resolve_settings(family, profiles, config, min(recommended, config.max_threshold), steps)
-
-
 class TeaCache:
     """Wraps the family's transformer call for a batch of rows; see the module docstring.
 
@@ -258,11 +165,14 @@ class TeaCache:
         profiles: Callable[[int], TeaCacheProfile | None] | None = None,
         config: TeaCacheConfig | None = None,
         ranks: RankComposition | None = None,
+        lora_plan: Callable[[Sequence[Any]], Any] | None = None,
     ):
         """``ranks``: the instance's composition when this cache runs on every rank of a multi-rank
-        denoiser (``triptych.parallel.cache``); None on a single rank."""
+        denoiser (``triptych.parallel.cache``); None on a single rank. ``lora_plan(rows)``: the context
+        applying the rows' LoRA adapters (``Family.lora_plan``), around each piece of the forward."""
         self.plan = plan
         self.ranks = ranks
+        self.lora_plan = lora_plan
         self.profiles = profiles or (lambda steps: None)
         self.config = config or TeaCacheConfig()
         self.stats = TeaCacheStats()
@@ -311,9 +221,15 @@ class TeaCache:
             s = steps[i]
             if s.request_id not in self._settings:
                 self._settings[s.request_id] = self.resolve(s.threshold, s.num_steps, s.coefficients)
-        emb = self.plan.embed(rows)
-        compute = self._decide(steps, active, self.plan.modulated_input(emb))
-        return self._run(emb, steps, compute)
+        with self._adapters(rows):
+            emb = self.plan.embed(rows)
+            compute = self._decide(steps, active, self.plan.modulated_input(emb))
+        return self._run(emb, steps, compute, rows)
+
+    def _adapters(self, rows: Sequence[Any]):
+        """The rows' LoRA adapters applied to the pieces of the forward run here (``family.lora_plan``,
+        which ``Family.forward`` applies itself on the plain path); a no-op without adapters."""
+        return self.lora_plan(rows) if self.lora_plan is not None else contextlib.nullcontext()
 
     def _decide(self, steps: list[RowStep], active: list[int], modulated: torch.Tensor) -> list[bool]:
         compute = [True] * len(steps)
@@ -359,12 +275,12 @@ class TeaCache:
             compute[i] = leader[k]
             st.accumulated = accumulated[k]
 
-    def _run(self, emb: Embedded, steps: list[RowStep], compute: list[bool]) -> torch.Tensor:
+    def _run(self, emb: Embedded, steps: list[RowStep], compute: list[bool], rows: Sequence[Any]) -> torch.Tensor:
         n = len(steps)
         idx = [i for i in range(n) if compute[i]]
         computed = None
         if idx:
-            computed = self._blocks(emb, idx, n)
+            computed = self._blocks(emb, idx, rows)
             self.stats.block_calls += 1
         self.stats.rows_computed += len(idx)
         self.stats.rows_skipped += n - len(idx)
@@ -387,12 +303,16 @@ class TeaCache:
         hidden = computed if len(idx) == n else torch.cat(pieces)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("teacache: %d/%d rows computed", len(idx), n)
-        return self.plan.head(emb, hidden)
+        with self._adapters(rows):
+            return self.plan.head(emb, hidden)
 
-    def _blocks(self, emb: Embedded, idx: list[int], n: int) -> torch.Tensor:
-        def run(rows: list[int]) -> torch.Tensor:
-            every = len(rows) == n  # rows are ascending and distinct: all n means rows == range(n)
-            return self.plan.blocks(emb, None if every else torch.tensor(rows, device=emb.hidden.device))
+    def _blocks(self, emb: Embedded, idx: list[int], rows: Sequence[Any]) -> torch.Tensor:
+        n = len(rows)
+
+        def run(sub: list[int]) -> torch.Tensor:
+            every = len(sub) == n  # ascending and distinct: all n means sub == range(n)
+            with self._adapters([rows[i] for i in sub]):
+                return self.plan.blocks(emb, None if every else torch.tensor(sub, device=emb.hidden.device))
 
         return run(idx) if self.ranks is None else self.ranks.blocks(run, idx)
 

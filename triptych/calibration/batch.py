@@ -2,11 +2,12 @@
 calibration sweep and the quality baselines measure: images, final latents, forwards computed and
 skipped per request, and the denoise time (CPU seconds).
 
-Requests are encoded once (:class:`Cases`) and then run as often as a sweep needs. A batch is one
-``denoise_step`` over up to ``batch_size`` requests, CFG branches fused, as the serving engine runs
-them; ``batch_size=1`` is exactly ``run_request`` (a request served alone). The batch composition is
-the same for every setting a sweep compares, so the plain run and the cached runs differ only by the
-cache's decisions (ARCHITECTURE.md contract 1: batching changes rounding, not results).
+Requests are encoded once (:class:`Cases`) and then run as often as a sweep needs, through the
+serving engine (``DenoiserEngine``, up to ``batch_size`` requests a tick, CFG branches fused, the
+cache as the engine's acceleration); ``batch_size=1`` is exactly ``run_request`` (a request served
+alone). The batch composition is the same for every setting a sweep compares, so the plain run and
+the cached runs differ only by the cache's decisions (ARCHITECTURE.md contract 1: batching changes
+rounding, not results).
 """
 
 from __future__ import annotations
@@ -64,27 +65,30 @@ def run_cases(
     ``cache``: a ``TeaCache`` (needed when threshold > 0)."""
     if threshold and cache is None:
         raise ValueError("run_cases: a TeaCache threshold needs a cache")
+    from triptych.engine import DenoiserEngine, EngineConfig
+
     family, outputs, seconds = cases.family, [], 0.0
+    config = EngineConfig(max_batch_requests=batch_size, fuse_cfg=True)
+    engine = DenoiserEngine(family, config, accel=cache if threshold else None)
     for start in range(0, len(cases), batch_size):
         states, counts = [], {}
         for i in range(start, min(start + batch_size, len(cases))):
             params = cases.params[i].replace(teacache_threshold=threshold)
             state = family.prepare(f"{tag}-{i}", params, cases.cond(i))
-            if threshold:
-                cache.admit(state.request_id, threshold, state.total_steps)
+            engine.add(state)  # admitted to the cache by the engine, as served
             states.append(state)
             counts[state.request_id] = [0, 0]
-        forward = cache.bind(family.forward) if threshold else None
+
+        def count(out) -> None:
+            for d in cache.last_decisions if threshold else ():
+                counts[d.request_id][0 if d.compute else 1] += 1
+
         t0 = time.process_time()
         try:
-            while not all(s.done for s in states):
-                family.denoise_step([s for s in states if not s.done], fuse_cfg=True, forward=forward)
-                for d in cache.last_decisions if threshold else ():
-                    counts[d.request_id][0 if d.compute else 1] += 1
+            engine.run_until_done(count)
         finally:
-            for s in states:
-                if cache is not None:
-                    cache.release(s.request_id)
+            for s in states:  # a raise mid-batch: the rest leave the engine and the cache
+                engine.abort(s.request_id)
         seconds += time.process_time() - t0
         for s in states:
             if not threshold:  # plain: every branch of every step computed

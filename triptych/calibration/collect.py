@@ -84,19 +84,20 @@ def collect(
 ) -> list[Trajectory]:
     """Uncached trajectories of ``prompts × seeds`` at ``steps``; ``base`` sets the other parameters
     (size, guidance, negative prompt / true CFG). Requests run ``batch_size`` at a time."""
+    from triptych.engine import DenoiserEngine, EngineConfig
+
     plan = plan or plan_for(family)
     base = base or GenerationParams(prompt="-")
     jobs = [(p, s) for p in prompts for s in seeds]
     trajectories: dict[tuple[str, str], Trajectory] = {}
     recorder = _Recorder(plan, trajectories)
+    engine = DenoiserEngine(family, EngineConfig(max_batch_requests=batch_size), wrap=lambda _: recorder)
     for start in range(0, len(jobs), batch_size):
-        states = []
         for n, (prompt, seed) in enumerate(jobs[start : start + batch_size], start):
             params = family.resolve(base.replace(prompt=prompt, seed=seed, steps=steps, teacache_threshold=0.0))
             state = family.prepare(f"calib-{n}", params, family.encode(params))
             for branch in state.branches():
                 trajectories[(state.request_id, branch)] = Trajectory(state.request_id, prompt, seed, branch)
-            states.append(state)
-        while not all(s.done for s in states):
-            family.denoise_step(states, fuse_cfg=True, forward=recorder)
+            engine.add(state)
+        engine.run_until_done()  # the serving engine's ticks, the recorder as its forward
     return list(trajectories.values())

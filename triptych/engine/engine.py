@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import count
 from pathlib import Path
@@ -24,9 +25,10 @@ from triptych.families.base import DenoiseState, Family
 
 logger = logging.getLogger(__name__)
 
-#: Why a request may not combine an adapter with TeaCache (the head says the same).
+#: Why a multi-rank denoiser refuses an adapter with TeaCache (a single rank applies both: docs/lora.md).
 LORA_TEACACHE_RULE = (
-    "must be 0 with lora: a TeaCache profile is calibrated per model and is not shown to hold with an adapter"
+    "must be 0 with lora on a multi-rank denoiser: TeaCache's piecewise forward with adapters is checked on one "
+    "rank only"
 )
 
 
@@ -38,9 +40,10 @@ class EngineStepOutput:
     progress: list[tuple[str, int, int]] = field(default_factory=list)  # (request_id, step, total)
     batch: list[str] = field(default_factory=list)  # request ids that advanced
     failed: list[tuple[str, Exception]] = field(default_factory=list)  # (request_id, error): left the engine
-    #: (request_id, steps done, total, predicted clean latents) for requests that asked for a preview at
-    #: this step (``DenoiseState.preview_steps``); the tensors are handed over, the engine keeps none
-    previews: list[tuple[str, int, int, torch.Tensor]] = field(default_factory=list)
+    #: (request_id, preview index, steps done, total, predicted clean latents) for requests that asked
+    #: for a preview at this step (``DenoiseState.preview_steps``; the index is 0-based, in step order,
+    #: computed here once for every caller); the tensors are handed over, the engine keeps none
+    previews: list[tuple[str, int, int, int, torch.Tensor]] = field(default_factory=list)
 
 
 class DenoiserEngine:
@@ -68,7 +71,7 @@ class DenoiserEngine:
             raise ValueError(f"request {state.request_id!r} is already running")
         threshold = state.params.teacache_threshold
         lora = state.params.lora
-        if lora and threshold > 0:
+        if lora and threshold > 0 and getattr(self.accel, "ranks", None) is not None:
             raise InvalidParam("teacache_threshold", threshold, LORA_TEACACHE_RULE)
         if lora and self.family.lora is None:
             raise InvalidParam("lora", [n for n, _ in lora], f"this {self.family.name} denoiser serves no adapters")
@@ -171,7 +174,8 @@ class DenoiserEngine:
             out.batch.append(rid)
             out.progress.append((rid, r.state.step, r.state.total_steps))
             if r.state.x0 is not None:
-                out.previews.append((rid, r.state.step, r.state.total_steps, r.state.x0))
+                index = sorted(r.state.preview_steps).index(r.state.step)
+                out.previews.append((rid, index, r.state.step, r.state.total_steps, r.state.x0))
                 r.state.x0 = None
             if r.state.done:
                 del self._running[rid]
@@ -196,9 +200,22 @@ class DenoiserEngine:
         if self.accel is not None:
             self.accel.release(request_id)
 
-    def run_until_done(self) -> list[DenoiseState]:
-        """Tick until every running request finished (tests, ``generate``)."""
+    def run_until_done(
+        self,
+        on_tick: Callable[[EngineStepOutput], None] | None = None,
+        step: Callable[[], EngineStepOutput] | None = None,
+    ) -> list[DenoiseState]:
+        """The in-process driver (``triptych generate``, calibration, evaluations, tests, benchmarks),
+        as nano-vllm's ``generate``: tick until every request finished, the same ``step`` a worker runs.
+        ``on_tick(out)`` after each tick (progress, previews, cancellation: what it raises leaves here,
+        the caller aborts); ``step``: how a tick runs (default ``self.step``; rank 0 of a multi-rank
+        instance broadcasts the tick first). A failed tick raises its error: in process nobody retries."""
         finished: list[DenoiseState] = []
         while self.has_work():
-            finished.extend(self.step().finished)
+            out = self.step() if step is None else step()
+            if out.failed:
+                raise out.failed[0][1]
+            finished.extend(out.finished)
+            if on_tick is not None:
+                on_tick(out)
         return finished

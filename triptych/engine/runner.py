@@ -1,6 +1,9 @@
-"""Run one request through all stages in one process (``triptych generate``, tests, benchmarks).
+"""One request in this process through the serving engine (``triptych generate``, the in-process
+backend, training evaluations, tests, benchmarks).
 
-The same stage code runs in the pools; here the stages are called back to back.
+encode → ``DenoiserEngine`` (``add``, then ``run_until_done``: the schedule → execute → update tick a
+denoiser worker runs) → decode. Nothing here steps the model itself: fused CFG, TeaCache admission,
+adapters and the preview index are the engine's, so a request run here is the request served alone.
 """
 
 from __future__ import annotations
@@ -37,15 +40,19 @@ def run_request(
     previews: int = 0,
     on_preview: PreviewCallback | None = None,
 ) -> tuple[Frames, StageTimings]:
-    """Resolve, encode, prepare, denoise until done, decode. ``params`` may be unresolved.
+    """Resolve, encode, prepare, denoise in an engine of its own until done, decode. ``params`` may be
+    unresolved.
 
     ``fuse_cfg=True`` (default) runs both CFG branches in one forward, as the serving engine does,
     so a request served alone equals this; ``False`` runs them as diffusers does (bit-identical).
-    ``accel``: an acceleration owning per-request state (``admit``/``bind``/``release``, e.g. a
-    ``triptych.accel.teacache.TeaCache``), used when ``params.teacache_threshold`` > 0.
+    ``accel``: the engine's acceleration (a ``triptych.accel.teacache.TeaCache``); the engine admits
+    the request to it (``params.teacache_threshold`` > 0 without one is refused, as served).
+    ``on_step(state)`` after each of the request's steps (what it raises aborts the request).
     ``previews``: how many previews (``engine.previews``) to decode and hand to ``on_preview``
     (their decode time counts as denoising); they do not change the result.
     """
+    from triptych.engine import DenoiserEngine, EngineConfig
+
     timings = StageTimings()
     params = family.resolve(params)
     t = time.perf_counter()
@@ -56,25 +63,19 @@ def run_request(
     state = family.prepare(request_id, params, cond)
     if on_preview is not None:
         state.preview_steps = preview_steps(previews, state.total_steps)
-    forward = None
-    if accel is not None and params.teacache_threshold > 0:
-        accel.admit(request_id, params.teacache_threshold, state.total_steps)
-        forward = accel.bind(family.forward)
-    if params.lora:  # the engine does this on add; an instance without adapters refuses in lora_plan
-        family.lora.acquire(request_id, params.lora)
+    engine = DenoiserEngine(family, EngineConfig(max_batch_requests=1, fuse_cfg=fuse_cfg), accel=accel)
+
+    def on_tick(out) -> None:
+        for _, index, _, _, x0 in out.previews:
+            on_preview(index, family.decode(x0, params))
+        if on_step is not None and out.batch:
+            on_step(state)
+
+    engine.add(state)  # adapters acquired, TeaCache admitted (InvalidParam when unusable)
     try:
-        while not state.done:
-            family.denoise_step([state], fuse_cfg=fuse_cfg, forward=forward)
-            if state.x0 is not None:
-                x0, state.x0 = state.x0, None
-                on_preview(sorted(state.preview_steps).index(state.step), family.decode(x0, params))
-            if on_step is not None:
-                on_step(state)
+        engine.run_until_done(on_tick)
     finally:
-        if accel is not None:
-            accel.release(request_id)
-        if params.lora:
-            family.lora.release(request_id)
+        engine.abort(request_id)  # a raising callback: release its adapters and cache state
     timings.add("denoise", t)
     t = time.perf_counter()
     frames = family.decode(state.latents, params)

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from triptych.accel.teacache import TeaCache, TeaCacheConfig, TeaCachePlan, resolve_settings
+from triptych.accel.teacache import TeaCache, TeaCachePlan
 from triptych.accel.teacache_profile import ProfileIndex
+from triptych.accel.teacache_settings import TeaCacheConfig, resolve_settings
 from triptych.core.errors import InvalidParam
 from triptych.families.base import Family, GenerationParams
 from triptych.families.registry import teacache_families, teacache_plan
@@ -42,7 +43,8 @@ def make_teacache(
     ``RankComposition`` on a multi-rank denoiser (``Parallelism.for_cache()``)."""
     if not has_plan(family):
         return None
-    return TeaCache(plan_for(family), ProfileIndex(family.model_dir, family.name, profiles_dir), config, ranks)
+    profiles = ProfileIndex(family.model_dir, family.name, profiles_dir)
+    return TeaCache(plan_for(family), profiles, config, ranks, lora_plan=family.lora_plan)
 
 
 def check_teacache(

@@ -76,6 +76,9 @@ class DenoiseState:
     #: kept in ``x0``; empty = none. Previews read the step's prediction and never change ``latents``.
     preview_steps: frozenset[int] = frozenset()
     x0: torch.Tensor | None = None  # the last preview's predicted clean latents, until its owner takes it
+    #: what the family computed once at ``prepare`` for every step (RoPE, text input, timestep and
+    #: modulation tables: ``pipelines/<family>/fast.py``); None = the step computes them. Denoiser-local.
+    step_consts: Any = None
 
     @property
     def done(self) -> bool:

@@ -105,7 +105,7 @@ def build_params(head: Head, req, image=None, frames: int | None = None) -> tupl
         true_cfg=1.0 if true_cfg is None else true_cfg,
         teacache_threshold=req.teacache_threshold or 0.0,
         tenant=TENANT.get(),
-        lora=head.served.lora.check(_lora_value(getattr(req, "lora", None)), req.teacache_threshold or 0.0),
+        lora=head.served.lora.check(_lora_value(getattr(req, "lora", None))),
     )
     params = params.replace(lora_paths=head.served.lora.paths(params.lora))
     return params, req.size

@@ -183,7 +183,7 @@ class LoraCatalog:
         """The weight files of a request's run-time adapters, for denoisers that load them on a miss."""
         return tuple((n, str(self.added[n])) for n, _ in spec if n in self.added)
 
-    def check(self, value, teacache_threshold: float = 0.0) -> tuple[tuple[str, float], ...]:
+    def check(self, value) -> tuple[tuple[str, float], ...]:
         """A request's ``lora`` (a name, or a list of ``{"name", "scale"}``) as ``((name, scale), ...)``;
         ``InvalidParam`` naming the field, the value and the rule."""
         if value is None:
@@ -208,11 +208,4 @@ class LoraCatalog:
             if name in (n for n, _ in out):
                 raise InvalidParam("lora", name, "is named twice; give each adapter once with its scale")
             out.append((name, scale))
-        if teacache_threshold > 0:
-            raise InvalidParam(
-                "teacache_threshold",
-                teacache_threshold,
-                "must be 0 with lora: a TeaCache profile is calibrated per model and is not shown to hold "
-                "with an adapter",
-            )
         return tuple(out)

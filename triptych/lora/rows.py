@@ -58,6 +58,11 @@ class RowLora:
             if name not in self._hooked:
                 self._hooked[name] = self._linears[name].register_forward_hook(self._hook(name))
 
+    def hook_ids(self) -> frozenset[int]:
+        """Ids of the forward hooks ``attach`` registered; they return None (no change) outside ``plan``
+        or for a plan without segments, so a forward with no adapter row may skip them."""
+        return frozenset(h.id for h in self._hooked.values())
+
     def detach_all(self) -> None:
         for handle in self._hooked.values():
             handle.remove()

@@ -66,3 +66,34 @@ def output_gather(module: torch.nn.Module):
         if name.startswith(_OUTPUT_HOOK_PREFIX):
             return lambda tensor: hook.post_forward(module, tensor)
     return None
+
+
+def fix_ulysses_anything_mask() -> None:
+    """Make diffusers' uneven Ulysses attention gather a local attention mask shard by shard.
+
+    NOTE: diffusers 0.42.1's ``TemplatedUlyssesAnythingAttention`` pads every rank's mask to the
+    longest shard, all-gathers, concatenates and trims the *end*: right only when at most the last
+    shard is short. Ulysses 3 over 16 image tokens (6, 5, 5) with a text padding mask (fused CFG or a
+    batch of prompts of different lengths) shifted the mask against the keys: the default model's
+    image came out wrong (max abs 0.45; ``tests/pipelines/test_composition.py``). This wraps its
+    ``forward``: a local mask is gathered here with ``all_gather_uneven`` (trimmed per shard) before
+    diffusers sees it, so its own gather (taken only for a mask of the local length) is skipped.
+    Where diffusers' gather is right the result is the same. Applied once per process, kept.
+    """
+    from diffusers.models import attention_dispatch
+
+    cls = attention_dispatch.TemplatedUlyssesAnythingAttention
+    original = cls.forward
+    if getattr(original, "_triptych_mask_fix", False):
+        return
+
+    def forward(ctx, query, key, value, attn_mask, *args, **kwargs):
+        # args: dropout_p, is_causal, scale, enable_gqa, return_lse, forward_op, backward_op, _parallel_config
+        config = kwargs.get("_parallel_config", args[7] if len(args) > 7 else None)
+        if attn_mask is not None and attn_mask.shape[-1] == key.shape[1]:
+            group = config.context_parallel_config._ulysses_mesh.get_group()
+            attn_mask = all_gather_uneven(attn_mask, attn_mask.dim() - 1, group)
+        return original(ctx, query, key, value, attn_mask, *args, **kwargs)
+
+    forward._triptych_mask_fix = True
+    cls.forward = staticmethod(forward)

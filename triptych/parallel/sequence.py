@@ -6,8 +6,8 @@ What diffusers provides and this module only calls: ``ContextParallelConfig``, t
 (``enable_parallelism`` → ``apply_context_parallel``) and the templated Ulysses/ring attention.
 What it adds: the mesh (``ParallelGroups.mesh``, so a CFG dimension can sit beside the sequence
 dimensions), the CPU device-count shim, the log-sum-exp attention backend ring needs on CPU
-(``triptych.parallel.attention``), an output gather that works with uneven shards on gloo
-(``triptych.parallel.gather``), and ``remove`` (diffusers 0.42.1 has no ``disable_parallelism``).
+(``triptych.parallel.attention``), an output gather that works with uneven shards on gloo and a
+mask gather for uneven Ulysses shards (``triptych.parallel.gather``), and ``remove`` (diffusers 0.42.1 has no ``disable_parallelism``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from diffusers.hooks.context_parallel import (
 from diffusers.models._modeling_parallel import ContextParallelOutput
 
 import triptych.parallel.attention as attention
-from triptych.parallel.gather import UnevenGatherHook
+from triptych.parallel.gather import UnevenGatherHook, fix_ulysses_anything_mask
 from triptych.parallel.groups import ParallelGroups
 
 logger = logging.getLogger(__name__)
@@ -111,6 +111,8 @@ class SequenceParallel:
             ulysses_anything=config.uneven_sequences and config.ring == 1,
             ring_anything=config.uneven_sequences and config.ulysses == 1 and config.ring > 1,
         )
+        if cp.ulysses_anything:
+            fix_ulysses_anything_mask()
         try:
             with cpu_device_count_shim():
                 transformer.enable_parallelism(config=cp)

@@ -23,6 +23,7 @@ from triptych.families.base import (
 from triptych.families.flux import decode as dec
 from triptych.families.flux import denoise as den
 from triptych.families.flux import encode as enc
+from triptych.families.flux import fast
 from triptych.families.geometry import model_defaults, read_json, vae_config
 
 
@@ -105,11 +106,20 @@ class FluxFamily(Family):
                 conds[i].branches[UNCOND] = branch
         return conds
 
+    #: Compute each request's RoPE and text context at ``prepare`` (``flux/fast.py``); False = the
+    #: transformer's own forward at every step (the benchmark's peer).
+    step_tables = True
+
     def prepare(self, request_id: str, params: GenerationParams, cond: Conditioning) -> DenoiseState:
-        return den.prepare(self, request_id, params, cond.to(self.device))
+        state = den.prepare(self, request_id, params, cond.to(self.device))
+        if self.step_tables and not params.lora:
+            state.step_consts = fast.request_tables(self.pipe.transformer, state)
+        return state
 
     @torch.no_grad()
     def forward(self, rows: Sequence[Row]) -> torch.Tensor:
+        if rows[0].state.step_consts is not None and fast.usable(self.pipe.transformer, rows):
+            return fast.forward(self.pipe.transformer, rows)
         with self.lora_plan(rows):
             return den.forward(self.pipe.transformer, rows)
 

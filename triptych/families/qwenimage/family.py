@@ -34,6 +34,7 @@ from triptych.families.geometry import model_defaults, vae_config
 from triptych.families.qwenimage import decode as dec
 from triptych.families.qwenimage import denoise as den
 from triptych.families.qwenimage import encode as enc
+from triptych.families.qwenimage import fast
 
 DEFAULT_NEGATIVE_PROMPT = " "
 
@@ -193,11 +194,28 @@ class QwenImageFamily(Family):
         embeds = [torch.randn(1, n, width, dtype=self.dtype, device=self.device) for n in lengths]
         return Conditioning(branches={COND: {"prompt_embeds": embeds[0]}, UNCOND: {"prompt_embeds": embeds[1]}})
 
+    #: Compute each request's per-step constants at ``prepare`` and run the step without them
+    #: (``qwenimage/fast.py``); False = the transformer's own forward at every step (the benchmark's peer).
+    step_tables = True
+
     def prepare(self, request_id: str, params: GenerationParams, cond: Conditioning) -> DenoiseState:
-        return den.prepare(self, request_id, params, cond.to(self.device))
+        state = den.prepare(self, request_id, params, cond.to(self.device))
+        if self.step_tables and not params.lora:
+            state.step_consts = self._fast.tables(state)
+        return state
+
+    @functools.cached_property
+    def _fast(self) -> fast.FastForward:
+        return fast.FastForward(self.pipe.transformer, self.pipe.vae_scale_factor, idle=self._idle_hooks)
+
+    def _idle_hooks(self) -> frozenset[int]:
+        """The LoRA runtime's hooks: they add nothing to a forward without adapter rows (``fast.usable``)."""
+        return self.lora.rows.hook_ids() if self.lora is not None else frozenset()
 
     @torch.no_grad()
     def forward(self, rows: Sequence[Row]) -> torch.Tensor:
+        if rows[0].state.step_consts is not None and fast.usable(self.pipe.transformer, rows):
+            return self._fast(rows)
         with self.lora_plan(rows):
             return den.forward(self.pipe.transformer, rows, self.pipe.vae_scale_factor)
 

@@ -8,6 +8,8 @@ stack on all rows or a sub-batch of them (text, mask, temb and ``modulate_index`
 ``head`` runs ``norm_out`` with every row's own temb, ``proj_out``, and keeps the noise tokens (the
 edit condition tokens are dropped, as ``denoise.forward`` does). ``head(e, blocks(e, None))`` runs the
 same ops in the same order on the same tensors as ``denoise.forward``: bit-identical (tests check it).
+Rows whose states carry the step tables (``qwenimage/fast.py``) take the fast path's own embed, blocks
+and head instead, which are the family's forward for them: again bit-identical to ``family.forward``.
 
 The cached residual is the image stream's (noise tokens and, for edit, the condition-image tokens);
 the text stream is not needed after the blocks (the model's output reads only the image stream).
@@ -33,6 +35,7 @@ from diffusers.models.transformers.transformer_qwenimage import compute_text_seq
 from triptych.accel.teacache import TeaCachePlan
 from triptych.families.base import Row
 from triptych.families.flux.teacache import describe  # family-independent (Row/DenoiseState only)
+from triptych.families.qwenimage import fast
 from triptych.families.qwenimage.denoise import transformer_inputs
 
 
@@ -49,11 +52,27 @@ class QwenEmbedded:
     noise_tokens: int  # image-stream tokens that are the output (the rest is the edit condition)
 
 
-def make_plan(transformer, vae_scale_factor: int, family_name: str = "qwen-image") -> TeaCachePlan:
-    """Bind the pieces to one loaded ``QwenImageTransformer2DModel``; holds no state of its own."""
+def make_plan(transformer, vae_scale_factor: int, family_name: str = "qwen-image", quick=None) -> TeaCachePlan:
+    """Bind the pieces to one loaded ``QwenImageTransformer2DModel``; holds no state of its own.
+    ``quick``: the family's ``fast.FastForward``; rows it can run (``fast.usable``) take its pieces,
+    so the split forward stays bit-identical to ``family.forward`` on either path."""
     t = transformer
 
-    def embed(rows: Sequence[Row]) -> QwenEmbedded:
+    def embed(rows: Sequence[Row]):
+        if quick is not None and fast.usable(t, rows):
+            return quick.embed(rows)
+        return plain_embed(rows)
+
+    def modulated_input(e) -> torch.Tensor:
+        return quick.modulated_input(e) if isinstance(e, fast.FastEmbedded) else plain_modulated_input(e)
+
+    def blocks(e, idx: torch.Tensor | None) -> torch.Tensor:
+        return quick.blocks(e, idx) if isinstance(e, fast.FastEmbedded) else plain_blocks(e, idx)
+
+    def head(e, hidden: torch.Tensor) -> torch.Tensor:
+        return quick.head(e, hidden) if isinstance(e, fast.FastEmbedded) else plain_head(e, hidden)
+
+    def plain_embed(rows: Sequence[Row]) -> QwenEmbedded:
         x, noise_tokens = transformer_inputs(rows, vae_scale_factor)
         hidden = t.img_in(x["hidden_states"])
         timestep = x["timestep"].to(hidden.dtype)
@@ -71,12 +90,12 @@ def make_plan(transformer, vae_scale_factor: int, family_name: str = "qwen-image
         rotary = t.pos_embed(x["img_shapes"], max_txt_seq_len=text_seq_len, device=hidden.device)
         return QwenEmbedded(hidden, encoder_hidden, mask, temb, rotary, modulate_index, noise_tokens)
 
-    def modulated_input(e: QwenEmbedded) -> torch.Tensor:
+    def plain_modulated_input(e: QwenEmbedded) -> torch.Tensor:
         block = t.transformer_blocks[0]
         img_mod1 = block.img_mod(e.temb).chunk(2, dim=-1)[0]
         return block._modulate(block.img_norm1(e.hidden), img_mod1, e.modulate_index)[0]
 
-    def blocks(e: QwenEmbedded, idx: torch.Tensor | None) -> torch.Tensor:
+    def plain_blocks(e: QwenEmbedded, idx: torch.Tensor | None) -> torch.Tensor:
         hidden, encoder_hidden, mask, temb, index = e.hidden, e.encoder_hidden, e.mask, e.temb, e.modulate_index
         if idx is not None:
             hidden, encoder_hidden = hidden[idx], encoder_hidden[idx]
@@ -98,7 +117,7 @@ def make_plan(transformer, vae_scale_factor: int, family_name: str = "qwen-image
             )
         return hidden
 
-    def head(e: QwenEmbedded, hidden: torch.Tensor) -> torch.Tensor:
+    def plain_head(e: QwenEmbedded, hidden: torch.Tensor) -> torch.Tensor:
         temb = e.temb.chunk(2, dim=0)[0] if t.zero_cond_t else e.temb
         return t.proj_out(t.norm_out(hidden, temb))[:, : e.noise_tokens]
 
@@ -107,4 +126,5 @@ def make_plan(transformer, vae_scale_factor: int, family_name: str = "qwen-image
 
 def plan_for(family) -> TeaCachePlan:
     """The plan for a loaded ``QwenImageFamily`` or ``QwenImageEditFamily`` (denoiser role)."""
-    return make_plan(family.pipe.transformer, family.pipe.vae_scale_factor, family.name)
+    quick = family._fast if family.step_tables else None
+    return make_plan(family.pipe.transformer, family.pipe.vae_scale_factor, family.name, quick)

@@ -33,17 +33,24 @@ def prepare(family, request_id: str, params: GenerationParams, cond: Conditionin
     return DenoiseState(request_id, params, latents, scheduler, scheduler.timesteps, cond)
 
 
+def hidden_of(transformer, rows: Sequence[Row]) -> torch.Tensor:
+    """The transformer's ``hidden_states`` for stacked rows: image-to-video adds mask ‖ condition latents."""
+    states = [r.state for r in rows]
+    if "condition" in states[0].cond.shared:
+        hidden = torch.cat([torch.cat([s.latents, s.cond.shared["condition"]], dim=1) for s in states])
+    else:
+        hidden = torch.cat([s.latents for s in states])
+    return hidden.to(transformer.dtype)
+
+
 def transformer_inputs(transformer, rows: Sequence[Row]) -> dict:
     """The transformer's keyword arguments for stacked rows (TeaCache's split forward reuses them)."""
     states = [r.state for r in rows]
+    image_embeds = None
     if "condition" in states[0].cond.shared:  # image-to-video: noise ‖ mask ‖ condition latents
-        hidden = torch.cat([torch.cat([s.latents, s.cond.shared["condition"]], dim=1) for s in states])
         image_embeds = torch.cat([s.cond.shared["image_embeds"] for s in states])
-    else:
-        hidden = torch.cat([s.latents for s in states])
-        image_embeds = None
     return dict(
-        hidden_states=hidden.to(transformer.dtype),
+        hidden_states=hidden_of(transformer, rows),
         timestep=torch.cat([s.timestep.expand(1) for s in states]),  # as the pipeline: t.expand(B)
         encoder_hidden_states=torch.cat([r.state.cond.branches[r.branch]["prompt_embeds"] for r in rows]),
         encoder_hidden_states_image=image_embeds,

@@ -7,6 +7,7 @@ supported and are refused at load time.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from collections.abc import Sequence
 
@@ -20,6 +21,7 @@ from triptych.families.geometry import model_defaults, read_json, vae_config
 from triptych.families.wan import decode as dec
 from triptych.families.wan import denoise as den
 from triptych.families.wan import encode as enc
+from triptych.families.wan import fast
 
 # Pipeline ``__call__`` defaults, for checkpoints without a ``triptych.json``.
 PIPELINE_DEFAULTS = {"height": 480, "width": 832, "frames": 81, "steps": 50, "guidance": 5.0}
@@ -131,11 +133,24 @@ class WanFamily(Family):
         params = params.replace(prompt=self.encoder_prompt(params.prompt))
         return enc.encode_text(self.pipe, params, self.uses_cfg(params), self.max_sequence_length, self.dtype)
 
+    #: Compute each request's text-side constants at ``prepare`` (``wan/fast.py``); False = the
+    #: transformer's own forward at every step (the benchmark's peer).
+    step_tables = True
+
     def prepare(self, request_id: str, params: GenerationParams, cond: Conditioning) -> DenoiseState:
-        return den.prepare(self, request_id, params, cond.to(self.device))
+        state = den.prepare(self, request_id, params, cond.to(self.device))
+        if self.step_tables and not params.lora:
+            state.step_consts = fast.request_tables(self.pipe.transformer, state)
+        return state
+
+    @functools.cached_property
+    def _fast(self) -> fast.FastForward:
+        return fast.FastForward(self.pipe.transformer)
 
     @torch.no_grad()
     def forward(self, rows: Sequence[Row]) -> torch.Tensor:
+        if rows[0].state.step_consts is not None and fast.usable(self.pipe.transformer, rows):
+            return self._fast(rows, den.hidden_of(self.pipe.transformer, rows))
         with self.lora_plan(rows):
             return den.forward(self.pipe.transformer, rows)
 

@@ -16,6 +16,10 @@ option, each with its own coefficients; a profile fitted here is for ``e0``. It 
 timestep only, so the cond and uncond rows of a request measure the same change (each still keeps
 its own accumulated value and residual), and requests on the same schedule make the same decisions.
 
+Rows whose states carry the step tables (``wan/fast.py``: text context, cross-attention keys and
+values, temb) take the fast path's embed, blocks and head, which are the family's forward for them:
+``head(e, blocks(e, None))`` stays bit-identical to ``family.forward`` on either path.
+
 Not covered: Wan 2.2 (per-token timesteps, ``temb.ndim == 3``; refused by the family at load).
 """
 
@@ -29,7 +33,8 @@ import torch
 from triptych.accel.teacache import TeaCachePlan
 from triptych.families.base import Row
 from triptych.families.flux.teacache import describe  # family-independent (Row/DenoiseState only)
-from triptych.families.wan.denoise import transformer_inputs
+from triptych.families.wan import fast
+from triptych.families.wan.denoise import hidden_of, transformer_inputs
 
 
 @dataclass
@@ -44,11 +49,24 @@ class WanEmbedded:
     shape: tuple[int, int, int, int]  # (rows, frames, height, width) after patchify
 
 
-def make_plan(transformer, family_name: str = "wan-t2v") -> TeaCachePlan:
-    """Bind the pieces to one loaded ``WanTransformer3DModel``; holds no state of its own."""
+def make_plan(transformer, family_name: str = "wan-t2v", quick=None) -> TeaCachePlan:
+    """Bind the pieces to one loaded ``WanTransformer3DModel``; holds no state of its own.
+    ``quick``: the family's ``fast.FastForward``; rows it can run (``fast.usable``) take its pieces,
+    so the split forward stays bit-identical to ``family.forward`` on either path."""
     t = transformer
 
-    def embed(rows: Sequence[Row]) -> WanEmbedded:
+    def embed(rows: Sequence[Row]):
+        if quick is not None and fast.usable(t, rows):
+            return quick.embed(rows, hidden_of(t, rows))
+        return plain_embed(rows)
+
+    def blocks(e, idx: torch.Tensor | None) -> torch.Tensor:
+        return quick.blocks(e, idx) if isinstance(e, fast.FastEmbedded) else plain_blocks(e, idx)
+
+    def head(e, hidden: torch.Tensor) -> torch.Tensor:
+        return quick.head(e, hidden) if isinstance(e, fast.FastEmbedded) else plain_head(e, hidden)
+
+    def plain_embed(rows: Sequence[Row]) -> WanEmbedded:
         x = transformer_inputs(t, rows)
         hidden = x["hidden_states"]
         batch_size, _, num_frames, height, width = hidden.shape
@@ -69,10 +87,10 @@ def make_plan(transformer, family_name: str = "wan-t2v") -> TeaCachePlan:
         shape = (batch_size, num_frames // p_t, height // p_h, width // p_w)
         return WanEmbedded(hidden, encoder_hidden, temb, timestep_proj, rotary, shape)
 
-    def modulated_input(e: WanEmbedded) -> torch.Tensor:
+    def modulated_input(e) -> torch.Tensor:  # WanEmbedded or fast.FastEmbedded
         return e.timestep_proj
 
-    def blocks(e: WanEmbedded, idx: torch.Tensor | None) -> torch.Tensor:
+    def plain_blocks(e: WanEmbedded, idx: torch.Tensor | None) -> torch.Tensor:
         hidden, encoder_hidden, timestep_proj = e.hidden, e.encoder_hidden, e.timestep_proj
         if idx is not None:
             hidden, encoder_hidden, timestep_proj = hidden[idx], encoder_hidden[idx], timestep_proj[idx]
@@ -80,7 +98,7 @@ def make_plan(transformer, family_name: str = "wan-t2v") -> TeaCachePlan:
             hidden = block(hidden, encoder_hidden, timestep_proj, e.rotary)
         return hidden
 
-    def head(e: WanEmbedded, hidden: torch.Tensor) -> torch.Tensor:
+    def plain_head(e: WanEmbedded, hidden: torch.Tensor) -> torch.Tensor:
         temb = e.temb
         shift, scale = (t.scale_shift_table.to(temb.device) + temb.unsqueeze(1)).chunk(2, dim=1)
         shift = shift.to(hidden.device)
@@ -98,4 +116,5 @@ def make_plan(transformer, family_name: str = "wan-t2v") -> TeaCachePlan:
 
 def plan_for(family) -> TeaCachePlan:
     """The plan for a loaded ``WanFamily`` or ``WanImageToVideoFamily`` (denoiser role)."""
-    return make_plan(family.pipe.transformer, family.name)
+    quick = family._fast if family.step_tables else None
+    return make_plan(family.pipe.transformer, family.name, quick)

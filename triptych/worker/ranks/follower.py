@@ -53,8 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         groups = ParallelGroups.build(ParallelConfig(cfg=args.cfg, ulysses=args.ulysses, ring=args.ring), device)
         setup = broadcast_message(None, RankSetup, groups)
+        from triptych.accel import SpeedConfig
+
+        speed = SpeedConfig(quantize=tuple(setup.quantize))  # rank 0's quantization (check_speed refuses compile)
         family = family_class(setup.model_dir)(
-            setup.model_dir, roles={Role.DENOISER}, device=str(device), dtype=setup.dtype
+            setup.model_dir, roles={Role.DENOISER}, device=str(device), dtype=setup.dtype, speed=speed
         )
         if setup.lora is not None:  # rank 0's adapters, read from the same files under the same budget
             family.enable_lora(setup.lora)

@@ -50,11 +50,9 @@ class InstanceRanks:
             dev = join_group(0, world, port, device=device, timeout=datetime.timedelta(seconds=self.timeout_s))
             self.groups = ParallelGroups.build(p, dev)
             lora = family.lora.config if family.lora is not None else None  # followers serve the same adapters
-            broadcast_message(
-                RankSetup(str(model_dir), dtype, engine, p, profiles_dir and str(profiles_dir), lora),
-                RankSetup,
-                self.groups,
-            )
+            quantize = list(family.speed.quantize)  # the followers load their own transformer: quantized alike
+            setup = RankSetup(str(model_dir), dtype, engine, p, profiles_dir and str(profiles_dir), lora, quantize)
+            broadcast_message(setup, RankSetup, self.groups)
             self.parallelism = apply_parallel(family.pipe.transformer, self.groups)
         except BaseException:
             self.kill()

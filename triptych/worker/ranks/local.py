@@ -1,8 +1,9 @@
 """One request on a multi-rank instance in this process (``triptych generate --ulysses 2 ...``).
 
-This process is rank 0: it spawns the other ranks (``InstanceRanks``), encodes, and drives the same
-ticks a served instance broadcasts (``ranks/ticks``): one join, then one step per tick until the
-request is done; it decodes and closes the ranks. Nothing of a worker or the head is involved.
+This process is rank 0: it spawns the other ranks (``InstanceRanks``), encodes, and drives the
+engine with ``run_until_done`` as ``run_request`` does, each tick scheduled here and broadcast as a
+served instance's rank 0 does (``ranks/ticks``): one join, then one step per tick until the request
+is done; it decodes and closes the ranks. Nothing of a worker or the head is involved.
 """
 
 from __future__ import annotations
@@ -54,10 +55,13 @@ def run_parallel_request(
         _, failed = lead_tick(Tick([], [join], []), [flat], engine, groups)
         if failed:  # a follower could not load the request's adapters
             raise TriptychError(f"--lora failed on {failed['local']}")
-        while not state.done:
-            lead_tick(Tick([], [], ["local"]), [], engine, groups)
-            if on_step is not None:
-                on_step(state)
+
+        def tick():  # what a served instance's rank 0 does at each step boundary (parallel_denoiser)
+            batch = [r.state.request_id for r in engine.schedule()]
+            out, _ = lead_tick(Tick([], [], batch), [], engine, groups)
+            return out
+
+        engine.run_until_done(on_tick=None if on_step is None else lambda out: on_step(state), step=tick)
         timings.add("denoise", t)
     finally:
         ranks.close()

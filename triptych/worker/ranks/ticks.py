@@ -52,6 +52,7 @@ class RankSetup(msgspec.Struct, frozen=True):
     parallel: ParallelConfig
     teacache_profiles_dir: str | None = None  # the worker's (WorkerConfig.teacache_profiles_dir)
     lora: LoraConfig | None = None  # the adapters rank 0 serves (same files, same budget); None = none
+    quantize: list[str] = []  # rank 0's SpeedConfig.quantize: every rank quantizes its transformer alike
 
 
 class InstanceBroken(RunnerBroken):

@@ -65,11 +65,10 @@ class DenoiserRunner(StageRunner):
             job = self._jobs.get(rid)
             if job is not None and _follows(job):
                 port.send(P.Progress(rid, job.generation, port.instance_id, step, total))
-        for rid, step, total, x0 in out.previews:
+        for rid, index, step, total, x0 in out.previews:
             job = self._jobs.get(rid)
             if job is None or not port.owns(job):
                 continue
-            index = sorted(preview_steps(_previews(job), total)).index(step)
             handoff = P.PREVIEW_HANDOFFS[index]
             job.previews[handoff] = to_host({"latents": x0.detach().contiguous()})
             specs = specs_of(job.previews[handoff])

@@ -1,0 +1,376 @@
+"""The composition matrix: every feature and every pair of {step batching, fused CFG, CFG parallel,
+Ulysses, ring, TeaCache, previews, compile, int8 weight-only, int8 dynamic, fp8, bf16} on the default
+model either runs (its image against the plain path's, within the bound beside its measured figure)
+or is refused at startup with the reason the command prints. The cells are defined in
+``composition_support.py``; the table in docs/speed.md (between the markers) is this test's output,
+and the last test fails when the committed table differs from what this run measured.
+
+Regenerate the table (after a change that moves a figure or a cell):
+``python -m tests.pipelines.test_composition --write`` (add ``--run-slow`` for the compile cells,
+which compile the transformer four times, several minutes on this CPU; without it their committed
+rows are kept).
+
+Costs: single-rank cells share one loaded family per variant; the 2-rank cells (CFG parallel,
+Ulysses, ring, each alone and with every other feature that runs on ranks) are one launch of 2 gloo
+ranks, layout after layout; the pairs of parallel layouts one launch of 4. fp8 is refused on this
+CPU (no fp8 matmul: the command's startup check), so its cells read "refused" in a table written on
+a CPU; ``tests/pipelines/test_gpu_speed.py`` (gpu-marked) runs fp8 alone on a GPU.
+
+Bounds (torch 2.13, torchao 0.18, one thread; measured beside each): max abs over the decoded image
+(floats in [0, 1]) for cells of exact features, 10x the measured figure (0 where it measured 0: CFG
+parallel computes each branch as the separate forward does, previews only read); PSNR against the
+plain image for cells with a lossy feature (TeaCache, int8, bf16), the measured figure minus 6 dB
+(4x the MSE).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.pipelines.composition_support import (
+    BEGIN,
+    END,
+    PREVIEWS,
+    Cell,
+    all_cells,
+    cell_label,
+    markdown,
+    parse_rows,
+    rank_cells,
+    row_line,
+    run_cell,
+)
+from triptych.core.errors import InvalidParam
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "speed.md"
+WRITE = os.environ.get("TRIPTYCH_WRITE_COMPOSITION") == "1"
+IMAGE_TOKENS = 16  # 64x64 pixels: an 8x8 latent in 2x2 patches
+HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
+
+# cell key → bound: ("max_abs", largest max abs) or ("psnr", lowest dB); measured figure beside each.
+BOUNDS: dict[str, tuple[str, float]] = {
+    "batch": ("max_abs", 2.6e-05),  # measured 2.56e-06
+    "batch+bf16": ("psnr", 46.9),  # measured 53.0 dB
+    "batch+cfg": ("max_abs", 2.6e-05),  # measured 2.56e-06
+    "batch+compile": ("max_abs", 2.1e-05),  # measured 2.09e-06
+    "batch+fused": ("max_abs", 3.5e-05),  # measured 3.46e-06
+    "batch+int8dyn": ("psnr", 38.7),  # measured 44.7 dB
+    "batch+int8wo": ("psnr", 51.7),  # measured 57.8 dB
+    "batch+previews": ("max_abs", 2.6e-05),  # measured 2.56e-06
+    "batch+ring": ("max_abs", 2.6e-05),  # measured 2.5e-06
+    "batch+teacache": ("psnr", 47.1),  # measured 53.1 dB
+    "batch+ulysses": ("max_abs", 2.2e-05),  # measured 2.15e-06
+    "bf16": ("psnr", 42.8),  # measured 48.9 dB
+    "cfg": ("max_abs", 0.0),  # measured 0
+    "cfg+bf16": ("psnr", 42.8),  # measured 48.9 dB
+    "cfg+int8dyn": ("psnr", 37.8),  # measured 43.8 dB
+    "cfg+int8wo": ("psnr", 51.7),  # measured 57.8 dB
+    "cfg+previews": ("max_abs", 0.0),  # measured 0
+    "cfg+ring": ("max_abs", 2.9e-05),  # measured 2.8e-06
+    "cfg+teacache": ("psnr", 47.1),  # measured 53.1 dB
+    "cfg+ulysses": ("max_abs", 2.1e-05),  # measured 2.03e-06
+    "compile": ("max_abs", 2.8e-05),  # measured 2.74e-06
+    "compile+bf16": ("psnr", 42.8),  # measured 48.9 dB
+    "compile+int8dyn": ("psnr", 37.8),  # measured 43.8 dB
+    "compile+int8wo": ("psnr", 51.7),  # measured 57.8 dB
+    "fused": ("max_abs", 3.9e-05),  # measured 3.81e-06
+    "fused+bf16": ("psnr", 46.6),  # measured 52.6 dB
+    "fused+cfg": ("max_abs", 0.0),  # measured 0
+    "fused+compile": ("max_abs", 1.7e-05),  # measured 1.64e-06
+    "fused+int8dyn": ("psnr", 42.7),  # measured 48.7 dB
+    "fused+int8wo": ("psnr", 51.7),  # measured 57.8 dB
+    "fused+previews": ("max_abs", 3.9e-05),  # measured 3.81e-06
+    "fused+ring": ("max_abs", 3e-05),  # measured 2.98e-06
+    "fused+teacache": ("psnr", 47.1),  # measured 53.1 dB
+    "fused+ulysses": ("max_abs", 2.1e-05),  # measured 2.03e-06
+    "int8dyn": ("psnr", 37.8),  # measured 43.8 dB
+    "int8dyn+bf16": ("psnr", 39.2),  # measured 45.3 dB
+    "int8wo": ("psnr", 51.7),  # measured 57.8 dB
+    "int8wo+bf16": ("psnr", 41.9),  # measured 48.0 dB
+    "int8wo+int8dyn": ("psnr", 52.3),  # measured 58.3 dB
+    "previews": ("max_abs", 0.0),  # measured 0
+    "previews+bf16": ("psnr", 42.8),  # measured 48.9 dB
+    "previews+compile": ("max_abs", 2.8e-05),  # measured 2.74e-06
+    "previews+int8dyn": ("psnr", 37.8),  # measured 43.8 dB
+    "previews+int8wo": ("psnr", 51.7),  # measured 57.8 dB
+    "ring": ("max_abs", 2.9e-05),  # measured 2.8e-06
+    "ring+bf16": ("psnr", 46.6),  # measured 52.6 dB
+    "ring+int8dyn": ("psnr", 39.0),  # measured 45.1 dB
+    "ring+int8wo": ("psnr", 51.7),  # measured 57.8 dB
+    "ring+previews": ("max_abs", 2.9e-05),  # measured 2.8e-06
+    "ring+teacache": ("psnr", 47.1),  # measured 53.1 dB
+    "teacache": ("psnr", 47.1),  # measured 53.1 dB
+    "teacache+bf16": ("psnr", 44.2),  # measured 50.3 dB
+    "teacache+compile": ("psnr", 47.1),  # measured 53.1 dB
+    "teacache+int8dyn": ("psnr", 38.8),  # measured 44.8 dB
+    "teacache+int8wo": ("psnr", 45.3),  # measured 51.4 dB
+    "teacache+previews": ("psnr", 47.1),  # measured 53.1 dB
+    "ulysses": ("max_abs", 2.1e-05),  # measured 2.03e-06
+    "ulysses+bf16": ("psnr", 44.7),  # measured 50.7 dB
+    "ulysses+int8dyn": ("psnr", 36.9),  # measured 43.0 dB
+    "ulysses+int8wo": ("psnr", 51.7),  # measured 57.8 dB
+    "ulysses+previews": ("max_abs", 2.1e-05),  # measured 2.03e-06
+    "ulysses+teacache": ("psnr", 47.1),  # measured 53.1 dB
+}
+
+ROWS: dict[str, dict] = {}  # this run's cells, for the table
+IMAGES: dict[str, torch.Tensor] = {}  # cell key → image (previews cells compare with their cell without)
+
+
+def refusal(cell: Cell) -> InvalidParam | None:
+    """What the commands' startup check says of the cell's flags (``generate``, ``serve``, ``worker``
+    and ``quality`` call it before anything loads): the error, or None when it may run."""
+    from triptych.accel.apply import check_speed
+
+    try:
+        parallel = cell.parallel()  # the flags' dataclass: a ValueError is an argparse error at startup
+    except ValueError as e:
+        flags = " ".join(f"--{'cfg-parallel' if k == 'cfg' else k} {v}" for k, v in cell.degrees.items())
+        return InvalidParam(flags, "", str(e))
+    try:
+        check_speed(cell.speed(), "cpu", parallel.world_size)
+    except InvalidParam as e:
+        return e
+    return None
+
+
+#: cell → the words its refusal must carry (the rest of the cells must not be refused).
+def expected_refusal(cell: Cell) -> str | None:
+    if cell.has("fp8"):
+        return "fp8 needs a CUDA device"
+    if cell.has("ulysses") and cell.has("ring"):
+        return "needs even shards"
+    if cell.ranks > 1 and cell.has("compile"):
+        return "is not supported on a multi-rank denoiser"
+    return None
+
+
+CELLS = all_cells()
+REFUSED = [c for c in CELLS if expected_refusal(c)]
+SINGLE = [c for c in CELLS if c not in REFUSED and c.ranks == 1]
+MULTI = [c for c in CELLS if c not in REFUSED and c.ranks > 1]
+#: One launch per world size (layout after layout inside it); 6 ranks (CFG 2 x Ulysses 3) is slow here.
+WORLDS = sorted({c.ranks for c in MULTI})
+
+
+def _marks(cell: Cell):
+    marks = [pytest.mark.slow] if cell.has("compile") else []  # each compiled variant compiles for minutes
+    if not HAS_TORCHAO and any(cell.has(q) for q in ("int8wo", "int8dyn")):
+        assert os.environ.get("CI") != "true", "CI=true but torchao is missing: .ci/run runs ./install.sh --quant"
+        marks.append(pytest.mark.skip(reason="the quant extra (torchao) is not installed"))
+    return marks
+
+
+def _engine(family, config):
+    from triptych.engine import DenoiserEngine
+    from triptych.engine.teacache import make_teacache
+
+    return DenoiserEngine(family, config, accel=make_teacache(family))
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    from triptych.families.models import default_model_dir
+
+    return str(default_model_dir())
+
+
+@pytest.fixture(scope="module")
+def families(model_dir, tmp_path_factory):
+    """Loaded families by variant (dtype, SpeedConfig), each loaded once."""
+    import dataclasses
+
+    from triptych.families.registry import load_family
+
+    cache, inductor = {}, tmp_path_factory.mktemp("inductor")
+
+    def get(cell: Cell):
+        if cell.variant not in cache:
+            speed = cell.speed()
+            if speed.compile:
+                speed = dataclasses.replace(speed, compile_cache_dir=inductor)
+            cache[cell.variant] = load_family(model_dir, dtype=cell.dtype, speed=speed)
+        return cache[cell.variant]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def plain(model_dir, families):
+    """The plain path's image, checked bit-identical to a pristine diffusers pipeline's ``__call__``."""
+    from tests.helpers import pristine_pipeline, qwen_reference
+    from tests.pipelines.composition_support import PROMPT
+    from triptych.families.base import GenerationParams
+
+    family = families(Cell(()))
+    image = run_cell(family, Cell(()), _engine)["image"]
+    params = family.resolve(GenerationParams(prompt=PROMPT, seed=3))
+    reference = qwen_reference(pristine_pipeline(model_dir), params)
+    assert np.abs(image.numpy() - reference.reshape(image.shape)).max() == 0.0  # contract 1
+    return image
+
+
+def record(cell: Cell, result: dict, plain: torch.Tensor) -> None:
+    """Check one cell's run against the plain image and its bound; keep its row for the table."""
+    from triptych.calibration.metrics import psnr
+
+    image = result["image"]
+    assert image.shape == plain.shape
+    metric = "psnr" if cell.lossy else "max_abs"
+    figure = psnr(image.numpy(), plain.numpy()) if cell.lossy else float((image - plain).abs().max())
+    notes = []
+    if cell.has("teacache"):
+        assert result["skipped"] > 0, f"{cell.key}: TeaCache skipped nothing"
+        notes.append(f"{result['skipped']} rows skipped")
+    if cell.has("previews"):
+        assert len(result["previews"]) == PREVIEWS, f"{cell.key}: previews {result['previews']}"
+        without = "+".join(f for f in cell.features if f != "previews") or None
+        if without is None or without in IMAGES:  # previews change nothing: the image without them, exactly
+            assert torch.equal(image, IMAGES[without] if without else plain), f"{cell.key}: previews moved the image"
+            notes.append("= without previews")
+    if cell.has("batch"):
+        assert result["widest"] == 2, f"{cell.key}: the two requests never shared a step"
+    IMAGES[cell.key] = image
+    assert cell.key in BOUNDS, f"{cell.key}: no bound; measured {metric} {figure!r}"
+    bound_kind, bound = BOUNDS[cell.key]
+    row = dict(status="works", metric=metric, figure=figure, bound=bound, note=", ".join(notes))
+    ROWS[cell.key] = row
+    print(f"{cell.key}: {metric} {figure:.3g} (bound {bound:.3g}) {row['note']}")
+    assert bound_kind == metric, f"{cell.key}: bound kind {bound_kind} != {metric}"
+    if metric == "psnr":
+        assert figure >= bound, f"{cell.key}: PSNR {figure:.1f} dB < {bound:.1f} dB"
+    else:
+        assert figure <= bound, f"{cell.key}: max abs {figure:.3g} > {bound:.3g}"
+
+
+@pytest.mark.parametrize("cell", [pytest.param(c, id=c.key, marks=_marks(c)) for c in SINGLE])
+def test_single_rank_cell(cell, families, plain):
+    record(cell, run_cell(families(cell), cell, _engine), plain)
+
+
+@pytest.mark.parametrize("cell", [pytest.param(c, id=c.key) for c in REFUSED])
+def test_refused_cell_is_refused_at_startup_with_the_reason(cell):
+    error = refusal(cell)
+    assert error is not None, f"{cell.key}: expected a refusal at startup"
+    assert expected_refusal(cell) in str(error), str(error)
+    reason = f"`{error.field}`: {error.rule}"
+    if cell.has("ulysses") and cell.has("ring"):  # and the other setting does not fit the default model
+        reason += f"; with even shards the default model's {IMAGE_TOKENS} image tokens do not divide by {cell.ranks}"
+    ROWS[cell.key] = dict(status="refused", where="startup", reason=reason)
+
+
+def test_runnable_cells_pass_the_startup_check():
+    for cell in SINGLE + MULTI:
+        assert refusal(cell) is None, cell.key
+
+
+def _launch(model_dir, cells: list[Cell], world: int, plain: torch.Tensor) -> None:
+    from triptych.parallel import run_ranks
+
+    keys = [c.key for c in cells]
+    results = run_ranks(rank_cells, world, (model_dir, keys), timeout_s=600)
+    failures = []
+    for cell in cells:
+        leader = results[0][cell.key]
+        for rank, other in enumerate(results[1:], start=1):  # every rank ends with the same image
+            if not torch.equal(other[cell.key]["image"], leader["image"]):
+                failures.append(f"{cell.key}: rank {rank}'s image differs from rank 0's")
+        try:
+            record(cell, leader, plain)
+        except AssertionError as e:
+            failures.append(str(e))
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("world", [pytest.param(w, marks=[pytest.mark.slow] if w > 4 else []) for w in WORLDS])
+def test_multi_rank_cells(world, model_dir, plain):
+    cells = [c for c in MULTI if c.ranks == world and not any(m.name == "skip" for m in _marks(c))]
+    _launch(model_dir, cells, world, plain)
+
+
+@pytest.mark.skipif(not HAS_TORCHAO, reason="the quant extra (torchao) is not installed")
+def test_follower_ranks_quantize_as_rank_0(model_dir, families):
+    """The multi-rank cells above load every rank's family themselves; a served or ``generate``
+    instance's followers load theirs in ``worker/ranks/follower.py`` from rank 0's ``RankSetup``. CFG parallel
+    computes the uncond branch on rank 1: its image equals the single-rank quantized image (separate
+    CFG forwards) exactly only if rank 1 quantized its transformer as rank 0 did (measured 0; a
+    float32 follower is 57.8 dB away, the int8 weight-only cell's figure)."""
+    from tests.pipelines.composition_support import PROMPT
+    from triptych.engine.runner import run_request
+    from triptych.families.base import GenerationParams
+    from triptych.parallel import ParallelConfig
+    from triptych.worker.ranks.local import run_parallel_request
+
+    family = families(Cell(("int8wo",)))
+    params = family.resolve(GenerationParams(prompt=PROMPT, seed=3))
+    frames, _ = run_parallel_request(family, params, ParallelConfig(cfg=2), collective_timeout_s=120)
+    single, _ = run_request(family, params, fuse_cfg=False)
+    diff = float(np.abs(frames.array - single.array).max())
+    print(f"CFG-2 with int8 weight-only vs one rank: max abs {diff:.2e}")
+    assert diff == 0.0
+
+
+def _figure(line: str) -> tuple[str, float] | None:
+    column = [p.strip() for p in line.strip("| ").split("|")][2]
+    if column.startswith("0 (bit-identical)"):
+        return "max_abs", 0.0
+    m = re.match(r"(max abs|PSNR) ([-+0-9.e]+)", column)
+    return (m.group(1), float(m.group(2))) if m else None
+
+
+def _same_figure(fresh: str, committed: str) -> bool:
+    """Figures move a little between machines (CPU kernels): a max abs within 10x, a PSNR within 6 dB."""
+    a, b = _figure(fresh), _figure(committed)
+    if a is None or b is None:
+        return a == b
+    if a[0] != b[0]:
+        return False
+    if a[0] == "PSNR":
+        return abs(a[1] - b[1]) <= 6.0
+    return (a[1] == 0) == (b[1] == 0) and (a[1] == 0 or 0.1 <= a[1] / b[1] <= 10)
+
+
+def _strip_figure(line: str) -> list[str]:
+    parts = [p.strip() for p in line.strip("| ").split("|")]
+    return parts[:2] + parts[3:]
+
+
+def test_committed_table_is_what_this_run_measured():
+    """docs/speed.md's section between the markers equals this run's table (the cells that ran: a
+    deselected or skipped cell keeps its committed row), figures within the machines' spread."""
+    text = DOC.read_text()
+    assert text.count(BEGIN) == 1 and text.count(END) == 1, f"{DOC}: the composition markers are missing"
+    head, rest = text.split(BEGIN)
+    committed, tail = rest.split(END)
+    kept = parse_rows(committed)
+    if WRITE:
+        DOC.write_text(head + markdown(ROWS, kept) + tail)
+        return
+    assert {cell_label(c) for c in CELLS} <= set(kept), "cells missing from the committed table: regenerate it"
+    problems = []
+    for cell in CELLS:
+        if cell.key not in ROWS:
+            continue
+        fresh, old = row_line(cell, ROWS[cell.key]), kept[cell_label(cell)]
+        if _strip_figure(fresh) != _strip_figure(old) or not _same_figure(fresh, old):
+            problems.append(f"committed: {old}\nthis run:  {fresh}")
+    assert not problems, "the committed composition table differs (regenerate it, see the module docstring):\n" + (
+        "\n".join(problems)
+    )
+    assert markdown({}, kept) == BEGIN + committed + END, "the committed grid does not match its rows: regenerate it"
+
+
+if __name__ == "__main__":
+    if "--write" not in sys.argv[1:]:
+        raise SystemExit("usage: python -m tests.pipelines.test_composition --write [--run-slow]")
+    os.environ["TRIPTYCH_WRITE_COMPOSITION"] = "1"
+    args = [a for a in sys.argv[1:] if a != "--write"]
+    raise SystemExit(pytest.main([__file__, "-q", "-p", "no:cacheprovider", *args]))
