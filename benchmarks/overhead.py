@@ -29,7 +29,7 @@ clock = time.process_time
 
 from triptych.engine.runner import run_request  # noqa: E402
 from triptych.families.base import GenerationParams  # noqa: E402
-from triptych.families.registry import TINY_MAKERS, load_family, make_tiny  # noqa: E402
+from triptych.families.registry import load_family, make_tiny, tiny_names  # noqa: E402
 
 
 def _params(family) -> GenerationParams:
@@ -105,7 +105,7 @@ def measure(name: str, size: str, repeats: int) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--families", nargs="*", default=sorted(TINY_MAKERS))
+    ap.add_argument("--families", nargs="*", default=tiny_names())
     ap.add_argument("--sizes", nargs="*", default=["tiny", "small"])
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args(argv)

@@ -10,7 +10,7 @@ from typing import Literal
 
 import pytest
 
-from triptych.cli.config_flags import ConfigFlags, add_flags_later, field_docs
+from triptych.core.config_flags import ConfigFlags, add_flags_later, field_docs
 
 
 class Mode(enum.Enum):

@@ -142,14 +142,15 @@ def test_generate_lora_args_resolve_a_bare_name_to_the_adapter_the_model_ships()
 
 
 def test_each_family_applies_lora_to_components_its_diffusers_format_carries():
-    from triptych.families.registry import FAMILIES, VARIANTS, _load
+    from triptych.families.registry import adapters
     from triptych.lora.formats import LoraFormat
 
-    fmts = {target: LoraFormat.of(_load(target)) for target in [*FAMILIES.values(), *VARIANTS.values()]}
-    for target, fmt in fmts.items():
-        assert set(fmt.applied) <= set(fmt.loadable), target  # never a component diffusers would not load
-    with_te = {t.rpartition(":")[2] for t, f in fmts.items() if "text_encoder" in f.applied}
-    carried = {t.rpartition(":")[2] for t, f in fmts.items() if any(c.startswith("text_encoder") for c in f.loadable)}
+    fmts = {cls.__name__: LoraFormat.of(cls) for cls in adapters()}
+    assert len(fmts) == 6  # five pipeline classes and the generate+edit variant
+    for name, fmt in fmts.items():
+        assert set(fmt.applied) <= set(fmt.loadable), name  # never a component diffusers would not load
+    with_te = {name for name, f in fmts.items() if "text_encoder" in f.applied}
+    carried = {name for name, f in fmts.items() if any(c.startswith("text_encoder") for c in f.loadable)}
     assert with_te == carried == {"FluxFamily"}  # the installed diffusers: only FluxPipeline's format has it
 
 

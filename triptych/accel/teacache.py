@@ -31,8 +31,8 @@ batch (up to batch-composition rounding of ~1e-7 in the rel-L1 values).
 
 Adding a family: write ``triptych/families/<family>/teacache.py`` with ``make_plan(transformer) ->
 TeaCachePlan`` (see the FLUX one: ``describe`` is family-independent and can be reused), test that
-``head(e, blocks(e, None))`` equals the family's ``forward``, and register it in
-``triptych.engine.teacache.PLANS``. Modulated inputs used by the TeaCache reference code: Qwen-Image,
+``head(e, blocks(e, None))`` equals the family's ``forward``, and name its ``plan_for`` as the
+``teacache`` of the family's entry in ``triptych.families.registry``. Modulated inputs used by the TeaCache reference code: Qwen-Image,
 the first block's ``img_mod(temb)`` shift/scale applied to ``img_norm1(hidden)``; Wan 2.1, the timestep
 embedding after ``time_projection`` (``e0``) or before it (``e``), per the paper's two variants.
 

@@ -12,20 +12,36 @@ import sys
 
 from triptych.cli import checks as cli_checks
 from triptych.cli.accel_flags import add_speed_flags, speed_config
+from triptych.cli.worker_flags import add_degree_flags
+from triptych.core.config_flags import ConfigFlags
 from triptych.core.devices import add_device_flags, add_threads_flag, device_config_from_args, set_torch_threads
 from triptych.core.errors import InvalidParam, UnknownModel
 
 EXIT_USAGE = 2
+#: ``GenerationParams`` fields ``generate`` has a flag for (``--image`` and ``--lora`` are read as files
+#: and names, not values; ``tenant`` and ``lora_paths`` are the server's).
+GENERATE_FIELDS = (
+    "prompt",
+    "negative_prompt",
+    "height",
+    "width",
+    "frames",
+    "steps",
+    "guidance",
+    "seed",
+    "true_cfg",
+    "teacache_threshold",
+)
 
 
 def _add_mm_cache_mb(p) -> None:
-    # The environment is read here, as a flag default, never in the library.
-    p.add_argument(
-        "--mm-cache-mb",
-        type=float,
-        default=os.environ.get("TRIPTYCH_MM_CACHE_MB", "256"),
-        help="encoder mm-hash cache budget in MiB, 0 = off (default: $TRIPTYCH_MM_CACHE_MB or 256)",
-    )
+    """``--mm-cache-mb`` from ``MMCacheConfig.max_mb``; the environment is read here, as the flag's
+    default, never in the library."""
+    from triptych.mmcache.config import FLAG_NAMES, MMCacheConfig
+
+    ConfigFlags(p, MMCacheConfig, only=("max_mb",), rename=FLAG_NAMES)
+    if os.environ.get("TRIPTYCH_MM_CACHE_MB"):
+        p.set_defaults(mm_cache_mb=float(os.environ["TRIPTYCH_MM_CACHE_MB"]))
 
 
 def _mm_cache_config(args):
@@ -38,24 +54,16 @@ def _mm_cache_config(args):
 
 
 def _add_generate(sub) -> None:
+    from triptych.families.params import GenerationParams
+
     p = sub.add_parser("generate", help="run one generation in this process")
-    p.add_argument("--prompt", required=True)
     p.add_argument("--model", help="diffusers model directory (default: the built-in model)")
     p.add_argument("--image", help="condition image (edit / image-to-video families)")
-    p.add_argument("--negative-prompt")
-    p.add_argument("--height", type=int)
-    p.add_argument("--width", type=int)
-    p.add_argument("--frames", type=int, help="video families: number of frames")
-    p.add_argument("--steps", type=int)
-    p.add_argument("--guidance", type=float, help="true-CFG scale (Qwen-Image, Wan) or distilled guidance (FLUX)")
-    p.add_argument("--true-cfg", type=float, default=1.0, help="FLUX only: true CFG scale with --negative-prompt")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--teacache-threshold",
-        type=_threshold_arg,
-        default=0.0,
-        help="TeaCache threshold (0 = off) or auto (the profile's recommendation); needs a calibration "
-        "profile (triptych calibrate)",
+    ConfigFlags(  # the request's own flags, from GenerationParams (cmd_generate reads them back by name)
+        p,
+        GenerationParams,
+        only=GENERATE_FIELDS,
+        parse={"teacache_threshold": _threshold_arg},
     )
     p.add_argument(
         "--lora",
@@ -79,9 +87,7 @@ def _add_generate(sub) -> None:
     add_threads_flag(p)
     p.set_defaults(speed_flags=add_speed_flags(p))
     g = p.add_argument_group("multi-rank denoiser (this process is rank 0 and spawns the others)")
-    g.add_argument("--cfg-parallel", type=int, default=1, help="CFG-parallel degree: 1 or 2")
-    g.add_argument("--ulysses", type=int, default=1, help="Ulysses sequence-parallel degree")
-    g.add_argument("--ring", type=int, default=1, help="ring-attention sequence-parallel degree")
+    add_degree_flags(g)
     p.set_defaults(func=cmd_generate, check=cli_checks.check_generate)
 
 
@@ -103,10 +109,10 @@ def _threshold_arg(text: str) -> float:
 
 
 def _add_make_tiny(sub) -> None:
-    from triptych.families.registry import TINY_MAKERS
+    from triptych.families.registry import tiny_names
 
     p = sub.add_parser("make-tiny", help="write a seeded tiny diffusers model directory")
-    p.add_argument("--family", required=True, choices=sorted(TINY_MAKERS))
+    p.add_argument("--family", required=True, choices=tiny_names())
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--size", choices=["tiny", "small"], default="tiny")
@@ -248,7 +254,7 @@ def _add_chat(sub) -> None:
 
 def cmd_chat(args) -> int:
     from triptych.chat import ChatParams, ChatTurn
-    from triptych.families.base import Role
+    from triptych.core.kinds import Role
     from triptych.families.models import resolve_model
     from triptych.families.registry import family_class
 

@@ -8,7 +8,7 @@ import dataclasses
 from pathlib import Path
 
 from triptych.accel.config import SpeedConfig
-from triptych.cli.config_flags import ConfigFlags
+from triptych.core.config_flags import ConfigFlags
 
 
 def add_speed_flags(parser: argparse.ArgumentParser) -> ConfigFlags:

@@ -13,6 +13,7 @@ import sys
 
 from triptych.accel.teacache_profile import AUTO_THRESHOLD
 from triptych.calibration.target import Target
+from triptych.cli.worker_flags import add_degree_flags
 from triptych.core.devices import add_device_flags, add_threads_flag, device_config_from_args, set_torch_threads
 from triptych.core.errors import InvalidParam
 
@@ -230,9 +231,7 @@ def add_quality(sub) -> None:
     g.add_argument(
         "--served", type=int, default=0, metavar="N", help="all cases at once through the serving engine, N per batch"
     )
-    g.add_argument("--cfg-parallel", type=int, default=1, help="CFG-parallel degree: 1 or 2 (spawned ranks)")
-    g.add_argument("--ulysses", type=int, default=1, help="Ulysses sequence-parallel degree (spawned ranks)")
-    g.add_argument("--ring", type=int, default=1, help="ring-attention sequence-parallel degree (spawned ranks)")
+    add_degree_flags(g)  # --cfg-parallel --ulysses --ring (spawned ranks)
     g.add_argument(
         "--gate",
         choices=["auto", "exact", "target"],

@@ -5,7 +5,7 @@ one head, each model with its own orchestrator and local pools (``build_backends
 engine and control-plane flags apply to each model's pools alike.
 
 The flags of the configs both commands build come from the config dataclasses themselves
-(``triptych.cli.config_flags``): on ``serve`` every ``AdmissionLimits`` limit and every ``HeadConfig``,
+(``triptych.core.config_flags``): on ``serve`` every ``AdmissionLimits`` limit and every ``HeadConfig``,
 ``TopologyConfig``, ``OrchestratorConfig`` and ``StateTimeouts`` setting; on both the
 ``EngineConfig`` batch limits, the transfer pool size, the ``ParallelConfig`` degrees of a
 denoiser, the mm-hash cache budget (``MMCacheConfig``), the encoder's chat engine
@@ -32,11 +32,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from triptych.cli.config_flags import ConfigFlags, add_flags_later
 from triptych.cli.worker import cmd_worker
 from triptych.cli.worker_flags import WorkerFlags
 from triptych.control.auth import write_token
 from triptych.control.dispatch import POLICIES
+from triptych.core.config_flags import ConfigFlags, add_flags_later
 from triptych.vllm_chat.launch import chat_engines
 
 if TYPE_CHECKING:
@@ -46,7 +46,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-TRANSFER_KINDS = ("auto", "mooncake", "zmq")
 HEAD_FLAGS = {"data_dir": "--data-dir", "api_keys": "--api-key", "teacache_profiles_root": None}
 HEAD_RENAMED = {"model_aliases": "model-alias"}
 
@@ -71,7 +70,8 @@ class ServeFlags:
     def add(cls, parser: argparse.ArgumentParser) -> ServeFlags:
         from triptych.control.orchestrator import OrchestratorConfig
         from triptych.control.request_state import StateTimeouts
-        from triptych.deploy.config import ROLES, AutoscaleConfig, ClusterConfig, RoleResources
+        from triptych.core.kinds import ROLES
+        from triptych.deploy.config import AutoscaleConfig, ClusterConfig, RoleResources
         from triptych.deploy.launch import MOONCAKE_LOG_LEVELS, TopologyConfig
         from triptych.head.admission import AdmissionLimits
         from triptych.head.state import HeadConfig
@@ -88,7 +88,7 @@ class ServeFlags:
                 group("local workers (TopologyConfig)"),
                 TopologyConfig,
                 rename={"torch_threads": "threads"},
-                choices={"transfer": TRANSFER_KINDS, "mooncake_log_level": MOONCAKE_LOG_LEVELS},
+                choices={"mooncake_log_level": MOONCAKE_LOG_LEVELS},
                 explicit={"extra_args": None, "parallel": None, "device": None},  # the worker flags below
             ),
             orchestrator=ConfigFlags(
@@ -187,33 +187,24 @@ def add_server_commands(sub) -> None:
     add_flags_later(p, lambda parser: parser.set_defaults(serve_flags=ServeFlags.add(parser)))
 
     w = sub.add_parser("worker", help="run one encoder/denoiser/decoder instance that registers with a head")
-    w.add_argument("--role", required=True, choices=["encoder", "denoiser", "decoder"])
-    w.add_argument("--head", required=True, help="head control address, tcp://HOST:PORT")
-    w.add_argument("--model", help="diffusers model directory (must match the head's)")
-    w.add_argument("--instance-id", default="", help="unique id (default: <role>-<random>)")
-    w.add_argument("--capacity", type=int, default=4, help="requests this instance may hold at once")
-    w.add_argument("--transfer", choices=TRANSFER_KINDS, default="auto")
-    w.add_argument("--host", default="127.0.0.1", help="address peers push tensors to")
+    w.add_argument("--model", help="diffusers model directory (must match the head's; default: the built-in model)")
     w.add_argument(
         "--token",
         default=os.environ.get("TRIPTYCH_TOKEN", ""),
         help="the deployment's control-plane token (default: $TRIPTYCH_TOKEN; serve writes its token to "
         "DATA_DIR/worker.token for remote workers)",
     )
-    w.add_argument(
-        "--collective-timeout", type=float, default=60.0, help="multi-rank denoiser: collective timeout, seconds"
-    )
-    w.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    w.add_argument("--vllm-url", default="", help="encoder: the vLLM server answering its chats (--chat-engine vllm)")
-    w.add_argument(
-        "--exit-with-parent",
-        type=int,
-        default=0,
-        metavar="PID",
-        help="exit when process PID (the spawning head) is gone, even after its kill -9",
-    )
     w.set_defaults(func=cmd_worker)
-    add_flags_later(w, lambda parser: parser.set_defaults(worker_flags=WorkerFlags.add(parser)))
+    add_flags_later(w, _add_worker_flags)
+
+
+def _add_worker_flags(parser: argparse.ArgumentParser) -> None:
+    """``triptych worker``'s own flags from ``WorkerConfig``, then the flags it shares with ``serve``."""
+    from triptych.control.worker_config import WORKER_FLAGS, WorkerConfig
+
+    group = parser.add_argument_group("worker (WorkerConfig)")
+    parser.set_defaults(config_flags=ConfigFlags(group, WorkerConfig, **WORKER_FLAGS))
+    parser.set_defaults(worker_flags=WorkerFlags.add(parser))
 
 
 def served_models(specs: list[str], cache_root: str | None = None) -> dict[str, Path]:

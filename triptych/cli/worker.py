@@ -14,32 +14,23 @@ def worker_config(args: argparse.Namespace):
     """The ``WorkerConfig`` of parsed ``triptych worker`` flags (TeaCache: the user's profiles first)."""
     from triptych.cli.profiles import user_profiles_dir
     from triptych.core.devices import device_config_from_args
-    from triptych.families.base import Role
     from triptych.families.models import resolve_model
-    from triptych.worker.process import WorkerConfig
 
-    flags = args.worker_flags  # server.cli.WorkerFlags
-    return WorkerConfig(
-        role=Role(args.role),
-        head=args.head,
+    flags = args.worker_flags  # cli.worker_flags.WorkerFlags
+    model_dir = Path(resolve_model(args.model, os.environ.get("TRIPTYCH_CACHE")))
+    return args.config_flags.build(  # WorkerConfig's own flags (cli.serve._add_worker_flags)
+        args,
+        args.parser,
         token=args.token,
-        model_dir=(model_dir := Path(resolve_model(args.model, os.environ.get("TRIPTYCH_CACHE")))),
+        model_dir=model_dir,
         teacache_profiles_dir=user_profiles_dir(model_dir),
-        instance_id=args.instance_id,
-        capacity=args.capacity,
-        transfer=args.transfer,
-        host=args.host,
         transfer_max_bytes=flags.transfer_config(args).max_bytes,
         device=device_config_from_args(args),
-        torch_threads=args.threads,
-        parent_pid=args.exit_with_parent,
         engine=flags.engine_config(args),
         parallel=flags.parallel_config(args),
-        collective_timeout_s=args.collective_timeout,
         mm_cache=flags.mm_cache_config(args),
         chat=flags.chat_config(args),
         lora=flags.lora_config(args),
-        chat_vllm_url=args.vllm_url,
         speed=flags.speed_config(args),
     )
 

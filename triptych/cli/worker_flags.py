@@ -1,5 +1,5 @@
 """The config flags ``triptych serve`` and ``triptych worker`` share (``WorkerFlags``), built from the
-worker-side config dataclasses (``triptych.cli.config_flags``): denoiser engine batch limits, transfer
+worker-side config dataclasses (``triptych.core.config_flags``): denoiser engine batch limits, transfer
 pool, multi-rank degrees, the encoder's mm-hash cache and chat engine, and the device flags. The
 config modules import torch, so ``cli/serve.py`` adds these flags only when a command uses them.
 """
@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from triptych.cli.config_flags import ConfigFlags
+from triptych.core.config_flags import ConfigFlags
 
 if TYPE_CHECKING:
     from triptych.engine.config import EngineConfig
@@ -19,6 +19,13 @@ if TYPE_CHECKING:
 
 #: ``TransferConfig`` fields a worker takes from the command line (``WorkerConfig`` sets the rest).
 WORKER_TRANSFER_FIELDS = ("max_bytes",)
+
+
+def add_degree_flags(group) -> ConfigFlags:
+    """``--cfg-parallel --ulysses --ring`` from ``ParallelConfig`` (no torch: ``generate``, ``quality``)."""
+    from triptych.core.parallel_config import FLAG_NAMES, ParallelConfig
+
+    return ConfigFlags(group, ParallelConfig, only=("cfg", "ulysses", "ring"), rename=FLAG_NAMES)
 
 
 @dataclass(frozen=True)
@@ -40,16 +47,17 @@ class WorkerFlags:
         from triptych.chat.config import ChatEngineConfig
         from triptych.cli.accel_flags import add_speed_flags
         from triptych.core.devices import add_device_flags
+        from triptych.core.parallel_config import FLAG_NAMES as PARALLEL_FLAG_NAMES
+        from triptych.core.parallel_config import ParallelConfig
         from triptych.engine.config import EngineConfig
         from triptych.mmcache.cache import FLAG_NAMES, MMCacheConfig
-        from triptych.parallel import ParallelConfig
         from triptych.transfer.base import TransferConfig
 
         engine = ConfigFlags(parser.add_argument_group("denoiser engine (EngineConfig)"), EngineConfig)
         group = parser.add_argument_group("tensor transfer (TransferConfig)")
         transfer = ConfigFlags(group, TransferConfig, prefix="transfer-", only=WORKER_TRANSFER_FIELDS)
         group = parser.add_argument_group("multi-rank denoiser (ParallelConfig)")
-        parallel = ConfigFlags(group, ParallelConfig, rename={"cfg": "cfg-parallel"})
+        parallel = ConfigFlags(group, ParallelConfig, rename=PARALLEL_FLAG_NAMES)
         group = parser.add_argument_group("encoder layer: mm-hash caches and vision batching (MMCacheConfig)")
         mm_cache = ConfigFlags(group, MMCacheConfig, rename=FLAG_NAMES)
         if os.environ.get("TRIPTYCH_MM_CACHE_MB"):  # the environment as the flag's default, nothing more

@@ -14,6 +14,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from triptych.core.kinds import Role, TransferKind
+
 if TYPE_CHECKING:
     from triptych.control.protocol import StatsReport
 
@@ -23,11 +25,11 @@ class Instance:
     """One registered worker as the head sees it. Owned by the orchestrator's event loop."""
 
     instance_id: str
-    role: str  # encoder | denoiser | decoder
+    role: Role
     capacity: int  # slots
     control: str  # ZMQ identity / address of its rank-0 control socket
     data: str  # transfer endpoint address
-    transfer: str  # transfer backend kind
+    transfer: TransferKind  # the transfer backend it runs
     pid: int
     last_seen: float  # monotonic time of the last message from it
     held: set[str] = field(default_factory=set)  # request ids holding one of its slots

@@ -45,6 +45,7 @@ from triptych.control.request_state import StateTimeouts
 from triptych.control.routing import GenerationRouter
 from triptych.core import offload
 from triptych.core.errors import InvalidParam
+from triptych.core.kinds import ROLES, Role
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +156,7 @@ class Orchestrator(GenerationBackend):
     def instances(self) -> dict[str, Instance]:
         return self.registry.instances
 
-    def pool(self, role: str) -> list[Instance]:
+    def pool(self, role: Role) -> list[Instance]:
         return self.registry.pool(role)
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -195,7 +196,7 @@ class Orchestrator(GenerationBackend):
     ) -> bytes:
         assert self.control.open, "Orchestrator.start() was not called"
         self._check_new(job.request_id)
-        self._check_available(("encoder", "denoiser", "decoder"))
+        self._check_available(ROLES)
         wire_params = None
         if job.params.image is not None:  # its PNG encode: seconds for a large image, not on the loop
             wire_params = await offload.run(wire.params_to_wire, job.params)
@@ -207,7 +208,7 @@ class Orchestrator(GenerationBackend):
         if not self.family.supports_chat:
             raise InvalidParam("model", self.model_dir.name, "this model has no VLM to chat with")
         self._check_new(job.request_id)
-        self._check_available(("encoder",))
+        self._check_available((Role.ENCODER,))
         if wire.small_images(job.params):
             images_png = wire.chat_images(job.params)
         else:  # a large image's PNG encode takes seconds: not on the loop
@@ -218,14 +219,14 @@ class Orchestrator(GenerationBackend):
     async def cancel(self, request_id: str) -> bool:
         return self.chats.cancel(request_id) or self.generations.cancel(request_id)
 
-    def load(self, role: str, now: float) -> PoolLoad:
+    def load(self, role: Role, now: float) -> PoolLoad:
         """The pool of ``role`` and the requests waiting for it (see ``PoolLoad``)."""
         pool = self.registry.pool(role)
         live = [i for i in pool if not i.draining]
-        depth, wait = self.generations.backlog(now)["decoder" if role == "decoder" else "encode"]
+        depth, wait = self.generations.backlog(now)["decoder" if role == Role.DECODER else "encode"]
         if any(i.free > 0 for i in live):
             depth, wait = 0, 0.0
-        if role == "encoder" and not any(i.chat_free > 0 for i in live if i.chat):  # chats wait for encoders too
+        if role == Role.ENCODER and not any(i.chat_free > 0 for i in live if i.chat):  # chats wait for encoders too
             chats, chat_wait = self.chats.backlog(now)
             depth, wait = depth + chats, max(wait, chat_wait)
         return PoolLoad(
@@ -334,7 +335,7 @@ class Orchestrator(GenerationBackend):
             self.generations.expire(now)
             self.chats.expire(now)
             if self.generations.wait_encode:
-                error = self._unavailable(("encoder", "denoiser", "decoder"))
+                error = self._unavailable(ROLES)
                 if error is not None:
                     self.generations.fail_queued(error)
             self._pump()

@@ -34,12 +34,12 @@ from triptych.control.protocol_chat import ChatMessage as ChatMessage
 from triptych.control.protocol_chat import ChatPart as ChatPart
 from triptych.control.protocol_chat import ChatTask
 from triptych.core.errors import TriptychError
+from triptych.core.kinds import Role, TransferKind
 from triptych.engine.stats import EngineStats
 from triptych.mmcache.stats import MMCacheStats
 from triptych.transfer.refs import TensorRef, TensorSpec
 from triptych.transfer.stats import TransferStats
 
-RoleName = Literal["encoder", "denoiser", "decoder"]
 StageName = Literal["encode", "denoise", "decode", "chat"]
 HandoffName = Literal["cond", "latents", "preview0", "preview1", "preview2"]  # what moves: cond, latents, a preview
 PREVIEW_HANDOFFS = ("preview0", "preview1", "preview2")  # index k → its handoff name
@@ -79,11 +79,11 @@ class Register(msgspec.Struct, kw_only=True, frozen=True, tag="register"):
     """A worker announces itself; the head answers ``RegisterAck``."""
 
     instance_id: str  # unique per worker process, chosen by the worker
-    role: RoleName
+    role: Role
     capacity: int  # requests this instance may hold at once (its slots)
     control: str  # the worker's control identity / address (rank 0 of the instance)
     data: str  # transfer endpoint address senders push to (rank 0)
-    transfer: str  # transfer backend kind actually running ("zmq" | "mooncake")
+    transfer: TransferKind  # the transfer backend actually running (ZMQ or MOONCAKE)
     revision: str  # hash of the model directory's configs; must equal the head's
     pid: int  # process id, for operators and tests
     chat: bool = False  # an encoder that also answers ``ChatTask`` (its text encoder is a VLM)

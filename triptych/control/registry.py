@@ -22,6 +22,7 @@ from triptych.control.dispatch import DispatchPolicy, Instance, bound_ids, make_
 from triptych.control.listener import ControlPlane
 from triptych.control.metrics import Metrics
 from triptych.control.worker_stats import stats_window
+from triptych.core.kinds import ROLES, Role
 
 logger = logging.getLogger(__name__)
 
@@ -42,19 +43,17 @@ class InstanceRegistry:
         self.metrics = metrics
         self.counters = counters
         self.instances: dict[str, Instance] = {}
-        self.policies: dict[str, DispatchPolicy] = {
-            r: make_policy(dispatch) for r in ("encoder", "denoiser", "decoder")
-        }
+        self.policies: dict[str, DispatchPolicy] = {r: make_policy(dispatch) for r in ROLES}
         self.affinity = ImageAffinity()  # which encoder holds which tenant's images (``affinity``)
         self._rejoin_sent: dict[str, float] = {}  # unknown instance id -> when it was last told to rejoin
         self._last_stats: dict[str, tuple[int, P.StatsReport]] = {}  # dead instance -> (pid, last report)
         now = time.monotonic()
         self._empty_since: dict[str, float] = {role: now for role in self.policies}  # role -> pool empty since
 
-    def pool(self, role: str) -> list[Instance]:
+    def pool(self, role: Role) -> list[Instance]:
         return [i for i in self.instances.values() if i.role == role]
 
-    def addresses(self, role: str) -> dict[str, str]:
+    def addresses(self, role: Role) -> dict[str, str]:
         """Instance id → transfer endpoint address, for the role's registered instances."""
         return {i.instance_id: i.data for i in self.pool(role)}
 
@@ -122,7 +121,7 @@ class InstanceRegistry:
         """Roles with no live instance for longer than ``grace_s`` → for how long."""
         return {role: now - t for role, t in self._empty_since.items() if now - t > grace_s}
 
-    def expect(self, role: str) -> None:
+    def expect(self, role: Role) -> None:
         """A worker of ``role`` is starting (spawned or restarted here): its absence restarts its grace."""
         if role in self._empty_since:
             self._empty_since[role] = time.monotonic()

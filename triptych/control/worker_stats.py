@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from triptych.chat.stats import ChatEngineStats
 from triptych.control import protocol as P
+from triptych.core.kinds import Role
 from triptych.engine.stats import EngineStats
 from triptych.mmcache.stats import MMCacheStats
 from triptych.transfer.stats import TransferStats
@@ -22,7 +23,7 @@ class StatsWindow:
     """What one worker did between two of its reports."""
 
     instance_id: str
-    role: str  # encoder | denoiser | decoder
+    role: Role
     seconds: float  # worker-clock length of the window (0 for the first report of a worker)
     engine: EngineStats | None  # engine counter deltas; None for roles without an engine
     transfer: TransferStats  # transfer counter deltas
@@ -30,7 +31,7 @@ class StatsWindow:
     chat: ChatEngineStats | None = None  # chat engine counter deltas (prefix entries, bytes: latest)
 
 
-def stats_window(role: str, prev: P.StatsReport | None, cur: P.StatsReport) -> StatsWindow:
+def stats_window(role: Role, prev: P.StatsReport | None, cur: P.StatsReport) -> StatsWindow:
     """The deltas from ``prev`` (None: nothing seen yet from this worker) to ``cur``."""
     if prev is None or cur.uptime_s < prev.uptime_s:
         seconds = 0.0 if prev is None else cur.uptime_s

@@ -21,6 +21,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from triptych.core.config_flags import ConfigFlags, argv_of
 from triptych.core.errors import InvalidParam
 
 logger = logging.getLogger(__name__)
@@ -93,12 +94,7 @@ class DeviceConfig:
 
     def to_args(self) -> list[str]:
         """The ``add_device_flags`` arguments that rebuild this config (a head spawning its workers)."""
-        args = ["--device", self.device, "--attention", self.attention, "--offload", self.offload]
-        if self.dtype is not None:
-            args += ["--dtype", self.dtype]
-        if self.vae_tiling is not None:
-            args.append("--vae-tiling" if self.vae_tiling else "--no-vae-tiling")
-        return args + (["--vae-slicing"] if self.vae_slicing else [])
+        return argv_of(DeviceConfig, self)
 
     def tiling_for(self, height: int, width: int) -> bool:
         """Whether a decode of one ``height`` × ``width`` frame runs tiled."""
@@ -189,23 +185,13 @@ def _first_line(e: BaseException) -> str:
 
 # ---- CLI -----------------------------------------------------------------------------------------
 def add_device_flags(parser: argparse.ArgumentParser) -> None:
-    """Add ``--device --dtype --attention --vae-tiling/--no-vae-tiling --vae-slicing --offload``.
+    """Add ``--device --dtype --attention --vae-tiling/--no-vae-tiling --vae-slicing --offload`` from
+    ``DeviceConfig``'s fields (``config_flags``).
 
     Values are checked by ``device_config_from_args`` (one ``InvalidParam`` line, exit 2), not by
     argparse ``choices`` (which prints usage over several lines).
     """
-    g = parser.add_argument_group("device")
-    g.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default cpu)")
-    g.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU)")
-    g.add_argument("--attention", default="native", help="diffusers attention backend (default native)")
-    g.add_argument(
-        "--vae-tiling",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help=f"tiled VAE decode (default: on above {AUTO_TILING_PIXELS} pixels per frame)",
-    )
-    g.add_argument("--vae-slicing", action="store_true", help="VAE one sample at a time in a batch")
-    g.add_argument("--offload", default="none", help="none | model | group: keep weights in host memory (CUDA)")
+    ConfigFlags(parser.add_argument_group("device (DeviceConfig)"), DeviceConfig)
 
 
 def device_config_from_args(args: Any) -> DeviceConfig:

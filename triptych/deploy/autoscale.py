@@ -17,6 +17,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+from triptych.core.kinds import Role
 from triptych.deploy.config import AutoscaleConfig
 
 logger = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ class Sample:
     """One look at one pool (the autoscaler's timeline, for /health and benchmarks)."""
 
     t: float  # monotonic seconds
-    role: str
+    role: Role
     instances: int  # live + starting (what the policy counted)
     queue_depth: int
     oldest_wait_s: float
@@ -91,7 +92,7 @@ class Autoscaler:
         """One look at every autoscaled pool; returns role → the action taken."""
         return {role: self._step_role(role, lo, hi, now) for role, (lo, hi) in self.bounds.items()}
 
-    def _step_role(self, role: str, lo: int, hi: int, now: float) -> int:
+    def _step_role(self, role: Role, lo: int, hi: int, now: float) -> int:
         load = self.orchestrator.load(role, now)
         for iid, held in load.draining.items():
             if held == 0 and iid not in self._stopping:

@@ -6,7 +6,7 @@ import ipaddress
 from dataclasses import dataclass, field
 from typing import Literal
 
-ROLES = ("encoder", "denoiser", "decoder")
+from triptych.core.kinds import ROLES, Role
 
 
 def parse_amounts(items: tuple[str, ...], what: str) -> dict[str, float]:
@@ -85,7 +85,7 @@ class ClusterConfig:
         except ValueError:
             raise ValueError(f"ray_node_ip={self.ray_node_ip!r} must be an IP address") from None
 
-    def resources(self, role: str) -> RoleResources:
+    def resources(self, role: Role) -> RoleResources:
         return getattr(self, role)
 
     @property
@@ -117,7 +117,7 @@ class AutoscaleConfig:
                 f"down_idle_s={self.down_idle_s} and interval_s={self.interval_s} > 0"
             )
 
-    def bounds(self) -> dict[str, tuple[int, int]]:
+    def bounds(self) -> dict[Role, tuple[int, int]]:
         """Role → (MIN, MAX) instances, from ``pools``."""
         out = {}
         for item in self.pools:
@@ -125,7 +125,7 @@ class AutoscaleConfig:
             lo, _, hi = span.partition(":")
             if role not in ROLES or not lo.isdigit() or not hi.isdigit() or not 0 <= int(lo) <= int(hi) or int(hi) < 1:
                 raise ValueError(
-                    f"pools={item!r} must look like ROLE=MIN:MAX, ROLE one of {ROLES}, 0 <= MIN <= MAX >= 1"
+                    f"pools={item!r} must look like ROLE=MIN:MAX, ROLE one of {ROLES!r}, 0 <= MIN <= MAX >= 1"
                 )
-            out[role] = (int(lo), int(hi))
+            out[Role(role)] = (int(lo), int(hi))
         return out

@@ -22,7 +22,9 @@ from typing import TYPE_CHECKING
 from triptych.chat import ChatResult
 from triptych.control.backend import ChatJob, GenerationBackend, GenerationJob, PreviewFn, ProgressFn, TextFn
 from triptych.control.orchestrator import Orchestrator, OrchestratorConfig
+from triptych.control.worker_config import WorkerConfig
 from triptych.core.devices import DeviceConfig
+from triptych.core.kinds import ROLES, Role, TransferKind
 from triptych.deploy.supervisor import LocalWorkers, WorkerPool
 from triptych.parallel import ParallelConfig
 
@@ -46,9 +48,9 @@ class TopologyConfig:
     """Denoiser processes (>= 0)."""
     decoders: int = 1
     """Decoder processes (>= 0)."""
-    transfer: str = "auto"
-    """Transfer backend of every local worker: auto | mooncake | zmq."""
-    capacity: int = 4
+    transfer: TransferKind = WorkerConfig.transfer
+    """Transfer backend of every local worker."""
+    capacity: int = WorkerConfig.capacity
     """Slots per worker (requests it may hold at once)."""
     torch_threads: int = 0
     """torch threads per local worker; 0 = the machine's cores split evenly among the local workers."""
@@ -81,8 +83,9 @@ class TopologyConfig:
         for name in ("encoders", "denoisers", "decoders"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
-        if self.transfer not in ("auto", "mooncake", "zmq"):
-            raise ValueError(f"transfer={self.transfer!r} must be one of auto, mooncake, zmq")
+        if self.transfer not in set(TransferKind):
+            raise ValueError(f"transfer={self.transfer!r} must be one of {', '.join(TransferKind)}")
+        object.__setattr__(self, "transfer", TransferKind(self.transfer))  # a plain string as its member
         if self.capacity < 1:
             raise ValueError(f"capacity={self.capacity} must be >= 1")
         if self.gpus and self.device.torch_device.type != "cuda":
@@ -96,6 +99,14 @@ class TopologyConfig:
                 f"restart_backoff_s={self.restart_backoff_s} and crash_loop_window_s={self.crash_loop_window_s} "
                 f"must be > 0, crash_loop_limit={self.crash_loop_limit} >= 1"
             )
+
+    def count(self, role: Role) -> int:
+        """Local workers of ``role``."""
+        return {Role.ENCODER: self.encoders, Role.DENOISER: self.denoisers, Role.DECODER: self.decoders}[role]
+
+    def ranks(self, role: Role) -> int:
+        """Processes of one instance of ``role``: the denoiser's ranks, 1 for the others."""
+        return self.parallel.world_size if role == Role.DENOISER else 1
 
     def layout(self) -> dict[str, tuple[int, ...]]:
         """Instance id → the CUDA devices it sees (``CUDA_VISIBLE_DEVICES``), from ``gpus``: each
@@ -118,7 +129,7 @@ class TopologyConfig:
             out[iid] = (rest[n % len(rest)],)
         return out
 
-    def device_for(self, role: str, instance_id: str) -> DeviceConfig:
+    def device_for(self, role: Role, instance_id: str) -> DeviceConfig:
         """The device flags of one local worker: with ``gpus`` its visible devices start at cuda:0."""
         if instance_id in self.layout():
             return dataclasses.replace(self.device, device="cuda")
@@ -153,7 +164,7 @@ class EmbeddedBackend(GenerationBackend):
     async def start(self) -> None:
         await self.orchestrator.start()
         t = self.topology
-        counts = {"encoder": t.encoders, "denoiser": t.denoisers, "decoder": t.decoders}
+        counts = {role: t.count(role) for role in ROLES}
         layout = t.layout()
         if layout:
             logger.info("local workers on GPUs: %s", ", ".join(f"{i} -> {g}" for i, g in layout.items()))
@@ -173,7 +184,7 @@ class EmbeddedBackend(GenerationBackend):
             await self.close()
             raise
 
-    def spawn(self, role: str, instance_id: str | None = None) -> str:
+    def spawn(self, role: Role, instance_id: str | None = None) -> str:
         return self.workers.spawn(role, self.orchestrator.control_address, instance_id)
 
     def _exited(self, instance_id: str, returncode: int) -> None:

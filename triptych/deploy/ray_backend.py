@@ -33,9 +33,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from triptych.core.kinds import ROLES, Role
 from triptych.deploy.config import AutoscaleConfig, ClusterConfig
 from triptych.deploy.placement import actor_options, bundles, cpus_needed, group_strategy
-from triptych.deploy.supervisor import worker_command
+from triptych.deploy.supervisor import worker_command, worker_config
 
 logger = logging.getLogger(__name__)
 
@@ -53,12 +54,12 @@ def ray_pool(
     joined here (a no-op otherwise; the caller runs it once every backend is closed). A Ray instance
     started here gets the logical CPUs and custom resources of ``copies`` topologies (one per served
     model) at their largest (autoscaled pools at their MAX)."""
-    counts = {"encoder": topology.encoders, "denoiser": topology.denoisers, "decoder": topology.decoders}
+    counts = {role: topology.count(role) for role in ROLES}
     for role, (_, hi) in autoscale.bounds().items():
         counts[role] = max(counts[role], hi)
     cpus, custom = 0.0, {}
     for role, n in counts.items():
-        res, ranks = cluster.resources(role), topology.parallel.world_size if role == "denoiser" else 1
+        res, ranks = cluster.resources(role), topology.ranks(role)
         cpus += cpus_needed(res, n, ranks)
         for name, amount in res.custom.items():
             custom[name] = custom.get(name, 0.0) + amount * n * ranks
@@ -141,7 +142,7 @@ class WorkerActor:
 
 @dataclass
 class _Actor:
-    role: str
+    role: Role
     base_id: str  # the id of its first incarnation
     instance_id: str  # the current incarnation's
     actor: object
@@ -180,15 +181,16 @@ class RayWorkers:
         self._remote = ray.remote(WorkerActor)
         self._task: asyncio.Task | None = None
 
-    def spawn(self, role: str, head: str, instance_id: str | None = None) -> str:
+    def spawn(self, role: Role, head: str, instance_id: str | None = None) -> str:
         n = 0
         while f"{role}-{n}" in self.actors:
             n += 1
         iid = instance_id or f"{role}-{n}"
         res = self.cluster.resources(role)
-        ranks = self.topology.parallel.world_size if role == "denoiser" else 1
+        ranks = self.topology.ranks(role)
         threads = self.topology.torch_threads or max(1, int(res.cpus))
-        cmd = worker_command(self.topology, self.model_dir, role, head, iid, threads)
+        config = worker_config(self.topology, self.model_dir, role, head, iid, threads, self.token)
+        cmd = worker_command(config, self.topology.extra_args)
         options = actor_options(res, self.cluster.ray_max_restarts, ranks)
         group = None
         if (strategy := group_strategy(ranks)) is not None:
@@ -209,7 +211,7 @@ class RayWorkers:
                 return a
         raise KeyError(instance_id)
 
-    def current(self, role: str) -> list[str]:
+    def current(self, role: Role) -> list[str]:
         return sorted(a.instance_id for a in self.actors.values() if a.role == role and not (a.retired or a.given_up))
 
     def retire(self, instance_id: str) -> None:

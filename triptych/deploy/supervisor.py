@@ -26,7 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from triptych.control.worker_config import WorkerConfig, worker_argv
 from triptych.core.devices import split_threads
+from triptych.core.kinds import ROLES, Role
+from triptych.core.parallel_config import ParallelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +38,7 @@ MAX_BACKOFF_S = 30.0
 
 @dataclass
 class _Worker:
-    role: str
+    role: Role
     proc: subprocess.Popen
     restarts: list[float] = field(default_factory=list)  # monotonic times of restarts in the window
     restart_at: float | None = None  # when a dead one starts again
@@ -47,7 +50,7 @@ class WorkerPool(Protocol):
     """Spawns, supervises and stops a head's workers. ``on_exit(instance_id, code)`` is called once per
     exit of a worker (the head declares it dead); ``on_start(role)`` when one starts."""
 
-    def spawn(self, role: str, head: str, instance_id: str | None = None) -> str:
+    def spawn(self, role: Role, head: str, instance_id: str | None = None) -> str:
         """Start one worker of ``role`` registering with ``head``; returns its instance id."""
 
     def watch(self, head: str) -> None:
@@ -55,7 +58,7 @@ class WorkerPool(Protocol):
 
     async def stop_watching(self) -> None: ...
 
-    def current(self, role: str) -> list[str]:
+    def current(self, role: Role) -> list[str]:
         """Instance ids of the running (or starting, or restarting) workers of ``role``, retired ones
         excluded."""
 
@@ -70,16 +73,30 @@ class WorkerPool(Protocol):
         """Wait for every worker to exit after a shutdown was sent; kill what does not."""
 
 
-def worker_command(topology, model_dir: Path, role: str, head: str, instance_id: str, threads: int) -> list[str]:
-    """The ``triptych worker`` command line of one worker of ``topology`` (no parent pid, no host)."""
+def worker_config(
+    topology, model_dir: Path, role: Role, head: str, instance_id: str, threads: int, token: str, parent_pid: int = 0
+) -> WorkerConfig:
+    """The ``WorkerConfig`` of one worker of ``topology`` (its host: the worker's default)."""
     t = topology
-    cmd = [sys.executable, "-m", "triptych.cli", "worker", "--role", role, "--head", head]
-    cmd += ["--model", str(model_dir), "--instance-id", instance_id, "--transfer", t.transfer]
-    cmd += ["--capacity", str(t.capacity), "--threads", str(threads)]
-    cmd += [*t.device_for(role, instance_id).to_args(), *t.extra_args]
-    if role == "denoiser" and t.parallel.world_size > 1:
-        p = t.parallel
-        cmd += ["--cfg-parallel", str(p.cfg), "--ulysses", str(p.ulysses), "--ring", str(p.ring)]
+    return WorkerConfig(
+        role=role,
+        head=head,
+        token=token,
+        model_dir=Path(model_dir),
+        instance_id=instance_id,
+        capacity=t.capacity,
+        transfer=t.transfer,
+        torch_threads=threads,
+        device=t.device_for(role, instance_id),
+        parallel=t.parallel if t.ranks(role) > 1 else ParallelConfig(),
+        parent_pid=parent_pid,
+    )
+
+
+def worker_command(config: WorkerConfig, extra_args: tuple[str, ...] = ()) -> list[str]:
+    """The ``triptych worker`` command line that rebuilds ``config`` (``worker_argv``; the token is
+    not on it) followed by ``extra_args`` (``TopologyConfig.extra_args``: engine, cache, LoRA flags)."""
+    cmd = [sys.executable, "-m", "triptych.cli", "worker", *worker_argv(config), *extra_args]
     if logger.isEnabledFor(logging.DEBUG):
         cmd.insert(3, "-v")
     return cmd
@@ -109,7 +126,7 @@ class LocalWorkers:
     def procs(self) -> dict[str, subprocess.Popen]:
         return {iid: w.proc for iid, w in self.workers.items()}
 
-    def spawn(self, role: str, head: str, instance_id: str | None = None) -> str:
+    def spawn(self, role: Role, head: str, instance_id: str | None = None) -> str:
         """Start one local worker process of ``role`` that registers with ``head``; returns its id."""
         n = 0
         while f"{role}-{n}" in self.workers:  # retired workers stay listed, so an id is never reused
@@ -118,10 +135,10 @@ class LocalWorkers:
         self.workers[instance_id] = _Worker(role, self._start(role, head, instance_id))
         return instance_id
 
-    def _start(self, role: str, head: str, instance_id: str) -> subprocess.Popen:
+    def _start(self, role: Role, head: str, instance_id: str) -> subprocess.Popen:
         t = self.topology
-        cmd = worker_command(t, self.model_dir, role, head, instance_id, self.threads())
-        cmd += ["--exit-with-parent", str(os.getpid())]
+        config = worker_config(t, self.model_dir, role, head, instance_id, self.threads(), self.token, os.getpid())
+        cmd = worker_command(config, t.extra_args)
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRIPTYCH_TOKEN": self.token}
         env["MC_LOG_LEVEL"] = t.mooncake_log_level  # read by Mooncake when a transfer engine starts
         gpus = t.layout().get(instance_id)
@@ -140,14 +157,14 @@ class LocalWorkers:
         if t.torch_threads:
             return t.torch_threads
         if self._threads is None:  # once: later spawns would count the running workers as load
-            self._threads = split_threads(t.encoders + t.denoisers * t.parallel.world_size + t.decoders)
+            self._threads = split_threads(sum(t.count(role) * t.ranks(role) for role in ROLES))
         return self._threads
 
     def kill(self, instance_id: str, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` to a local worker (tests: kill -9 mid-request)."""
         self.workers[instance_id].proc.send_signal(sig)
 
-    def current(self, role: str) -> list[str]:
+    def current(self, role: Role) -> list[str]:
         return sorted(i for i, w in self.workers.items() if w.role == role and not (w.given_up or w.retired))
 
     def retire(self, instance_id: str) -> None:

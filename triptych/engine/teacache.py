@@ -14,7 +14,6 @@ server never imports calibration.
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 
 from triptych.accel.teacache import TeaCache, TeaCachePlan
@@ -22,26 +21,19 @@ from triptych.accel.teacache_profile import ProfileIndex
 from triptych.accel.teacache_settings import TeaCacheConfig, resolve_settings
 from triptych.core.errors import InvalidParam
 from triptych.families.base import Family, GenerationParams
-
-# Family.name → "module:function(family) -> TeaCachePlan". A family without an entry has no TeaCache.
-PLANS: dict[str, str] = {
-    "flux": "triptych.families.flux.teacache:plan_for",
-    "qwen-image": "triptych.families.qwenimage.teacache:plan_for",
-    "qwen-image-edit": "triptych.families.qwenimage.teacache:plan_for",
-    "wan-t2v": "triptych.families.wan.teacache:plan_for",
-    "wan-i2v": "triptych.families.wan.teacache:plan_for",
-}
+from triptych.families.registry import teacache_families, teacache_plan
 
 
 def has_plan(family) -> bool:
-    return family.name in PLANS
+    """Whether ``family`` has a TeaCache plan (its ``families.registry.FamilyEntry.teacache``)."""
+    return teacache_plan(family.name) is not None
 
 
 def plan_for(family) -> TeaCachePlan:
-    if family.name not in PLANS:
-        raise ValueError(f"family {family.name!r} has no TeaCache plan; families with one: {sorted(PLANS)}")
-    module, name = PLANS[family.name].split(":")
-    return getattr(importlib.import_module(module), name)(family)
+    plan = teacache_plan(family.name)
+    if plan is None:
+        raise ValueError(f"family {family.name!r} has no TeaCache plan; families with one: {teacache_families()}")
+    return plan(family)
 
 
 def make_teacache(
@@ -69,7 +61,7 @@ def check_teacache(
         raise InvalidParam(
             "teacache_threshold",
             threshold,
-            f"TeaCache is not available for family {family.name!r} (available for: {', '.join(sorted(PLANS))}); use 0",
+            f"TeaCache is not available for family {family.name!r} (available for: {', '.join(teacache_families())}); use 0",
         )
     profiles = ProfileIndex(family.model_dir, family.name, profiles_dir)
     resolve_settings(family.name, profiles, config or TeaCacheConfig(), threshold, params.steps)

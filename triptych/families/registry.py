@@ -1,47 +1,150 @@
-"""Architecture name (``model_index.json`` ``_class_name``) → family adapter; tiny-model makers."""
+"""The built-in families, one typed ``FamilyEntry`` each: which ``model_index.json`` ``_class_name``
+it serves, its adapter class, its tiny-model makers and its TeaCache plan; and the look-ups on them.
+
+Nothing here imports a family at import time: each entry's ``adapter``, ``variants``, ``tiny`` and
+``teacache`` are plain functions that import the family's module when called (the CLI builds its
+``make-tiny`` choices from this table without importing torch)."""
 
 from __future__ import annotations
 
-import importlib
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from triptych.core.errors import UnknownModel
 from triptych.families.geometry import model_defaults
 
-# Pipeline class name → "module:Class" of its adapter; imported lazily.
-FAMILIES: dict[str, str] = {
-    "FluxPipeline": "triptych.families.flux.family:FluxFamily",
-    "QwenImagePipeline": "triptych.families.qwenimage.family:QwenImageFamily",
-    "QwenImageEditPipeline": "triptych.families.qwenimage.family:QwenImageEditFamily",
-    "WanPipeline": "triptych.families.wan.family:WanFamily",
-    "WanImageToVideoPipeline": "triptych.families.wan.family:WanImageToVideoFamily",
-}
+if TYPE_CHECKING:
+    from triptych.accel.teacache import TeaCachePlan
+    from triptych.families.base import Family
 
-# (pipeline class, ``triptych.json`` key) → the adapter of a checkpoint of that class whose
-# ``triptych.json`` sets the key true: one checkpoint trained for more than its class's job.
-VARIANTS: dict[tuple[str, str], str] = {
-    ("QwenImagePipeline", "edits"): "triptych.families.qwenimage.generate_edit:QwenImageGenerateEditFamily",
-}
-
-# make-tiny --family NAME → "module:function(out, seed, size)".
-TINY_MAKERS: dict[str, str] = {
-    "flux": "triptych.families.flux.tiny:make_tiny_flux",
-    "flux-schnell": "triptych.families.flux.tiny:make_tiny_flux_schnell",
-    "qwen-image": "triptych.families.qwenimage.tiny:make_tiny_qwen_image",
-    "qwen-image-edit": "triptych.families.qwenimage.tiny:make_tiny_qwen_image_edit",
-    "wan-t2v": "triptych.families.wan.tiny:make_tiny_wan_t2v",
-    "wan-i2v": "triptych.families.wan.tiny:make_tiny_wan_i2v",
-}
+TinyMaker = Callable[..., Path]  # (out, seed=, size=) -> the model directory
 
 
-def _load(target: str):
-    module, name = target.split(":")
-    return getattr(importlib.import_module(module), name)
+@dataclass(frozen=True)
+class FamilyEntry:
+    """One built-in family."""
+
+    name: str
+    """``Family.name``: TeaCache profiles, metrics and ``make-tiny`` names use it."""
+    pipeline: str
+    """The diffusers pipeline class (``model_index.json`` ``_class_name``) this family serves."""
+    adapter: Callable[[], type[Family]]
+    """The family's adapter class (imported when called)."""
+    tiny: tuple[tuple[str, Callable[[], TinyMaker]], ...] = ()
+    """``make-tiny --family NAME`` → the maker of a seeded tiny model of this family."""
+    teacache: Callable[[Family], TeaCachePlan] | None = None
+    """The family's TeaCache plan; None: the family has no TeaCache."""
+    variants: tuple[tuple[str, Callable[[], type[Family]]], ...] = ()
+    """(``triptych.json`` key, adapter) for a checkpoint of this pipeline class whose ``triptych.json``
+    sets the key true: one checkpoint trained for more than its class's job."""
+
+
+def _flux_plan(family):
+    from triptych.families.flux.teacache import plan_for
+
+    return plan_for(family)
+
+
+def _qwen_plan(family):
+    from triptych.families.qwenimage.teacache import plan_for
+
+    return plan_for(family)
+
+
+def _wan_plan(family):
+    from triptych.families.wan.teacache import plan_for
+
+    return plan_for(family)
+
+
+def _flux():
+    from triptych.families.flux import family, tiny
+
+    return family, tiny
+
+
+def _qwen():
+    from triptych.families.qwenimage import family, generate_edit, tiny
+
+    return family, tiny, generate_edit
+
+
+def _wan():
+    from triptych.families.wan import family, tiny
+
+    return family, tiny
+
+
+ENTRIES: tuple[FamilyEntry, ...] = (
+    FamilyEntry(
+        "flux",
+        "FluxPipeline",
+        adapter=lambda: _flux()[0].FluxFamily,
+        tiny=(("flux", lambda: _flux()[1].make_tiny_flux), ("flux-schnell", lambda: _flux()[1].make_tiny_flux_schnell)),
+        teacache=_flux_plan,
+    ),
+    FamilyEntry(
+        "qwen-image",
+        "QwenImagePipeline",
+        adapter=lambda: _qwen()[0].QwenImageFamily,
+        tiny=(("qwen-image", lambda: _qwen()[1].make_tiny_qwen_image),),
+        teacache=_qwen_plan,
+        variants=(("edits", lambda: _qwen()[2].QwenImageGenerateEditFamily),),
+    ),
+    FamilyEntry(
+        "qwen-image-edit",
+        "QwenImageEditPipeline",
+        adapter=lambda: _qwen()[0].QwenImageEditFamily,
+        tiny=(("qwen-image-edit", lambda: _qwen()[1].make_tiny_qwen_image_edit),),
+        teacache=_qwen_plan,
+    ),
+    FamilyEntry(
+        "wan-t2v",
+        "WanPipeline",
+        adapter=lambda: _wan()[0].WanFamily,
+        tiny=(("wan-t2v", lambda: _wan()[1].make_tiny_wan_t2v),),
+        teacache=_wan_plan,
+    ),
+    FamilyEntry(
+        "wan-i2v",
+        "WanImageToVideoPipeline",
+        adapter=lambda: _wan()[0].WanImageToVideoFamily,
+        tiny=(("wan-i2v", lambda: _wan()[1].make_tiny_wan_i2v),),
+        teacache=_wan_plan,
+    ),
+)
+
+BY_PIPELINE: dict[str, FamilyEntry] = {e.pipeline: e for e in ENTRIES}
+BY_NAME: dict[str, FamilyEntry] = {e.name: e for e in ENTRIES}
+TINY: dict[str, Callable[[], TinyMaker]] = {name: maker for e in ENTRIES for name, maker in e.tiny}
+
+
+def adapters() -> list[type[Family]]:
+    """Every adapter class of the built-in families, variants included (imports them all)."""
+    return [cls() for e in ENTRIES for cls in (e.adapter, *(v for _, v in e.variants))]
 
 
 def supported() -> list[str]:
-    return sorted(FAMILIES)
+    return sorted(BY_PIPELINE)
+
+
+def tiny_names() -> list[str]:
+    """``make-tiny --family`` choices."""
+    return sorted(TINY)
+
+
+def teacache_families() -> list[str]:
+    """Names of the families with a TeaCache plan."""
+    return sorted(e.name for e in ENTRIES if e.teacache is not None)
+
+
+def teacache_plan(name: str) -> Callable[[Family], TeaCachePlan] | None:
+    """The TeaCache plan of the family named ``name`` (``Family.name``); None when it has none."""
+    entry = BY_NAME.get(name)
+    return entry.teacache if entry is not None else None
 
 
 def architecture(model_dir: str | Path) -> str:
@@ -55,18 +158,18 @@ def architecture(model_dir: str | Path) -> str:
         name = json.loads(index.read_text())["_class_name"]
     except (ValueError, KeyError) as e:
         raise UnknownModel(str(model_dir), f"unreadable model_index.json ({e})", supported()) from e
-    if name not in FAMILIES:
+    if name not in BY_PIPELINE:
         raise UnknownModel(str(model_dir), f"architecture {name!r} is not supported", supported())
     return name
 
 
-def family_class(model_dir: str | Path):
-    name = architecture(model_dir)
+def family_class(model_dir: str | Path) -> type[Family]:
+    entry = BY_PIPELINE[architecture(model_dir)]
     declared = model_defaults(Path(model_dir))
-    for (arch, key), target in VARIANTS.items():
-        if arch == name and declared.get(key) is True:
-            return _load(target)
-    return _load(FAMILIES[name])
+    for key, adapter in entry.variants:
+        if declared.get(key) is True:
+            return adapter()
+    return entry.adapter()
 
 
 def load_family(model_dir: str | Path, roles=None, device="cpu", dtype=None, mm_cache_config=None, speed=None):
@@ -91,6 +194,6 @@ def load_family(model_dir: str | Path, roles=None, device="cpu", dtype=None, mm_
 
 
 def make_tiny(family: str, out: str | Path, seed: int = 0, size: str = "tiny") -> Path:
-    if family not in TINY_MAKERS:
-        raise ValueError(f"unknown family {family!r}; choose one of {sorted(TINY_MAKERS)}")
-    return _load(TINY_MAKERS[family])(out, seed=seed, size=size)
+    if family not in TINY:
+        raise ValueError(f"unknown family {family!r}; choose one of {tiny_names()}")
+    return TINY[family]()(out, seed=seed, size=size)

@@ -4,59 +4,23 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 import numpy as np
 import torch
 from torch.utils._pytree import tree_map
 
+from triptych.core.kinds import Role
+from triptych.families.params import GenerationParams as GenerationParams
+
 COND = "cond"
 UNCOND = "uncond"
 BRANCH_ORDER = (COND, UNCOND)
 
 
-class Role(str, Enum):
-    """The pools an instance can serve; each loads only its components."""
-
-    ENCODER = "encoder"
-    DENOISER = "denoiser"
-    DECODER = "decoder"
-
-
 ALL_ROLES = frozenset(Role)
-
-
-@dataclass(frozen=True)
-class GenerationParams:
-    """One request's user-facing parameters, after ``Family.resolve`` filled defaults and checked rules.
-
-    ``guidance`` is the family's guidance: the true-CFG scale for Qwen-Image and Wan (CFG runs when it
-    is > 1), the distilled guidance for FLUX.
-    """
-
-    prompt: str
-    negative_prompt: str | None = None
-    height: int | None = None
-    width: int | None = None
-    frames: int | None = None  # video families only; images are one frame
-    steps: int | None = None
-    guidance: float | None = None
-    seed: int = 0
-    image: Any = None  # PIL.Image condition image (edit / image-to-video), None for text-only
-    true_cfg: float = 1.0  # FLUX only: true CFG with the negative prompt when > 1 (Qwen/Wan use guidance)
-    teacache_threshold: float = 0.0  # 0 = off (see triptych.accel.teacache)
-    tenant: str = ""  # who asked (a hash of the API key at the head); scopes the mm-hash cache
-    #: LoRA adapters applied to this request's rows, in order: ``((name, scale), ...)``; () = none
-    lora: tuple[tuple[str, float], ...] = ()
-    #: Weight files of its adapters loaded at run time (``POST /v1/loras``): ``((name, path), ...)``
-    lora_paths: tuple[tuple[str, str], ...] = ()
-
-    def replace(self, **changes: Any) -> GenerationParams:
-        return dataclasses.replace(self, **changes)
 
 
 @dataclass

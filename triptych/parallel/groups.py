@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from triptych.parallel.config import ParallelConfig
+from triptych.core.parallel_config import ParallelConfig
 
 logger = logging.getLogger(__name__)
 

@@ -14,6 +14,7 @@ from typing import Protocol
 
 import torch
 
+from triptych.core.kinds import TransferKind
 from triptych.transfer.refs import MooncakeLocation, TensorRef
 
 
@@ -26,7 +27,7 @@ class Carrier(Protocol):
     sending threads and serializes itself.
     """
 
-    kind: str  # the backend name reported in stats and metrics
+    kind: TransferKind  # the backend reported in stats and metrics
 
     @property
     def allocated(self) -> int:

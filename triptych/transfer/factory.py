@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-from typing import Literal
 
+from triptych.core.kinds import TransferKind
 from triptych.transfer.base import TransferConfig, TransferEndpoint
 from triptych.transfer.errors import BackendUnavailable
 from triptych.transfer.peer import PeerEndpoint
 
 logger = logging.getLogger(__name__)
-
-BackendKind = Literal["auto", "mooncake", "zmq"]
 
 
 def is_loopback(host: str) -> bool:
@@ -22,7 +20,7 @@ def is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def make_endpoint(kind: BackendKind, instance_id: str, config: TransferConfig | None = None) -> TransferEndpoint:
+def make_endpoint(kind: TransferKind | str, instance_id: str, config: TransferConfig | None = None) -> TransferEndpoint:
     """Build the endpoint: "mooncake" (raises BackendUnavailable if it cannot run), "zmq", or
     "auto" = Mooncake when `mooncake.engine` imports and initializes and the host is not a loopback
     address, else ZMQ.
@@ -32,20 +30,20 @@ def make_endpoint(kind: BackendKind, instance_id: str, config: TransferConfig | 
     that), while the ZMQ endpoint binds only ``config.host``. A deployment bound to loopback
     therefore gets ZMQ under "auto"; an explicit "mooncake" says which ports it exposes."""
     config = config or TransferConfig()
-    if kind == "zmq" or (kind == "auto" and is_loopback(config.host)):
+    if kind not in set(TransferKind):
+        raise ValueError(f"transfer backend {kind!r} is not one of {', '.join(TransferKind)}")
+    if kind == TransferKind.ZMQ or (kind == TransferKind.AUTO and is_loopback(config.host)):
         return PeerEndpoint(instance_id, config)
-    if kind not in ("auto", "mooncake"):
-        raise ValueError(f"transfer backend {kind!r} is not one of 'auto', 'mooncake', 'zmq'")
     from triptych.transfer.mooncake_backend import mooncake_endpoint
 
     try:
         endpoint: TransferEndpoint = mooncake_endpoint(instance_id, config)
     except BackendUnavailable as exc:
-        if kind == "mooncake":
+        if kind == TransferKind.MOONCAKE:
             raise
         logger.info("transfer backend auto -> zmq for %s (mooncake unavailable: %s)", instance_id, exc)
         return PeerEndpoint(instance_id, config)
-    if kind == "auto":
+    if kind == TransferKind.AUTO:
         logger.info("transfer backend auto -> mooncake for %s", instance_id)
     logger.warning(
         "%s: Mooncake's transfer engine listens on all interfaces (not only %s); firewall its ports",

@@ -13,6 +13,7 @@ import threading
 
 import torch
 
+from triptych.core.kinds import TransferKind
 from triptych.transfer.arena import ByteArena
 from triptych.transfer.base import TransferConfig
 from triptych.transfer.errors import BackendUnavailable, TransferError
@@ -59,7 +60,7 @@ class MooncakeCarrier:
     through the staging buffer (`staging_bytes`, in chunks), one write at a time.
     """
 
-    kind = "mooncake"
+    kind = TransferKind.MOONCAKE
 
     def __init__(self, config: TransferConfig) -> None:
         self._engine, self._session = _shared_engine(config.host)

@@ -26,6 +26,7 @@ import torch
 import zmq
 from cachetools import FIFOCache
 
+from triptych.core.kinds import TransferKind
 from triptych.transfer.base import TransferConfig, TransferEndpoint
 from triptych.transfer.carrier import Carrier
 from triptych.transfer.errors import (
@@ -93,7 +94,7 @@ class PeerEndpoint(TransferEndpoint):
         self.instance_id = instance_id
         self.config = config or TransferConfig()
         self.carrier = carrier
-        self.kind = carrier.kind if carrier is not None else "zmq"
+        self.kind = carrier.kind if carrier is not None else TransferKind.ZMQ
         self.pool = SlotPool(self.config.max_slots, self.config.max_bytes)
         self.stats = TransferStats(backend=self.kind)
         self._cond = threading.Condition()

@@ -11,6 +11,7 @@ import threading
 import msgspec
 
 from triptych.core import buckets
+from triptych.core.kinds import TransferKind
 
 # NOTE: one lock for every endpoint's counters: increments are a few per transfer, never contended.
 _LOCK = threading.Lock()
@@ -19,7 +20,7 @@ _LOCK = threading.Lock()
 class TransferStats(msgspec.Struct, kw_only=True):
     """Monotonic counters of one endpoint (cumulative since it started, or a window's deltas)."""
 
-    backend: str  # transfer backend kind ("zmq" | "mooncake")
+    backend: TransferKind  # the backend running (ZMQ or MOONCAKE)
     pushes_sent: int = 0  # pushes this (sender) side completed and had acknowledged
     bytes_sent: int = 0
     push_seconds: float = 0.0  # summed wall time of completed pushes (latency = /pushes_sent)

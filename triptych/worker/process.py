@@ -17,24 +17,16 @@ import os
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import zmq
 
-from triptych.accel import SpeedConfig
-from triptych.chat.config import ChatEngineConfig
 from triptych.control import protocol as P
 from triptych.control.auth import ControlKey, SequencedSender
-from triptych.core.devices import DeviceConfig
+from triptych.control.worker_config import WorkerConfig
 from triptych.core.errors import TriptychError
 from triptych.core.identity import model_revision
-from triptych.engine import EngineConfig
-from triptych.families.base import Role
-from triptych.lora.config import LoraConfig
-from triptych.mmcache.cache import MMCacheConfig
-from triptych.parallel import ParallelConfig
+from triptych.core.kinds import Role
 from triptych.transfer import TransferConfig, make_endpoint
 from triptych.worker import mm_remote
 from triptych.worker.control_client import ControlClient
@@ -47,77 +39,6 @@ logger = logging.getLogger(__name__)
 
 class RegistrationRefused(TriptychError):
     """The head refused this worker (e.g. its model revision differs) or never answered."""
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    """One worker process."""
-
-    role: Role
-    """Which pool this instance serves; it loads only that role's components."""
-    head: str
-    """Head control address, ``tcp://HOST:PORT``."""
-    token: str
-    """The deployment's control-plane token (``serve`` hands its local workers one; remote workers
-    get it with ``--token`` or ``$TRIPTYCH_TOKEN``): every control frame is signed with it."""
-    model_dir: Path
-    """Diffusers model directory (same configs as the head's, checked by revision)."""
-    instance_id: str = ""
-    """Unique id; empty = ``<role>-<random>``."""
-    capacity: int = 4
-    """Requests this instance may hold at once (the head never routes more)."""
-    transfer: str = "auto"
-    """Transfer backend: auto | mooncake | zmq."""
-    host: str = "127.0.0.1"
-    """Address the transfer endpoint binds and advertises."""
-    transfer_max_bytes: int = 256 << 20
-    """Receiver bytes of the transfer slot pool."""
-    device: DeviceConfig = field(default_factory=DeviceConfig)
-    """Where and in what dtype this instance's components run (``--device --dtype --attention ...``)."""
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    """Denoiser step batching (ignored by other roles)."""
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    """Denoiser: the instance's CFG × Ulysses × ring degrees; more than one rank spawns the others
-    (this process is rank 0, the instance's only endpoint)."""
-    collective_timeout_s: float = 60.0
-    """Multi-rank denoiser: a collective waiting longer than this (a dead or hung rank) takes the
-    whole instance out of service."""
-    mm_cache: MMCacheConfig = field(default_factory=MMCacheConfig)
-    """The encoder's mm-hash cache budget (ignored by other roles)."""
-    chat: ChatEngineConfig = field(default_factory=ChatEngineConfig)
-    """The encoder's chat engine: running chats per instance, prefix KV budget (ignored by other roles)."""
-    lora: LoraConfig = field(default_factory=LoraConfig)
-    """Denoiser: the adapters it serves and its memory for them (ignored by other roles)."""
-    chat_vllm_url: str = ""
-    """Encoder: the vLLM server that answers this encoder's chats (``triptych serve --chat-engine
-    vllm`` passes it); empty = the built-in decoder."""
-    speed: SpeedConfig = field(default_factory=SpeedConfig)
-    """Compile and quantization of the components this instance loads; a compiling denoiser warms up
-    (compiles its graphs) before it registers."""
-    register_timeout_s: float = 120.0
-    """How long to wait for the head's ``RegisterAck``."""
-    torch_threads: int = 0
-    """``torch.set_num_threads`` (0 = leave torch's default)."""
-    teacache_profiles_dir: Path | None = None
-    """Denoiser: TeaCache profiles looked up before the model's own ``teacache/`` (what ``auto``
-    resolves to). ``triptych worker`` sets it to the user directory of the model
-    (``cli_profiles.user_profiles_dir``), the one the head checks requests against."""
-    parent_pid: int = 0
-    """Exit when this process (the head that spawned us) is gone: a head killed with SIGKILL leaves no
-    orphan workers holding memory and devices (the kernel's parent-death signal on Linux, a watch of
-    the parent pid everywhere). 0 = independent (remote workers)."""
-    parent_grace_s: float = 10.0
-    """After the parent is gone, how long the loop may take to stop (a forward may be running)
-    before the process exits hard."""
-
-    def __post_init__(self) -> None:
-        if self.capacity < 1:
-            raise ValueError(f"capacity={self.capacity} must be >= 1")
-        if not self.head.startswith("tcp://"):
-            raise ValueError(f"head={self.head!r} must look like tcp://HOST:PORT")
-        ControlKey(self.token)  # raises on a token too short to be one
-        if self.register_timeout_s <= 0:
-            raise ValueError(f"register_timeout_s={self.register_timeout_s} must be > 0")
 
 
 class Worker:

@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    from triptych.families.base import Role
+    from triptych.core.kinds import Role
     from triptych.families.registry import family_class
     from triptych.parallel import ParallelConfig, ParallelGroups, apply_parallel, broadcast_message, destroy, init_rank
     from triptych.worker.ranks.ticks import RankSetup, follow, instance_engine

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from triptych.families.base import Role
+from triptych.core.kinds import Role
 from triptych.worker.runners.base import Job, RunnerBroken, StageRunner, WorkerPort
 from triptych.worker.runners.decoder import DecoderRunner
 from triptych.worker.runners.denoiser import DenoiserRunner

@@ -9,10 +9,15 @@ config back into the flags that reproduce it (to pass on to a child process).
 ``add_flags_later(parser, add)`` defers adding a subcommand's flags until it is used.
 
 Supported annotations: ``int``, ``float``, ``str``, ``bool`` (``--x`` / ``--no-x``), ``Path``,
-``Literal[...]`` and ``Enum`` (choices), ``X | None`` (the value ``none`` gives None) and
-``tuple[X, ...]`` (the flag repeated). A field whose type is a dataclass (a nested config) gets no
-flag; the caller handles it, as it does any field it names in ``explicit``. Another annotation
-raises ``TypeError`` when the flags are built, so a new field never goes unexposed silently.
+``Literal[...]`` and ``Enum`` (choices), ``X | None`` (the value ``none`` gives None; for
+``bool | None``, giving neither ``--x`` nor ``--no-x``) and
+``tuple[X, ...]`` (the flag repeated); ``parse`` gives a field its own value parser. A field without
+a default is a required flag. A field whose type is a dataclass (a nested config) gets no flag; the
+caller handles it, as it does any field it names in ``explicit``. Another annotation raises
+``TypeError`` when the flags are built, so a new field never goes unexposed silently.
+
+``argv_of(cls, config, **spec)`` is ``argv`` without a parser of one's own: what a process that
+spawns another (the supervisor starting ``triptych worker``) uses to pass a config on.
 """
 
 from __future__ import annotations
@@ -83,6 +88,8 @@ def _one_of(parse: Callable[[str], Any], allowed: Sequence[Any]) -> Callable[[st
 def _flag_kwargs(name: str, annotation: Any) -> dict[str, Any] | None:
     """argparse keyword arguments for a field of this annotation; None for a nested dataclass."""
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType) and set(args) == {bool, type(None)}:
+        return {"action": argparse.BooleanOptionalAction}  # neither --x nor --no-x: None (auto)
     if origin in (typing.Union, types.UnionType) and type(None) in args and len(args) == 2:
         inner = _flag_kwargs(name, next(a for a in args if a is not type(None)))
         if inner is None or "type" not in inner or inner.get("action"):
@@ -127,7 +134,8 @@ class ConfigFlags:
     from ``build``'s keyword arguments); ``explicit`` maps fields the caller adds flags for itself
     to those flags, so an error about them still names the flag (None: a field with no flag, that
     the caller fills in); ``rename`` gives a field another
-    flag name (without ``--``; ``prefix`` is not added); ``choices`` restricts a field's values.
+    flag name (without ``--``; ``prefix`` is not added); ``choices`` restricts a field's values;
+    ``parse`` maps a field to the function that reads its text (its ``__name__`` names it in errors).
     """
 
     def __init__(
@@ -140,14 +148,15 @@ class ConfigFlags:
         explicit: Mapping[str, str | None] | None = None,
         rename: Mapping[str, str] | None = None,
         choices: Mapping[str, Sequence[Any]] | None = None,
+        parse: Mapping[str, Callable[[str], Any]] | None = None,
     ):
         if not dataclasses.is_dataclass(cls):
             raise TypeError(f"{cls!r} is not a dataclass")
         self.cls = cls
         self.explicit = dict(explicit or {})
-        rename, choices = dict(rename or {}), dict(choices or {})
+        rename, choices, parse = dict(rename or {}), dict(choices or {}), dict(parse or {})
         names = {f.name for f in dataclasses.fields(cls) if f.init}
-        unknown = (set(only or ()) | set(self.explicit) | set(rename) | set(choices)) - names
+        unknown = (set(only or ()) | set(self.explicit) | set(rename) | set(choices) | set(parse)) - names
         if unknown:
             raise ValueError(f"{cls.__name__} has no field(s) {sorted(unknown)}")
         hints = typing.get_type_hints(cls)
@@ -156,6 +165,7 @@ class ConfigFlags:
         self.dests: dict[str, str] = {}  # field name -> attribute on the parsed namespace
         self.defaults: dict[str, Any] = {}
         self._repeated: set[str] = set()  # tuple fields: the flag is given once per item
+        self._required: set[str] = set()  # fields without a default: always in ``argv``
         for f in dataclasses.fields(cls):
             if not f.init or f.name in self.explicit or (only is not None and f.name not in only):
                 continue
@@ -163,13 +173,19 @@ class ConfigFlags:
             if kwargs is None:  # a nested config: the caller builds it
                 continue
             default = self._default(f)
-            if default is dataclasses.MISSING:
-                raise TypeError(f"config field {cls.__name__}.{f.name} has no default; add its flag explicitly")
             flag = "--" + rename.get(f.name, prefix + f.name).replace("_", "-")
             dest = flag[2:].replace("-", "_")
             if f.name in choices:
                 kwargs["choices"] = list(choices[f.name])
-            if kwargs.get("action") == "append":
+            if f.name in parse:
+                kwargs["type"] = parse[f.name]
+            if default is dataclasses.MISSING:
+                if kwargs.get("action"):
+                    raise TypeError(f"config field {cls.__name__}.{f.name}: a required flag takes a value")
+                doc = " ".join(docs.get(f.name, "").replace("``", "").split()).replace("%", "%%")
+                parser.add_argument(flag, dest=dest, required=True, help=f"{doc} (required)", **kwargs)
+                self._required.add(f.name)
+            elif kwargs.get("action") == "append":
                 # argparse appends to a non-empty default; None means "not given" -> the default
                 shown = " ".join(map(_text, default)).replace("%", "%%") or "none"
                 parser.add_argument(flag, dest=dest, default=None, help=_help(docs.get(f.name, ""), shown), **kwargs)
@@ -218,7 +234,7 @@ class ConfigFlags:
         out: list[str] = []
         for name, flag in self.flags.items():
             value = getattr(config, name)
-            if value == self.defaults[name]:
+            if name not in self._required and value == self.defaults[name]:
                 continue
             if isinstance(value, bool):
                 out.append(flag if value else "--no-" + flag[2:])
@@ -228,6 +244,12 @@ class ConfigFlags:
             else:
                 out += [flag, _text(value)]
         return out
+
+
+def argv_of(cls: type, config: Any, **spec: Any) -> list[str]:
+    """``ConfigFlags(parser, cls, **spec).argv(config)`` on a parser of its own: the flags that give
+    another process ``config`` (``spec``: the ``ConfigFlags`` options its command line uses)."""
+    return ConfigFlags(argparse.ArgumentParser(add_help=False), cls, **spec).argv(config)
 
 
 def _text(value: Any) -> str:

@@ -7,6 +7,9 @@ sequence split for a head split around attention with all-to-all; ring attention
 (https://arxiv.org/abs/2310.01889) keeps the split and passes key/value chunks around, merging
 partial results through their log-sum-exp. Both are diffusers' context parallel
 (``diffusers.ContextParallelConfig``); this config only chooses the degrees.
+
+It lives in ``core`` (no torch; ``triptych.parallel`` re-exports it) so a command line builds its
+flags before torch is imported (``triptych generate --cfg-parallel``), as it does ``DeviceConfig``'s.
 """
 
 from __future__ import annotations
@@ -68,3 +71,7 @@ class ParallelConfig:
                 f"world size {world_size} != cfg×ring×ulysses = {self.cfg}×{self.ring}×{self.ulysses} = "
                 f"{self.world_size}: start {self.world_size} ranks or change the degrees"
             )
+
+
+#: ``ParallelConfig``'s flags not spelt ``--field-name`` (``serve``, ``worker``, ``generate``).
+FLAG_NAMES = {"cfg": "cfg-parallel"}
