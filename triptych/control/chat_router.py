@@ -30,6 +30,7 @@ from triptych.control.lifecycle import Lifecycle
 from triptych.control.registry import InstanceRegistry
 from triptych.control.request_state import CHAT_TRANSITIONS, RequestMachine, RequestState, StateTimeouts
 from triptych.core.errors import InvalidParam
+from triptych.core.kinds import Role
 
 logger = logging.getLogger(__name__)
 S = RequestState
@@ -109,11 +110,11 @@ class ChatRouter:
     def pump(self) -> None:
         while self.waiting:
             ct = self.chats[self.waiting[0]]
-            pool = [i for i in self.registry.pool("encoder") if i.chat]
+            pool = [i for i in self.registry.pool(Role.ENCODER) if i.chat]
             affinity = self.registry.affinity
             if ct.attempts.image_keys is None:
                 ct.attempts.image_keys = affinity.keys(ct.job.params.tenant, ct.job.params.images)
-            inst = ct.attempts.pick(self.policy, "encoder", pool, affinity, chat=True)
+            inst = ct.attempts.pick(self.policy, Role.ENCODER, pool, affinity, chat=True)
             if inst is None:
                 return
             self.waiting.popleft()
@@ -121,7 +122,7 @@ class ChatRouter:
             affinity.record(ct.attempts.image_keys, inst.instance_id)
             ct.instance = inst.instance_id
             ct.machine.to(S.CHATTING)
-            hints = affinity.hints(ct.attempts.image_keys, inst.instance_id, self.registry.addresses("encoder"))
+            hints = affinity.hints(ct.attempts.image_keys, inst.instance_id, self.registry.addresses(Role.ENCODER))
             task = wire.chat_to_wire(
                 ct.job.request_id, ct.machine.generation, ct.job.params, ct.job.stream, ct.images_png, hints
             )
@@ -165,7 +166,7 @@ class ChatRouter:
             else ct.attempts.refusal(self.lifecycle.max_retries, None, [], None)
         )
         refusal = None if refusal is None else f"no retry: {refusal}"
-        self.lifecycle.retry(ct, why, refusal, "encoder", ct.instance)
+        self.lifecycle.retry(ct, why, refusal, Role.ENCODER, ct.instance)
 
     def _release(self, ct: ChatTracked, cancel_reason: str | None) -> None:
         """The lifecycle's release: its chat slot freed (``Cancel`` sent to the encoder with a reason)."""

@@ -37,6 +37,7 @@ from triptych.control.lifecycle import Lifecycle
 from triptych.control.metrics import Metrics, StageStats
 from triptych.control.registry import InstanceRegistry
 from triptych.control.request_state import TRANSITIONS, RequestMachine, RequestState, StateTimeouts
+from triptych.core.kinds import Role
 
 logger = logging.getLogger(__name__)
 S = RequestState
@@ -153,7 +154,7 @@ class GenerationRouter:
                 self.counters.dropped_after_end += 1
             elif tr.machine.generation != p.generation:
                 self.counters.dropped_stale += 1
-            elif tr.on_progress is not None and self._from(tr, "denoiser", report):
+            elif tr.on_progress is not None and self._from(tr, Role.DENOISER, report):
                 tr.on_progress(p.step, p.total)
 
     def instance_lost(self, instance_id: str, why: str) -> None:
@@ -188,7 +189,7 @@ class GenerationRouter:
             tr.waited_s = now - tr.machine.entered_at
             tr.machine.to(S.ENCODING, now)
             keys = tr.attempts.image_keys or []
-            hints = self.registry.affinity.hints(keys, enc.instance_id, self.registry.addresses("encoder"))
+            hints = self.registry.affinity.hints(keys, enc.instance_id, self.registry.addresses(Role.ENCODER))
             task = P.EncodeTask(
                 request_id=tr.job.request_id,
                 generation=tr.machine.generation,
@@ -199,7 +200,7 @@ class GenerationRouter:
             self.send(enc.instance_id, task)
         while self.wait_decoder:
             tr = self.requests[self.wait_decoder[0]]
-            dec = self._pick("decoder", tr)
+            dec = self._pick(Role.DECODER, tr)
             if dec is None:
                 break
             self.wait_decoder.popleft()
@@ -212,13 +213,13 @@ class GenerationRouter:
                 generation=tr.machine.generation,
                 params=tr.wire,
                 specs=tr.cond_specs,
-                source=tr.assigned["encoder"],
+                source=tr.assigned[Role.ENCODER],
                 decoder=dec.instance_id,
                 reserve_timeout_s=self.reserve_timeout_s,
                 previews=tr.job.partial_images if tr.on_preview is not None else 0,
                 progress=tr.on_progress is not None,
             )
-            self.send(tr.assigned["denoiser"], task)
+            self.send(tr.assigned[Role.DENOISER], task)
 
     def _place_encode(self) -> tuple[Tracked, Instance, Instance] | None:
         """The first waiting request (in order) that an encoder and a denoiser slot can take now.
@@ -228,8 +229,8 @@ class GenerationRouter:
         later one would fail the same way), so order holds among ordinary requests."""
         for rid in self.wait_encode:
             tr = self.requests[rid]
-            enc = self._pick("encoder", tr)
-            den = enc and self._pick("denoiser", tr)
+            enc = self._pick(Role.ENCODER, tr)
+            den = enc and self._pick(Role.DENOISER, tr)
             if enc is not None and den is not None:
                 self.wait_encode.remove(rid)
                 return tr, enc, den
@@ -239,11 +240,11 @@ class GenerationRouter:
 
     def _pick(self, role: str, tr: Tracked) -> Instance | None:
         affinity = None
-        if role == "encoder":  # prefer the encoder that holds the condition image (``affinity``)
+        if role == Role.ENCODER:  # prefer the encoder that holds the condition image (``affinity``)
             affinity = self.registry.affinity
             if tr.attempts.image_keys is None:
                 tr.attempts.image_keys = affinity.keys(tr.job.params.tenant, [tr.job.params.image])
-        loras = [name for name, _ in tr.job.params.lora] if role == "denoiser" else ()  # ``lora_affinity``
+        loras = [name for name, _ in tr.job.params.lora] if role == Role.DENOISER else ()  # ``lora_affinity``
         return tr.attempts.pick(self.registry.policies[role], role, self.registry.pool(role), affinity, loras=loras)
 
     def _charge(self, tr: Tracked, inst: Instance) -> None:
@@ -272,14 +273,14 @@ class GenerationRouter:
         return False
 
     def _on_encode_done(self, tr: Tracked, m: P.EncodeDone) -> None:
-        if self._from(tr, "encoder", m) and tr.machine.state is S.ENCODING and tr.cond_specs is None:
+        if self._from(tr, Role.ENCODER, m) and tr.machine.state is S.ENCODING and tr.cond_specs is None:
             tr.cond_specs = m.specs
             self.registry.affinity.held(tr.attempts.image_keys or [], m.instance_id, m.images)
             tr.encoded_at = self._stage_done(tr, "encode")
             self.wait_decoder.append(tr.job.request_id)
 
     def _on_slots_reserved(self, tr: Tracked, m: P.SlotsReserved) -> None:
-        receiver, sender = ("denoiser", "encoder") if m.handoff == "cond" else ("decoder", "denoiser")
+        receiver, sender = (Role.DENOISER, Role.ENCODER) if m.handoff == "cond" else (Role.DECODER, Role.DENOISER)
         if self._from(tr, receiver, m) and sender in tr.assigned:
             self.send(
                 tr.assigned[sender],
@@ -289,16 +290,16 @@ class GenerationRouter:
     def _on_push_done(self, tr: Tracked, m: P.PushDone) -> None:
         if m.handoff in P.PREVIEW_HANDOFFS:
             return  # a preview's push frees nothing the head charged
-        sender = "encoder" if m.handoff == "cond" else "denoiser"
+        sender = Role.ENCODER if m.handoff == "cond" else Role.DENOISER
         if self._from(tr, sender, m):
             self._uncharge(tr, sender)
 
     def _on_preview_ready(self, tr: Tracked, m: P.PreviewReady) -> None:
         """Send the preview to the request's decoder; without a listener, the denoiser's copy is
         freed when the request leaves it."""
-        if tr.on_preview is None or "decoder" not in tr.assigned or tr.machine.state is not S.DENOISING:
+        if tr.on_preview is None or Role.DECODER not in tr.assigned or tr.machine.state is not S.DENOISING:
             return
-        if self._from(tr, "denoiser", m) and 0 <= m.index < len(P.PREVIEW_HANDOFFS):
+        if self._from(tr, Role.DENOISER, m) and 0 <= m.index < len(P.PREVIEW_HANDOFFS):
             job = tr.job
             task = P.PreviewTask(
                 request_id=job.request_id,
@@ -313,14 +314,14 @@ class GenerationRouter:
                 quality=job.quality,
                 reserve_timeout_s=self.reserve_timeout_s,
             )
-            self.send(tr.assigned["decoder"], task)
+            self.send(tr.assigned[Role.DECODER], task)
 
     def _on_preview_result(self, tr: Tracked, m: P.PreviewResult) -> None:
-        if tr.on_preview is not None and self._from(tr, "decoder", m):
+        if tr.on_preview is not None and self._from(tr, Role.DECODER, m):
             tr.on_preview(m.index, m.data)
 
     def _on_denoise_done(self, tr: Tracked, m: P.DenoiseDone) -> None:
-        if self._from(tr, "denoiser", m) and tr.machine.state is S.DENOISING:
+        if self._from(tr, Role.DENOISER, m) and tr.machine.state is S.DENOISING:
             tr.waited_s = 0.0  # the decoder slot was charged before denoising started
             tr.machine.to(S.DECODING, self._stage_done(tr, "denoise"))
             job = tr.job
@@ -335,10 +336,10 @@ class GenerationRouter:
                 reserve_timeout_s=self.reserve_timeout_s,
                 quality=job.quality,
             )
-            self.send(tr.assigned["decoder"], task)
+            self.send(tr.assigned[Role.DECODER], task)
 
     def _on_media(self, tr: Tracked, m: P.MediaResult) -> None:
-        if self._from(tr, "decoder", m) and tr.machine.state is S.DECODING:
+        if self._from(tr, Role.DECODER, m) and tr.machine.state is S.DECODING:
             self._stage_done(tr, "decode")
             self.lifecycle.finish(tr, S.DONE, result=m.data)
 
