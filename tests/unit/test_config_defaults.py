@@ -123,3 +123,18 @@ def test_generate_given_only_its_required_flags_asks_for_the_dataclass_defaults(
 def test_quality_degrees_default_to_parallel_configs():
     args = build_parser().parse_args(["quality", "--teacache-threshold", "0.1"])
     assert ParallelConfig(cfg=args.cfg_parallel, ulysses=args.ulysses, ring=args.ring) == ParallelConfig()
+
+
+def test_chat_takes_its_sampling_flags_and_the_request_defaults_from_one_place():
+    """``triptych chat``'s flags, ``ChatParams`` and the head's default ``max_tokens`` all read
+    ``ChatSampling``: a default changed there changes all three."""
+    from triptych.chat import ChatParams
+    from triptych.core.chat_sampling import ChatSampling
+    from triptych.head.routes_chat import DEFAULT_MAX_TOKENS
+
+    args = build_parser().parse_args(["chat", "--prompt", "what is this?"])
+    want = ChatSampling()
+    assert {f.name: getattr(args, f.name) for f in dataclasses.fields(ChatSampling)} == dataclasses.asdict(want)
+    params = ChatParams(turns=())
+    assert {f.name: getattr(params, f.name) for f in dataclasses.fields(ChatSampling)} == dataclasses.asdict(want)
+    assert DEFAULT_MAX_TOKENS == want.max_tokens

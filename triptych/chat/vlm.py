@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList, TextStreamer
 
+from triptych.core.chat_sampling import ChatSampling
 from triptych.core.errors import InvalidParam
 from triptych.mmcache.cache import tenant_scope
 
@@ -44,10 +45,10 @@ GREEDY_BELOW = 1e-5
 class ChatParams:
     turns: tuple[ChatTurn, ...]
     images: tuple[Any, ...] = ()  # PIL images, referenced by index from the turns
-    max_tokens: int = 256
-    temperature: float = 0.0  # 0 (or below GREEDY_BELOW): greedy
-    top_p: float = 1.0
-    seed: int = 0
+    max_tokens: int = ChatSampling.max_tokens
+    temperature: float = ChatSampling.temperature  # 0 (or below GREEDY_BELOW): greedy
+    top_p: float = ChatSampling.top_p
+    seed: int = ChatSampling.seed
     ignore_eos: bool = False  # generate exactly max_tokens (load tests, benchmarks)
     tenant: str = ""  # who asked (a hash of the API key at the head); scopes the mm-hash cache
 

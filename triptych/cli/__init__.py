@@ -235,6 +235,8 @@ def _warn_untrained_size(model_dir, params) -> None:
 
 
 def _add_chat(sub) -> None:
+    from triptych.core.chat_sampling import ChatSampling
+
     p = sub.add_parser("chat", help="ask the model's VLM about images, in this process (streams the answer)")
     p.add_argument("--prompt", required=True, help='the question, e.g. "What is in this image?"')
     p.add_argument(
@@ -242,10 +244,7 @@ def _add_chat(sub) -> None:
     )
     p.add_argument("--model", help="model directory (default: the built-in model)")
     p.add_argument("--system", help="system message")
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    ConfigFlags(p, ChatSampling)  # --max-tokens, --temperature, --top-p, --seed
     _add_mm_cache_mb(p)
     add_device_flags(p)
     add_threads_flag(p)
@@ -264,7 +263,9 @@ def cmd_chat(args) -> int:
     turns = ((ChatTurn("system", (args.system,)),) if args.system else ()) + (
         ChatTurn("user", (*range(len(images)), args.prompt)),
     )
-    params = ChatParams(turns, tuple(images), args.max_tokens, args.temperature, args.top_p, args.seed)
+    params = ChatParams(
+        turns, tuple(images), max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
+    )
     params.check(max_images=64)
     model_dir = resolve_model(args.model, os.environ.get("TRIPTYCH_CACHE"))
     family = family_class(model_dir)(

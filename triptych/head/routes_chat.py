@@ -27,6 +27,7 @@ from fastapi.responses import StreamingResponse
 from triptych.chat import ChatParams, ChatResult, ChatTurn
 from triptych.control.backend import ChatJob
 from triptych.core import offload
+from triptych.core.chat_sampling import ChatSampling
 from triptych.core.errors import InvalidParam, TriptychError
 from triptych.core.media import decode_data_url
 from triptych.head.api_models import ChatChoice, ChatCompletion, ChatCompletionRequest, ChatMessageOut, ChatUsage
@@ -34,7 +35,7 @@ from triptych.head.routes_common import deadline, wait_disconnect
 from triptych.head.state import TENANT, ClientGone, DeadlineExceeded, Head, ModelHead
 
 ENDPOINT = "/v1/chat/completions"
-DEFAULT_MAX_TOKENS = 256
+DEFAULT_MAX_TOKENS = ChatSampling.max_tokens
 #: OpenAI fields the server does not implement, with the value that means "not used".
 UNSUPPORTED = {
     "n": 1,
