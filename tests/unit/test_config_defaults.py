@@ -138,3 +138,16 @@ def test_chat_takes_its_sampling_flags_and_the_request_defaults_from_one_place()
     params = ChatParams(turns=())
     assert {f.name: getattr(params, f.name) for f in dataclasses.fields(ChatSampling)} == dataclasses.asdict(want)
     assert DEFAULT_MAX_TOKENS == want.max_tokens
+
+
+def test_a_follower_ranks_command_parses_back_to_what_rank_0_wrote():
+    from triptych.worker.ranks.follower import FollowerArgs, follower_argv, parse_args
+
+    args = FollowerArgs(
+        rank=2, world=4, port=29511, parent_pid=123, cfg=2, ulysses=2, ring=1, device="cuda:1", timeout=20.0, threads=3
+    )
+    argv = follower_argv(args)
+    assert argv[:2] == ["-m", "triptych.worker.ranks.follower"]
+    assert parse_args(argv[2:]) == args
+    defaults = FollowerArgs(rank=1, world=2, port=1, parent_pid=1, cfg=2, ulysses=1, ring=1)
+    assert parse_args(follower_argv(defaults)[2:]) == defaults

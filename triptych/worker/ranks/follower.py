@@ -16,8 +16,49 @@ import logging
 import os
 import threading
 import time
+from dataclasses import dataclass
+
+from triptych.core.config_flags import ConfigFlags, argv_of
 
 logger = logging.getLogger("triptych.worker.ranks.follower")
+
+
+@dataclass(frozen=True)
+class FollowerArgs:
+    """What rank 0 gives a follower on its command line (``follower_argv``); the rest comes in
+    ``RankSetup`` once the process group formed."""
+
+    rank: int
+    """This follower's rank (1 .. world - 1)."""
+    world: int
+    """Ranks of the instance."""
+    port: int
+    """Rank 0's rendezvous port (loopback)."""
+    parent_pid: int
+    """Rank 0's pid: the follower exits when it is gone."""
+    cfg: int
+    """CFG-parallel degree."""
+    ulysses: int
+    """Ulysses degree."""
+    ring: int
+    """Ring degree."""
+    device: str = "cpu"
+    """Device of this rank."""
+    timeout: float = 60.0
+    """Collective timeout (seconds): a rank waiting on a dead peer fails instead of hanging."""
+    threads: int = 0
+    """torch threads (0 = torch's default)."""
+
+
+def follower_argv(args: FollowerArgs) -> list[str]:
+    """The command that starts a follower with ``args`` (parsed back by ``main``)."""
+    return ["-m", "triptych.worker.ranks.follower", *argv_of(FollowerArgs, args)]
+
+
+def parse_args(argv: list[str] | None) -> FollowerArgs:
+    p = argparse.ArgumentParser(prog="triptych.worker.ranks.follower")
+    flags = ConfigFlags(p, FollowerArgs)
+    return flags.build(p.parse_args(argv), p)
 
 
 def _watch_parent(pid: int) -> None:
@@ -29,13 +70,7 @@ def _watch_parent(pid: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="triptych.worker.ranks.follower")
-    for name in ("--rank", "--world", "--port", "--parent-pid", "--cfg", "--ulysses", "--ring"):
-        p.add_argument(name, type=int, required=True)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--timeout", type=float, default=60.0)
-    p.add_argument("--threads", type=int, default=0)
-    args = p.parse_args(argv)
+    args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{args.rank} %(levelname)s %(message)s")
     threading.Thread(target=_watch_parent, args=(args.parent_pid,), daemon=True).start()
 

@@ -19,6 +19,7 @@ import sys
 from triptych.engine import EngineConfig
 from triptych.parallel import ParallelConfig, ParallelGroups, apply_parallel, broadcast_message, destroy, free_port
 from triptych.parallel import init_rank as join_group
+from triptych.worker.ranks.follower import FollowerArgs, follower_argv
 from triptych.worker.ranks.ticks import RankSetup, Tick
 
 logger = logging.getLogger(__name__)
@@ -40,10 +41,19 @@ class InstanceRanks:
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}
         p = self.parallel
         for rank in range(1, world):
-            cmd = [sys.executable, "-m", "triptych.worker.ranks.follower", "--rank", str(rank), "--world", str(world)]
-            cmd += ["--port", str(port), "--device", device, "--parent-pid", str(os.getpid())]
-            cmd += ["--cfg", str(p.cfg), "--ulysses", str(p.ulysses), "--ring", str(p.ring)]
-            cmd += ["--timeout", str(self.timeout_s), "--threads", str(self.threads)]
+            args = FollowerArgs(
+                rank=rank,
+                world=world,
+                port=port,
+                parent_pid=os.getpid(),
+                cfg=p.cfg,
+                ulysses=p.ulysses,
+                ring=p.ring,
+                device=device,
+                timeout=self.timeout_s,
+                threads=self.threads,
+            )
+            cmd = [sys.executable, *follower_argv(args)]
             self.procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL))
         logger.info("rank 0 of a %d-rank instance (%s); followers %s", world, p, [x.pid for x in self.procs])
         try:
