@@ -39,9 +39,10 @@ def plan_for(family) -> TeaCachePlan:
 def make_teacache(
     family: Family, profiles_dir: str | Path | None = None, config: TeaCacheConfig | None = None, ranks=None
 ) -> TeaCache | None:
-    """The family's TeaCache, or None when the family has no TeaCache plan. ``ranks``: the instance's
-    ``RankComposition`` on a multi-rank denoiser (``Parallelism.for_cache()``)."""
-    if not has_plan(family):
+    """The family's TeaCache, or None when the family has no TeaCache plan or this instance loaded
+    no transformer (it denoises nothing). ``ranks``: the instance's ``RankComposition`` on a
+    multi-rank denoiser (``Parallelism.for_cache()``)."""
+    if not has_plan(family) or getattr(family.pipe, "transformer", None) is None:
         return None
     profiles = ProfileIndex(family.model_dir, family.name, profiles_dir)
     return TeaCache(plan_for(family), profiles, config, ranks, lora_plan=family.lora_plan)
