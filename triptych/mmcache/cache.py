@@ -73,17 +73,24 @@ class Item:
 class MMEmbeddingCache:
     """The embedding tier: per-image vision-tower outputs by mm-hash (an ``EmbeddingStore``)."""
 
-    def __init__(self, max_bytes: int = 256 << 20, scope: str = ""):
+    def __init__(self, max_bytes: int = 256 << 20, scope: str = "", processor=None, shared=None):
         """``scope`` goes into every key: the encoder's identity (model revision); the tenant of the
-        request (``tenant_scope``) joins it per lookup."""
+        request (``tenant_scope``) joins it per lookup. ``processor``: the processor tier
+        (``mmcache.processor.ProcessorCache``, installed on the image processor), if any; ``shared``:
+        the host's shared store (``mmcache.shared.SharedStore``), if configured."""
         self.stats = MMCacheStats()
         self.store = EmbeddingStore(max_bytes, self.stats)
         self.scope = scope
-        self.processor = None  # the processor tier (``mm_processor.ProcessorCache``), when installed
-        self.shared = None  # the host's shared store (``mm_shared.SharedStore``), when configured
+        self.processor = processor
+        self.shared = shared
         #: another encoder's entries, fetched on a miss (``worker.mm_remote.RemoteEmbeddings``): its
         #: ``fetch(key, tokens)`` gives the tensor or None; None: this cache asks no peer
         self.remote = None
+
+    def connect_remote(self, remote) -> None:
+        """Fetch misses from other encoders through ``remote`` (``worker.mm_remote.attach``). The one
+        link made after construction: ``remote`` lends from this cache, so it is built on it."""
+        self.remote = remote
 
     def __len__(self) -> int:
         return len(self.store)

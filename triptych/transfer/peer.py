@@ -103,7 +103,7 @@ class PeerEndpoint(TransferEndpoint):
         self._outcomes: FIFOCache[str, TransferError] = FIFOCache(_REMEMBER_OUTCOMES)  # the oldest forgotten
         self._ctx = zmq.Context()
         self.sender = PushSender(instance_id, self._ctx, carrier, self.stats, self.config.push_timeout_s)
-        self.lending: Lending | None = None  # what it lends to peers' FetchRequests (``lending``); None: nothing
+        self.lending: Lending | None = None  # what it lends to peers' FetchRequests (``lend_from``); None: nothing
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.bind(f"tcp://{self.config.host}:*")
@@ -341,6 +341,12 @@ class PeerEndpoint(TransferEndpoint):
         self._cond.notify_all()
 
     # -- sender ----------------------------------------------------------------------------------
+    def lend_from(self, lending: Lending) -> None:
+        """Answer peers' ``FetchRequest``s from ``lending`` (``worker.mm_remote.attach``; before it,
+        this endpoint lends nothing). Made after construction: what it lends pushes through this
+        endpoint."""
+        self.lending = lending
+
     def push(self, ref: TensorRef, tensor: torch.Tensor, timeout_s: float | None = None) -> None:
         self.sender.push(ref, tensor, timeout_s)
 

@@ -145,6 +145,6 @@ class RemoteEmbeddings:
 def attach(cache, endpoint, timeout_s: float) -> RemoteEmbeddings:
     """Give ``cache`` (an ``MMEmbeddingCache``) cross-encoder hits over ``endpoint``, both ways."""
     remote = RemoteEmbeddings(cache, endpoint, timeout_s)
-    cache.remote = remote
-    endpoint.lending = Lending(remote, endpoint.push)
+    cache.connect_remote(remote)
+    endpoint.lend_from(Lending(remote, endpoint.push))
     return remote

@@ -88,18 +88,20 @@ class QwenImageFamily(Family):
         budget = self.mm_cache_config.max_bytes
         if visual is not None and budget > 0:
             scope = model_identity(self.model_dir, ("text_encoder",))
-            self.mm_cache = mm.install(visual, mm.MMEmbeddingCache(budget, scope=scope))
+            processor_tier = shared = None
             image_processor = getattr(self.processor, "image_processor", None)
             if image_processor is not None and self.mm_cache_config.processor_bytes > 0:
                 from triptych.mmcache import processor as mm_processor
 
                 tier = mm_processor.ProcessorCache(self.mm_cache_config.processor_bytes)
-                self.mm_cache.processor = mm_processor.install(image_processor, tier)
+                processor_tier = mm_processor.install(image_processor, tier)
             if self.mm_cache_config.shared_dir:
                 from triptych.mmcache.shared import SharedStore
 
                 shared_bytes = int(self.mm_cache_config.shared_mb * (1 << 20))
-                self.mm_cache.shared = SharedStore(self.mm_cache_config.shared_dir, shared_bytes)
+                shared = SharedStore(self.mm_cache_config.shared_dir, shared_bytes)
+            cache = mm.MMEmbeddingCache(budget, scope=scope, processor=processor_tier, shared=shared)
+            self.mm_cache = mm.install(visual, cache)
         self._chat = None
 
     @functools.cached_property
