@@ -151,9 +151,3 @@ def make_policy(name: str) -> DispatchPolicy:
         return POLICIES[name]()
     except KeyError:
         raise ValueError(f"dispatch policy {name!r} is not one of {sorted(POLICIES)}") from None
-
-
-def bound_ids(d: dict, most: int = 1024) -> None:
-    """Forget the oldest entries of an insertion-ordered dict past ``most`` (ids of gone instances)."""
-    while len(d) > most:
-        del d[next(iter(d))]

@@ -14,11 +14,12 @@ import logging
 import time
 
 import msgspec
+from cachetools import FIFOCache
 
 from triptych.control import protocol as P
 from triptych.control.affinity import ImageAffinity
 from triptych.control.counters import RegistryCounters
-from triptych.control.dispatch import DispatchPolicy, Instance, bound_ids, make_policy
+from triptych.control.dispatch import DispatchPolicy, Instance, make_policy
 from triptych.control.listener import ControlPlane
 from triptych.control.metrics import Metrics
 from triptych.control.worker_stats import stats_window
@@ -45,8 +46,10 @@ class InstanceRegistry:
         self.instances: dict[str, Instance] = {}
         self.policies: dict[str, DispatchPolicy] = {r: make_policy(dispatch) for r in ROLES}
         self.affinity = ImageAffinity()  # which encoder holds which tenant's images (``affinity``)
-        self._rejoin_sent: dict[str, float] = {}  # unknown instance id -> when it was last told to rejoin
-        self._last_stats: dict[str, tuple[int, P.StatsReport]] = {}  # dead instance -> (pid, last report)
+        #: unknown instance id -> when it was last told to rejoin; dead instance -> (pid, last report).
+        #: Ids of gone instances: the oldest written are forgotten past 1024.
+        self._rejoin_sent: FIFOCache[str, float] = FIFOCache(1024)
+        self._last_stats: FIFOCache[str, tuple[int, P.StatsReport]] = FIFOCache(1024)
         now = time.monotonic()
         self._empty_since: dict[str, float] = {role: now for role in self.policies}  # role -> pool empty since
 
@@ -144,7 +147,6 @@ class InstanceRegistry:
         self.control.forget(instance_id)
         if inst.stats is not None:
             self._last_stats[instance_id] = (inst.pid, inst.stats)
-            bound_ids(self._last_stats)
         return inst
 
     def _tell_rejoin(self, identity: bytes, instance_id: str) -> None:
@@ -154,7 +156,6 @@ class InstanceRegistry:
         if now - self._rejoin_sent.get(instance_id, -1e9) < self.heartbeat_interval_s:
             return
         self._rejoin_sent[instance_id] = now
-        bound_ids(self._rejoin_sent)
         self.counters.rejoins_requested += 1
         logger.warning("%s is alive but not registered (declared dead earlier?); asking it to rejoin", instance_id)
         self.control.send_to(identity, P.Rejoin(reason="not registered with this head"))
