@@ -145,3 +145,23 @@ def tiny_qwen_with_two_adapters(root):
     write_random_lora(root / "a", transformer, ("attn.to_q", "attn.to_v", "img_mlp.net.2"), rank=4, seed=1, std=0.2)
     write_random_lora(root / "b", transformer, ("attn.to_k", "proj_out"), rank=2, seed=2, std=0.2)
     return model, LoraConfig(lora=(f"a={root / 'a'}", f"b={root / 'b'}"))
+
+
+def denoise_job(request_id: str, params, progress: bool = False):
+    """A denoiser ``Job`` as the head would hand it over (its ``DenoiseTask``: generation 1, encoder
+    ``e0``, decoder ``dec0``), for driving a ``DenoiserRunner`` in process."""
+    from triptych.control import protocol as P
+    from triptych.control.wire import params_to_wire
+    from triptych.worker.runners.base import Job
+
+    task = P.DenoiseTask(
+        request_id=request_id,
+        generation=1,
+        params=params_to_wire(params),
+        specs={},
+        source="e0",
+        decoder="dec0",
+        reserve_timeout_s=30.0,
+        progress=progress,
+    )
+    return Job(request_id, 1, params, task=task)

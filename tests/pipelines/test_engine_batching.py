@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import count_calls
+from tests.helpers import count_calls, denoise_job
 from triptych.calibration.metrics import psnr
 from triptych.engine import DenoiserEngine, EngineConfig
 from triptych.families.base import GenerationParams
@@ -129,7 +129,6 @@ def test_the_denoiser_worker_fails_an_evicted_request_as_retryable_and_keeps_ser
     """The worker half of eviction: the evicted request's job gets a retryable ``StageError`` (the head
     retries it on another denoiser), the other request's progress is still sent."""
     from triptych.control import protocol as P
-    from triptych.worker.runners.base import Job
     from triptych.worker.runners.denoiser import DenoiserRunner
 
     sent, failures = [], []
@@ -144,22 +143,10 @@ def test_the_denoiser_worker_fails_an_evicted_request_as_retryable_and_keeps_ser
         def fail(self, job, error, retryable):
             failures.append((job.request_id, retryable))
 
-    from triptych.control.wire import params_to_wire
-
     runner = DenoiserRunner(family, Port(), DenoiserEngine(family, EngineConfig(max_batch_requests=1)))
     for rid in ("bad", "good"):
         p = _params(family, 0)
-        task = P.DenoiseTask(
-            request_id=rid,
-            generation=1,
-            params=params_to_wire(p),
-            specs={},
-            source="e0",
-            decoder="dec0",
-            reserve_timeout_s=30.0,
-            progress=True,
-        )
-        runner.admit(Job(rid, 1, p, task=task), family.prepare(rid, p, family.encode(p)))
+        runner.admit(denoise_job(rid, p, progress=True), family.prepare(rid, p, family.encode(p)))
     real = family.forward
     monkeypatch.setattr(
         family,

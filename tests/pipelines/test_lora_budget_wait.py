@@ -13,9 +13,8 @@ import dataclasses
 import pytest
 import torch
 
-from tests.helpers import tiny_qwen_with_two_adapters
+from tests.helpers import denoise_job, tiny_qwen_with_two_adapters
 from triptych.control import protocol as P
-from triptych.control.wire import params_to_wire
 from triptych.engine import DenoiserEngine, EngineConfig
 from triptych.families.base import GenerationParams
 from triptych.families.qwenimage.family import QwenImageFamily
@@ -61,20 +60,7 @@ def params(family, i: int, lora):
 
 
 def admit(runner, family, rid: str, p) -> Job:
-    job = Job(
-        rid,
-        1,
-        p,
-        task=P.DenoiseTask(
-            request_id=rid,
-            generation=1,
-            params=params_to_wire(p),
-            specs={},
-            source="e0",
-            decoder="dec0",
-            reserve_timeout_s=30.0,
-        ),
-    )
+    job = denoise_job(rid, p)
     runner.admit(job, family.prepare(rid, p, family.encode(p)))
     return job
 
@@ -142,20 +128,7 @@ def test_an_adapter_that_cannot_fit_alone_fails_at_once_with_the_sizes(setup):
     runner = DenoiserRunner(family, port, DenoiserEngine(family, EngineConfig(fuse_cfg=True)))
     big = "a" if sizes["a"] > sizes["b"] else "b"
     p = params(family, 0, ((big, 1.0),))
-    job = Job(
-        "r",
-        1,
-        p,
-        task=P.DenoiseTask(
-            request_id="r",
-            generation=1,
-            params=params_to_wire(p),
-            specs={},
-            source="e0",
-            decoder="dec0",
-            reserve_timeout_s=30.0,
-        ),
-    )
+    job = denoise_job("r", p)
     job.incoming = family.encode(p).flat()
     runner.run(job)
     assert len(port.failed) == 1, port.failed
