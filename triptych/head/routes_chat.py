@@ -201,21 +201,16 @@ async def _stream(
 
     async def events():
         nonlocal getter
-        # The client leaving ends the stream at once, whether or not the server reports it through a
-        # failing send (a send after a disconnect may be dropped silently): the finally cancels the chat.
-        gone = asyncio.create_task(wait_disconnect(request))
         try:
             yield chunk({"role": "assistant", "content": ""})
             while True:
-                if gone.done():
-                    return
                 if getter.done():
                     yield chunk({"content": getter.result()})
                     getter = asyncio.create_task(pieces.get())
                     continue
                 if task.done():
                     break
-                await asyncio.wait({task, getter, gone}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({task, getter}, return_when=asyncio.FIRST_COMPLETED)
             getter.cancel()
             while not pieces.empty():
                 yield chunk({"content": pieces.get_nowait()})
@@ -250,7 +245,6 @@ async def _stream(
             # stops the worker at its next token and frees its slot.
             head.admission.release(1)
             getter.cancel()
-            gone.cancel()
             task.cancel()
 
     return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
