@@ -10,7 +10,6 @@ shows the adapter before the next is sent), so ``a`` is loaded once and hit thre
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import pytest
 from orchestrator_support import Cluster, job, nothing_held
@@ -60,10 +59,7 @@ def reported_finished(c: Cluster, n: int, timeout: float = 60.0) -> None:
         insts = c.backend.orchestrator.registry.instances.values()
         return sum(i.stats.engine.finished for i in insts if i.stats is not None and i.stats.engine is not None)
 
-    end = time.monotonic() + timeout
-    while (got := c.on_loop(finished)) < n:
-        assert time.monotonic() < end, f"stats reports count {got} finished requests, not {n}, after {timeout}s"
-        time.sleep(0.1)
+    c.wait_until(lambda _: c.on_loop(finished) >= n, f"stats reports counting {n} finished requests", timeout)
 
 
 def test_requests_go_to_the_denoiser_holding_their_adapter(cluster):
