@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import pytest
 import zmq
 from orchestrator_support import job
 
+from tests.e2e.http_support import wait_for
 from triptych.control import protocol as P
 from triptych.control.auth import ControlKey, SequencedSender
 from triptych.control.backend import Cancelled
@@ -258,9 +258,8 @@ def test_a_denoiser_is_asked_for_step_progress_only_when_someone_follows_it(head
     den.send(
         P.EncodeDone(request_id="p-2", generation=1, instance_id="denoiser-0", specs=SPEC)
     )  # wrong sender: dropped and counted, and sent last,
-    deadline = time.monotonic() + 30  # once it is counted, both Progress messages were handled
-    while on_loop(loop, orch.describe)["stats"].get("dropped_misrouted", 0) < 1 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    # once it is counted, both Progress messages were handled
+    wait_for(lambda: on_loop(loop, orch.describe)["stats"].get("dropped_misrouted", 0) >= 1, "dropped_misrouted")
     asyncio.run_coroutine_threadsafe(orch.cancel("p-2"), loop).result(30)
     with pytest.raises(Cancelled):
         pending.result(30)
@@ -298,10 +297,7 @@ def _stat(loop, orch, name):
 
 
 def _wait_stat(loop, orch, name, at_least, deadline_s=30.0):
-    end = time.monotonic() + deadline_s
-    while (n := _stat(loop, orch, name)) < at_least and time.monotonic() < end:
-        time.sleep(0.02)
-    assert n >= at_least, f"{name}={n}, expected >= {at_least} (stats {on_loop(loop, orch.describe)['stats']})"
+    wait_for(lambda: _stat(loop, orch, name) >= at_least, f"{name} >= {at_least}", deadline_s)
 
 
 def test_replayed_register_and_heartbeats_register_nothing_and_are_counted(head, model):
@@ -366,13 +362,13 @@ def test_replayed_register_and_heartbeats_register_nothing_and_are_counted(head,
     assert _next(den, P.DenoiseTask).request_id == "r-1"
     refused = _stat(loop, orch, "replays_refused")
     den.send(P.Heartbeat(instance_id="denoiser-0", active=1, free_slots=3, max_slots=4, engine_running=1))
-    end = time.monotonic() + 30
-    while time.monotonic() < end:
+
+    def reported_active():
         reports = {i["id"]: i["report"] for i in on_loop(loop, orch.describe)["instances"]}
-        if reports["denoiser-0"].get("active") == 1:
-            break
-        time.sleep(0.02)
-    assert reports["denoiser-0"]["active"] == 1 and _stat(loop, orch, "replays_refused") == refused
+        return reports["denoiser-0"].get("active") == 1
+
+    wait_for(reported_active, "the real worker's heartbeat counted")
+    assert _stat(loop, orch, "replays_refused") == refused
     asyncio.run_coroutine_threadsafe(orch.cancel("r-1"), loop).result(30)
     with pytest.raises(Cancelled):
         pending.result(30)
@@ -381,10 +377,14 @@ def test_replayed_register_and_heartbeats_register_nothing_and_are_counted(head,
     den.sock.close(0)
     on_loop(loop, lambda: orch.instance_dead("denoiser-0", "killed by the test"))
     ghost = _replayer(ctx, orch, identity=b"denoiser-0")
-    end = time.monotonic() + 30  # the ROUTER lets the identity be reused once it saw the old socket go
-    while not ghost.poll(200):
-        assert time.monotonic() < end, "the dead worker's identity never became free"
+
+    def knock():  # the ROUTER lets the identity be reused once it saw the old socket go
+        if ghost.poll(200):
+            return True
         ghost.send_multipart(hello)
+        return False
+
+    wait_for(knock, "the dead worker's identity to become free")
     assert isinstance(P.decode_from_head(den.key.open(ghost.recv_multipart())), P.Challenge)
     for frames in (register, *beats):
         ghost.send_multipart(frames)

@@ -18,11 +18,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 import openai
+import psutil
 import pytest
 
 from shapeworld import render, sample_scenes
@@ -61,8 +62,25 @@ def vllm_metric(url: str, name: str, label: str = "") -> float:
     return total
 
 
+class Served(NamedTuple):
+    base: str  # the head
+    vllm_url: str  # the vLLM server serve started
+    pid: int  # serve's process (vLLM's processes are in its tree)
+    vllm_log: Path  # vLLM's log (with --enable-log-requests: each request added and aborted)
+
+    def logged(self, what: str) -> int:
+        return self.vllm_log.read_text(errors="replace").count(what)
+
+    def engine_core(self) -> psutil.Process:
+        """vLLM's engine process (``VLLM::EngineCore``, a child of its API server), in serve's tree."""
+        found = [p for p in psutil.Process(self.pid).children(recursive=True) if "EngineCore" in p.name()]
+        assert len(found) == 1, f"vLLM's EngineCore among serve's processes: {found}"
+        return found[0]
+
+
 CONTEXT = 2048  # vLLM's --max-model-len here (the head's max_chat_tokens, 2048, bounds max_tokens)
 LONG = 1900  # max_tokens of the answers a client leaves
+LENGTH = 'finished_reason="length"'  # an answer that ran to max_tokens (an abort is not counted)
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +95,7 @@ def served(tmp_path_factory):
     # A 2048-token context: a cancelled answer of up to 1900 tokens is long enough that
     # the cancel reaches vLLM before it ends, even on an idle machine.
     cmd += ["--vllm-vision-weights", "nan", "--vllm-max-model-len", str(CONTEXT)]
+    cmd += ["--vllm-args=--enable-log-requests"]  # vLLM logs each request it adds and aborts
     log = data / "serve.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -91,7 +110,7 @@ def served(tmp_path_factory):
 
     try:
         wait_for(healthy, "serve --chat-engine vllm healthy", deadline_s=900, every_s=0.5)  # vLLM's load: 1-3 min
-        yield base, vllm_url
+        yield Served(base, vllm_url, proc.pid, data / "vllm" / "default.log")
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -128,7 +147,7 @@ def builtin_answer(chat, images, content):
 
 
 def test_greedy_answers_are_the_builtin_engines_token_for_token(served, builtin):
-    base, vllm_url = served
+    base, vllm_url = served.base, served.vllm_url
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
     scenes = sample_scenes(4, "vllm-chat", "heldout")
     cases = [[render(s, 64)] for s in scenes[:3]] + [[render(scenes[3], 64), render(scenes[0], 64)]]
@@ -150,7 +169,7 @@ def test_greedy_answers_are_the_builtin_engines_token_for_token(served, builtin)
 
 def test_vllms_own_vision_tower_is_poisoned(served, builtin):
     """The check above can fail: the same image sent to vLLM as pixels runs its NaN tower."""
-    _, vllm_url = served
+    vllm_url = served.vllm_url
     image = render(sample_scenes(1, "vllm-chat", "heldout")[0], 64)
     content = [image_part(image), {"type": "text", "text": QUESTION}]
     direct = openai.OpenAI(base_url=f"{vllm_url}/v1", api_key="unused", max_retries=0)
@@ -161,7 +180,7 @@ def test_vllms_own_vision_tower_is_poisoned(served, builtin):
 
 
 def test_streaming_gives_the_same_answer_in_pieces(served):
-    base, _ = served
+    base = served.base
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
     image = render(sample_scenes(2, "vllm-stream", "heldout")[1], 64)
     messages = [{"role": "user", "content": [image_part(image), {"type": "text", "text": QUESTION}]}]
@@ -173,7 +192,7 @@ def test_streaming_gives_the_same_answer_in_pieces(served):
 
 def test_the_mm_hash_keys_vllms_prefix_cache(served):
     """Two questions about one image: the second reuses the blocks over the image (keyed by its uuid)."""
-    base, vllm_url = served
+    base, vllm_url = served.base, served.vllm_url
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
     image = render(sample_scenes(3, "vllm-prefix", "heldout")[2], 64)
     before = vllm_metric(vllm_url, "vllm:prefix_cache_hits_total")
@@ -183,33 +202,34 @@ def test_the_mm_hash_keys_vllms_prefix_cache(served):
     assert vllm_metric(vllm_url, "vllm:prefix_cache_hits_total") - before >= 32  # one block (32 tokens) at least
 
 
-async def _leave_once_running(url: str, body: dict, vllm_url: str) -> bool:
-    """Post ``body`` and leave once vLLM runs it: True; False if the answer came first (on a loaded
-    machine a long answer can finish between two polls of vLLM's metrics)."""
+async def _until(cond, every_s: float = 0.02) -> None:
+    while not cond():
+        await asyncio.sleep(every_s)
+
+
+async def _leave_once_added(url: str, body: dict, served: Served, added: int) -> None:
+    """Post ``body`` and leave (close the connection) once vLLM has added it (its log says so)."""
     async with httpx.AsyncClient(timeout=60) as http:
         task = asyncio.create_task(http.post(url, json=body))
-        end = time.monotonic() + 60
-        while vllm_metric(vllm_url, "vllm:num_requests_running") == 0:
-            if task.done():
-                assert task.result().status_code == 200, task.result().text
-                return False
-            assert time.monotonic() < end, "the chat never reached vLLM"
-            await asyncio.sleep(0.01)
+        await asyncio.wait_for(_until(lambda: task.done() or served.logged("Added request") > added), 60)
+        assert not task.done(), f"answered while vLLM's engine was frozen: {task.result().text}"
         task.cancel()  # closes the connection: the head cancels the chat
         with pytest.raises(asyncio.CancelledError):
             await task
-        return True
 
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_client_that_leaves_frees_vllm_and_the_head(served, stream):
-    """Streamed: the client closes after a few pieces; whole: it goes once vLLM runs the request.
+    """The client leaves while vLLM holds its chat: streamed, after the first piece (vLLM is decoding
+    it); whole, once vLLM added it. vLLM's engine process is frozen (SIGSTOP) from before the client
+    leaves until vLLM's server has logged the abort, so the answer cannot end first (this tiny model
+    decodes the 1900 tokens in 0.2-0.5 s); resumed, the engine drops it before its next step. A cancel
+    that never reaches vLLM logs no abort (the wait fails) and, resumed, runs to max_tokens.
 
-    NOTE: the cancel reaches vLLM through the head, the encoder and a closed connection; on this
-    tiny model vLLM can finish a 1900-token answer before that (seen on about half the attempts on an
-    idle 2-core machine), so an attempt that ran to the end proves nothing either way and another is
-    made, up to 8. A cancel that never reaches vLLM fails every attempt."""
-    base, vllm_url = served
+    NOTE: streamed, vLLM can finish the answer between its first piece and the freeze; such an
+    attempt (vLLM counted the request a success) proves nothing and another is made, up to 8."""
+    base, vllm_url = served.base, served.vllm_url
+    engine = served.engine_core()
     image = render(sample_scenes(1, "vllm-cancel", "heldout")[0], 64)
     body = {
         "model": "default",
@@ -221,26 +241,40 @@ def test_a_client_that_leaves_frees_vllm_and_the_head(served, stream):
     outcomes = []
     for _ in range(8):
         generated = vllm_metric(vllm_url, "vllm:generation_tokens_total")
-        if stream:
-            with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=60) as resp:
-                assert resp.status_code == 200
-                lines = resp.iter_lines()
-                got = [next(lines) for _ in range(6)]
-                assert any(line.startswith("data: ") for line in got)
-            left = True
-        else:
-            left = asyncio.run(_leave_once_running(f"{base}/v1/chat/completions", body, vllm_url))
+        finished = vllm_metric(vllm_url, "vllm:request_success_total", LENGTH)
+        aborted, added = served.logged("Aborted request"), served.logged("Added request")
+        try:
+            if stream:
+                with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=60) as resp:
+                    assert resp.status_code == 200
+                    next(line for line in resp.iter_lines() if line.startswith("data: "))
+                    engine.suspend()
+            else:
+                engine.suspend()
+                asyncio.run(_leave_once_added(f"{base}/v1/chat/completions", body, served, added))
+            wait_for(
+                lambda: (
+                    served.logged("Aborted request") > aborted
+                    or vllm_metric(vllm_url, "vllm:request_success_total", LENGTH) > finished
+                ),
+                "vLLM's server aborting the chat the client left",
+                60,
+            )
+            ended_first = served.logged("Aborted request") == aborted
+        finally:
+            engine.resume()
         wait_for(lambda: vllm_metric(vllm_url, "vllm:num_requests_running") == 0, "vLLM's request ended", 60)
         wait_for(lambda: httpx.get(f"{base}/health").json()["in_flight"] == 0, "the head's chat ended", 60)
         produced = vllm_metric(vllm_url, "vllm:generation_tokens_total") - generated
-        outcomes.append((left, produced))
-        if left and produced < LONG:
+        outcomes.append((ended_first, produced))
+        if not ended_first:
             break
-    assert 0 < produced < LONG, f"no attempt stopped before the end (left, tokens): {outcomes}"
+    assert not ended_first, f"vLLM ended every answer before the freeze (ended first, tokens): {outcomes}"
+    assert produced < LONG, f"vLLM decoded on after the abort (ended first, tokens): {outcomes}"
 
 
 def test_a_chat_past_vllms_context_is_a_400_naming_max_tokens(served):
-    base, _ = served
+    base = served.base
     image = render(sample_scenes(1, "vllm-long", "heldout")[0], 64)
     body = {
         "model": "default",
