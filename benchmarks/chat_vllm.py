@@ -10,6 +10,8 @@ after one warm-up measurement each; the median of the repeats is reported, with 
 plain-vLLM (the cost of Triptych in front of vLLM) and vLLM / built-in.
 
     .venv/bin/python benchmarks/chat_vllm.py --repeats 3 --out benchmarks/chat_vllm.json
+
+``--split-cores`` puts vLLM's processes on core 0 and everything else on core 1 (``split_cores``).
 """
 
 from __future__ import annotations
@@ -112,6 +114,27 @@ def cpu_seconds(serve: subprocess.Popen) -> dict[str, float]:
     return out
 
 
+def split_cores(serves: dict[str, subprocess.Popen]) -> None:
+    """vLLM's processes (its API server and all below it) on core 0; the serves' head and encoder
+    processes, and this client, on core 1: Triptych's hops no longer queue behind vLLM's polling
+    EngineCore and Worker, as in a deployment where the encoders and the head run beside the vLLM
+    server rather than on its cores."""
+    for proc in serves.values():
+        root = psutil.Process(proc.pid)
+        for child in [root, *root.children(recursive=True)]:
+            inside_vllm = "api_server" in " ".join(child.cmdline()) or any(
+                "api_server" in " ".join(p.cmdline()) for p in child.parents()
+            )
+            pin(child, 0 if inside_vllm else 1)
+    pin(psutil.Process(), 1)
+
+
+def pin(proc: psutil.Process, core: int) -> None:
+    """Every thread of ``proc`` (``sched_setaffinity`` on a pid moves only its main thread)."""
+    for thread in proc.threads():
+        os.sched_setaffinity(thread.id, {core})
+
+
 def vllm_seconds(vllm_url: str) -> tuple[float, float]:
     """vLLM's own time on its requests so far: the sum and count of its e2e request latency."""
     text = httpx.get(f"{vllm_url}/metrics", timeout=10).text
@@ -168,6 +191,9 @@ def main() -> None:
     p.add_argument("--data", type=Path, default=ROOT / "out" / "chat_vllm")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--vllm-threads", type=int, default=1, help="torch threads of the vLLM-engine serve's encoder")
+    p.add_argument(
+        "--split-cores", action="store_true", help="vLLM's processes on core 0, the serves' and this client on core 1"
+    )
     args = p.parse_args()
     ports = {"builtin": free_port(), "vllm": free_port()}
     vllm_port = free_port()
@@ -181,6 +207,8 @@ def main() -> None:
     try:
         for e, proc in procs.items():
             wait_encoder(proc, targets["builtin" if e == "builtin" else "triptych+vllm"], args.data / e / "serve.log")
+        if args.split_cores:
+            split_cores(procs)
         results: dict[str, dict[int, list[float]]] = {t: {c: [] for c in args.concurrency} for t in targets}
         split: dict[str, dict[int, list]] = {t: {c: [] for c in args.concurrency} for t in targets}
         cpu: dict[str, dict[int, list]] = {t: {c: [] for c in args.concurrency} for t in targets}
