@@ -18,8 +18,6 @@ import subprocess
 import time
 from pathlib import Path
 
-import httpx
-
 from triptych.core.errors import TriptychError
 from triptych.vllm_chat.config import VllmConfig
 
@@ -104,6 +102,8 @@ class VllmServer:
         return self.url
 
     def _wait_ready(self, deadline: float) -> None:
+        import httpx  # here, not at import: serve's parser imports this module (0.1 s)
+
         while True:
             code = self.proc.poll()
             if code is not None:

@@ -15,7 +15,6 @@ from triptych.mmcache.layer import encoder_layer
 from triptych.transfer.refs import TensorSpec
 from triptych.transfer.staging import to_host
 from triptych.worker.runners.base import Job, StageRunner, owned, specs_of
-from triptych.worker.runners.remote_chat import RemoteChats
 
 
 class EncoderRunner(StageRunner):
@@ -43,7 +42,11 @@ class EncoderRunner(StageRunner):
         answers the chats; None: the built-in batched engine (``chat_config``)."""
         super().__init__(family, port)
         self.layer = encoder_layer(family)
-        self.remote = None if chat_engine is None else RemoteChats(family, port, chat_engine, self.layer)
+        self.remote = None
+        if chat_engine is not None:  # imported here: a worker without vLLM does not load httpx
+            from triptych.worker.runners.remote_chat import RemoteChats
+
+            self.remote = RemoteChats(family, port, chat_engine, self.layer)
         self.chat_config = chat_config
         self.engine = None  # the ChatEngine, built at the first chat
         self.chats: dict[tuple[str, int], Job] = {}  # engine chat id -> job, for the chats held
