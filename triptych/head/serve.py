@@ -15,7 +15,10 @@ NOTE: h11 on purpose (not httptools, when installed): the timer reads h11's conn
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import signal
+import threading
 
 import h11
 import uvicorn
@@ -82,5 +85,29 @@ def run_head(app, config: HeadConfig, host: str, port: int) -> int:
     """Serve ``app`` on ``host:port`` until stopped (``triptych serve``); 3 when it failed to start
     (``uvicorn.run``'s exit status)."""
     server = uvicorn.Server(uvicorn_config(app, config, host=host, port=port, log_level="info"))
-    server.run()
+    with _signals_end_the_server():
+        server.run()
     return 0 if server.started else 3
+
+
+@contextlib.contextmanager
+def _signals_end_the_server():
+    """uvicorn shuts down on SIGINT/SIGTERM and then raises the signal again under the handler it found;
+    under the default one the process died there, before ``serve`` stopped what it started (its vLLM
+    servers, Ray): they were left to their parent-death signal, and a vLLM server still answered after
+    ``serve`` had exited. Under this handler the signal is noted and ``run_head`` returns, so those
+    ``finally`` blocks run."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = {
+        s: signal.signal(s, lambda signum, _frame: caught.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)
+    }
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if caught:
+        logger.info("stopped by %s", signal.Signals(caught[-1]).name)
