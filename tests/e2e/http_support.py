@@ -40,6 +40,13 @@ def serve(app, start_timeout_s: float = 300.0):
         sock.close()
 
 
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (for a server a test starts)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def wait_for(cond, what: str, deadline_s: float = 30.0, every_s: float = 0.02):
     """Poll ``cond`` until true (a liveness bound, not a timing assertion)."""
     end = time.monotonic() + deadline_s

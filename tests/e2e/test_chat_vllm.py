@@ -15,7 +15,6 @@ import base64
 import io
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +26,7 @@ import psutil
 import pytest
 
 from shapeworld import render, sample_scenes
-from tests.e2e.http_support import wait_for
+from tests.e2e.http_support import free_port, wait_for
 from triptych.families.models import PACKAGED_DEFAULT
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,12 +34,6 @@ VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 ON_CI = os.environ.get("CI") == "true"
 pytestmark = pytest.mark.skipif(not VLLM_PYTHON.is_file() and not ON_CI, reason="no .venv-vllm (run ./install_vllm.sh)")
 QUESTION = "What is in this image?"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def data_url(image) -> str:
@@ -86,7 +79,7 @@ LENGTH = 'finished_reason="length"'  # an answer that ran to max_tokens (an abor
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     assert VLLM_PYTHON.is_file(), f"CI=true but {VLLM_PYTHON} is missing: .ci/run runs ./install_vllm.sh"
-    port, vllm_port = _free_port(), _free_port()
+    port, vllm_port = free_port(), free_port()
     data = tmp_path_factory.mktemp("vllm-serve")
     cmd = [sys.executable, "-m", "triptych.cli", "serve", "--model", f"default={PACKAGED_DEFAULT}"]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--data-dir", str(data), "--threads", "1"]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import ipaddress
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,19 +19,14 @@ import time
 import httpx
 import pytest
 
+from tests.e2e.http_support import free_port
 from tests.procs import descendants
 from tests.procs import listeners as tcp_listeners
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "triptych.cli", "serve", "--model", str(tiny_model_dir("flux")), "--host", "127.0.0.1"]
     cmd += ["--port", str(port), "--data-dir", str(tmp_path_factory.mktemp("listeners"))]
     log = tmp_path_factory.mktemp("listeners-log") / "serve.log"

@@ -7,14 +7,13 @@ answered /health after ``serve`` had exited: tests/e2e/test_chat_vllm.py's teard
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 
 import httpx
 
-from tests.e2e.http_support import wait_for
+from tests.e2e.http_support import free_port, wait_for
 
 SCRIPT = """
 import sys
@@ -34,9 +33,7 @@ print("returned", code, flush=True)
 
 
 def test_sigterm_ends_run_head_and_the_finally_blocks_run():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as data:
         proc = subprocess.Popen(
             [sys.executable, "-c", SCRIPT, str(port), data],
