@@ -85,7 +85,9 @@ class FluxFamily(Family):
     @torch.no_grad()
     def encode(self, params: GenerationParams) -> Conditioning:
         with self.text_lora_plan([params]):
-            return enc.encode(self.pipe, params, self.max_sequence_length, self.uses_true_cfg(params))
+            return enc.encode(
+                self.pipe, params, self.max_sequence_length, self.uses_true_cfg(params), self.execution_device
+            )
 
     @torch.no_grad()
     def encode_many(self, params: Sequence[GenerationParams]) -> list[Conditioning]:
@@ -94,13 +96,18 @@ class FluxFamily(Family):
         with self.text_lora_plan(params):
             conds = [
                 Conditioning(branches={COND: b})
-                for b in enc.encode_rows(self.pipe, [p.prompt for p in params], self.max_sequence_length)
+                for b in enc.encode_rows(
+                    self.pipe, [p.prompt for p in params], self.max_sequence_length, self.execution_device
+                )
             ]
         negative = [i for i, p in enumerate(params) if self.uses_true_cfg(p)]
         if negative:
             with self.text_lora_plan([params[i] for i in negative]):
                 rows = enc.encode_rows(
-                    self.pipe, [params[i].negative_prompt for i in negative], self.max_sequence_length
+                    self.pipe,
+                    [params[i].negative_prompt for i in negative],
+                    self.max_sequence_length,
+                    self.execution_device,
                 )
             for i, branch in zip(negative, rows):
                 conds[i].branches[UNCOND] = branch

@@ -17,11 +17,11 @@ from triptych.families.base import COND, UNCOND, Conditioning, GenerationParams
 EDIT_CONDITION_AREA = 1024 * 1024
 
 
-def encode_text(pipe, params: GenerationParams, cfg: bool, max_sequence_length: int) -> Conditioning:
+def encode_text(pipe, params: GenerationParams, cfg: bool, max_sequence_length: int, device) -> Conditioning:
+    """``device``: the pipeline's execution device (``Family.execution_device``)."""
+
     def one(prompt: str) -> dict[str, torch.Tensor]:
-        embeds, mask = pipe.encode_prompt(
-            prompt=prompt, device=pipe._execution_device, max_sequence_length=max_sequence_length
-        )
+        embeds, mask = pipe.encode_prompt(prompt=prompt, device=device, max_sequence_length=max_sequence_length)
         return _branch(embeds, mask)
 
     branches = {COND: one(params.prompt)}
@@ -39,14 +39,19 @@ def condition_size(image, area: int = EDIT_CONDITION_AREA) -> tuple[int, int]:
 
 
 def encode_edit(
-    pipe, params: GenerationParams, cfg: bool, max_sequence_length: int, dtype, area: int = EDIT_CONDITION_AREA
+    pipe,
+    params: GenerationParams,
+    cfg: bool,
+    max_sequence_length: int,
+    dtype,
+    device,
+    area: int = EDIT_CONDITION_AREA,
 ) -> Conditioning:
     """Prompt embeddings (text + vision tokens of the resized image) and the image's packed VAE latents.
 
     ``shared["image_latents"]`` (1, tokens, 4·z) joins the noise latents along the sequence at every
     step; ``shared["image_shape"]`` is its (frames, height, width) in 2×2 patches, for RoPE.
     """
-    device = pipe._execution_device
     height, width = condition_size(params.image, area)
     prompt_image = pipe.image_processor.resize(params.image, height, width)
     pixels = pipe.image_processor.preprocess(prompt_image, height, width).unsqueeze(2)

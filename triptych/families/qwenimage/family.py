@@ -187,7 +187,9 @@ class QwenImageFamily(Family):
     @torch.no_grad()
     def encode(self, params: GenerationParams) -> Conditioning:
         params = params.replace(prompt=self.encoder_prompt(params.prompt))
-        return enc.encode_text(self.pipe, params, self.uses_cfg(params), self.max_sequence_length)
+        return enc.encode_text(
+            self.pipe, params, self.uses_cfg(params), self.max_sequence_length, self.execution_device
+        )
 
     def warmup_conditioning(self, params: GenerationParams, lengths: tuple[int, int]) -> Conditioning | None:
         if self.requires_image:  # edit only: it needs the condition image's latents (not built here)
@@ -317,7 +319,13 @@ class QwenImageEditFamily(QwenImageFamily):
     def encode(self, params: GenerationParams) -> Conditioning:
         params = params.replace(prompt=self.encoder_prompt(params.prompt, edit=True))
         return enc.encode_edit(
-            self.pipe, params, self.uses_cfg(params), self.max_sequence_length, self.dtype, self.condition_area
+            self.pipe,
+            params,
+            self.uses_cfg(params),
+            self.max_sequence_length,
+            self.dtype,
+            self.execution_device,
+            self.condition_area,
         )
 
     def _reference_kwargs(self, params: GenerationParams) -> dict[str, Any]:

@@ -67,7 +67,9 @@ class QwenImageGenerateEditFamily(QwenImageEditFamily):
     def encode(self, params: GenerationParams) -> Conditioning:
         if params.image is None:
             params = params.replace(prompt=self.encoder_prompt(params.prompt))
-            return enc.encode_text(self.t2i_pipe, params, self.uses_cfg(params), self.max_sequence_length)
+            return enc.encode_text(
+                self.t2i_pipe, params, self.uses_cfg(params), self.max_sequence_length, self.execution_device
+            )
         return super().encode(params)
 
     def reference_call(self, params: GenerationParams, output_type: str = "np"):

@@ -8,7 +8,7 @@ import torch
 from triptych.families.base import COND, UNCOND, Conditioning, GenerationParams
 
 
-def encode_text(pipe, params: GenerationParams, cfg: bool, max_sequence_length: int, dtype) -> Conditioning:
+def encode_text(pipe, params: GenerationParams, cfg: bool, max_sequence_length: int, dtype, device) -> Conditioning:
     """Prompt (and, with CFG, negative prompt; diffusers' default is ``""``) → padded embeddings."""
     embeds, negative = pipe.encode_prompt(
         prompt=params.prompt,
@@ -16,7 +16,7 @@ def encode_text(pipe, params: GenerationParams, cfg: bool, max_sequence_length: 
         do_classifier_free_guidance=cfg,
         num_videos_per_prompt=1,
         max_sequence_length=max_sequence_length,
-        device=pipe._execution_device,
+        device=device,
     )
     branches = {COND: {"prompt_embeds": embeds.to(dtype)}}
     if cfg:
@@ -24,13 +24,12 @@ def encode_text(pipe, params: GenerationParams, cfg: bool, max_sequence_length: 
     return Conditioning(branches=branches)
 
 
-def encode_image(pipe, params: GenerationParams, dtype) -> dict[str, torch.Tensor]:
+def encode_image(pipe, params: GenerationParams, dtype, device) -> dict[str, torch.Tensor]:
     """The condition image → ``image_embeds`` (CLIP penultimate layer) and ``condition``.
 
     ``condition`` is the pipeline's ``prepare_latents`` second output: the 4-channel first-frame mask
     concatenated with the normalised VAE latents of [image, zeros...] (argmax, so seed-independent).
     """
-    device = pipe._execution_device
     image_embeds = pipe.encode_image(params.image, device).repeat(1, 1, 1).to(dtype)
     image = pipe.video_processor.preprocess(params.image, height=params.height, width=params.width)
     image = image.to(device, dtype=torch.float32)

@@ -135,7 +135,9 @@ class WanFamily(Family):
     @torch.no_grad()
     def encode(self, params: GenerationParams) -> Conditioning:
         params = params.replace(prompt=self.encoder_prompt(params.prompt))
-        return enc.encode_text(self.pipe, params, self.uses_cfg(params), self.max_sequence_length, self.dtype)
+        return enc.encode_text(
+            self.pipe, params, self.uses_cfg(params), self.max_sequence_length, self.dtype, self.execution_device
+        )
 
     #: Compute each request's text-side constants at ``prepare`` (``wan/fast.py``); False = the
     #: transformer's own forward at every step (the benchmark's peer).
@@ -229,7 +231,7 @@ class WanImageToVideoFamily(WanFamily):
     @torch.no_grad()
     def encode(self, params: GenerationParams) -> Conditioning:
         cond = super().encode(params)
-        cond.shared.update(enc.encode_image(self.pipe, params, self.dtype))
+        cond.shared.update(enc.encode_image(self.pipe, params, self.dtype, self.execution_device))
         return cond
 
     @torch.no_grad()
