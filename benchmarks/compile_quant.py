@@ -10,7 +10,11 @@ process time), the ratio to eager, the output difference to eager beside it (max
 the image), and the forward's share of the machine's measured fp32 matmul rate (FLOPs of the eager
 forward from ``torch.utils.flop_counter`` / time / the 1024x1024 matmul rate on one thread).
 
-    python benchmarks/compile_quant.py [--repeats 5] [--forwards 20] [--cache-dir DIR]
+(c) one VAE decode of the same latents ("decode ms"; ``--compile`` compiles the decoder where the
+family's ``compile_vae_decoder`` says it pays), and, as the peer of (a), diffusers' own eager
+``__call__`` of the same request on the eager family's pipeline (its row: "diffusers __call__").
+
+    python benchmarks/compile_quant.py [--repeats 5] [--forwards 20] [--cache-dir DIR] [--variants compile ...]
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ torch._dynamo.config.recompile_limit = 64
 from triptych.accel import SpeedConfig  # noqa: E402
 from triptych.calibration.metrics import psnr  # noqa: E402
 from triptych.engine.runner import run_request  # noqa: E402
-from triptych.engine.warmup import warm_up  # noqa: E402
+from triptych.engine.warmup import warm_up, warm_up_decoder  # noqa: E402
 from triptych.families.base import COND, UNCOND, GenerationParams, Row  # noqa: E402
 from triptych.families.models import default_model_dir  # noqa: E402
 from triptych.families.registry import load_family  # noqa: E402
@@ -77,15 +81,24 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--forwards", type=int, default=20)
     ap.add_argument("--cache-dir", help="inductor cache (default: a fresh temporary directory: cold compiles)")
+    ap.add_argument(
+        "--variants", nargs="+", metavar="NAME", help="variants to run beside eager fp32, '--' of a name left out"
+    )
     args = ap.parse_args(argv)
+    wanted = [v if v in VARIANTS else f"--{v}" for v in args.variants or VARIANTS]
+    if unknown := [v for v in wanted if v not in VARIANTS]:
+        ap.error(f"--variants: unknown {unknown}; known: {list(VARIANTS)}")
+    names = ["eager fp32"] + [n for n in wanted if n != "eager fp32"]
     cache = args.cache_dir or tempfile.mkdtemp(prefix="triptych-inductor-")
     families, compile_s = {}, {}
-    for name, kw in VARIANTS.items():
+    for name in names:
+        kw = VARIANTS[name]
         t = time.perf_counter()
         speed = SpeedConfig(**kw, compile_cache_dir=cache if kw.get("compile") else None)
         families[name] = family = load_family(default_model_dir(), speed=speed)
         if speed.compile:
             warm_up(family)
+            warm_up_decoder(family)
         compile_s[name] = time.perf_counter() - t
     params = families["eager fp32"].resolve(GenerationParams(prompt=PROMPT, seed=0))
     eager = families["eager fp32"]
@@ -93,31 +106,43 @@ def main(argv=None) -> int:
     rows = [Row(state, COND), Row(state, UNCOND)]
     flops = forward_flops(eager, rows)
     rate = matmul_gflops()
+    while not state.done:
+        eager.denoise_step([state])
     images, image_s, forward_s = {}, {n: [] for n in families}, {n: [] for n in families}
-    for name, family in families.items():  # warm-up round (first calls, caches)
+    decode_s, peer_s = {n: [] for n in families}, []
+    peer = eager.reference_call(params)  # warm-up round (first calls, caches)
+    for name, family in families.items():
         images[name] = run_request(family, params)[0].array
     for _ in range(args.repeats):
+        peer_s.append(_timed(lambda: eager.reference_call(params)))
         for name, family in families.items():
             image_s[name].append(_timed(lambda f=family: run_request(f, params)))
             with torch.no_grad():
                 forward_s[name].append(_timed(lambda f=family: [f.forward(rows) for _ in range(args.forwards)]))
+            decode_s[name].append(_timed(lambda f=family: f.decode(state.latents, params)))
     base_img, base_fwd = min(image_s["eager fp32"]), min(forward_s["eager fp32"]) / args.forwards
     print(
         f"matmul 1024x1024 fp32, one thread: {rate:.1f} GFLOP/s; transformer forward (2 rows): {flops / 1e6:.1f} MFLOP"
     )
     print(
-        "| variant | setup s (compile+warm-up) | image ms | vs eager | forward ms | vs eager | "
-        "share of matmul rate | max abs vs eager | PSNR vs eager dB |"
+        "| variant | setup s (compile+warm-up) | image ms | vs eager | vs diffusers __call__ | forward ms | vs eager | "
+        "decode ms | share of matmul rate | max abs vs eager | PSNR vs eager dB |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    base_peer = min(peer_s)
+    diff = float(np.abs(peer - images["eager fp32"]).max())
+    print(
+        f"| diffusers __call__ | - | {base_peer * 1000:.0f} | {base_img / base_peer:.2f}x | 1.00x | - | - | - | - | {diff:.1e} | - |"
+    )
     for name in families:
         img, fwd = min(image_s[name]), min(forward_s[name]) / args.forwards
         diff = float(np.abs(images[name] - images["eager fp32"]).max())
         share = flops / fwd / (rate * 1e9)
         p = psnr(images[name], images["eager fp32"])
         print(
-            f"| {name} | {compile_s[name]:.1f} | {img * 1000:.0f} | {base_img / img:.2f}x | {fwd * 1000:.2f} | "
-            f"{base_fwd / fwd:.2f}x | {share * 100:.1f}% | {diff:.1e} | {p:.1f} |"
+            f"| {name} | {compile_s[name]:.1f} | {img * 1000:.0f} | {base_img / img:.2f}x | {base_peer / img:.2f}x | "
+            f"{fwd * 1000:.2f} | {base_fwd / fwd:.2f}x | {min(decode_s[name]) * 1000:.1f} | {share * 100:.1f}% | "
+            f"{diff:.1e} | {p:.1f} |"
         )
     return 0
 

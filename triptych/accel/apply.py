@@ -45,8 +45,9 @@ def check_speed(config: SpeedConfig, device: str = "cpu", world_size: int = 1) -
         raise InvalidParam("--quantize", ",".join(config.quantize), "needs torchao: pip install 'triptych[quant]'")
 
 
-def apply_speed(pipe, config: SpeedConfig, device: str = "cpu") -> None:
-    """Quantize the named components the pipeline has loaded, then compile its transformer's blocks."""
+def apply_speed(pipe, config: SpeedConfig, device: str = "cpu", compile_vae_decoder: bool = False) -> None:
+    """Quantize the named components the pipeline has loaded, then compile its transformer's blocks
+    and, with ``compile_vae_decoder`` (the family's ``compile_vae_decoder``), its VAE decoder."""
     if not config.active:
         return
     check_speed(config, device)
@@ -64,3 +65,10 @@ def apply_speed(pipe, config: SpeedConfig, device: str = "cpu") -> None:
         if config.compile_cache_dir is not None:  # None: inductor's own default (the CLIs always set one)
             set_cache_dir(Path(config.compile_cache_dir))
         compile_repeated_blocks(transformer)
+    vae = getattr(pipe, "vae", None)
+    if config.compile and compile_vae_decoder and vae is not None:
+        from triptych.accel.compile import compile_decoder, set_cache_dir
+
+        if config.compile_cache_dir is not None:
+            set_cache_dir(Path(config.compile_cache_dir))
+        compile_decoder(vae)

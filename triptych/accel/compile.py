@@ -15,6 +15,10 @@ silently. ``compile_repeated_blocks`` turns those guards on: a block whose hooks
 again (``tests/pipelines/test_lora_compile.py`` fails without it: the adapters' rows come out as
 if no adapter were loaded).
 
+The VAE decoder is compiled whole where a family says it pays (``Family.compile_vae_decoder``,
+``compile_decoder``): measured on the default model's Qwen-Image VAE, 64x64, one thread, 1.4-1.5x
+per decode (its 3x3x3 causal convolutions run ATen's unfolding ``slow_conv3d`` eagerly at this size).
+
 Inductor's FX graph and AOTAutograd caches are on by default; ``set_cache_dir`` points them at the
 user cache dir so a restarted process reuses the generated code instead of compiling it again.
 """
@@ -49,6 +53,18 @@ def compile_repeated_blocks(model: torch.nn.Module) -> int:
         block.compile(dynamic=True)
     logger.info("compiling %d %s blocks of %s", len(blocks), "/".join(sorted(names)), type(model).__name__)
     return len(blocks)
+
+
+def compile_decoder(vae: torch.nn.Module) -> bool:
+    """Compile ``vae.decoder`` whole (``nn.Module.compile``, shapes static at first, so the warm-up's
+    size gets a graph of its own and a second size makes dynamo compile a dynamic one); False when
+    this VAE has no ``decoder`` module. The encoder half is left alone (edit's condition image only)."""
+    decoder = getattr(vae, "decoder", None)
+    if not isinstance(decoder, torch.nn.Module):
+        return False
+    decoder.compile()
+    logger.info("compiling the %s decoder", type(vae).__name__)
+    return True
 
 
 def compile_counts() -> dict[str, int]:

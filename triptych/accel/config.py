@@ -25,7 +25,8 @@ class SpeedConfig:
     compile: bool = False
     """Regional torch.compile: every repeated transformer block (the model's ``_repeated_blocks``,
     as diffusers' compile_repeated_blocks) compiled once, with dynamic shapes so a changing batch or
-    text length does not recompile. Workers compile and warm up before they register."""
+    text length does not recompile; and the VAE decoder where the family measured it to pay
+    (Qwen-Image). Workers compile and warm up before they register."""
     compile_cache_dir: Path | None = None
     """Where inductor caches compiled artefacts across processes (TORCHINDUCTOR_CACHE_DIR); none:
     inductor under the user cache dir ($TRIPTYCH_CACHE or ~/.cache/triptych)."""

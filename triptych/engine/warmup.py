@@ -11,6 +11,9 @@ hooked layer (``lora/rows.py``), so the warm-up first loads every served adapter
 budget (they stay in memory, counted as loads) and runs the shapes with a row using one and a row
 using none, at two batch sizes (dynamo makes a graph dynamic at the second size it sees). An adapter
 loaded later at run time that hooks other layers compiles at its first request.
+
+A decoder whose family compiles its VAE decoder (``Family.compile_vae_decoder``) runs
+``warm_up_decoder`` before it registers: one decode of random latents at the model's default size.
 """
 
 from __future__ import annotations
@@ -65,6 +68,23 @@ def warm_up(family: Family) -> dict[str, int] | None:
     if adapters:
         counts = dict(counts, lora_adapters=len(adapters))
     logger.info("%s warmed up in %.1f s: %s", family.name, time.perf_counter() - start, counts)
+    return counts
+
+
+@torch.no_grad()
+def warm_up_decoder(family: Family) -> dict[str, int] | None:
+    """Decode random latents of the model's default request size once, so a compiled VAE decoder
+    (``Family.compile_vae_decoder``) has its graph before the first request; the compile counters
+    after it, or None when this family has no decoder warm-up (it then compiles at its first decode).
+    Another image size compiles once more (dynamo then makes the decoder's graph dynamic)."""
+    params = family.resolve(GenerationParams(prompt="warm up", seed=0))
+    latents = family.warmup_latents(params)
+    if latents is None or getattr(family.pipe, "vae", None) is None:
+        return None
+    start = time.perf_counter()
+    family.decode(latents, params)
+    counts = compile_counts()
+    logger.info("%s decoder warmed up in %.1f s: %s", family.name, time.perf_counter() - start, counts)
     return counts
 
 

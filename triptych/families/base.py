@@ -101,7 +101,7 @@ class Family(ABC):
         self.pipe = self.pipeline_class.from_pretrained(str(self.model_dir), dtype=self.dtype, **skipped, **built)
         place(self.pipe, self.device_config)
         self.speed = speed
-        apply_speed(self.pipe, speed, self.device_config.device)
+        apply_speed(self.pipe, speed, self.device_config.device, self.compile_vae_decoder)
         # The device the encode stage hands diffusers' encode_prompt: the pipeline's own
         # ``_execution_device`` (offload hooks included), looked up once. NOTE: the property walks every
         # module's offload hooks on each read (2.4 ms on the default model, half of its prompt encode).
@@ -122,6 +122,15 @@ class Family(ABC):
 
     def _post_load(self) -> None:
         """Hook for families that derive geometry from configs after loading."""
+
+    #: ``--compile`` also compiles the VAE decoder (``accel.compile.compile_decoder``): only where it
+    #: was measured to pay (benchmarks/RESULTS.md, "--compile and --quantize").
+    compile_vae_decoder: ClassVar[bool] = False
+
+    def warmup_latents(self, params: GenerationParams) -> torch.Tensor | None:
+        """Random latents shaped like a denoised ``params`` request's, for warming up a compiled VAE
+        decoder without a transformer (``engine/warmup.py``); None: no decoder warm-up."""
+        return None
 
     #: Components a LoRA file may adapt here: a subset of the pipeline class's ``_lora_loadable_modules``
     #: (``triptych.lora.formats``); the other keys of that format are refused naming the key.

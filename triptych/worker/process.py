@@ -65,6 +65,10 @@ class Worker:
             from triptych.engine.warmup import warm_up
 
             warm_up(self.family)  # before registering: the head routes only to a warm instance
+        if config.speed.compile and self.role is Role.DECODER and self.family.compile_vae_decoder:
+            from triptych.engine.warmup import warm_up_decoder
+
+            warm_up_decoder(self.family)
         if self.role == Role.ENCODER and (config.lora.lora or config.lora.lora_root):
             self.family.enable_lora(config.lora)  # text-encoder parts, where the family's format has them
         self.endpoint = make_endpoint(
