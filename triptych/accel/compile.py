@@ -16,8 +16,9 @@ again (``tests/pipelines/test_lora_compile.py`` fails without it: the adapters' 
 if no adapter were loaded).
 
 The VAE decoder is compiled whole where a family says it pays (``Family.compile_vae_decoder``,
-``compile_decoder``): measured on the default model's Qwen-Image VAE, 64x64, one thread, 1.4-1.5x
-per decode (its 3x3x3 causal convolutions run ATen's unfolding ``slow_conv3d`` eagerly at this size).
+``compile_decoder``): on the default model's Qwen-Image VAE, 64x64, one thread, 1.2-1.3x per decode
+(benchmarks/RESULTS.md; its 3x3x3 causal convolutions run ATen's unfolding ``slow_conv3d`` eagerly
+at this size).
 
 Inductor's FX graph and AOTAutograd caches are on by default; ``set_cache_dir`` points them at the
 user cache dir so a restarted process reuses the generated code instead of compiling it again.

@@ -191,7 +191,7 @@ class QwenImageFamily(Family):
             self.pipe, params, self.uses_cfg(params), self.max_sequence_length, self.execution_device
         )
 
-    compile_vae_decoder = True  # 1.4-1.5x per decode on the default model (accel/compile.py)
+    compile_vae_decoder = True  # 1.2-1.3x per decode on the default model (benchmarks/RESULTS.md)
 
     def warmup_latents(self, params: GenerationParams) -> torch.Tensor:
         """Packed latents, (1, tokens, 4 · z_dim), as ``prepare_latents`` makes them."""
