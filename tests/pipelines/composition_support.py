@@ -151,26 +151,42 @@ def _rank_engine(parallelism):
     return lambda family, config: instance_engine(family, config, parallelism)
 
 
-def rank_cells(rank: int, device, model_dir: str, keys: list[str]) -> dict:
+def rank_cells(rank: int, device, model_dir: str, keys: list[str], inductor: str | None = None) -> dict:
     """Every cell of ``keys`` on this rank of one launch, layout after layout (module level: spawned
-    ranks import it). Each layout's groups are built, attached to the family, run, removed."""
+    ranks import it). Each layout's groups are built, attached to the family, run, removed. A
+    compiling cell warms every rank up first, as a served instance does (``ranks/warmup.py``), and
+    reports the graphs its request compiled after that (``compiled``); ``inductor``: their compile
+    cache directory (every rank shares it)."""
+    import dataclasses
+    from pathlib import Path
+
+    from triptych.accel.compile import compile_counts
     from triptych.families.registry import load_family
     from triptych.parallel import ParallelGroups, apply_parallel
+    from triptych.worker.ranks.warmup import warm_up_ranks
 
     torch.set_num_threads(1)
     cells = [Cell(tuple(k.split("+"))) for k in keys]
     families, out = {}, {}
     for cell in cells:
         if cell.variant not in families:
-            families[cell.variant] = load_family(model_dir, dtype=cell.dtype, speed=cell.speed())
+            speed = cell.speed()
+            if speed.compile and inductor:
+                speed = dataclasses.replace(speed, compile_cache_dir=Path(inductor))
+            families[cell.variant] = load_family(model_dir, dtype=cell.dtype, speed=speed)
         family = families[cell.variant]
         groups = ParallelGroups.build(cell.parallel(), device)
         parallelism = apply_parallel(family.pipe.transformer, groups)
         try:
+            if cell.has("compile"):
+                warm_up_ranks(family, parallelism, groups)
+                warm = compile_counts()
             result = run_cell(family, cell, _rank_engine(parallelism))
+            if cell.has("compile"):
+                result["compiled"] = {k: n - warm[k] for k, n in compile_counts().items()}
         finally:
             parallelism.remove()
-        out[cell.key] = result if rank == 0 else dict(image=result["image"])
+        out[cell.key] = result if rank == 0 else {k: v for k, v in result.items() if k in ("image", "compiled")}
     return out
 
 

@@ -71,6 +71,7 @@ BOUNDS: dict[str, tuple[str, float]] = {
     "bf16": ("psnr", 42.8),  # measured 48.9 dB
     "cfg": ("max_abs", 0.0),  # measured 0
     "cfg+bf16": ("psnr", 42.8),  # measured 48.9 dB
+    "cfg+compile": ("max_abs", 2.7e-05),  # measured 2.65e-06
     "cfg+int8dyn": ("psnr", 37.8),  # measured 43.8 dB
     "cfg+int8wo": ("psnr", 51.7),  # measured 57.8 dB
     "cfg+previews": ("max_abs", 0.0),  # measured 0
@@ -103,6 +104,7 @@ BOUNDS: dict[str, tuple[str, float]] = {
     "previews+int8wo": ("psnr", 51.7),  # measured 57.8 dB
     "ring": ("max_abs", 2.9e-05),  # measured 2.8e-06
     "ring+bf16": ("psnr", 46.6),  # measured 52.6 dB
+    "ring+compile": ("max_abs", 3.3e-05),  # measured 3.25e-06
     "ring+int8dyn": ("psnr", 39.0),  # measured 45.1 dB
     "ring+int8wo": ("psnr", 51.7),  # measured 57.8 dB
     "ring+previews": ("max_abs", 2.9e-05),  # measured 2.8e-06
@@ -115,11 +117,16 @@ BOUNDS: dict[str, tuple[str, float]] = {
     "teacache+previews": ("psnr", 47.1),  # measured 53.1 dB
     "ulysses": ("max_abs", 2.1e-05),  # measured 2.03e-06
     "ulysses+bf16": ("psnr", 44.7),  # measured 50.7 dB
+    "ulysses+compile": ("max_abs", 4.4e-05),  # measured 4.35e-06
     "ulysses+int8dyn": ("psnr", 36.9),  # measured 43.0 dB
     "ulysses+int8wo": ("psnr", 51.7),  # measured 57.8 dB
     "ulysses+previews": ("max_abs", 2.1e-05),  # measured 2.03e-06
     "ulysses+teacache": ("psnr", 47.1),  # measured 53.1 dB
 }
+
+#: Graphs a CFG-parallel follower compiles in its warm-up (measured: the shapes of engine/warmup.py
+#: that reach one CFG half).
+FOLLOWER_GRAPHS = 7
 
 ROWS: dict[str, dict] = {}  # this run's cells, for the table
 IMAGES: dict[str, torch.Tensor] = {}  # cell key → image (previews cells compare with their cell without)
@@ -131,12 +138,12 @@ def refusal(cell: Cell) -> InvalidParam | None:
     from triptych.accel.apply import check_speed
 
     try:
-        parallel = cell.parallel()  # the flags' dataclass: a ValueError is an argparse error at startup
+        cell.parallel()  # the flags' dataclass: a ValueError is an argparse error at startup
     except ValueError as e:
         flags = " ".join(f"--{'cfg-parallel' if k == 'cfg' else k} {v}" for k, v in cell.degrees.items())
         return InvalidParam(flags, "", str(e))
     try:
-        check_speed(cell.speed(), "cpu", parallel.world_size)
+        check_speed(cell.speed(), "cpu")
     except InvalidParam as e:
         return e
     return None
@@ -148,8 +155,6 @@ def expected_refusal(cell: Cell) -> str | None:
         return "fp8 needs a CUDA device"
     if cell.has("ulysses") and cell.has("ring"):
         return "needs even shards"
-    if cell.ranks > 1 and cell.has("compile"):
-        return "is not supported on a multi-rank denoiser"
     return None
 
 
@@ -157,8 +162,9 @@ CELLS = all_cells()
 REFUSED = [c for c in CELLS if expected_refusal(c)]
 SINGLE = [c for c in CELLS if c not in REFUSED and c.ranks == 1]
 MULTI = [c for c in CELLS if c not in REFUSED and c.ranks > 1]
-#: One launch per world size (layout after layout inside it); 6 ranks (CFG 2 x Ulysses 3) is slow here.
-WORLDS = sorted({c.ranks for c in MULTI})
+#: One launch per world size (layout after layout inside it), its compile cells in a launch of their
+#: own (slow: every rank compiles); 6 ranks (CFG 2 x Ulysses 3) is slow here.
+LAUNCHES = sorted({(c.ranks, c.has("compile")) for c in MULTI})
 
 
 def _marks(cell: Cell):
@@ -272,17 +278,24 @@ def test_runnable_cells_pass_the_startup_check():
         assert refusal(cell) is None, cell.key
 
 
-def _launch(model_dir, cells: list[Cell], world: int, plain: torch.Tensor) -> None:
+def _launch(model_dir, cells: list[Cell], world: int, plain: torch.Tensor, inductor=None) -> None:
     from triptych.parallel import run_ranks
 
     keys = [c.key for c in cells]
-    results = run_ranks(rank_cells, world, (model_dir, keys), timeout_s=600)
+    # A rank compiling a graph keeps its peers waiting in their next collective: a longer timeout.
+    collective_timeout_s = 300 if inductor else 60
+    results = run_ranks(
+        rank_cells, world, (model_dir, keys, inductor), timeout_s=900, collective_timeout_s=collective_timeout_s
+    )
     failures = []
     for cell in cells:
         leader = results[0][cell.key]
         for rank, other in enumerate(results[1:], start=1):  # every rank ends with the same image
             if not torch.equal(other[cell.key]["image"], leader["image"]):
                 failures.append(f"{cell.key}: rank {rank}'s image differs from rank 0's")
+        for rank, result in enumerate(results if cell.has("compile") else []):  # nothing compiles after the warm-up
+            if result[cell.key]["compiled"] != {"unique_graphs": 0, "recompiles": 0}:
+                failures.append(f"{cell.key}: rank {rank} compiled after the warm-up: {result[cell.key]['compiled']}")
         try:
             record(cell, leader, plain)
         except AssertionError as e:
@@ -290,10 +303,17 @@ def _launch(model_dir, cells: list[Cell], world: int, plain: torch.Tensor) -> No
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.parametrize("world", [pytest.param(w, marks=[pytest.mark.slow] if w > 4 else []) for w in WORLDS])
-def test_multi_rank_cells(world, model_dir, plain):
-    cells = [c for c in MULTI if c.ranks == world and not any(m.name == "skip" for m in _marks(c))]
-    _launch(model_dir, cells, world, plain)
+@pytest.mark.parametrize(
+    "world,compiled",
+    [
+        pytest.param(w, k, id=f"{w}" + ("-compile" if k else ""), marks=[pytest.mark.slow] if w > 4 or k else [])
+        for w, k in LAUNCHES
+    ],
+)
+def test_multi_rank_cells(world, compiled, model_dir, plain, tmp_path):
+    cells = [c for c in MULTI if (c.ranks, c.has("compile")) == (world, compiled)]
+    cells = [c for c in cells if not any(m.name == "skip" for m in _marks(c))]
+    _launch(model_dir, cells, world, plain, str(tmp_path / "inductor") if compiled else None)
 
 
 @pytest.mark.skipif(not HAS_TORCHAO, reason="the quant extra (torchao) is not installed")
@@ -316,6 +336,46 @@ def test_follower_ranks_quantize_as_rank_0(model_dir, families):
     diff = float(np.abs(frames.array - single.array).max())
     print(f"CFG-2 with int8 weight-only vs one rank: max abs {diff:.2e}")
     assert diff == 0.0
+
+
+@pytest.mark.slow  # every rank compiles
+def test_follower_ranks_compile_and_warm_up_as_rank_0(families, plain):
+    """A served compiled instance (``ParallelDenoiserRunner``) starts its ranks with ``warm_up``: the
+    follower (``worker/ranks/follower.py``) compiles its transformer's blocks from rank 0's
+    ``RankSetup``, and every rank warms up (``worker/ranks/warmup.py``) before the worker registers.
+    The follower is a fresh process, so its dynamo counters gathered after the warm-up count its own
+    compiles: the graphs CFG parallel gives a rank (measured FOLLOWER_GRAPHS; an eager follower 0).
+    The request after the warm-up compiles nothing more on rank 0, and its image (CFG-2: rank 1
+    computes the uncond branch with its compiled blocks) matches the plain path within the
+    CFG parallel x compile cell's bound."""
+    from tests.pipelines.composition_support import PROMPT
+    from triptych.accel.compile import compile_counts
+    from triptych.engine import EngineConfig
+    from triptych.families.base import GenerationParams
+    from triptych.parallel import ParallelConfig
+    from triptych.worker.ranks.instance import InstanceRanks
+    from triptych.worker.ranks.local import denoise_on_ranks
+
+    family = families(Cell(("compile",)))
+    params = family.resolve(GenerationParams(prompt=PROMPT, seed=3))
+    config = EngineConfig(max_batch_requests=1)
+    ranks = InstanceRanks(ParallelConfig(cfg=2), collective_timeout_s=300, threads=1)
+    ranks.start(family, str(family.model_dir), "cpu", None, config, warm_up=True)
+    try:
+        warm, after_warm_up = ranks.warmup_counts, compile_counts()
+        with torch.no_grad():
+            flat = family.encode(params).flat()
+        state = denoise_on_ranks(family, params, flat, ranks, config)
+        after_request = compile_counts()
+    finally:
+        ranks.close()
+    with torch.no_grad():
+        image = torch.from_numpy(family.decode(state.latents, params).array.astype(np.float32))
+    diff = float((image - plain).abs().max())
+    print(f"CFG-2 compiled, warm-up counters per rank {warm}; after the request {after_request}; max abs {diff:.2e}")
+    assert len(warm) == 2 and warm[1] == {"unique_graphs": FOLLOWER_GRAPHS, "recompiles": 0}
+    assert after_request == after_warm_up
+    assert diff <= BOUNDS["cfg+compile"][1]
 
 
 def _figure(line: str) -> tuple[str, float] | None:

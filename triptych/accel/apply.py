@@ -15,9 +15,10 @@ logger = logging.getLogger(__name__)
 FP8_CAPABILITY = (8, 9)
 
 
-def check_speed(config: SpeedConfig, device: str = "cpu", world_size: int = 1) -> None:
+def check_speed(config: SpeedConfig, device: str = "cpu") -> None:
     """Raise ``InvalidParam`` naming the flag, before anything loads, for a setting that cannot run:
-    torchao missing, fp8 off CUDA or on a GPU without fp8 matmuls, ``--compile`` with several denoiser ranks."""
+    torchao missing, fp8 off CUDA or on a GPU without fp8 matmuls. A multi-rank denoiser takes both
+    flags: rank 0 sends them to its followers (``worker/ranks/ticks.RankSetup``)."""
     for component, mode in config.quantized.items():
         if mode != "fp8":
             continue
@@ -34,13 +35,6 @@ def check_speed(config: SpeedConfig, device: str = "cpu", world_size: int = 1) -
             raise InvalidParam(
                 "--quantize", f"{component}={mode}", f"fp8 needs compute capability >= 8.9; {device} has {capability}"
             )
-    if world_size > 1 and config.compile:  # --quantize reaches the followers (worker/ranks/ticks.RankSetup)
-        raise InvalidParam(
-            "--compile",
-            True,
-            "is not supported on a multi-rank denoiser (--cfg-parallel/--ulysses/--ring): its follower ranks load "
-            "their own transformer without it; run a single-rank denoiser",
-        )
     if config.quantize and importlib.util.find_spec("torchao") is None:
         raise InvalidParam("--quantize", ",".join(config.quantize), "needs torchao: pip install 'triptych[quant]'")
 

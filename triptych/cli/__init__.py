@@ -136,7 +136,7 @@ def cmd_generate(args) -> int:
     parallel = _parallel_config(args)
     threads = set_torch_threads(args.threads, parallel.world_size)
     cache_root = os.environ.get("TRIPTYCH_CACHE")
-    speed = speed_config(args.speed_flags, args, args.parser, device.device, parallel.world_size, cache_root)
+    speed = speed_config(args.speed_flags, args, args.parser, device.device, cache_root)
     params = GenerationParams(
         prompt=args.prompt,
         negative_prompt=args.negative_prompt,

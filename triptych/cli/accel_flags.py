@@ -20,17 +20,16 @@ def speed_config(
     args: argparse.Namespace,
     parser: argparse.ArgumentParser,
     device: str = "cpu",
-    world_size: int = 1,
     cache_root=None,
 ) -> SpeedConfig:
     """The parsed ``SpeedConfig`` (cache directory: ``cache_root``'s ``inductor/`` unless given); raises
-    ``InvalidParam`` for a setting this machine or topology cannot run (``apply.check_speed``)."""
+    ``InvalidParam`` for a setting this machine cannot run (``apply.check_speed``)."""
     from triptych.accel.apply import check_speed
 
     config = flags.build(args, parser)
     if config.compile and config.compile_cache_dir is None:
         config = dataclasses.replace(config, compile_cache_dir=default_cache_dir(cache_root))
-    check_speed(config, device, world_size)
+    check_speed(config, device)
     return config
 
 

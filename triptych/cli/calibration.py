@@ -323,7 +323,7 @@ def _baseline_command(args, model, target: Target) -> int:
     from triptych.cli.accel_flags import speed_config
 
     device = device_config_from_args(args)
-    speed = speed_config(args.speed_flags, args, args.parser, device.device, 1, os.environ.get("TRIPTYCH_CACHE"))
+    speed = speed_config(args.speed_flags, args, args.parser, device.device, os.environ.get("TRIPTYCH_CACHE"))
     if args.save_baseline and speed.active:
         raise InvalidParam(
             "compile/quantize", speed.quantize or "--compile", "a baseline is the plain path: give them to --baseline"

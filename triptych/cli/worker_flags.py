@@ -83,11 +83,10 @@ class WorkerFlags:
         return self.chat.build(args, self.parser)
 
     def speed_config(self, args: argparse.Namespace):
-        """``SpeedConfig`` checked against the device and the denoiser's rank count (``InvalidParam``)."""
+        """``SpeedConfig`` checked against the device (``InvalidParam``)."""
         from triptych.cli.accel_flags import speed_config
 
-        world = self.parallel_config(args).world_size
-        return speed_config(self.speed, args, self.parser, args.device, world, os.environ.get("TRIPTYCH_CACHE"))
+        return speed_config(self.speed, args, self.parser, args.device, os.environ.get("TRIPTYCH_CACHE"))
 
     def engine_config(self, args: argparse.Namespace) -> EngineConfig:
         return self.engine.build(args, self.parser)

@@ -6,6 +6,11 @@ and TeaCache's sub-batch of one masked row. ``warm_up`` runs each once on the fa
 ``warmup_conditioning`` (random text embeddings of the right width; no encoder needed), so the
 first request pays nothing; the results are thrown away.
 
+On a multi-rank instance every rank runs it at once through the instance's rows forward
+(``worker/ranks/warmup.py``): CFG parallel gives each CFG group a contiguous half of the rows, so
+the rows run once more in reverse order and each group computes both halves (cond rows of
+different lengths: a mask; uncond rows of one length: none). On one rank that is the same graph.
+
 With LoRA adapters served (``serve --lora``), their per-row hooks break the block graphs around each
 hooked layer (``lora/rows.py``), so the warm-up first loads every served adapter that fits the
 budget (they stay in memory, counted as loads) and runs the shapes with a row using one and a row
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -30,9 +36,11 @@ logger = logging.getLogger(__name__)
 
 
 @torch.no_grad()
-def warm_up(family: Family) -> dict[str, int] | None:
-    """Run the shapes above through ``family``'s transformer; the compile counters after it, or None
-    when the family has no warm-up conditioning (it then compiles at its first requests)."""
+def warm_up(family: Family, forward: Callable[[Sequence[Row]], torch.Tensor] | None = None) -> dict[str, int] | None:
+    """Run the shapes above through ``family``'s transformer (``forward``: the rows forward to run
+    them through; default ``family.forward``); the compile counters after it, or None when the
+    family has no warm-up conditioning (it then compiles at its first requests)."""
+    forward = forward or family.forward
     if family.requires_image:
         logger.info("%s needs a condition image: it compiles at its first requests", family.name)
         return None
@@ -46,8 +54,9 @@ def warm_up(family: Family) -> dict[str, int] | None:
             return None
         states.append(family.prepare(f"warm-up-{i}", params, cond))
     rows = [Row(s, b) for b in (COND, UNCOND) for s in states]
-    family.forward(rows[:1])  # one row: size 1, no mask
-    family.forward(rows)  # several rows, prompts of different lengths: the padding mask
+    forward(rows[:1])  # one row: size 1, no mask
+    forward(rows)  # several rows, prompts of different lengths: the padding mask
+    forward(rows[::-1])  # the same, each CFG group of a CFG-parallel instance computing the other half
     adapters = _load_served_adapters(family)
     if adapters:
         spec = ((adapters[0], 1.0),)
@@ -56,7 +65,7 @@ def warm_up(family: Family) -> dict[str, int] | None:
         family.lora.acquire("warm-up-lora", spec)
         try:
             for batch in (lora_rows[:1], lora_rows, lora_rows[:3]):  # size 1, then two sizes: dynamic
-                family.forward(batch)
+                forward(batch)
         finally:
             family.lora.release("warm-up-lora")
     from triptych.engine.teacache import has_plan, plan_for

@@ -135,6 +135,23 @@ def _lse_attention(
             scale=scale,
             enable_gqa=enable_gqa,
         )
+    return _context_parallel_attention(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, _parallel_config
+    )
+
+
+@torch.compiler.disable
+def _context_parallel_attention(
+    query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, _parallel_config
+):
+    """Ring (or Ulysses × ring) attention across the sequence group; never traced by ``torch.compile``.
+
+    NOTE: compiled blocks (``--compile``) call this between their compiled pieces, eagerly. Traced
+    (torch 2.13, the default model under ring 2), a batch of prompts of different lengths failed in
+    the compiled CPU attention kernel ("Attention mask is the same data type as query": the key
+    padding mask path), and with the graph breaks moved, dynamo's trace of diffusers' uneven ring
+    attention raised an internal assertion ("got unbound symbols"); one request without a mask ran.
+    """
     if attn_mask is not None and _parallel_config.context_parallel_config.ring_degree > 1:
         return _ring_with_key_mask(query, key, value, attn_mask, scale, return_lse, _parallel_config)
     return _templated_context_parallel_attention(

@@ -7,7 +7,9 @@ What diffusers provides and this module only calls: ``ContextParallelConfig``, t
 What it adds: the mesh (``ParallelGroups.mesh``, so a CFG dimension can sit beside the sequence
 dimensions), the CPU device-count shim, the log-sum-exp attention backend ring needs on CPU
 (``triptych.parallel.attention``), an output gather that works with uneven shards on gloo and a
-mask gather for uneven Ulysses shards (``triptych.parallel.gather``), and ``remove`` (diffusers 0.42.1 has no ``disable_parallelism``).
+mask gather for uneven Ulysses shards (``triptych.parallel.gather``), uneven Ulysses attention kept out
+of compiled graphs (``keep_ulysses_anything_eager``), and ``remove`` (diffusers 0.42.1 has no
+``disable_parallelism``).
 """
 
 from __future__ import annotations
@@ -53,6 +55,28 @@ def cpu_device_count_shim() -> Iterator[None]:
         yield
     finally:
         torch.accelerator.device_count = original
+
+
+def keep_ulysses_anything_eager() -> None:
+    """Run diffusers' uneven Ulysses attention outside compiled graphs (``--compile``'s blocks call it).
+
+    NOTE: diffusers 0.42.1 marks the all-to-all helpers of ``TemplatedUlyssesAnythingAttention``
+    ``allow_in_graph``: dynamo puts them into a block's graph as opaque calls and runs them on fake
+    tensors while tracing, where the process group is a fake object, and the trace fails ("Tried to
+    call __getattr__ with attr 'allgather' on a FakeScriptObject"; every compiled Ulysses-3 step of
+    the default model failed so). Wrapped in ``torch.compiler.disable``, that attention (its size
+    all-gathers, all-to-alls, the attention between them, and ``fix_ulysses_anything_mask``'s mask
+    gather) runs eagerly between the compiled pieces of the block; an eager run is unchanged.
+    Even-shard Ulysses and ring attention are traced as they are. Applied once per process, kept.
+    """
+    from diffusers.models import attention_dispatch
+
+    cls = attention_dispatch.TemplatedUlyssesAnythingAttention
+    if getattr(cls.forward, "_triptych_eager", False):
+        return
+    forward = torch.compiler.disable(cls.forward)
+    forward._triptych_eager = True
+    cls.forward = staticmethod(forward)
 
 
 def _attention_processors(transformer: torch.nn.Module) -> list:
@@ -113,6 +137,7 @@ class SequenceParallel:
         )
         if cp.ulysses_anything:
             fix_ulysses_anything_mask()
+            keep_ulysses_anything_eager()  # after the mask fix: its gather runs eagerly too
         try:
             with cpu_device_count_shim():
                 transformer.enable_parallelism(config=cp)

@@ -61,10 +61,11 @@ class Worker:
         )
         if self.role == Role.DENOISER and (config.lora.lora or config.lora.lora_root):
             self.family.enable_lora(config.lora)  # a multi-rank instance's followers get it in RankSetup
-        if config.speed.compile and self.role is Role.DENOISER:
+        if config.speed.compile and self.role is Role.DENOISER and config.parallel.world_size == 1:
             from triptych.engine.warmup import warm_up
 
             warm_up(self.family)  # before registering: the head routes only to a warm instance
+        # A multi-rank instance warms every rank up once its parallelism is attached (the runner, below).
         if config.speed.compile and self.role is Role.DECODER and self.family.compile_vae_decoder:
             from triptych.engine.warmup import warm_up_decoder
 

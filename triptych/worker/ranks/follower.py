@@ -1,9 +1,10 @@
 """A follower rank of a multi-rank denoiser instance: ``python -m triptych.worker.ranks.follower ...``.
 
 Spawned by rank 0 (``ranks/instance.py``), never by a user. It joins the instance's process group,
-learns what to load from rank 0 (``RankSetup``), loads the denoiser's components (and serves rank
-0's LoRA adapters, if any), attaches the
-parallelism, and applies rank 0's ticks (``ranks/ticks.follow``) until told to stop. It never
+learns what to load from rank 0 (``RankSetup``), loads the denoiser's components quantized and
+compiled as rank 0's (and serves rank 0's LoRA adapters, if any), attaches the parallelism, warms up
+with every other rank when rank 0 says so (``ranks/warmup.py``), and applies rank 0's ticks
+(``ranks/ticks.follow``) until told to stop. It never
 talks to the head. It exits when rank 0's process is gone or a collective fails (a dead or hung
 peer): the instance leaves service as a whole.
 """
@@ -17,6 +18,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from triptych.core.config_flags import ConfigFlags, argv_of
 
@@ -90,13 +92,18 @@ def main(argv: list[str] | None = None) -> int:
         setup = broadcast_message(None, RankSetup, groups)
         from triptych.accel import SpeedConfig
 
-        speed = SpeedConfig(quantize=tuple(setup.quantize))  # rank 0's quantization (check_speed refuses compile)
+        cache_dir = Path(setup.compile_cache_dir) if setup.compile_cache_dir else None
+        speed = SpeedConfig(compile=setup.compile, compile_cache_dir=cache_dir, quantize=tuple(setup.quantize))
         family = family_class(setup.model_dir)(
             setup.model_dir, roles={Role.DENOISER}, device=str(device), dtype=setup.dtype, speed=speed
         )
         if setup.lora is not None:  # rank 0's adapters, read from the same files under the same budget
             family.enable_lora(setup.lora)
         parallelism = apply_parallel(family.pipe.transformer, groups)
+        if setup.warm_up:
+            from triptych.worker.ranks.warmup import warm_up_ranks
+
+            warm_up_ranks(family, parallelism, groups)
         engine = instance_engine(family, setup.engine, parallelism, setup.teacache_profiles_dir)
         follow(family, engine, groups)
     finally:

@@ -3,9 +3,10 @@
 ``InstanceRanks.start`` spawns ranks 1..N-1 (``python -m triptych.worker.ranks.follower``), forms the
 instance's process group with them on a free loopback port (gloo on CPU, NCCL on CUDA; every
 collective times out after ``collective_timeout_s``), builds the rank groups, tells the followers
-what to load (the model, the adapters rank 0 serves), and attaches the parallelism to rank 0's transformer. ``close`` tells them to stop
-(unless the group broke),
-waits, and kills by pid whatever is left. Followers watch rank 0's pid and exit if it is gone.
+what to load (the model, the adapters rank 0 serves, its quantization and compile settings), attaches
+the parallelism to rank 0's transformer and, for a compiled served instance, warms every rank up
+(``ranks/warmup.py``) before the worker registers. ``close`` tells them to stop (unless the group
+broke), waits, and kills by pid whatever is left. Followers watch rank 0's pid and exit if it is gone.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from triptych.parallel import ParallelConfig, ParallelGroups, apply_parallel, br
 from triptych.parallel import init_rank as join_group
 from triptych.worker.ranks.follower import FollowerArgs, follower_argv
 from triptych.worker.ranks.ticks import RankSetup, Tick
+from triptych.worker.ranks.warmup import warm_up_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -33,10 +35,20 @@ class InstanceRanks:
         self.procs: list[subprocess.Popen] = []
         self.groups: ParallelGroups | None = None
         self.parallelism = None
+        self.warmup_counts: list[dict[str, int]] | None = None  # each rank's compile counters after the warm-up
 
     def start(
-        self, family, model_dir: str, device: str, dtype: str | None, engine: EngineConfig, profiles_dir=None
+        self,
+        family,
+        model_dir: str,
+        device: str,
+        dtype: str | None,
+        engine: EngineConfig,
+        profiles_dir=None,
+        warm_up: bool = False,
     ) -> ParallelGroups:
+        """Spawn the followers, form the groups, send ``RankSetup``, attach the parallelism; with
+        ``warm_up`` (a compiled family), every rank then warms up (``ranks/warmup.py``)."""
         world, port = self.parallel.world_size, free_port()
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}
         p = self.parallel
@@ -60,10 +72,23 @@ class InstanceRanks:
             dev = join_group(0, world, port, device=device, timeout=datetime.timedelta(seconds=self.timeout_s))
             self.groups = ParallelGroups.build(p, dev)
             lora = family.lora.config if family.lora is not None else None  # followers serve the same adapters
-            quantize = list(family.speed.quantize)  # the followers load their own transformer: quantized alike
-            setup = RankSetup(str(model_dir), dtype, engine, p, profiles_dir and str(profiles_dir), lora, quantize)
+            speed = family.speed  # the followers load their own transformer: quantized and compiled alike
+            setup = RankSetup(
+                str(model_dir),
+                dtype,
+                engine,
+                p,
+                profiles_dir and str(profiles_dir),
+                lora,
+                quantize=list(speed.quantize),
+                compile=speed.compile,
+                compile_cache_dir=speed.compile_cache_dir and str(speed.compile_cache_dir),
+                warm_up=warm_up and speed.compile,
+            )
             broadcast_message(setup, RankSetup, self.groups)
             self.parallelism = apply_parallel(family.pipe.transformer, self.groups)
+            if setup.warm_up:
+                self.warmup_counts = warm_up_ranks(family, self.parallelism, self.groups)
         except BaseException:
             self.kill()
             raise

@@ -16,7 +16,7 @@ from triptych.control import wire
 from triptych.core.errors import InvalidParam, TriptychError
 from triptych.engine import EngineConfig
 from triptych.engine.runner import StageTimings, StepCallback
-from triptych.families.base import Conditioning, Family, Frames, GenerationParams
+from triptych.families.base import Conditioning, DenoiseState, Family, Frames, GenerationParams
 from triptych.mmcache.cache import tenant_scope
 from triptych.parallel import ParallelConfig
 from triptych.worker.ranks.instance import InstanceRanks
@@ -38,7 +38,7 @@ def run_parallel_request(
     engine_config = EngineConfig(max_batch_requests=1)
     ranks = InstanceRanks(parallel, collective_timeout_s, threads)
     try:
-        groups = ranks.start(family, str(family.model_dir), device, None, engine_config)
+        ranks.start(family, str(family.model_dir), device, None, engine_config)
     except ValueError as e:  # degrees the model cannot split by (e.g. Ulysses past its head count)
         raise InvalidParam("--cfg-parallel/--ulysses/--ring", str(parallel), str(e)) from None
     try:
@@ -47,21 +47,7 @@ def run_parallel_request(
             flat = family.encode(params).flat()
         timings.add("encode", t)
         t = time.perf_counter()
-        engine = instance_engine(family, engine_config, ranks.parallelism)
-        with torch.no_grad():
-            state = family.prepare("local", params, Conditioning.from_flat(flat))
-        engine.add(state)
-        join = Join("local", wire.params_to_wire(params))
-        _, failed = lead_tick(Tick([], [join], []), [flat], engine, groups)
-        if failed:  # a follower could not load the request's adapters
-            raise TriptychError(f"--lora failed on {failed['local']}")
-
-        def tick():  # what a served instance's rank 0 does at each step boundary (parallel_denoiser)
-            batch = [r.state.request_id for r in engine.schedule()]
-            out, _ = lead_tick(Tick([], [], batch), [], engine, groups)
-            return out
-
-        engine.run_until_done(on_tick=None if on_step is None else lambda out: on_step(state), step=tick)
+        state = denoise_on_ranks(family, params, flat, ranks, engine_config, on_step)
         timings.add("denoise", t)
     finally:
         ranks.close()
@@ -69,3 +55,31 @@ def run_parallel_request(
     frames = family.decode(state.latents, params)
     timings.add("decode", t)
     return frames, timings
+
+
+def denoise_on_ranks(
+    family: Family,
+    params: GenerationParams,
+    flat: dict[str, torch.Tensor],
+    ranks: InstanceRanks,
+    engine_config: EngineConfig,
+    on_step: StepCallback | None = None,
+) -> DenoiseState:
+    """One request (resolved ``params``, its conditioning ``flat``) denoised on the started ``ranks``,
+    rank 0 here: one join, then one step per tick, as a served instance's rank 0 ticks."""
+    engine = instance_engine(family, engine_config, ranks.parallelism)
+    with torch.no_grad():
+        state = family.prepare("local", params, Conditioning.from_flat(flat))
+    engine.add(state)
+    join = Join("local", wire.params_to_wire(params))
+    _, failed = lead_tick(Tick([], [join], []), [flat], engine, ranks.groups)
+    if failed:  # a follower could not load the request's adapters
+        raise TriptychError(f"--lora failed on {failed['local']}")
+
+    def tick():  # what a served instance's rank 0 does at each step boundary (parallel_denoiser)
+        batch = [r.state.request_id for r in engine.schedule()]
+        out, _ = lead_tick(Tick([], [], batch), [], engine, ranks.groups)
+        return out
+
+    engine.run_until_done(on_tick=None if on_step is None else lambda out: on_step(state), step=tick)
+    return state

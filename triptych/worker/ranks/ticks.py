@@ -53,6 +53,9 @@ class RankSetup(msgspec.Struct, frozen=True):
     teacache_profiles_dir: str | None = None  # the worker's (WorkerConfig.teacache_profiles_dir)
     lora: LoraConfig | None = None  # the adapters rank 0 serves (same files, same budget); None = none
     quantize: list[str] = []  # rank 0's SpeedConfig.quantize: every rank quantizes its transformer alike
+    compile: bool = False  # rank 0's SpeedConfig.compile: every rank compiles its transformer's blocks alike
+    compile_cache_dir: str | None = None  # rank 0's inductor cache (SpeedConfig.compile_cache_dir); None = inductor's
+    warm_up: bool = False  # every rank warms up (compiles) after the parallelism attaches (ranks/warmup.py)
 
 
 class InstanceBroken(RunnerBroken):

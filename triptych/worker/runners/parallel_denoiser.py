@@ -51,7 +51,8 @@ class ParallelDenoiserRunner(DenoiserRunner):
         if parallel.cfg > 1 and not engine.fuse_cfg:
             raise ValueError("CFG parallel splits the rows of one fused forward: it needs fuse_cfg=True")
         ranks = InstanceRanks(parallel, collective_timeout_s, threads)
-        groups = ranks.start(family, model_dir, device, dtype, engine, profiles_dir)
+        # A compiled instance warms every rank up here, before the worker registers (ranks/warmup.py).
+        groups = ranks.start(family, model_dir, device, dtype, engine, profiles_dir, warm_up=family.speed.compile)
         super().__init__(family, port, instance_engine(family, engine, ranks.parallelism, profiles_dir))
         self.ranks, self.groups = ranks, groups
         self._broken = False  # a collective failed: closing must not wait on another one
