@@ -52,17 +52,14 @@ def apply_speed(pipe, config: SpeedConfig, device: str = "cpu", compile_vae_deco
         from triptych.accel.quantize import quantize_component
 
         quantize_component(module, mode)
-    transformer = getattr(pipe, "transformer", None)
-    if config.compile and transformer is not None:
-        from triptych.accel.compile import compile_repeated_blocks, set_cache_dir
+    if not config.compile:
+        return
+    from triptych.accel.compile import compile_decoder, compile_repeated_blocks, set_cache_dir
 
-        if config.compile_cache_dir is not None:  # None: inductor's own default (the CLIs always set one)
-            set_cache_dir(Path(config.compile_cache_dir))
+    if config.compile_cache_dir is not None:  # None: inductor's own default (the CLIs always set one)
+        set_cache_dir(Path(config.compile_cache_dir))
+    transformer, vae = getattr(pipe, "transformer", None), getattr(pipe, "vae", None)
+    if transformer is not None:
         compile_repeated_blocks(transformer)
-    vae = getattr(pipe, "vae", None)
-    if config.compile and compile_vae_decoder and vae is not None:
-        from triptych.accel.compile import compile_decoder, set_cache_dir
-
-        if config.compile_cache_dir is not None:
-            set_cache_dir(Path(config.compile_cache_dir))
+    if compile_vae_decoder and vae is not None:
         compile_decoder(vae)
