@@ -34,8 +34,11 @@ def pytest_collection_modifyitems(config, items):
     skip_slow = pytest.mark.skip(reason="slow: pass --run-slow")
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
-        if "slow" in item.keywords and not config.getoption("--run-slow"):
-            item.add_marker(skip_slow)
+        if "slow" in item.keywords:
+            if not config.getoption("--run-slow"):
+                item.add_marker(skip_slow)
+            elif item.get_closest_marker("timeout") is None:
+                item.add_marker(pytest.mark.timeout(3600))  # long benchmarks: past the suite's 900 s
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
 

@@ -388,7 +388,12 @@ def test_replayed_register_and_heartbeats_register_nothing_and_are_counted(head,
     assert isinstance(P.decode_from_head(den.key.open(ghost.recv_multipart())), P.Challenge)
     for frames in (register, *beats):
         ghost.send_multipart(frames)
-    while not isinstance(answer := P.decode_from_head(den.key.open(ghost.recv_multipart())), P.RegisterAck):
+
+    def answer_from_head():
+        assert ghost.poll(30_000), "the head did not answer the replayed frames"
+        return P.decode_from_head(den.key.open(ghost.recv_multipart()))
+
+    while not isinstance(answer := answer_from_head(), P.RegisterAck):
         assert isinstance(answer, P.Challenge)  # one per Hello sent while the identity was taken
     assert not answer.accepted and "refused" in answer.reason  # sealed under a spent challenge
     _wait_stat(loop, orch, "replays_refused", refused + 1 + len(beats))
