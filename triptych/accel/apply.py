@@ -62,4 +62,4 @@ def apply_speed(pipe, config: SpeedConfig, device: str = "cpu", compile_vae_deco
     if transformer is not None:
         compile_repeated_blocks(transformer)
     if compile_vae_decoder and vae is not None:
-        compile_decoder(vae)
+        compile_decoder(vae, device)

@@ -2,7 +2,9 @@
 
 The shapes that make dynamo compile a new graph (``accel/compile.py``): one row alone (a size of 1
 is specialised, no text mask), several rows with prompts of different lengths (the padding mask),
-and TeaCache's sub-batch of one masked row. ``warm_up`` runs each once on the family's
+several rows of one length (no mask), and TeaCache's sub-batches of one and of two masked rows
+(with ``--compile`` on Qwen-Image's fast path, ``fast_stack.py``, the sub-batch of two compiled a
+graph of its own although the full batch of two with a mask did not; measured, not understood). ``warm_up`` runs each once on the family's
 ``warmup_conditioning`` (random text embeddings of the right width; no encoder needed), so the
 first request pays nothing; the results are thrown away.
 
@@ -57,6 +59,7 @@ def warm_up(family: Family, forward: Callable[[Sequence[Row]], torch.Tensor] | N
     forward(rows[:1])  # one row: size 1, no mask
     forward(rows)  # several rows, prompts of different lengths: the padding mask
     forward(rows[::-1])  # the same, each CFG group of a CFG-parallel instance computing the other half
+    forward(rows[2:])  # several rows of one length (both uncond): no mask
     adapters = _load_served_adapters(family)
     if adapters:
         spec = ((adapters[0], 1.0),)
@@ -70,9 +73,10 @@ def warm_up(family: Family, forward: Callable[[Sequence[Row]], torch.Tensor] | N
             family.lora.release("warm-up-lora")
     from triptych.engine.teacache import has_plan, plan_for
 
-    if has_plan(family):  # TeaCache computes a sub-batch of the rows: one masked row
+    if has_plan(family):  # TeaCache computes a sub-batch of the rows: one masked row, and two
         plan = plan_for(family)
         plan.blocks(plan.embed(rows), torch.tensor([0]))
+        plan.blocks(plan.embed(rows), torch.tensor([0, 1]))  # the compiled block stack: a graph of its own
     counts = compile_counts()
     if adapters:
         counts = dict(counts, lora_adapters=len(adapters))

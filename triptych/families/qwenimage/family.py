@@ -217,7 +217,8 @@ class QwenImageFamily(Family):
 
     @functools.cached_property
     def _fast(self) -> fast.FastForward:
-        return fast.FastForward(self.pipe.transformer, self.pipe.vae_scale_factor, idle=self._idle_hooks)
+        device = self.device if self.speed.compile else None  # --compile: the block stack as one graph
+        return fast.FastForward(self.pipe.transformer, self.pipe.vae_scale_factor, self._idle_hooks, device)
 
     def _idle_hooks(self) -> frozenset[int]:
         """The LoRA runtime's hooks: they add nothing to a forward without adapter rows (``fast.usable``)."""

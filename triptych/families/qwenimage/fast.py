@@ -25,8 +25,10 @@ and for a batch (tests/pipelines/test_step_tables.py; test_qwenimage.py against 
 ``usable`` says when it applies; otherwise the family calls the transformer as before: a row with a
 LoRA (an adapter may change ``txt_in`` or a modulation linear), ``zero_cond_t`` checkpoints, a
 processor or attention backend other than diffusers' native one (sequence parallel, flash),
-hooks on the model (a hook expects its forward to run). With compiled blocks (``--compile``) the
-text, temb and RoPE are used and each block is called as a module, so its compiled graph runs.
+hooks on the model (a hook expects its forward to run). With ``--compile`` the block stack runs as
+one compiled graph (``fast_stack.py``) when every block takes ``joint_block``; otherwise, with
+compiled blocks, the text, temb and RoPE are used and each block is called as a module, so its
+compiled graph runs.
 The tables assume the weights do not change during a request; the fused copies (q/k/v, modulation)
 are rebuilt when a weight is replaced or changed in place.
 """
@@ -44,6 +46,7 @@ from triptych.families.base import COND, UNCOND, DenoiseState, Row
 from triptych.families.fastpath import model_hooked, native_attention
 from triptych.families.qwenimage.denoise import image_shapes, pad_prompts
 from triptych.families.qwenimage.fast_block import BlockPlan, hooked, joint_block, module_block
+from triptych.families.qwenimage.fast_stack import FrozenStack, compile_stack
 
 #: Largest concatenation of every block's modulation weights kept to build a table in one matmul per
 #: step (the default model's: 2.7 MB); above it each block's ``img_mod``/``txt_mod`` runs on its own.
@@ -91,6 +94,7 @@ class FastEmbedded:
     head: torch.Tensor | None  # norm_out's (1 + scale, shift): (2, dim) or (2, rows, 1, dim)
     rope: tuple  # (img freqs, txt freqs, joint freqs, (img, txt) as the model's pos_embed returns them)
     noise_tokens: int
+    frozen: bool = False  # the blocks run as the compiled stack (``FastForward.stack``)
 
 
 def usable(transformer, rows: Sequence[Row]) -> bool:
@@ -108,18 +112,21 @@ def usable(transformer, rows: Sequence[Row]) -> bool:
 
 
 def _compiled(block) -> bool:
-    return getattr(block, "_compiled_call_impl", None) is not None or bool(
-        block._forward_hooks or block._forward_pre_hooks
-    )
+    return getattr(block, "_compiled_call_impl", None) is not None
+
+
+def _block_hooked(block) -> bool:
+    return bool(block._forward_hooks or block._forward_pre_hooks)
 
 
 class FastForward:
     """``forward`` bound to one transformer, with its RoPE and text-padding values cached per shape."""
 
-    def __init__(self, transformer, vae_scale_factor: int, idle=None):
+    def __init__(self, transformer, vae_scale_factor: int, idle=None, compile_device=None):
         """``idle()``: ids of forward hooks that add nothing to a forward this class runs (the LoRA
         runtime's: the fast path runs no row with an adapter), so the linears under them may be
-        called as ``F.linear``; None = every hook counts."""
+        called as ``F.linear``; None = every hook counts. ``compile_device``: ``--compile``'s device,
+        to run the blocks as one compiled graph (``fast_stack.py``); None: eager."""
         self.t = transformer
         self.vae_scale_factor = vae_scale_factor
         self.idle = idle or frozenset
@@ -128,6 +135,21 @@ class FastForward:
         self.plans = [BlockPlan(b) for b in transformer.transformer_blocks]
         self._mod_key: list | None = None
         self._mod: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.compile_device = compile_device
+        self._stack: FrozenStack | None = None
+
+    def stack(self) -> FrozenStack | None:
+        """The compiled block stack when ``--compile`` is on and every block takes ``joint_block``
+        (built at the first such forward, its buffers synced to the plans' current copies); else None."""
+        if self.compile_device is None:
+            return None
+        idle = self.idle()
+        if not all(plan.current(idle) for plan in self.plans):
+            return None
+        if self._stack is None:
+            self._stack = compile_stack(self.plans, self.compile_device)
+        self._stack.sync(self.plans)
+        return self._stack
 
     def mod_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Every modulation linear's weight and bias concatenated (``_mod_linears`` order), rebuilt when
@@ -216,7 +238,8 @@ class FastForward:
             image_latents = torch.cat([s.cond.shared["image_latents"] for s in states])
             latents = torch.cat([latents, image_latents], dim=1)
         hidden = t.img_in(latents)
-        modular = any(_compiled(b) for b in t.transformer_blocks)
+        frozen = not any(_block_hooked(b) for b in t.transformer_blocks) and self.stack() is not None
+        modular = not frozen and any(_compiled(b) or _block_hooked(b) for b in t.transformer_blocks)
         mods = head = None
         if one:  # the request's tables
             txt, mask = states[0].step_consts.text[rows[0].branch], None
@@ -247,7 +270,7 @@ class FastForward:
             joint = torch.cat([mask, image_mask], dim=1)[:, None, None, :]
         else:
             joint = None
-        return FastEmbedded(hidden, txt, mask, joint, temb, mods, head, rope, noise_tokens)
+        return FastEmbedded(hidden, txt, mask, joint, temb, mods, head, rope, noise_tokens, frozen)
 
     def modulated_input(self, e: FastEmbedded) -> torch.Tensor:
         """Block 0's modulated image-stream input (TeaCache's distance), as ``qwenimage/teacache.py``."""
@@ -281,6 +304,10 @@ class FastForward:
                     modulate_index=None,
                 )
             return hidden
+        if e.frozen and (stack := self.stack()) is not None:
+            # contiguous: a permuted or indexed table is another input layout, i.e. another graph
+            with torch._dynamo.config.patch(skip_nnmodule_hook_guards=True):  # hooked blocks never get here
+                return stack(hidden.contiguous(), txt.contiguous(), joint, mods.contiguous(), joint_freqs)
         # every block's 12 modulation tensors as views from one unbind (not 3 per block)
         flat, idle = mods.reshape(-1, *mods.shape[3:]).unbind(0), self.idle()
         for i, plan in enumerate(self.plans):

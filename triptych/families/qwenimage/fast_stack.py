@@ -1,0 +1,80 @@
+"""``--compile`` on Qwen-Image's fast path: the whole block stack as one inductor graph, weights frozen.
+
+The regional compile (``accel/compile.py``) compiles each block as a module; on the fast path
+(``fast.py``) that was slower than the eager ``joint_block`` kernel on CPU (benchmarks/RESULTS.md,
+"--compile and --quantize"): at a few dozen tokens the step is call overhead, and a compiled block is
+still one guarded call per block. Here the six ``joint_block`` calls are one graph
+(``nn.Module.compile``, ``dynamic=True``: the batch and sequence sizes symbolic from the first
+compile, as the regional blocks). On CPU it compiles with inductor's ``freezing`` (weights become
+constants: oneDNN prepacks the linear layers' weights and fuses their epilogues) and ``cpp_wrapper``
+(the graph's calls are made from C++, not Python); on other devices with the default options.
+
+The operands live on this module so that dynamo sees them as module state: the fused q/k/v copies and
+q/k norm weights as buffers, the block (its linears) as a submodule. Frozen weights are read once, so
+a weight changed *in place* after the compile would not be seen: ``sync`` replaces the buffers
+whenever ``BlockPlan.current`` rebuilt its copies (a replaced tensor is seen; held by
+tests/pipelines/test_compile.py), and nothing in Triptych changes a transformer weight in place after
+load (LoRA adds its deltas in hooks; rows with an adapter do not take the fast path).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from triptych.accel.compile import options_for
+from triptych.families.qwenimage.fast_block import BlockPlan, joint_block
+
+
+class FrozenBlock(torch.nn.Module):
+    """One block's ``joint_block`` operands as module state (what ``joint_block`` reads of a plan)."""
+
+    def __init__(self, plan: BlockPlan):
+        super().__init__()
+        self.block = plan.block
+        self.linears = plan.linears  # the block's own linears (submodules of ``block``)
+        self.head_dim, self.approximate = plan.head_dim, plan.approximate
+        for name in ("wt", "bt", "wi", "bi", "qk_txt", "qk_img"):
+            self.register_buffer(name, None, persistent=False)
+        self.sync(plan)
+
+    def sync(self, plan: BlockPlan) -> None:
+        """Point the buffers at the plan's current copies (replaced, never changed in place)."""
+        (wt, bt), (wi, bi) = plan.fused
+        if self.wt is not wt or self.wi is not wi or self.qk_txt is not plan._qk[0]:
+            self.wt, self.bt, self.wi, self.bi = wt, bt, wi, bi
+            self.qk_txt, self.qk_img = plan._qk
+        self.eps = plan.eps
+
+    @property
+    def fused(self):
+        return (self.wt, self.bt), (self.wi, self.bi)
+
+    def norm_weight(self, text: int, image: int) -> torch.Tensor:
+        """``BlockPlan.norm_weight`` without its cache (sizes are symbolic in the graph)."""
+        return torch.cat([self.qk_txt.expand(text, -1, -1, -1), self.qk_img.expand(image, -1, -1, -1)])
+
+
+class FrozenStack(torch.nn.Module):
+    """Every block's ``joint_block`` in one forward; compiled by ``compile_stack``."""
+
+    def __init__(self, plans: list[BlockPlan]):
+        super().__init__()
+        self.frozen = torch.nn.ModuleList(FrozenBlock(p) for p in plans)
+
+    def sync(self, plans: list[BlockPlan]) -> None:
+        for block, plan in zip(self.frozen, plans):
+            block.sync(plan)
+
+    def forward(self, hidden, txt, mask, mods, joint_freqs):
+        flat = mods.reshape(-1, *mods.shape[3:]).unbind(0)
+        for i, block in enumerate(self.frozen):
+            mod = (flat[12 * i : 12 * i + 6], flat[12 * i + 6 : 12 * i + 12])
+            hidden, txt = joint_block(block, hidden, txt, mask, mod, joint_freqs)
+        return hidden
+
+
+def compile_stack(plans: list[BlockPlan], device: torch.device | str) -> FrozenStack:
+    """A ``FrozenStack`` over ``plans`` (each ``current()``), compiled for ``device``."""
+    stack = FrozenStack(plans)
+    stack.compile(dynamic=True, options=options_for(device))
+    return stack
