@@ -47,8 +47,10 @@ def test_compiled_blocks_are_the_repeated_blocks(families):
     blocks = compiled.pipe.transformer.transformer_blocks
     assert all(b._compiled_call_impl is not None for b in blocks)
     assert all(b._compiled_call_impl is None for b in eager.pipe.transformer.transformer_blocks)
-    assert compiled.pipe.vae.decoder._compiled_call_impl is not None  # the family's compile_vae_decoder
-    assert eager.pipe.vae.decoder._compiled_call_impl is None
+    # the family's compile_vae_decoder: its one-frame decoder (accel/frame_decode.py), the VAE's own untouched
+    assert compiled.frame_decoder is not None and compiled.frame_decoder._compiled_call_impl is not None
+    assert eager.frame_decoder is None
+    assert compiled.pipe.vae.decoder._compiled_call_impl is None
     assert compiled.pipe.vae.encoder._compiled_call_impl is None
 
 

@@ -39,11 +39,12 @@ def check_speed(config: SpeedConfig, device: str = "cpu") -> None:
         raise InvalidParam("--quantize", ",".join(config.quantize), "needs torchao: pip install 'triptych[quant]'")
 
 
-def apply_speed(pipe, config: SpeedConfig, device: str = "cpu", compile_vae_decoder: bool = False) -> None:
+def apply_speed(pipe, config: SpeedConfig, device: str = "cpu", compile_vae_decoder: bool = False):
     """Quantize the named components the pipeline has loaded, then compile its transformer's blocks
-    and, with ``compile_vae_decoder`` (the family's ``compile_vae_decoder``), its VAE decoder."""
+    and, with ``compile_vae_decoder`` (the family's ``compile_vae_decoder``), its VAE decoder.
+    Returns the compiled one-frame decoder ``compile_decoder`` made, or None."""
     if not config.active:
-        return
+        return None
     check_speed(config, device)
     for component, mode in config.quantized.items():
         module = getattr(pipe, component, None)
@@ -53,7 +54,7 @@ def apply_speed(pipe, config: SpeedConfig, device: str = "cpu", compile_vae_deco
 
         quantize_component(module, mode)
     if not config.compile:
-        return
+        return None
     from triptych.accel.compile import compile_decoder, compile_repeated_blocks, set_cache_dir
 
     if config.compile_cache_dir is not None:  # None: inductor's own default (the CLIs always set one)
@@ -62,4 +63,5 @@ def apply_speed(pipe, config: SpeedConfig, device: str = "cpu", compile_vae_deco
     if transformer is not None:
         compile_repeated_blocks(transformer)
     if compile_vae_decoder and vae is not None:
-        compile_decoder(vae, device)
+        return compile_decoder(vae, device)
+    return None

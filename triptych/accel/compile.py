@@ -15,12 +15,14 @@ silently. ``compile_repeated_blocks`` turns those guards on: a block whose hooks
 again (``tests/pipelines/test_lora_compile.py`` fails without it: the adapters' rows come out as
 if no adapter were loaded).
 
-The VAE decoder is compiled whole where a family says it pays (``Family.compile_vae_decoder``,
-``compile_decoder``): on the default model's Qwen-Image VAE, 64x64, one thread, 1.6x per decode
-(benchmarks/RESULTS.md; its 3x3x3 causal convolutions run ATen's unfolding ``slow_conv3d`` eagerly
-at this size). On CPU it compiles with ``CPU_OPTIONS`` (inductor's ``freezing``: the weights become
-constants, so oneDNN prepacks the convolutions'; ``cpp_wrapper``): 1.2x over the default options.
-A VAE's weights never change after load.
+The VAE decoder is compiled where a family says it pays (``Family.compile_vae_decoder``,
+``compile_decoder``). A causal-3D VAE (Qwen-Image's) compiles its one-frame decoder
+(``accel/frame_decode.py``: the causal 3x3x3 convolutions of one frame as 2D convolutions, a third of
+their work), which the family calls for one-frame latents: on the default model, 64x64, one thread,
+about 4x per decode against the eager decoder (benchmarks/RESULTS.md). Another VAE's decoder is
+compiled whole, in place. On CPU it compiles with ``CPU_OPTIONS`` (inductor's ``freezing``: the
+weights become constants, so oneDNN prepacks the convolutions'; ``cpp_wrapper``). A VAE's weights
+never change after load.
 
 Inductor's FX graph and AOTAutograd caches are on by default; ``set_cache_dir`` points them at the
 user cache dir so a restarted process reuses the generated code instead of compiling it again.
@@ -67,16 +69,24 @@ def options_for(device) -> dict | None:
     return CPU_OPTIONS if torch.device(device).type == "cpu" else None
 
 
-def compile_decoder(vae: torch.nn.Module, device="cpu") -> bool:
-    """Compile ``vae.decoder`` whole (``nn.Module.compile``, shapes static at first, so the warm-up's
-    size gets a graph of its own and a second size makes dynamo compile a dynamic one); False when
-    this VAE has no ``decoder`` module. The encoder half is left alone (edit's condition image only)."""
+def compile_decoder(vae: torch.nn.Module, device="cpu") -> torch.nn.Module | None:
+    """Compile ``vae``'s decoder (``nn.Module.compile``, shapes static at first, so the warm-up's size
+    gets a graph of its own and a second size makes dynamo compile a dynamic one). Returns the
+    compiled ``FrameDecoder`` of a causal-3D VAE (the family decodes one-frame latents with it);
+    otherwise compiles ``vae.decoder`` in place and returns None (also when there is no decoder).
+    The encoder half is left alone (edit's condition image only)."""
+    from triptych.accel.frame_decode import frame_decoder
+
+    frame = frame_decoder(vae)
+    if frame is not None:
+        frame.compile(options=options_for(device))
+        logger.info("compiling the %s one-frame decoder", type(vae).__name__)
+        return frame
     decoder = getattr(vae, "decoder", None)
-    if not isinstance(decoder, torch.nn.Module):
-        return False
-    decoder.compile(options=options_for(device))
-    logger.info("compiling the %s decoder", type(vae).__name__)
-    return True
+    if isinstance(decoder, torch.nn.Module):
+        decoder.compile(options=options_for(device))
+        logger.info("compiling the %s decoder", type(vae).__name__)
+    return None
 
 
 def compile_counts() -> dict[str, int]:

@@ -101,7 +101,8 @@ class Family(ABC):
         self.pipe = self.pipeline_class.from_pretrained(str(self.model_dir), dtype=self.dtype, **skipped, **built)
         place(self.pipe, self.device_config)
         self.speed = speed
-        apply_speed(self.pipe, speed, self.device_config.device, self.compile_vae_decoder)
+        #: ``--compile``'s one-frame VAE decoder (``accel/frame_decode.py``) where the VAE has one; None: ``vae.decode``
+        self.frame_decoder = apply_speed(self.pipe, speed, self.device_config.device, self.compile_vae_decoder)
         # The device the encode stage hands diffusers' encode_prompt: the pipeline's own
         # ``_execution_device`` (offload hooks included), looked up once. NOTE: the property walks every
         # module's offload hooks on each read (2.4 ms on the default model, half of its prompt encode).

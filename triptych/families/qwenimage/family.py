@@ -191,7 +191,7 @@ class QwenImageFamily(Family):
             self.pipe, params, self.uses_cfg(params), self.max_sequence_length, self.execution_device
         )
 
-    compile_vae_decoder = True  # 1.2-1.3x per decode on the default model (benchmarks/RESULTS.md)
+    compile_vae_decoder = True  # its one-frame decoder, ~4x per decode on the default model (benchmarks/RESULTS.md)
 
     def warmup_latents(self, params: GenerationParams) -> torch.Tensor:
         """Packed latents, (1, tokens, 4 · z_dim), as ``prepare_latents`` makes them."""
@@ -236,7 +236,7 @@ class QwenImageFamily(Family):
 
     def decode(self, latents: torch.Tensor, params: GenerationParams) -> Frames:
         with self.vae_mode(params):
-            return dec.decode(self.pipe, latents.to(self.device), params)
+            return dec.decode(self.pipe, latents.to(self.device), params, self.frame_decoder)
 
     def _reference_kwargs(self, params: GenerationParams) -> dict[str, Any]:
         return dict(
