@@ -1,12 +1,16 @@
-"""``--compile`` on Qwen-Image's fast path runs the block stack as one compiled graph with inductor's
-``freezing`` on CPU (``families/qwenimage/fast_stack.py``), and a weight *replaced* after the compile
+"""``--compile`` on Qwen-Image's fast path runs the block stack as one compiled graph
+(``families/qwenimage/fast_stack.py``), and a weight *replaced* after the compile
 is seen: the fused q/k/v copies are rebuilt and the stack's buffers repointed (``FrozenStack.sync``),
 the blocks' own linears are read as module parameters. Without ``sync`` (the copies a plain function
-would close over) the frozen graph kept the old weights: a scratch check on torch 2.13 gave the old
+would close over) the compiled graph kept the old weights: a scratch check on torch 2.13 gave the old
 output after a replaced tensor.
 
+A weight changed *in place* is seen too: the fused copies are rebuilt (``BlockPlan.current`` checks
+the versions) and the linears the stack reads directly are graph inputs, not constants.
+
 Tiny seeded Qwen-Image, CPU, one request's fused-CFG rows; compiled vs eager forward measured 2.4e-7
-max abs before and 3.6e-7 after the replacement (tolerance 10x the larger).
+max abs before, 3.6e-7 after the replacement and 4.8e-7 after the in-place change (tolerance 7.5x the
+largest).
 """
 
 from __future__ import annotations
@@ -54,8 +58,18 @@ def test_the_stack_runs_compiled_and_sees_replaced_weights(families):
         for family in (eager, compiled):
             replace(family, torch.Generator().manual_seed(7))
         after_e, after_c = eager.forward(rows_e), compiled.forward(rows_c)
+        for family in (eager, compiled):  # and changed in place: a fused one and one read directly
+            block = family.pipe.transformer.transformer_blocks[1]
+            for linear in (block.attn.add_k_proj, block.txt_mlp.net[0].proj):
+                linear.weight.mul_(-1.5)
+        inplace_e, inplace_c = eager.forward(rows_e), compiled.forward(rows_c)
     changed = float((after_e - before).abs().max())
+    moved = float((inplace_e - after_e).abs().max())
     second = float((after_c - after_e).abs().max())
-    print(f"compiled vs eager: {first:.2e} before, {second:.2e} after the replacement (which moved it {changed:.2e})")
-    assert changed > 100 * TOLERANCE  # the replacement matters
-    assert first <= TOLERANCE and second <= TOLERANCE
+    third = float((inplace_c - inplace_e).abs().max())
+    print(
+        f"compiled vs eager: {first:.2e} before, {second:.2e} after the replacement (which moved it {changed:.2e}), "
+        f"{third:.2e} after the in-place change (which moved it {moved:.2e})"
+    )
+    assert changed > 100 * TOLERANCE and moved > 100 * TOLERANCE  # the changes matter
+    assert first <= TOLERANCE and second <= TOLERANCE and third <= TOLERANCE

@@ -20,9 +20,7 @@ The VAE decoder is compiled where a family says it pays (``Family.compile_vae_de
 (``accel/frame_decode.py``: the causal 3x3x3 convolutions of one frame as 2D convolutions, a third of
 their work), which the family calls for one-frame latents: on the default model, 64x64, one thread,
 about 4x per decode against the eager decoder (benchmarks/RESULTS.md). Another VAE's decoder is
-compiled whole, in place. On CPU it compiles with ``CPU_OPTIONS`` (inductor's ``freezing``: the
-weights become constants, so oneDNN prepacks the convolutions'; ``cpp_wrapper``). A VAE's weights
-never change after load.
+compiled whole, in place. On CPU it compiles with ``CPU_OPTIONS``.
 
 Inductor's FX graph and AOTAutograd caches are on by default; ``set_cache_dir`` points them at the
 user cache dir so a restarted process reuses the generated code instead of compiling it again.
@@ -36,9 +34,14 @@ from pathlib import Path
 
 import torch
 
-#: inductor options for a graph whose weights do not change after it compiles, on CPU (the decoder
-#: here, Qwen-Image's block stack in ``families/qwenimage/fast_stack.py``).
-CPU_OPTIONS = {"freezing": True, "cpp_wrapper": True}
+#: inductor options on CPU for the decoder here and Qwen-Image's block stack
+#: (``families/qwenimage/fast_stack.py``): ``cpp_wrapper``, the graph's calls made from C++ (the stack:
+#: 2.19 against 2.60 ms per call, benchmarks/RESULTS.md). NOTE: inductor's ``freezing`` is not among
+#: them. Passed as a ``torch.compile`` option it does not take effect on torch 2.13 (``compile_fx``
+#: reads it outside the options' patch: no weight was packed, inductor's counters say); set globally it
+#: packs the linears for oneDNN, which made the stack slower (2.54 against 2.21 ms at dynamic shapes)
+#: and bypasses the FX graph cache (a restart would compile again).
+CPU_OPTIONS = {"cpp_wrapper": True}
 
 logger = logging.getLogger(__name__)
 

@@ -94,7 +94,12 @@ class FastEmbedded:
     head: torch.Tensor | None  # norm_out's (1 + scale, shift): (2, dim) or (2, rows, 1, dim)
     rope: tuple  # (img freqs, txt freqs, joint freqs, (img, txt) as the model's pos_embed returns them)
     noise_tokens: int
-    frozen: bool = False  # the blocks run as the compiled stack (``FastForward.stack``)
+    #: the compiled block stack the blocks run as (``FastForward.stack``, checked once per forward); None: eager
+    stack: FrozenStack | None = None
+
+    @property
+    def frozen(self) -> bool:
+        return self.stack is not None
 
 
 def usable(transformer, rows: Sequence[Row]) -> bool:
@@ -153,21 +158,29 @@ class FastForward:
 
     def mod_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Every modulation linear's weight and bias concatenated (``_mod_linears`` order), rebuilt when
-        one is replaced or changed in place; None when they are not plain or exceed ``FUSED_MOD_BYTES``."""
-        linears, idle = _mod_linears(self.t), self.idle()
-        key = [
-            (m.weight, m.weight._version, m.bias, None if m.bias is None else m.bias._version, hooked(m, idle))
+        one is replaced or changed in place or hooked; None when they are not plain or exceed
+        ``FUSED_MOD_BYTES``. Checked every forward: one pass over (module, weight, version) records."""
+        idle = self.idle()
+        key = self._mod_key
+        if key is not None:
+            for m, w, wv, b, bv, h in key:
+                if m.weight is not w or w._version != wv or m.bias is not b or (b is not None and b._version != bv):
+                    break
+                if hooked(m, idle) != h:
+                    break
+            else:
+                return self._mod
+        linears = _mod_linears(self.t)
+        self._mod_key = [
+            (m, m.weight, m.weight._version, m.bias, None if m.bias is None else m.bias._version, hooked(m, idle))
             for m in linears
         ]
-        old = self._mod_key
-        if old is None or len(key) != len(old) or any(a is not b for x, y in zip(key, old) for a, b in zip(x, y)):
-            self._mod_key = key
-            self._mod = None
-            if _fusable(linears, idle):
-                self._mod = (
-                    torch.cat([m.weight for m in linears]).detach(),
-                    torch.cat([m.bias for m in linears]).detach(),
-                )
+        self._mod = None
+        if _fusable(linears, idle):
+            self._mod = (
+                torch.cat([m.weight for m in linears]).detach(),
+                torch.cat([m.bias for m in linears]).detach(),
+            )
         return self._mod
 
     def modulation(self, temb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -238,8 +251,8 @@ class FastForward:
             image_latents = torch.cat([s.cond.shared["image_latents"] for s in states])
             latents = torch.cat([latents, image_latents], dim=1)
         hidden = t.img_in(latents)
-        frozen = not any(_block_hooked(b) for b in t.transformer_blocks) and self.stack() is not None
-        modular = not frozen and any(_compiled(b) or _block_hooked(b) for b in t.transformer_blocks)
+        stack = None if any(_block_hooked(b) for b in t.transformer_blocks) else self.stack()
+        modular = stack is None and any(_compiled(b) or _block_hooked(b) for b in t.transformer_blocks)
         mods = head = None
         if one:  # the request's tables
             txt, mask = states[0].step_consts.text[rows[0].branch], None
@@ -270,7 +283,7 @@ class FastForward:
             joint = torch.cat([mask, image_mask], dim=1)[:, None, None, :]
         else:
             joint = None
-        return FastEmbedded(hidden, txt, mask, joint, temb, mods, head, rope, noise_tokens, frozen)
+        return FastEmbedded(hidden, txt, mask, joint, temb, mods, head, rope, noise_tokens, stack)
 
     def modulated_input(self, e: FastEmbedded) -> torch.Tensor:
         """Block 0's modulated image-stream input (TeaCache's distance), as ``qwenimage/teacache.py``."""
@@ -304,10 +317,14 @@ class FastForward:
                     modulate_index=None,
                 )
             return hidden
-        if e.frozen and (stack := self.stack()) is not None:
+        if e.stack is not None:
             # contiguous: a permuted or indexed table is another input layout, i.e. another graph
-            with torch._dynamo.config.patch(skip_nnmodule_hook_guards=True):  # hooked blocks never get here
-                return stack(hidden.contiguous(), txt.contiguous(), joint, mods.contiguous(), joint_freqs)
+            args = (hidden.contiguous(), txt.contiguous(), joint, mods.contiguous(), joint_freqs)
+            if torch._dynamo.config.skip_nnmodule_hook_guards:  # dynamo's default: no hook guards
+                return e.stack(*args)
+            # the regional compile turned hook guards on (accel/compile.py); hooked blocks never get here
+            with torch._dynamo.config.patch(skip_nnmodule_hook_guards=True):
+                return e.stack(*args)
         # every block's 12 modulation tensors as views from one unbind (not 3 per block)
         flat, idle = mods.reshape(-1, *mods.shape[3:]).unbind(0), self.idle()
         for i, plan in enumerate(self.plans):

@@ -15,7 +15,7 @@ without ``zero_cond_t``, taking the block's modulation as (shift, 1 + scale, gat
 
 Each rewrite gives the same bits on CPU as the operators it replaces (measured on torch 2.13; held by
 the exactness tests against pristine diffusers, tests/pipelines/test_qwenimage.py and
-tests/pipelines/test_qwen_fast.py). Only ``addcmul`` for the gated residual was not (left as mul + add).
+tests/pipelines/test_step_tables.py). Only ``addcmul`` for the gated residual was not (left as mul + add).
 """
 
 from __future__ import annotations
@@ -125,9 +125,12 @@ class BlockPlan:
         """Whether the copies ``current`` made (fused q/k/v, stacked norm weights) still hold: the same
         parameter objects at their versions, and no linear hooked since (checked every forward)."""
         for m in self.linears:
-            if hooked(m, idle):
+            if m._forward_pre_hooks or (m._forward_hooks and hooked(m, idle)):
                 return False
-        return all(mod._parameters.get(name) is p and p._version == v for mod, name, p, v in self.key)
+        for mod, name, p, v in self.key:
+            if mod._parameters.get(name) is not p or p._version != v:
+                return False
+        return True
 
     def _eligible(self, idle: frozenset[int]) -> bool:
         if any(hooked(m, idle) or type(m) is not torch.nn.Linear for m in self.linears):

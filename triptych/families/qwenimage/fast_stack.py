@@ -1,20 +1,19 @@
-"""``--compile`` on Qwen-Image's fast path: the whole block stack as one inductor graph, weights frozen.
+"""``--compile`` on Qwen-Image's fast path: the whole block stack as one inductor graph.
 
 The regional compile (``accel/compile.py``) compiles each block as a module; on the fast path
 (``fast.py``) that was slower than the eager ``joint_block`` kernel on CPU (benchmarks/RESULTS.md,
 "--compile and --quantize"): at a few dozen tokens the step is call overhead, and a compiled block is
 still one guarded call per block. Here the six ``joint_block`` calls are one graph
 (``nn.Module.compile``, ``dynamic=True``: the batch and sequence sizes symbolic from the first
-compile, as the regional blocks). On CPU it compiles with inductor's ``freezing`` (weights become
-constants: oneDNN prepacks the linear layers' weights and fuses their epilogues) and ``cpp_wrapper``
-(the graph's calls are made from C++, not Python); on other devices with the default options.
+compile, as the regional blocks). On CPU it compiles with ``cpp_wrapper`` (the graph's calls are made
+from C++, not Python; ``accel/compile.CPU_OPTIONS``); on other devices with the default options.
 
-The operands live on this module so that dynamo sees them as module state: the fused q/k/v copies and
-q/k norm weights as buffers, the block (its linears) as a submodule. Frozen weights are read once, so
-a weight changed *in place* after the compile would not be seen: ``sync`` replaces the buffers
-whenever ``BlockPlan.current`` rebuilt its copies (a replaced tensor is seen; held by
-tests/pipelines/test_compile.py), and nothing in Triptych changes a transformer weight in place after
-load (LoRA adds its deltas in hooks; rows with an adapter do not take the fast path).
+The operands live on this module so that dynamo sees them as module state (graph inputs, not
+constants): the fused q/k/v copies and q/k norm weights as buffers, the block (its linears) as a
+submodule. The fused copies are copies, so ``sync`` replaces the buffers whenever
+``BlockPlan.current`` rebuilt them after a weight was replaced or changed in place (held by
+tests/pipelines/test_compile_stack.py); nothing in Triptych changes a transformer weight after load
+(LoRA adds its deltas in hooks; rows with an adapter do not take the fast path).
 """
 
 from __future__ import annotations
