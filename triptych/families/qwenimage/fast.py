@@ -26,7 +26,9 @@ and for a batch (tests/pipelines/test_step_tables.py; test_qwenimage.py against 
 LoRA (an adapter may change ``txt_in`` or a modulation linear), ``zero_cond_t`` checkpoints, a
 processor or attention backend other than diffusers' native one (sequence parallel, flash),
 hooks on the model (a hook expects its forward to run). With ``--compile`` the block stack runs as
-one compiled graph (``fast_stack.py``) when every block takes ``joint_block``; otherwise, with
+one compiled graph (``fast_stack.py``) when every block takes ``joint_block``, and reads its rows'
+temb and modulation from tables of the whole schedule computed at ``prepare`` (``schedule``: one
+batch, not bit-identical to the model's per-step batch, as the compiled stack is not); otherwise, with
 compiled blocks, the text, temb and RoPE are used and each block is called as a module, so its
 compiled graph runs.
 The tables assume the weights do not change during a request; the fused copies (q/k/v, modulation)
@@ -65,6 +67,9 @@ class QwenTables:
     #: forward at that step, read by the other's
     step: int = -1
     entry: tuple | None = None
+    #: ``--compile`` only: every step's (temb, modulation, norm_out's) for one row, (steps, ...) each,
+    #: computed at ``prepare`` in one batch over the schedule (``FastForward.schedule``); None: per step
+    schedule: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 def _mod_linears(t) -> list[torch.nn.Linear]:
@@ -215,7 +220,33 @@ class FastForward:
         if COND in branches and UNCOND in branches:
             embeds, mask = pad_prompts([branches[b]["prompt_embeds"] for b in (COND, UNCOND)])
             pair = (t.txt_in(t.txt_norm(embeds)), mask.to(torch.bool) if mask is not None else None)
-        return QwenTables(text, pair)
+        return QwenTables(text, pair, schedule=self.schedule(state) if self.compile_device is not None else None)
+
+    def schedule(self, state: DenoiseState) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(temb, modulation, norm_out's) of every step of ``state``'s schedule, one row each: one batch
+        of ``len(timesteps)`` rows instead of one per step (the 2.7 MB of modulation weights read once
+        per request, not at every step). A matmul over other rows than the model's forward has can
+        round differently, so only the compiled stack reads these (``--compile`` is not bit-exact
+        anyway: tests/pipelines/test_compile.py holds the tolerance)."""
+        dtype = self.t.img_in.weight.dtype
+        timesteps = (state.timesteps.to(state.latents.dtype) / 1000).to(dtype)
+        temb = self.t.time_text_embed(timesteps, state.latents.new_empty(0, dtype=dtype), None)
+        mods, head = self.modulation(temb)
+        return temb, mods, head
+
+    @staticmethod
+    def scheduled(states: Sequence[DenoiseState]) -> tuple | None:
+        """The rows' (temb, modulation, norm_out's) at their steps from ``schedule``'s tables, shaped as
+        ``embed`` shapes its own; None when a state has none."""
+        if any(s.step_consts.schedule is None for s in states):
+            return None
+        if len(states) == 1:
+            temb, mods, head = states[0].step_consts.schedule
+            step = states[0].step
+            return temb[step : step + 1], mods[step], head[step]
+        rows = [(s.step_consts.schedule, s.step) for s in states]
+        temb, mods, head = (torch.stack([table[i][step] for table, step in rows]) for i in range(3))
+        return temb, mods.permute(1, 2, 3, 0, 4).unsqueeze(4), head.permute(1, 0, 2).unsqueeze(2)
 
     def step_entry(self, state: DenoiseState, modular: bool) -> tuple:
         """(temb, modulation, norm_out's) for one row of ``state`` at its step, once per step."""
@@ -254,9 +285,10 @@ class FastForward:
         stack = None if any(_block_hooked(b) for b in t.transformer_blocks) else self.stack()
         modular = stack is None and any(_compiled(b) or _block_hooked(b) for b in t.transformer_blocks)
         mods = head = None
+        scheduled = self.scheduled(states) if stack is not None else None
         if one:  # the request's tables
             txt, mask = states[0].step_consts.text[rows[0].branch], None
-            temb, mods, head = self.step_entry(states[0], modular)
+            temb, mods, head = scheduled or self.step_entry(states[0], modular)
         else:  # as the model's forward computes them for these rows, batched (the same bits as it)
             pair = states[0].step_consts.pair
             if (
@@ -271,9 +303,12 @@ class FastForward:
                 embeds, mask = pad_prompts([r.state.cond.branches[r.branch]["prompt_embeds"] for r in rows])
                 txt = t.txt_in(t.txt_norm(embeds))
                 mask = mask.to(torch.bool) if mask is not None else None
-            timestep = torch.cat([s.timestep.expand(1).to(latents.dtype) for s in states]) / 1000
-            temb = t.time_text_embed(timestep.to(hidden.dtype), hidden, None)
-            if not modular:  # (blocks, 2, 6, rows, 1, dim) and (2, rows, 1, dim)
+            if scheduled is not None:
+                temb, mods, head = scheduled
+            else:
+                timestep = torch.cat([s.timestep.expand(1).to(latents.dtype) for s in states]) / 1000
+                temb = t.time_text_embed(timestep.to(hidden.dtype), hidden, None)
+            if not modular and scheduled is None:  # (blocks, 2, 6, rows, 1, dim) and (2, rows, 1, dim)
                 mods, head = self.modulation(temb)
                 mods, head = mods.permute(1, 2, 3, 0, 4).unsqueeze(4), head.permute(1, 0, 2).unsqueeze(2)
         shapes = image_shapes(states[0], self.vae_scale_factor)
