@@ -1,8 +1,12 @@
 """``--compile`` and ``--quantize`` on CUDA (skipped without a GPU; run by benchmarks/gpu_check.sh): the
 default model compiled on the device against eager on the device, fp8 and int8 against bf16/fp32,
-fp8 refused on a device without fp8 matmuls. No figure has been measured here yet (no GPU has run
-it): the bounds are the CPU figures' (tests/pipelines/test_compile.py, test_quantize.py) loosened
-for the device's kernels, and the run prints the measured figures to be written beside them.
+fp8 refused on a device without fp8 matmuls. The bounds are the CPU figures' (tests/pipelines/
+test_compile.py, test_quantize.py) loosened for the device's kernels; the run prints the measured
+figures. Measured on one H200 (torch 2.11+cu130, 2026-12-04, benchmarks/RESULTS.md): int8 weight-only,
+int8 dynamic and fp8 passed; compiled vs eager gave max abs 9.3e-4 with cuDNN's default TF32
+convolutions (eager decodes with diffusers' conv3d, ``--compile`` with the one-frame decoder's conv2d:
+two TF32 roundings), above the bound. The compile test now runs the convolutions in float32; that
+figure is not measured yet (its rerun ran past the check's 240 s cap, compiling cold).
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ from triptych.families.registry import load_family
 
 pytestmark = pytest.mark.gpu
 
-COMPILE_TOLERANCE = 1e-4  # float32 on the device; CPU measured 3.6e-6
-MIN_PSNR_DB = {"int8-weight-only": 40.0, "int8-dynamic": 30.0, "fp8": 30.0}  # CPU int8: 54.9 / 42.4 dB
+COMPILE_TOLERANCE = 1e-4  # float32 on the device (not measured yet, see above); CPU measured 4.2e-6
+# H200 measured 45.6 / 46.5 / 39.2 dB (int8 weight-only / dynamic / fp8 vs bf16); CPU int8 vs fp32: 54.9 / 42.4
+MIN_PSNR_DB = {"int8-weight-only": 40.0, "int8-dynamic": 30.0, "fp8": 30.0}
 
 
 def _image(family, seed=0):
@@ -31,7 +36,16 @@ def _image(family, seed=0):
     return run_request(family, params)[0].array
 
 
-def test_compiled_on_cuda_matches_eager(tmp_path):
+@pytest.fixture
+def float32_convolutions():
+    """cuDNN convolutions in float32, not TF32 (``torch.backends.cudnn.allow_tf32`` is True by default)."""
+    previous = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32 = previous
+
+
+def test_compiled_on_cuda_matches_eager(tmp_path, float32_convolutions):
     eager = load_family(default_model_dir(), device="cuda", dtype="float32")
     compiled = load_family(
         default_model_dir(), device="cuda", dtype="float32", speed=SpeedConfig(compile=True, compile_cache_dir=tmp_path)

@@ -100,6 +100,10 @@ class Family(ABC):
         built = self._build_components(frozenset(wanted))
         self.pipe = self.pipeline_class.from_pretrained(str(self.model_dir), dtype=self.dtype, **skipped, **built)
         place(self.pipe, self.device_config)
+        if self.device_config.offload != "none":
+            # The step tables and fast forwards call the transformer's submodules directly, outside
+            # the offload hooks that bring weights onto the device around its forward.
+            self.step_tables = False
         self.speed = speed
         #: ``--compile``'s one-frame VAE decoder (``accel/frame_decode.py``) where the VAE has one; None: ``vae.decode``
         self.frame_decoder = apply_speed(self.pipe, speed, self.device_config.device, self.compile_vae_decoder)
