@@ -12,7 +12,11 @@ forward from ``torch.utils.flop_counter`` / time / the 1024x1024 matmul rate on 
 
 (c) 10 VAE decodes of the same latents ("decode ms", per decode; ``--compile`` compiles the decoder where the
 family's ``compile_vae_decoder`` says it pays), and, as the peer of (a), diffusers' own eager
-``__call__`` of the same request on the eager family's pipeline (its row: "diffusers __call__").
+``__call__`` of the same request on the eager family's pipeline (its row: "diffusers __call__"), and
+diffusers with its own best exact option applied to a pipeline of its own: the transformer's
+``compile_repeated_blocks()`` (diffusers' regional compile) and its VAE decoder compiled with
+``torch.compile`` (row: "diffusers compiled"; ``--no-diffusers-compiled`` leaves it out). torchao int8
+is left out of that peer: it is slower than float32 at this model's size (the int8 rows show it).
 
     python benchmarks/compile_quant.py [--repeats 5] [--forwards 20] [--cache-dir DIR] [--variants compile ...]
 """
@@ -76,6 +80,16 @@ def forward_flops(family, rows) -> int:
     return counter.get_total_flops()
 
 
+def diffusers_compiled(params):
+    """A family of its own whose diffusers pipeline has diffusers' regional compile on the transformer
+    and ``torch.compile`` on the VAE decoder, warmed up by one ``__call__``."""
+    family = load_family(default_model_dir())
+    family.pipe.transformer.compile_repeated_blocks()
+    family.pipe.vae.decoder.compile()
+    family.reference_call(params)
+    return family
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=5)
@@ -84,6 +98,7 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--variants", nargs="+", metavar="NAME", help="variants to run beside eager fp32, '--' of a name left out"
     )
+    ap.add_argument("--no-diffusers-compiled", action="store_true", help="leave out the compiled diffusers peer")
     args = ap.parse_args(argv)
     wanted = [v if v in VARIANTS else f"--{v}" for v in args.variants or VARIANTS]
     if unknown := [v for v in wanted if v not in VARIANTS]:
@@ -101,6 +116,11 @@ def main(argv=None) -> int:
             warm_up_decoder(family)
         compile_s[name] = time.perf_counter() - t
     params = families["eager fp32"].resolve(GenerationParams(prompt=PROMPT, seed=0))
+    peers = {"diffusers __call__": families["eager fp32"]}
+    if not args.no_diffusers_compiled:
+        t = time.perf_counter()
+        peers["diffusers compiled"] = diffusers_compiled(params)
+        compile_s["diffusers compiled"] = time.perf_counter() - t
     eager = families["eager fp32"]
     state = eager.prepare("bench", params, eager.encode(params))
     rows = [Row(state, COND), Row(state, UNCOND)]
@@ -110,12 +130,13 @@ def main(argv=None) -> int:
     while not denoised.done:
         eager.denoise_step([denoised])
     images, image_s, forward_s = {}, {n: [] for n in families}, {n: [] for n in families}
-    decode_s, peer_s = {n: [] for n in families}, []
-    peer = eager.reference_call(params)  # warm-up round (first calls, caches)
+    decode_s, peer_s = {n: [] for n in families}, {n: [] for n in peers}
+    peer_img = {n: f.reference_call(params) for n, f in peers.items()}  # warm-up round (first calls, caches)
     for name, family in families.items():
         images[name] = run_request(family, params)[0].array
     for _ in range(args.repeats):
-        peer_s.append(_timed(lambda: eager.reference_call(params)))
+        for name, family in peers.items():
+            peer_s[name].append(_timed(lambda f=family: f.reference_call(params)))
         for name, family in families.items():
             image_s[name].append(_timed(lambda f=family: run_request(f, params)))
             with torch.no_grad():
@@ -130,11 +151,14 @@ def main(argv=None) -> int:
         "decode ms | share of matmul rate | max abs vs eager | PSNR vs eager dB |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    base_peer = min(peer_s)
-    diff = float(np.abs(peer - images["eager fp32"]).max())
-    print(
-        f"| diffusers __call__ | - | {base_peer * 1000:.0f} | {base_img / base_peer:.2f}x | 1.00x | - | - | - | - | {diff:.1e} | - |"
-    )
+    base_peer = min(peer_s["diffusers __call__"])
+    for name in peers:
+        t_peer = min(peer_s[name])
+        diff = float(np.abs(peer_img[name] - images["eager fp32"]).max())
+        print(
+            f"| {name} | {compile_s.get(name, 0):.1f} | {t_peer * 1000:.0f} | {base_img / t_peer:.2f}x | "
+            f"{base_peer / t_peer:.2f}x | - | - | - | - | {diff:.1e} | {psnr(peer_img[name], images['eager fp32']):.1f} |"
+        )
     for name in families:
         img, fwd = min(image_s[name]), min(forward_s[name]) / args.forwards
         diff = float(np.abs(images[name] - images["eager fp32"]).max())
