@@ -19,6 +19,7 @@ diffusers with its own best exact option applied to a pipeline of its own: the t
 is left out of that peer: it is slower than float32 at this model's size (the int8 rows show it).
 
     python benchmarks/compile_quant.py [--repeats 5] [--forwards 20] [--cache-dir DIR] [--variants compile ...]
+    python benchmarks/compile_quant.py --device cuda ...   # on a GPU: wall time, synchronized (gpu_check.sh)
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
-clock = time.process_time
+clock = time.process_time  # on CPU; --device cuda: wall time around a synchronize (``_use_device``)
+sync = None
 # NOTE: the compiled variants share the block class's code object, so their graphs (5 each; the
 # quantized ones guard on other weight types) add up in this one process past dynamo's default limit
 # of 8, which would silently run the rest eager. A worker holds one family: 5 graphs.
@@ -59,16 +61,26 @@ VARIANTS = {
 PROMPT = "a red circle on a blue background"
 
 
-def matmul_gflops(n: int = 1024, repeats: int = 10) -> float:
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def _use_device(device: str) -> None:
+    global clock, sync
+    if torch.device(device).type == "cuda":
+        clock, sync = time.perf_counter, torch.cuda.synchronize
+
+
+def matmul_gflops(n: int = 1024, repeats: int = 10, device: str = "cpu") -> float:
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
     a @ b
     best = min(_timed(lambda: a @ b) for _ in range(repeats))
     return 2 * n**3 / best / 1e9
 
 
 def _timed(fn) -> float:
+    if sync:
+        sync()
     t = clock()
     fn()
+    if sync:
+        sync()
     return clock() - t
 
 
@@ -80,10 +92,10 @@ def forward_flops(family, rows) -> int:
     return counter.get_total_flops()
 
 
-def diffusers_compiled(params):
+def diffusers_compiled(params, device: str = "cpu"):
     """A family of its own whose diffusers pipeline has diffusers' regional compile on the transformer
     and ``torch.compile`` on the VAE decoder, warmed up by one ``__call__``."""
-    family = load_family(default_model_dir())
+    family = load_family(default_model_dir(), device=device, dtype="float32")
     family.pipe.transformer.compile_repeated_blocks()
     family.pipe.vae.decoder.compile()
     family.reference_call(params)
@@ -99,7 +111,9 @@ def main(argv=None) -> int:
         "--variants", nargs="+", metavar="NAME", help="variants to run beside eager fp32, '--' of a name left out"
     )
     ap.add_argument("--no-diffusers-compiled", action="store_true", help="leave out the compiled diffusers peer")
+    ap.add_argument("--device", default="cpu", help="cpu (process time, one thread) or cuda (synchronized wall time)")
     args = ap.parse_args(argv)
+    _use_device(args.device)
     wanted = [v if v in VARIANTS else f"--{v}" for v in args.variants or VARIANTS]
     if unknown := [v for v in wanted if v not in VARIANTS]:
         ap.error(f"--variants: unknown {unknown}; known: {list(VARIANTS)}")
@@ -110,7 +124,7 @@ def main(argv=None) -> int:
         kw = VARIANTS[name]
         t = time.perf_counter()
         speed = SpeedConfig(**kw, compile_cache_dir=cache if kw.get("compile") else None)
-        families[name] = family = load_family(default_model_dir(), speed=speed)
+        families[name] = family = load_family(default_model_dir(), device=args.device, dtype="float32", speed=speed)
         if speed.compile:
             warm_up(family)
             warm_up_decoder(family)
@@ -119,13 +133,13 @@ def main(argv=None) -> int:
     peers = {"diffusers __call__": families["eager fp32"]}
     if not args.no_diffusers_compiled:
         t = time.perf_counter()
-        peers["diffusers compiled"] = diffusers_compiled(params)
+        peers["diffusers compiled"] = diffusers_compiled(params, args.device)
         compile_s["diffusers compiled"] = time.perf_counter() - t
     eager = families["eager fp32"]
     state = eager.prepare("bench", params, eager.encode(params))
     rows = [Row(state, COND), Row(state, UNCOND)]
     flops = forward_flops(eager, rows)
-    rate = matmul_gflops()
+    rate = matmul_gflops(device=args.device)
     denoised = eager.prepare("bench-decode", params, eager.encode(params))
     while not denoised.done:
         eager.denoise_step([denoised])
@@ -144,7 +158,7 @@ def main(argv=None) -> int:
             decode_s[name].append(_timed(lambda f=family: [f.decode(denoised.latents, params) for _ in range(10)]) / 10)
     base_img, base_fwd = min(image_s["eager fp32"]), min(forward_s["eager fp32"]) / args.forwards
     print(
-        f"matmul 1024x1024 fp32, one thread: {rate:.1f} GFLOP/s; transformer forward (2 rows): {flops / 1e6:.1f} MFLOP"
+        f"matmul 1024x1024 fp32 on {args.device} (one thread on CPU): {rate:.1f} GFLOP/s; transformer forward (2 rows): {flops / 1e6:.1f} MFLOP"
     )
     print(
         "| variant | setup s (compile+warm-up) | image ms | vs eager | vs diffusers __call__ | forward ms | vs eager | "
