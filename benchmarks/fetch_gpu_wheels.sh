@@ -13,6 +13,6 @@ grep -vE '^\s*(#|$)' "$here/gpu_wheels.txt" | xargs "$pip" download --no-deps --
     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
     --platform any -d "$out" --quiet
 bytes=$(du -sb "$out" | cut -f1)
-tree=$(git -C "$here/.." ls-files -z | (cd "$here/.." && xargs -0 du -cb 2>/dev/null) | tail -1 | cut -f1)
+tree=$(cd "$here/.." && git ls-files -z | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)
 echo "$(ls "$out" | wc -l) wheels, $((bytes / 1048576)) MiB in $out; with the tracked tree $(((bytes + tree) / 1048576)) MiB"
 if [ $((bytes + tree)) -gt $((64 * 1048576)) ]; then echo "over the 64 MiB a device run carries" >&2; exit 1; fi
