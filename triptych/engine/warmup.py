@@ -2,9 +2,9 @@
 
 The shapes that make dynamo compile a new graph (``accel/compile.py``): one row alone (a size of 1
 is specialised, no text mask), several rows with prompts of different lengths (the padding mask),
-several rows of one length (no mask), and TeaCache's sub-batches of one and of two masked rows
-(with ``--compile`` on Qwen-Image's fast path, ``fast_stack.py``, the sub-batch of two compiled a
-graph of its own although the full batch of two with a mask did not; measured, not understood). ``warm_up`` runs each once on the family's
+several rows of one length (no mask), and TeaCache's sub-batches of one and of two masked rows.
+(Qwen-Image's compiled block stack, ``fast_stack.py``, gives every call one form of inputs, so these
+shapes make two graphs there: one row and several.) ``warm_up`` runs each once on the family's
 ``warmup_conditioning`` (random text embeddings of the right width; no encoder needed), so the
 first request pays nothing; the results are thrown away.
 
@@ -76,7 +76,7 @@ def warm_up(family: Family, forward: Callable[[Sequence[Row]], torch.Tensor] | N
     if has_plan(family):  # TeaCache computes a sub-batch of the rows: one masked row, and two
         plan = plan_for(family)
         plan.blocks(plan.embed(rows), torch.tensor([0]))
-        plan.blocks(plan.embed(rows), torch.tensor([0, 1]))  # the compiled block stack: a graph of its own
+        plan.blocks(plan.embed(rows), torch.tensor([0, 1]))
     counts = compile_counts()
     if adapters:
         counts = dict(counts, lora_adapters=len(adapters))

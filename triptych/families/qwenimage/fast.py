@@ -48,7 +48,7 @@ from triptych.families.base import COND, UNCOND, DenoiseState, Row
 from triptych.families.fastpath import model_hooked, native_attention
 from triptych.families.qwenimage.denoise import image_shapes, pad_prompts
 from triptych.families.qwenimage.fast_block import BlockPlan, hooked, joint_block, module_block
-from triptych.families.qwenimage.fast_stack import FrozenStack, compile_stack
+from triptych.families.qwenimage.fast_stack import FrozenStack, compile_stack, stack_inputs
 
 #: Largest concatenation of every block's modulation weights kept to build a table in one matmul per
 #: step (the default model's: 2.7 MB); above it each block's ``img_mod``/``txt_mod`` runs on its own.
@@ -353,8 +353,7 @@ class FastForward:
                 )
             return hidden
         if e.stack is not None:
-            # contiguous: a permuted or indexed table is another input layout, i.e. another graph
-            args = (hidden.contiguous(), txt.contiguous(), joint, mods.contiguous(), joint_freqs)
+            args = stack_inputs(hidden, txt, joint, mods, joint_freqs)
             if torch._dynamo.config.skip_nnmodule_hook_guards:  # dynamo's default: no hook guards
                 return e.stack(*args)
             # the regional compile turned hook guards on (accel/compile.py); hooked blocks never get here

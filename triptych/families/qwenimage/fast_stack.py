@@ -72,6 +72,25 @@ class FrozenStack(torch.nn.Module):
         return hidden
 
 
+def stack_inputs(hidden, txt, mask, mods, joint_freqs) -> tuple:
+    """The stack's arguments in one form for every call, so that a mixed load compiles two graphs
+    (one row, where dynamo specialises the size 1, and several rows) instead of five: a one-row
+    modulation table (blocks, 2, 6, dim) as (blocks, 2, 6, 1, 1, dim), the same broadcast over the
+    row's tokens; no text mask as an all-True key mask (every key attended, as without one); every
+    tensor contiguous and its own, not a view: dynamo guards on a view input's base, so a graph traced
+    with a view (a step's row of the schedule tables) failed its guards on a tensor that is none
+    (TeaCache's indexed sub-batches) and compiled another. Counted by tests/pipelines/test_compile.py."""
+    if mods.dim() == 4:
+        mods = mods[:, :, :, None, None]
+    if mask is None:
+        mask = hidden.new_ones((hidden.shape[0], 1, 1, txt.shape[1] + hidden.shape[1]), dtype=torch.bool)
+    return tuple(_own(x) for x in (hidden, txt, mask, mods, joint_freqs))
+
+
+def _own(x: torch.Tensor) -> torch.Tensor:
+    return x if x._base is None and x.is_contiguous() else x.clone(memory_format=torch.contiguous_format)
+
+
 def compile_stack(plans: list[BlockPlan], device: torch.device | str) -> FrozenStack:
     """A ``FrozenStack`` over ``plans`` (each ``current()``), compiled for ``device``."""
     stack = FrozenStack(plans)
