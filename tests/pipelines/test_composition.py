@@ -125,8 +125,9 @@ BOUNDS: dict[str, tuple[str, float]] = {
 }
 
 #: Graphs a CFG-parallel follower compiles in its warm-up (measured: the shapes of engine/warmup.py
-#: that reach one CFG half).
-FOLLOWER_GRAPHS = 7
+#: that reach one CFG half, through the compiled block stack: one row and several; 7 before
+#: ``fast_stack.stack_inputs``).
+FOLLOWER_GRAPHS = 2
 
 ROWS: dict[str, dict] = {}  # this run's cells, for the table
 IMAGES: dict[str, torch.Tensor] = {}  # cell key → image (previews cells compare with their cell without)
