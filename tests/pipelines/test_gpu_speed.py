@@ -56,6 +56,29 @@ def test_compiled_on_cuda_matches_eager(tmp_path, float32_convolutions):
     assert diff <= COMPILE_TOLERANCE
 
 
+def test_cuda_graphs_replay_the_compiled_stack_and_match_eager(tmp_path, float32_convolutions):
+    """``--cuda-graphs``: the compiled block stack replays as CUDA graphs (inductor's CUDA graph trees
+    recorded some: their manager for the device exists, nothing was skipped), and images of two
+    prompts of different lengths (two recorded shapes each: one row in the warm-up, two per fused
+    step) match eager float32 on the device within the compile bound. Not yet run on a device."""
+    from torch._dynamo.utils import counters
+    from torch._inductor.cudagraph_trees import get_manager
+
+    eager = load_family(default_model_dir(), device="cuda", dtype="float32")
+    speed = SpeedConfig(compile=True, cuda_graphs=True, compile_cache_dir=tmp_path)
+    graphed = load_family(default_model_dir(), device="cuda", dtype="float32", speed=speed)
+    warm_up(graphed)
+    for seed, prompt in enumerate(["a red circle on a blue background", "a green square"]):
+        params = graphed.resolve(GenerationParams(prompt=prompt, seed=seed))
+        got, want = run_request(graphed, params)[0].array, run_request(eager, params)[0].array
+        diff = float(np.abs(got - want).max())
+        print(f"cuda graphs vs eager float32 ({prompt!r}): max abs {diff:.2e}")
+        assert diff <= COMPILE_TOLERANCE
+    device = torch.device("cuda").index or torch.cuda.current_device()
+    assert get_manager(device, create_if_none_exists=False) is not None
+    assert counters["inductor"]["cudagraph_skips"] == 0
+
+
 @pytest.mark.parametrize("mode", sorted(MIN_PSNR_DB))
 def test_quantized_on_cuda_within_psnr(mode):
     pytest.importorskip("torchao")

@@ -60,3 +60,31 @@ def test_serve_passes_compile_and_its_cache_dir_on_to_its_workers(tmp_path, monk
     # A multi-rank denoiser gets them too (its rank 0 sends them to its followers in RankSetup).
     argv = flags.argv(parser.parse_args(["--compile", "--ulysses", "2"]))
     assert "--compile" in argv and argv[argv.index("--compile-cache-dir") + 1] == str(tmp_path / "inductor")
+
+
+def test_cuda_graphs_without_compile_or_off_cuda_are_refused_with_the_reason():
+    with pytest.raises(InvalidParam, match="needs --compile") as err:
+        check_speed(SpeedConfig(cuda_graphs=True), "cuda:0")
+    assert err.value.field == "--cuda-graphs"
+    with pytest.raises(InvalidParam, match="needs a CUDA device; this is cpu"):
+        check_speed(SpeedConfig(compile=True, cuda_graphs=True), "cpu")
+    check_speed(SpeedConfig(compile=True), "cpu")  # compile alone runs here
+
+
+def test_serve_passes_cuda_graphs_on_to_its_workers(tmp_path, monkeypatch):
+    from triptych.cli.worker_flags import WorkerFlags
+
+    monkeypatch.setenv("TRIPTYCH_CACHE", str(tmp_path))
+    parser = argparse.ArgumentParser()
+    argv = WorkerFlags.add(parser).argv(parser.parse_args(["--compile", "--cuda-graphs", "--device", "cuda"]))
+    assert "--compile" in argv and "--cuda-graphs" in argv
+
+
+def test_cuda_graphs_on_a_family_without_the_block_stack_is_refused_before_it_compiles(tiny_model_dir):
+    """FLUX compiles regional blocks, which do not replay as CUDA graphs: refused naming the flag,
+    before anything compiles (ahead of the device check, so a CPU machine sees it too)."""
+    from triptych.families.registry import load_family
+
+    with pytest.raises(InvalidParam, match="has no compiled block stack") as err:
+        load_family(tiny_model_dir("flux"), speed=SpeedConfig(compile=True, cuda_graphs=True))
+    assert err.value.field == "--cuda-graphs"

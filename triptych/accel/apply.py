@@ -19,6 +19,10 @@ def check_speed(config: SpeedConfig, device: str = "cpu") -> None:
     """Raise ``InvalidParam`` naming the flag, before anything loads, for a setting that cannot run:
     torchao missing, fp8 off CUDA or on a GPU without fp8 matmuls. A multi-rank denoiser takes both
     flags: rank 0 sends them to its followers (``worker/ranks/ticks.RankSetup``)."""
+    if config.cuda_graphs and not config.compile:
+        raise InvalidParam("--cuda-graphs", "on", "needs --compile: the CUDA graphs are the compiled block stack's")
+    if config.cuda_graphs and not device.startswith("cuda"):
+        raise InvalidParam("--cuda-graphs", "on", f"needs a CUDA device; this is {device}")
     for component, mode in config.quantized.items():
         if mode != "fp8":
             continue

@@ -27,6 +27,11 @@ class SpeedConfig:
     as diffusers' compile_repeated_blocks) compiled once, with dynamic shapes so a changing batch or
     text length does not recompile; and the VAE decoder where the family measured it to pay
     (Qwen-Image). Workers compile and warm up before they register."""
+    cuda_graphs: bool = False
+    """With --compile on a CUDA device: Qwen-Image's compiled block stack replays as CUDA graphs
+    (torch.compile's mode reduce-overhead, inductor's CUDA graph trees), one recorded per shape of
+    rows, text and image tokens met, so a step launches one graph instead of its kernels. Refused
+    without --compile, off CUDA, with --offload, and on families without the stack."""
     compile_cache_dir: Path | None = None
     """Where inductor caches compiled artefacts across processes (TORCHINDUCTOR_CACHE_DIR); none:
     inductor under the user cache dir ($TRIPTYCH_CACHE or ~/.cache/triptych)."""

@@ -100,6 +100,11 @@ class Family(ABC):
         built = self._build_components(frozenset(wanted))
         self.pipe = self.pipeline_class.from_pretrained(str(self.model_dir), dtype=self.dtype, **skipped, **built)
         place(self.pipe, self.device_config)
+        if speed.cuda_graphs and (not self.cuda_graph_stack or self.device_config.offload != "none"):
+            why = f"--offload {self.device_config.offload} runs the transformer's own forward"
+            if not self.cuda_graph_stack:
+                why = f"{self.name} has no compiled block stack (only Qwen-Image's replays as CUDA graphs)"
+            raise InvalidParam("--cuda-graphs", "on", why)
         if self.device_config.offload != "none":
             # The step tables and fast forwards call the transformer's submodules directly, outside
             # the offload hooks that bring weights onto the device around its forward.
@@ -131,6 +136,8 @@ class Family(ABC):
     #: ``--compile`` also compiles the VAE decoder (``accel.compile.compile_decoder``): only where it
     #: was measured to pay (benchmarks/RESULTS.md, "--compile and --quantize").
     compile_vae_decoder: ClassVar[bool] = False
+    #: whether ``--cuda-graphs`` applies: the family's compiled block stack replays as CUDA graphs
+    cuda_graph_stack: ClassVar[bool] = False
 
     def warmup_latents(self, params: GenerationParams) -> torch.Tensor | None:
         """Random latents shaped like a denoised ``params`` request's, for warming up a compiled VAE

@@ -191,6 +191,7 @@ class QwenImageFamily(Family):
             self.pipe, params, self.uses_cfg(params), self.max_sequence_length, self.execution_device
         )
 
+    cuda_graph_stack = True  # --cuda-graphs: the fast path's compiled block stack (fast_stack.py)
     compile_vae_decoder = True  # its one-frame decoder, ~4x per decode on the default model (benchmarks/RESULTS.md)
 
     def warmup_latents(self, params: GenerationParams) -> torch.Tensor:
@@ -218,7 +219,9 @@ class QwenImageFamily(Family):
     @functools.cached_property
     def _fast(self) -> fast.FastForward:
         device = self.device if self.speed.compile else None  # --compile: the block stack as one graph
-        return fast.FastForward(self.pipe.transformer, self.pipe.vae_scale_factor, self._idle_hooks, device)
+        return fast.FastForward(
+            self.pipe.transformer, self.pipe.vae_scale_factor, self._idle_hooks, device, self.speed.cuda_graphs
+        )
 
     def _idle_hooks(self) -> frozenset[int]:
         """The LoRA runtime's hooks: they add nothing to a forward without adapter rows (``fast.usable``)."""

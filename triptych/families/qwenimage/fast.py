@@ -132,11 +132,12 @@ def _block_hooked(block) -> bool:
 class FastForward:
     """``forward`` bound to one transformer, with its RoPE and text-padding values cached per shape."""
 
-    def __init__(self, transformer, vae_scale_factor: int, idle=None, compile_device=None):
+    def __init__(self, transformer, vae_scale_factor: int, idle=None, compile_device=None, cuda_graphs=False):
         """``idle()``: ids of forward hooks that add nothing to a forward this class runs (the LoRA
         runtime's: the fast path runs no row with an adapter), so the linears under them may be
         called as ``F.linear``; None = every hook counts. ``compile_device``: ``--compile``'s device,
-        to run the blocks as one compiled graph (``fast_stack.py``); None: eager."""
+        to run the blocks as one compiled graph (``fast_stack.py``); None: eager. ``cuda_graphs``:
+        that graph replays as CUDA graphs (``--cuda-graphs``)."""
         self.t = transformer
         self.vae_scale_factor = vae_scale_factor
         self.idle = idle or frozenset
@@ -146,6 +147,7 @@ class FastForward:
         self._mod_key: list | None = None
         self._mod: tuple[torch.Tensor, torch.Tensor] | None = None
         self.compile_device = compile_device
+        self.cuda_graphs = cuda_graphs
         self._stack: FrozenStack | None = None
 
     def stack(self) -> FrozenStack | None:
@@ -157,7 +159,7 @@ class FastForward:
         if not all(plan.current(idle) for plan in self.plans):
             return None
         if self._stack is None:
-            self._stack = compile_stack(self.plans, self.compile_device)
+            self._stack = compile_stack(self.plans, self.compile_device, self.cuda_graphs)
         self._stack.sync(self.plans)
         return self._stack
 
@@ -354,11 +356,14 @@ class FastForward:
             return hidden
         if e.stack is not None:
             args = stack_inputs(hidden, txt, joint, mods, joint_freqs)
+            if self.cuda_graphs:  # a new replay; the output copied out of the graph's memory pool,
+                torch.compiler.cudagraph_mark_step_begin()  # which the next replay overwrites
             if torch._dynamo.config.skip_nnmodule_hook_guards:  # dynamo's default: no hook guards
-                return e.stack(*args)
-            # the regional compile turned hook guards on (accel/compile.py); hooked blocks never get here
-            with torch._dynamo.config.patch(skip_nnmodule_hook_guards=True):
-                return e.stack(*args)
+                out = e.stack(*args)
+            else:  # the regional compile turned hook guards on (accel/compile.py); hooked blocks never get here
+                with torch._dynamo.config.patch(skip_nnmodule_hook_guards=True):
+                    out = e.stack(*args)
+            return out.clone() if self.cuda_graphs else out
         # every block's 12 modulation tensors as views from one unbind (not 3 per block)
         flat, idle = mods.reshape(-1, *mods.shape[3:]).unbind(0), self.idle()
         for i, plan in enumerate(self.plans):

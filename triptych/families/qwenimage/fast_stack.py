@@ -91,8 +91,14 @@ def _own(x: torch.Tensor) -> torch.Tensor:
     return x if x._base is None and x.is_contiguous() else x.clone(memory_format=torch.contiguous_format)
 
 
-def compile_stack(plans: list[BlockPlan], device: torch.device | str) -> FrozenStack:
-    """A ``FrozenStack`` over ``plans`` (each ``current()``), compiled for ``device``."""
+def compile_stack(plans: list[BlockPlan], device: torch.device | str, cuda_graphs: bool = False) -> FrozenStack:
+    """A ``FrozenStack`` over ``plans`` (each ``current()``), compiled for ``device``; ``cuda_graphs``
+    (a CUDA device): with torch.compile's ``reduce-overhead`` mode, whose CUDA graph trees record one
+    graph per input shape and replay it (the caller marks each call a new step and copies the
+    output out of the graphs' pool: ``FastForward.blocks``)."""
     stack = FrozenStack(plans)
-    stack.compile(dynamic=True, options=options_for(device))
+    if cuda_graphs:
+        stack.compile(dynamic=True, mode="reduce-overhead")
+    else:
+        stack.compile(dynamic=True, options=options_for(device))
     return stack

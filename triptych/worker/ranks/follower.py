@@ -93,7 +93,12 @@ def main(argv: list[str] | None = None) -> int:
         from triptych.accel import SpeedConfig
 
         cache_dir = Path(setup.compile_cache_dir) if setup.compile_cache_dir else None
-        speed = SpeedConfig(compile=setup.compile, compile_cache_dir=cache_dir, quantize=tuple(setup.quantize))
+        speed = SpeedConfig(
+            compile=setup.compile,
+            cuda_graphs=setup.cuda_graphs,
+            compile_cache_dir=cache_dir,
+            quantize=tuple(setup.quantize),
+        )
         family = family_class(setup.model_dir)(
             setup.model_dir, roles={Role.DENOISER}, device=str(device), dtype=setup.dtype, speed=speed
         )

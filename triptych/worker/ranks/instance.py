@@ -82,6 +82,7 @@ class InstanceRanks:
                 lora,
                 quantize=list(speed.quantize),
                 compile=speed.compile,
+                cuda_graphs=speed.cuda_graphs,
                 compile_cache_dir=speed.compile_cache_dir and str(speed.compile_cache_dir),
                 warm_up=warm_up and speed.compile,
             )

@@ -54,6 +54,7 @@ class RankSetup(msgspec.Struct, frozen=True):
     lora: LoraConfig | None = None  # the adapters rank 0 serves (same files, same budget); None = none
     quantize: list[str] = []  # rank 0's SpeedConfig.quantize: every rank quantizes its transformer alike
     compile: bool = False  # rank 0's SpeedConfig.compile: every rank compiles its transformer's blocks alike
+    cuda_graphs: bool = False  # rank 0's SpeedConfig.cuda_graphs: every rank's block stack replays as CUDA graphs
     compile_cache_dir: str | None = None  # rank 0's inductor cache (SpeedConfig.compile_cache_dir); None = inductor's
     warm_up: bool = False  # every rank warms up (compiles) after the parallelism attaches (ranks/warmup.py)
 
