@@ -88,3 +88,18 @@ def test_cuda_graphs_on_a_family_without_the_block_stack_is_refused_before_it_co
     with pytest.raises(InvalidParam, match="has no compiled block stack") as err:
         load_family(tiny_model_dir("flux"), speed=SpeedConfig(compile=True, cuda_graphs=True))
     assert err.value.field == "--cuda-graphs"
+
+
+def test_serve_refuses_cuda_graphs_for_a_model_without_the_block_stack_before_any_worker(tiny_model_dir, capsys):
+    """``triptych serve --cuda-graphs`` with a FLUX model: one line naming the flag and the model, exit
+    2, before a worker is spawned (the default model's family passes the same check)."""
+    from triptych.cli import main
+    from triptych.cli.serve import check_cuda_graphs
+    from triptych.families.models import default_model_dir
+
+    flux = tiny_model_dir("flux")
+    code = main(["serve", "--model", f"tinyflux={flux}", "--device", "cuda", "--compile", "--cuda-graphs"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "--cuda-graphs" in err and "model tinyflux is" in err and "no compiled block stack" in err
+    check_cuda_graphs({"default": default_model_dir()}, SpeedConfig(compile=True, cuda_graphs=True))

@@ -226,6 +226,22 @@ def served_models(specs: list[str], cache_root: str | None = None) -> dict[str, 
     return out
 
 
+def check_cuda_graphs(models: dict[str, Path], speed) -> None:
+    """``--cuda-graphs`` refused before any worker starts for a served model whose family has no
+    compiled block stack (``Family.cuda_graph_stack``); the worker's own load refuses it too."""
+    if not speed.cuda_graphs:
+        return
+    from triptych.core.errors import InvalidParam
+    from triptych.families.registry import family_class
+
+    for name, model_dir in models.items():
+        family = family_class(model_dir)
+        if not family.cuda_graph_stack:
+            raise InvalidParam(
+                "--cuda-graphs", "on", f"model {name} is {family.name}, which has no compiled block stack"
+            )
+
+
 def build_backends(
     models: dict[str, Path], orchestrator: OrchestratorConfig, topology: TopologyConfig, pool=None, autoscale=None
 ) -> dict:
@@ -256,6 +272,7 @@ def cmd_serve(args) -> int:
     if len(models) > 1 and head_config.served_model_name:
         print("triptych serve: --served-model-name names one model; with several use --model NAME=DIR", file=sys.stderr)
         return 2
+    check_cuda_graphs(models, flags.workers.speed_config(args))
     topology, cluster, autoscale = flags.topology_config(args), flags.cluster_config(args), flags.autoscale_config(args)
     pool, stop_ray = None, None
     if cluster.cluster == "ray":
