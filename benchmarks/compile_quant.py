@@ -37,9 +37,10 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 clock = time.process_time  # on CPU; --device cuda: wall time around a synchronize (``_use_device``)
 sync = None
-# NOTE: the compiled variants share the block class's code object, so their graphs (5 each; the
-# quantized ones guard on other weight types) add up in this one process past dynamo's default limit
-# of 8, which would silently run the rest eager. A worker holds one family: 5 graphs.
+# NOTE: the compiled variants share the stack's and the block class's code objects, so their graphs
+# (2 of the stack each, the quantized ones on the regional blocks, which guard on other weight types)
+# add up in this one process past dynamo's default limit of 8, which would silently run the rest
+# eager. A worker holds one family: 2 stack graphs.
 torch._dynamo.config.recompile_limit = 64
 
 from triptych.accel import SpeedConfig  # noqa: E402

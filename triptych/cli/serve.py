@@ -227,19 +227,16 @@ def served_models(specs: list[str], cache_root: str | None = None) -> dict[str, 
 
 
 def check_cuda_graphs(models: dict[str, Path], speed) -> None:
-    """``--cuda-graphs`` refused before any worker starts for a served model whose family has no
-    compiled block stack (``Family.cuda_graph_stack``); the worker's own load refuses it too."""
+    """``--cuda-graphs`` refused before any worker starts for a served model whose family cannot
+    run it (``Family.cuda_graphs_refusal``, which the worker's own load asks too)."""
     if not speed.cuda_graphs:
         return
     from triptych.core.errors import InvalidParam
     from triptych.families.registry import family_class
 
     for name, model_dir in models.items():
-        family = family_class(model_dir)
-        if not family.cuda_graph_stack:
-            raise InvalidParam(
-                "--cuda-graphs", "on", f"model {name} is {family.name}, which has no compiled block stack"
-            )
+        if why := family_class(model_dir).cuda_graphs_refusal():
+            raise InvalidParam("--cuda-graphs", "on", f"model {name} is not eligible: {why}")
 
 
 def build_backends(

@@ -95,16 +95,13 @@ class Family(ABC):
         self.device_config = as_device_config(device, dtype)
         self.device = self.device_config.torch_device
         self.dtype = self.device_config.torch_dtype
+        if speed.cuda_graphs and (why := self.cuda_graphs_refusal(self.device_config.offload)):
+            raise InvalidParam("--cuda-graphs", "on", why)  # before any weight loads
         wanted = {c for r in self.roles for c in self.role_components[r]}
         skipped = {c: None for c in self.all_components if c not in wanted}
         built = self._build_components(frozenset(wanted))
         self.pipe = self.pipeline_class.from_pretrained(str(self.model_dir), dtype=self.dtype, **skipped, **built)
         place(self.pipe, self.device_config)
-        if speed.cuda_graphs and (not self.cuda_graph_stack or self.device_config.offload != "none"):
-            why = f"--offload {self.device_config.offload} runs the transformer's own forward"
-            if not self.cuda_graph_stack:
-                why = f"{self.name} has no compiled block stack (only Qwen-Image's replays as CUDA graphs)"
-            raise InvalidParam("--cuda-graphs", "on", why)
         if self.device_config.offload != "none":
             # The step tables and fast forwards call the transformer's submodules directly, outside
             # the offload hooks that bring weights onto the device around its forward.
@@ -138,6 +135,16 @@ class Family(ABC):
     compile_vae_decoder: ClassVar[bool] = False
     #: whether ``--cuda-graphs`` applies: the family's compiled block stack replays as CUDA graphs
     cuda_graph_stack: ClassVar[bool] = False
+
+    @classmethod
+    def cuda_graphs_refusal(cls, offload: str = "none") -> str | None:
+        """Why ``--cuda-graphs`` cannot run on this family with ``offload``; None when it can (the
+        family's own load and ``serve``'s check before it starts a worker both ask)."""
+        if not cls.cuda_graph_stack:
+            return f"{cls.name} has no compiled block stack (only Qwen-Image's replays as CUDA graphs)"
+        if offload != "none":
+            return f"--offload {offload} runs the transformer's own forward"
+        return None
 
     def warmup_latents(self, params: GenerationParams) -> torch.Tensor | None:
         """Random latents shaped like a denoised ``params`` request's, for warming up a compiled VAE
