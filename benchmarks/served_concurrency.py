@@ -7,7 +7,9 @@ clients each sending its requests back to back (closed loop), against plain diff
 one pipeline gives, whatever the concurrency), and against the same server run from an older
 checkout (``--before DIR``: that tree's code, imported through ``PYTHONPATH``, this venv); with
 ``--compiled`` also this tree's ``serve --compile`` (its warm-up before it registers included in
-its start, not in the figures).
+its start, not in the figures); with ``--compiled-denoisers N`` also ``serve --compile --denoisers N``
+(N denoiser processes of one thread each: on this 2-core machine one denoiser keeps one core busy
+and leaves most of the other idle).
 
 Per repeat the systems alternate (order rotated) at every concurrency, each warmed up first. Every
 server is one encoder, one denoiser, one decoder (a bare ``serve``), one torch thread per process,
@@ -137,7 +139,9 @@ def table(rows: list[dict], args) -> str:
         cells += [f"{best[n] / best['diffusers']:.2f}x" for n in names if n != "diffusers"]
         if "before" in names:
             cells.append(f"{best['serve'] / best['before']:.2f}x")
-        worst = min(r["worst_psnr_db"] for r in rows if r["clients"] == c and r["system"] in ("serve", "compiled"))
+        worst = min(
+            r["worst_psnr_db"] for r in rows if r["clients"] == c and r["system"].startswith(("serve", "compiled"))
+        )
         cells.append(f"{worst:.1f}")
         out.append(f"| {c} | " + " | ".join(cells) + " |")
     return "\n".join(out)
@@ -151,6 +155,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--before", help="an older checkout: its `triptych serve` is the 'before' system")
     ap.add_argument("--compiled", action="store_true", help="also this tree's `serve --compile` ('compiled')")
+    ap.add_argument(
+        "--compiled-denoisers",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also `serve --compile --denoisers N` ('compiled xN'): N denoiser processes, one thread each",
+    )
     ap.add_argument("--out", default="/tmp/served_concurrency.json")
     args = ap.parse_args()
     from triptych.families.models import default_model_dir
@@ -162,6 +173,10 @@ def main() -> None:
     specs = {"serve": (ROOT, base)}
     if args.compiled:
         specs["compiled"] = (ROOT, [*base, "--compile", "--compile-cache-dir", str(Path(tmp) / "inductor")])
+    if args.compiled_denoisers > 1:
+        n = args.compiled_denoisers
+        cache = ["--compile-cache-dir", str(Path(tmp) / "inductor")]
+        specs[f"compiled x{n}"] = (ROOT, [*base, "--compile", *cache, "--denoisers", str(n)])
     if args.before:
         specs["before"] = (Path(args.before).resolve(), base)
     servers = []
