@@ -143,9 +143,34 @@ def model_dirs(tmp_path_factory):
     return dirs
 
 
+@pytest.fixture(scope="module")
+def forecast_dirs(model_dirs, tmp_path_factory):
+    """Copies of the models whose profiles forecast the residual (``forecast`` 1)."""
+    import dataclasses
+    import shutil
+
+    from triptych.accel.teacache_profile import load_profile, save_profile
+
+    root = tmp_path_factory.mktemp("parallel-teacache-forecast")
+    dirs = {name: str(shutil.copytree(d, root / name)) for name, d in model_dirs.items()}
+    for name in FAMILIES:
+        for path in (root / name / "teacache").glob("*.json"):
+            save_profile(dataclasses.replace(load_profile(path), forecast=1), path)
+    return dirs
+
+
 def test_two_ranks_skip_the_same_rows_as_one_rank(model_dirs):
+    _check_ranks(model_dirs)
+
+
+def test_with_the_forecast_two_ranks_skip_the_same_rows_as_one_rank(forecast_dirs):
+    """The forecast runs on each rank's own shard of the residuals (sequence parallel: its tokens)."""
+    _check_ranks(forecast_dirs)
+
+
+def _check_ranks(dirs):
     configs = [dict(cfg=2), dict(ulysses=2), dict(ring=2)]
-    results = run_ranks(_rank_teacache, 2, (model_dirs, configs), timeout_s=300)
+    results = run_ranks(_rank_teacache, 2, (dirs, configs), timeout_s=300)
     leader = results[0]
     for name in FAMILIES:
         single = leader[f"{name}/single"]

@@ -149,6 +149,20 @@ def test_the_cli_writes_the_user_directory_and_auto_reports_the_profile_it_used(
     assert _tree_hashes(PACKAGE_DIR / "assets") == shipped
 
 
+def test_the_recommended_forecast_becomes_the_profiles(tmp_path, capsys):
+    """``--forecast`` is swept like ``--warmup``; the recommended row's forecast is the profile's."""
+    model = make_tiny("flux", tmp_path / "flux", seed=0)
+    out = tmp_path / "p.json"
+    args = ["calibrate", "--model", str(model), "--steps", str(STEPS), "--seeds", "0", "--eval-images", "2"]
+    args += ["--thresholds", "1.0", "--warmup", "2", "--max-skips", "0", "--out", str(out)]
+    assert cli.main(args + ["--forecast", "2"]) == 2 and "forecast" in capsys.readouterr().err
+    assert cli.main(args + ["--forecast", "1", "--min-psnr", "0", "--min-ssim", "0"]) == 0
+    loaded = load_profile(out)
+    assert [r["forecast"] for r in loaded.sweep["rows"]] == [0, 1]
+    assert (loaded.recommended_threshold, loaded.forecast) == (1.0, 1)
+    assert "forecast 1)" in capsys.readouterr().out
+
+
 def test_calibrate_warns_when_the_evaluation_set_is_too_small_for_the_target(tmp_path, monkeypatch, capsys):
     """Adherence is judged as a share of the images: at 2 points allowed, fewer than 50 images make one
     image's change a failure. A shape-world model (``"world": "shapes"``) gets the warning before the

@@ -4,6 +4,7 @@ model for the shape-world adherence figures)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -99,15 +100,28 @@ def test_bad_input_names_the_field(flux):
         quality_report(flux, [0.1], images=1, steps=3)
 
 
-def test_the_cli_pages_quality_line_runs_on_the_default_model(capsys):
+def test_the_cli_pages_quality_line_runs_on_the_default_model(capsys, tmp_path, monkeypatch):
     """docs/cli.md: ``triptych quality --teacache-threshold auto 0.1`` (with ``--images 2`` to keep it short;
-    1.7 s in-process on the loaded 2-core machine). The shipped profile recommends no threshold, so ``auto``
-    is reported as not run, naming the profile, and 0.1 is measured; the exit is the gates' (0 or 1)."""
+    1.7 s in-process on the loaded 2-core machine). The shipped profile recommends a threshold (forecast 1,
+    warmup 6, cap 1), so ``auto`` runs as that threshold, naming the profile, and 0.1 is measured; the exit
+    is the gates' (0 or 1). A user profile without a recommendation comes first and lists auto as not run."""
+    from triptych.accel.teacache_profile import load_profile, save_profile
+    from triptych.cli.profiles import user_profiles_dir
     from triptych.families.models import PACKAGED_DEFAULT
 
-    code = cli.main(["quality", "--teacache-threshold", "auto", "0.1", "--images", "2"])
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    argv = ["quality", "--teacache-threshold", "auto", "0.1", "--images", "2"]
+    code = cli.main(argv)
     out = capsys.readouterr().out
     profile = PACKAGED_DEFAULT / "teacache" / "qwen-image-20steps.json"
-    assert code in (0, 1)
-    assert f"| auto | not run: auto: no recommended threshold in profile {profile} |" in out
+    recommended = load_profile(profile).recommended_threshold
+    assert code in (0, 1) and recommended is not None
+    assert f"| auto ({recommended:g}) |" in out and f"auto = {recommended:g} from profile {profile}" in out
+    assert "\n| 0.1 |" in out
+
+    mine = user_profiles_dir(PACKAGED_DEFAULT) / profile.name
+    save_profile(dataclasses.replace(load_profile(profile), recommended_threshold=None), mine)
+    assert cli.main(argv) in (0, 1)
+    out = capsys.readouterr().out
+    assert f"| auto | not run: auto: no recommended threshold in profile {mine} |" in out
     assert "\n| 0.1 |" in out

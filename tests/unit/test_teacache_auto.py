@@ -70,3 +70,22 @@ def test_rest_models_map_auto_and_refuse_other_words():
     for bad in ("fast", 3.0, float("inf")):
         with pytest.raises(ValidationError, match="teacache_threshold"):
             ImageGenerationRequest(prompt="x", teacache_threshold=bad)
+
+
+def test_the_default_models_auto_resolves_to_its_shipped_recommendation():
+    """A bare default model: ``auto`` is the shipped profile's threshold, with its forecast and cap
+    (no weights loaded: the head's check)."""
+    from triptych.accel.teacache_profile import ProfileIndex
+    from triptych.accel.teacache_settings import TeaCacheConfig, resolve_settings
+    from triptych.families.models import PACKAGED_DEFAULT
+
+    profiles = ProfileIndex(PACKAGED_DEFAULT, "qwen-image")
+    shipped = profiles(20)
+    settings = resolve_settings("qwen-image", profiles, TeaCacheConfig(), AUTO_THRESHOLD, 20)
+    assert settings.threshold == shipped.recommended_threshold > 0
+    assert (settings.forecast, settings.max_skips, settings.warmup) == (
+        shipped.forecast,
+        shipped.max_skips,
+        shipped.warmup,
+    )
+    assert settings.forecast == 1 and settings.profile == shipped.path

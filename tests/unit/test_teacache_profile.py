@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -34,6 +35,16 @@ def test_round_trip(tmp_path):
     assert loaded.quality == {"r2": 0.9} and loaded.path == str(path)
 
 
+def test_forecast_round_trips_and_defaults_to_reuse(tmp_path):
+    again = load_profile(save_profile(replace(prof(), forecast=1), tmp_path / "f.json"))
+    assert again.forecast == 1
+    data = prof().to_json()
+    data["format"] = "triptych.teacache.profile/2"  # written before the field existed
+    del data["forecast"]
+    (tmp_path / "v2.json").write_text(json.dumps(data))
+    assert load_profile(tmp_path / "v2.json").forecast == 0
+
+
 @pytest.mark.parametrize(
     "patch, field",
     [
@@ -42,6 +53,8 @@ def test_round_trip(tmp_path):
         ({"steps": "8"}, "steps"),
         ({"coefficients": [1, 2, 3, 4, "x"]}, "coefficients"),
         ({"warmup": -1}, "warmup"),
+        ({"forecast": 2}, "forecast"),
+        ({"forecast": True}, "forecast"),
     ],
 )
 def test_invalid_files_name_the_problem(tmp_path, patch, field):

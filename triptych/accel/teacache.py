@@ -10,11 +10,14 @@ change of that input since the row's previous step, ``mean|m_t - m_{t-1}| / mean
 rescaled by a calibrated polynomial (the estimated relative change of the model output) and
 accumulated. While the accumulated value stays below the request's threshold the row *skips* the
 block stack: its hidden state is the embedded input plus the residual (``blocks(x) - x``) cached the
-last time it computed; the output head (final norm with the row's current timestep embedding, then
-the projection) always runs. When the sum reaches the threshold the row computes and the sum resets.
-The first ``warmup`` and last ``cooldown`` steps of a request always compute, and a profile may cap
-the run of consecutive skips of a row (``max_skips``). A threshold of ``AUTO_THRESHOLD`` (``"auto"``)
-means the profile's recommended threshold, resolved when the request is admitted.
+last time it computed, or, with the profile's ``forecast`` 1, the line through the residuals of its
+last two computed steps extrapolated to the current step (TaylorSeer's first order, Liu et al.,
+https://arxiv.org/abs/2503.06923; the last residual alone while only one is known); the output head
+(final norm with the row's current timestep embedding, then the projection) always runs. When the
+sum reaches the threshold the row computes and the sum resets. The first ``warmup`` and last
+``cooldown`` steps of a request always compute, and a profile may cap the run of consecutive skips
+of a row (``max_skips``). A threshold of ``AUTO_THRESHOLD`` (``"auto"``) means the profile's
+recommended threshold, resolved when the request is admitted.
 
 Ownership and lifetime (STYLE.md, "caches and state"). A :class:`TeaCache` is owned by whoever runs
 the batch (the denoiser engine), one per loaded family; it never stores anything on the transformer
@@ -97,11 +100,15 @@ class TeaCachePlan:
 # ---- config and state ----------------------------------------------------------------------------
 @dataclass
 class BranchState:
-    """TeaCache state of one (request, CFG branch). Tensors are owned (no views into batch buffers)."""
+    """TeaCache state of one (request, CFG branch). Tensors are owned (no views into batch buffers);
+    ``earlier_residual`` is kept only with a forecast (``RequestSettings.forecast`` 1)."""
 
     previous_input: torch.Tensor | None = None
     accumulated: float = 0.0
     residual: torch.Tensor | None = None
+    residual_step: int = -1  # the step ``residual`` was computed at
+    earlier_residual: torch.Tensor | None = None  # the computed residual before ``residual``
+    earlier_step: int = -1
     computed: int = 0
     skipped: int = 0
     run: int = 0  # consecutive skips up to now
@@ -290,7 +297,8 @@ class TeaCache:
             if s.threshold > 0:
                 st = self._states.get(s.request_id, s.branch)
                 if compute[i]:
-                    st.residual = computed[pos[i] : pos[i] + 1] - self._local(emb.hidden[i : i + 1])
+                    forecast = self._settings[s.request_id].forecast
+                    self._keep(st, computed[pos[i] : pos[i] + 1] - self._local(emb.hidden[i : i + 1]), s.step, forecast)
                     st.computed += 1
                     st.run = 0
                 else:
@@ -298,13 +306,31 @@ class TeaCache:
                     st.run += 1
             if len(idx) < n:
                 pieces.append(
-                    computed[pos[i] : pos[i] + 1] if compute[i] else self._local(emb.hidden[i : i + 1]) + st.residual
+                    computed[pos[i] : pos[i] + 1]
+                    if compute[i]
+                    else self._local(emb.hidden[i : i + 1]) + self._residual_at(st, s.step)
                 )
         hidden = computed if len(idx) == n else torch.cat(pieces)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("teacache: %d/%d rows computed", len(idx), n)
         with self._adapters(rows):
             return self.plan.head(emb, hidden)
+
+    @staticmethod
+    def _keep(st: BranchState, residual: torch.Tensor, step: int, forecast: int) -> None:
+        """Store a computed residual; a forecast also keeps the one before it."""
+        if forecast:
+            st.earlier_residual, st.earlier_step = st.residual, st.residual_step
+        st.residual, st.residual_step = residual, step
+
+    @staticmethod
+    def _residual_at(st: BranchState, step: int) -> torch.Tensor:
+        """What a row skipping ``step`` adds: the last residual, or its linear forecast when an earlier
+        one is kept (``r1 + (r1 - r0) * (step - s1) / (s1 - s0)``, per rank on its local shard)."""
+        if st.earlier_residual is None:
+            return st.residual
+        slope = (st.residual - st.earlier_residual) / (st.residual_step - st.earlier_step)
+        return st.residual + slope * (step - st.residual_step)
 
     def _blocks(self, emb: Embedded, idx: list[int], rows: Sequence[Any]) -> torch.Tensor:
         n = len(rows)

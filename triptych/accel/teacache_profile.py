@@ -7,7 +7,7 @@ comes from a profile file for the family and step schedule, produced by
 guessed. Profile file (JSON, one per family × model × steps)::
 
     {
-      "format": "triptych.teacache.profile/2",  # /1 files (no recommendation) still load
+      "format": "triptych.teacache.profile/3",  # /1 (no recommendation) and /2 (no forecast) still load
       "family": "flux",                  # Family.name the fit was made with
       "model": "FLUX.1-dev@<revision>",  # model name or revision the fit was made on
       "steps": 28,                       # step schedule (number of inference steps) it is valid for
@@ -16,6 +16,9 @@ guessed. Profile file (JSON, one per family × model × steps)::
       "warmup": 1,                       # first steps that always compute
       "cooldown": 1,                     # last steps that always compute
       "max_skips": 3,                    # /2: cap on consecutive skipped steps of a row (null: none)
+      "forecast": 1,                     # /3: what a skipped row adds (FORECAST_ORDERS; absent: 0):
+                                         # 0 the residual of its last computed step (TeaCache), 1 the
+                                         # line through its last two, extrapolated in the step index
       "quality": {"points": 84, "r2": 0.97, "rmse": 0.004, "x_range": [lo, hi], ...},  # fit figures
       "recommended_threshold": 0.12,     # /2: what ``"auto"`` means (null: no threshold met the target)
       "target": {"min_psnr": 30, "min_ssim": 0.92, "max_adherence_drop": 0.02},  # /2: what it met
@@ -45,8 +48,14 @@ from triptych.core.identity import model_identity
 
 logger = logging.getLogger(__name__)
 
-PROFILE_FORMAT = "triptych.teacache.profile/2"
-READABLE_FORMATS = ("triptych.teacache.profile/1", PROFILE_FORMAT)
+PROFILE_FORMAT = "triptych.teacache.profile/3"
+#: NOTE: /3 only adds ``forecast``; the bump makes an older reader refuse a profile whose recommended
+#: threshold was measured with a forecast, instead of serving it with plain reuse.
+READABLE_FORMATS = ("triptych.teacache.profile/1", "triptych.teacache.profile/2", PROFILE_FORMAT)
+#: Orders of the residual forecast of a skipped row: 0 = reuse (TeaCache), 1 = linear (TaylorSeer's
+#: first order, Liu et al., https://arxiv.org/abs/2503.06923). Second order was measured and lost on
+#: the default model (benchmarks/RESULTS.md, "TeaCache with a forecast residual").
+FORECAST_ORDERS = (0, 1)
 #: ``"auto"`` as a float: the request wants its profile's recommended threshold. Infinity because no
 #: user can send it (thresholds are finite, at most ``TeaCacheConfig.max_threshold``) and it survives
 #: msgpack and ``float()`` unchanged.
@@ -77,6 +86,7 @@ class TeaCacheProfile:
     recommended_threshold: float | None = None  # what "auto" means; None = none met the target
     target: dict[str, float] = field(default_factory=dict)  # the quality target the recommendation met
     sweep: dict[str, Any] = field(default_factory=dict)  # the threshold table it was chosen from
+    forecast: int = 0  # residual of a skipped row: 0 = reuse the last computed one, 1 = linear (FORECAST_ORDERS)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -88,6 +98,7 @@ class TeaCacheProfile:
             "warmup": self.warmup,
             "cooldown": self.cooldown,
             "max_skips": self.max_skips,
+            "forecast": self.forecast,
             "quality": self.quality,
             "recommended_threshold": self.recommended_threshold,
             "target": self.target,
@@ -131,6 +142,9 @@ def load_profile(path: str | Path) -> TeaCacheProfile:
         not isinstance(recommended, (int, float)) or not math.isfinite(recommended) or recommended <= 0
     ):
         raise ProfileError(f"TeaCache profile {path}: 'recommended_threshold' must be null or a number > 0")
+    forecast = data.get("forecast", 0)
+    if type(forecast) is not int or forecast not in FORECAST_ORDERS:
+        raise ProfileError(f"TeaCache profile {path}: 'forecast' must be one of {FORECAST_ORDERS}, got {forecast!r}")
     return TeaCacheProfile(
         family=data["family"],
         model=data["model"],
@@ -144,6 +158,7 @@ def load_profile(path: str | Path) -> TeaCacheProfile:
         recommended_threshold=None if recommended is None else float(recommended),
         target=dict(data.get("target") or {}),
         sweep=dict(data.get("sweep") or {}),
+        forecast=forecast,
     )
 
 

@@ -1,6 +1,6 @@
 """TeaCache's settings: the serving-side config and one request's resolved settings (threshold,
-coefficients, warm-up and cool-down, the cap on skips), checked without weights so the head can
-validate a request before it is queued (``resolve_settings``)."""
+coefficients, warm-up and cool-down, the cap on skips, the residual forecast), checked without
+weights so the head can validate a request before it is queued (``resolve_settings``)."""
 
 from __future__ import annotations
 
@@ -44,6 +44,7 @@ class RequestSettings:
     cooldown: int
     profile: str | None  # profile path, or None for explicit coefficients
     max_skips: int | None = None  # cap on consecutive skips of one row; None = no cap
+    forecast: int = 0  # skipped row's residual: 0 = last computed, 1 = linear from the last two (profile's)
 
 
 def resolve_settings(
@@ -86,8 +87,9 @@ def resolve_settings(
     if cooldown is None:
         cooldown = profile.cooldown if profile else 1
     max_skips = profile.max_skips if profile else None
+    forecast = profile.forecast if profile else 0
     return RequestSettings(
-        float(threshold), steps, coeffs, warmup, cooldown, profile.path if profile else None, max_skips
+        float(threshold), steps, coeffs, warmup, cooldown, profile.path if profile else None, max_skips, forecast
     )
 
 

@@ -136,7 +136,7 @@ def calibrate(
     warmup: int = 1,
     cooldown: int = 1,
     thresholds: Sequence[float] = (),
-    variants: Sequence[tuple[int, int | None]] | None = None,
+    variants: Sequence[tuple[int, int | None, int]] | None = None,
     eval_images: int = 16,
     target: Target | None = None,
     batch_size: int = 8,
@@ -147,8 +147,8 @@ def calibrate(
 ) -> tuple[TeaCacheProfile, Path]:
     """Collect, fit, sweep, recommend and write; returns the profile and its path.
 
-    ``variants``: (warmup, max_skips) pairs swept with every threshold (default: ``[(warmup, None)]``);
-    the recommended one's warmup and cap become the profile's. ``thresholds=()`` fits only (no
+    ``variants``: (warmup, max_skips, forecast) triples swept with every threshold (default:
+    ``[(warmup, None, 0)]``); the recommended one's warmup, cap and forecast become the profile's. ``thresholds=()`` fits only (no
     recommendation). The profile goes to ``out``, else ``profiles_dir/<family>-<steps>steps.json``
     (the CLI's user directory), else ``model_dir/teacache/``; never into the installed package
     (``save_profile`` refuses). ``base``: other GenerationParams fields (size, guidance, image). ``device``: a
@@ -171,7 +171,7 @@ def calibrate(
         requests = eval_requests(model_dir, eval_images, list(prompts), base_params)
         cases = Cases(family, [p for p, _ in requests])
         scenes = [s for _, s in requests] if requests[0][1] is not None else None
-        variants = list(variants or [(warmup, None)])
+        variants = list(variants or [(warmup, None, 0)])
         plan = plan_for(family)
         bar = _bar(progress, len(cases) * (1 + len(thresholds) * len(variants)), "calibrate sweep")
         result = sweep(
@@ -217,6 +217,7 @@ def _with_sweep(profile: TeaCacheProfile, rows, chosen, target: Target, requests
         profile,
         warmup=chosen["warmup"],
         max_skips=chosen["max_skips"],
+        forecast=chosen["forecast"],
         recommended_threshold=chosen["threshold"],
         target=dataclasses.asdict(target),
         sweep=sweep_info,

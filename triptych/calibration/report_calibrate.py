@@ -45,10 +45,15 @@ def write_calibration_report(out_dir: str | Path, profile: TeaCacheProfile, traj
     page.text(
         f"{rows[0]['images']} evaluation requests (prompts and seeds the fit never saw); target: "
         f"{profile.target}. Recommended threshold: {chosen if chosen is not None else 'none met the target'}"
-        + (f" (warmup {profile.warmup}, max consecutive skips {profile.max_skips})." if chosen is not None else ".")
+        + (
+            f" (warmup {profile.warmup}, max consecutive skips {profile.max_skips}, forecast {profile.forecast})."
+            if chosen is not None
+            else "."
+        )
     )
     page.figure("speed_quality", _curve_figure(rows, profile.target))
-    header = ("threshold", "warmup", "max skips", "skipped", "forwards ÷", "denoise ×", "PSNR mean", "PSNR worst")
+    header = ("threshold", "warmup", "max skips", "forecast", "skipped", "forwards ÷", "denoise ×", "PSNR mean")
+    header += ("PSNR worst",)
     header += ("SSIM mean", "SSIM worst", "adherence", "target")
     table, classes = [], []
     for r in rows:
@@ -57,6 +62,7 @@ def write_calibration_report(out_dir: str | Path, profile: TeaCacheProfile, traj
                 fmt(r["threshold"], "g"),
                 r["warmup"],
                 r["max_skips"] or "-",
+                r["forecast"],
                 fmt(r["skipped_fraction"], ".0%"),
                 fmt(r["forward_reduction"]),
                 fmt(r["denoise_speedup"]),
@@ -92,10 +98,10 @@ def _fit_figure(profile: TeaCacheProfile, trajectories: Sequence[Trajectory]):
 def _curve_figure(rows, target: dict):
     plt = pyplot()
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for key in sorted({(r["warmup"], r["max_skips"]) for r in rows if r["threshold"] > 0}, key=str):
-        rs = [r for r in rows if r["threshold"] > 0 and (r["warmup"], r["max_skips"]) == key]
+    for key in sorted({(r["warmup"], r["max_skips"], r["forecast"]) for r in rows if r["threshold"] > 0}, key=str):
+        rs = [r for r in rows if r["threshold"] > 0 and (r["warmup"], r["max_skips"], r["forecast"]) == key]
         x = [r["forward_reduction"] for r in rs]
-        label = f"warmup {key[0]}, cap {key[1] or '-'}"
+        label = f"warmup {key[0]}, cap {key[1] or '-'}, forecast {key[2]}"
         a1.plot(x, [min(r["psnr_min"], 80) for r in rs], "o-", label=f"{label}: worst")
         a1.plot(x, [min(r["psnr_mean"], 80) for r in rs], "x--", alpha=0.6, label=f"{label}: mean")
         a2.plot(x, [r["ssim_min"] for r in rs], "o-", label=label)
@@ -117,16 +123,17 @@ def _curve_figure(rows, target: dict):
 def _side_by_side(page: Page, result, profile: TeaCacheProfile, prompts: Sequence[str]) -> None:
     """Plain and every threshold of the first variant swept and of the recommended one."""
     keys = list(result.outputs)
-    shown = {keys[0][1:]} | ({(profile.warmup, profile.max_skips)} if profile.recommended_threshold else set())
+    recommended = (profile.warmup, profile.max_skips, profile.forecast)
+    shown = {keys[0][1:]} | ({recommended} if profile.recommended_threshold else set())
     keys = sorted((k for k in keys if k[1:] in shown), key=lambda k: (str(k[1:]), k[0]))
     n = min(SHOWN_IMAGES, len(result.plain))
     page.heading("Side by side (first variant swept and the recommended one)")
-    header = ["request", "plain"] + [f"t={t:g} w={w} cap={c or '-'}" for t, w, c in keys]
+    header = ["request", "plain"] + [f"t={t:g} w={w} cap={c or '-'} f={f}" for t, w, c, f in keys]
     rows = []
     for i in range(n):
         cells = [prompts[i] if i < len(prompts) else str(i), page.image(f"plain_{i}", to_uint8(result.plain[i].frames))]
         for k in keys:
-            tag = f"t{k[0]:g}_w{k[1]}_c{k[2] or 0}_{i}"
+            tag = f"t{k[0]:g}_w{k[1]}_c{k[2] or 0}_f{k[3]}_{i}"
             cells.append(page.image(tag, to_uint8(result.outputs[k][i].frames)))
         rows.append(cells)
     page.grid(header, rows)

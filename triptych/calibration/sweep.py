@@ -1,6 +1,6 @@
 """The threshold sweep of ``triptych calibrate`` and the recommendation it writes into the profile.
 
-For each TeaCache setting (threshold × warmup × cap on consecutive skips) the sweep runs the same
+For each TeaCache setting (threshold × warmup × cap on consecutive skips × residual forecast) the sweep runs the same
 held-out requests (prompts and seeds the fit never saw) as the plain path, in the same batch
 composition, and measures: forwards skipped, the denoise speedup (CPU time of the denoise loop,
 plain / cached, in this run), PSNR and SSIM against the plain images (mean and worst), and shape-world adherence for
@@ -58,7 +58,11 @@ class SweepResult:
 
     rows: list[dict]
     plain: list[Output]
-    outputs: dict[tuple, list[Output]] = field(default_factory=dict)  # (threshold, warmup, max_skips) -> outputs
+    outputs: dict[tuple, list[Output]] = field(default_factory=dict)  # (threshold, *Variant) -> outputs
+
+
+#: One swept TeaCache variant: (warmup, max_skips or None, forecast order).
+Variant = tuple[int, int | None, int]
 
 
 def sweep(
@@ -66,40 +70,42 @@ def sweep(
     profile: TeaCacheProfile,
     cases: Cases,
     thresholds: Sequence[float],
-    variants: Sequence[tuple[int, int | None]] = ((1, None),),
+    variants: Sequence[Variant] = ((1, None, 0),),
     scenes=None,
     target: Target | None = None,
     batch_size: int = 8,
     progress: Callable[[], None] | None = None,
 ) -> SweepResult:
-    """Plain, then every (threshold, (warmup, max_skips)) on ``cases``; rows carry their gate failures."""
+    """Plain, then every (threshold, (warmup, max_skips, forecast)) on ``cases``; rows carry their gate
+    failures."""
     target = target or Target()
     run_cases(Cases(cases.family, cases.params[:1]), 0.0, tag="warm")  # first calls are slow; not timed
     plain, plain_s = run_cases(cases, 0.0, batch_size=batch_size, tag="plain", on_request=progress)
     plain_adh = world_adherence([o.frames for o in plain], scenes)
     total = sum(o.computed for o in plain)
-    rows = [_row(0.0, profile.warmup, None, plain, plain, plain_s, plain_s, total, plain_adh, plain_adh)]
+    rows = [_row(0.0, (profile.warmup, None, 0), plain, plain, plain_s, plain_s, total, plain_adh, plain_adh)]
     result = SweepResult(rows, plain)
-    for warmup, max_skips in variants:
-        variant = dataclasses.replace(profile, warmup=warmup, max_skips=max_skips)
+    for warmup, max_skips, forecast in variants:
+        variant = dataclasses.replace(profile, warmup=warmup, max_skips=max_skips, forecast=forecast)
         cache = cache_for(variant)
         for t in thresholds:
             got, secs = run_cases(cases, t, cache, batch_size, tag=f"t{t}", on_request=progress)
             adh = world_adherence([o.frames for o in got], scenes)
-            row = _row(t, warmup, max_skips, got, plain, secs, plain_s, total, adh, plain_adh)
+            row = _row(t, (warmup, max_skips, forecast), got, plain, secs, plain_s, total, adh, plain_adh)
             row["failures"] = target.failures(row)
             rows.append(row)
-            result.outputs[(t, warmup, max_skips)] = got
+            result.outputs[(t, warmup, max_skips, forecast)] = got
     return result
 
 
-def _row(t, warmup, max_skips, got, plain, secs, plain_s, total, adh, plain_adh) -> dict:
+def _row(t, variant: Variant, got, plain, secs, plain_s, total, adh, plain_adh) -> dict:
     computed = sum(o.computed for o in got)
     fid = fidelity(got, plain)
     return {
         "threshold": t,
-        "warmup": warmup,
-        "max_skips": max_skips,
+        "warmup": variant[0],
+        "max_skips": variant[1],
+        "forecast": variant[2],
         "images": len(got),
         "skipped_fraction": 1 - computed / total,
         "forward_reduction": total / computed,  # transformer forwards (rows) plain / cached
@@ -124,7 +130,7 @@ def recommend(rows: Sequence[dict]) -> dict | None:
 
 def table_markdown(rows: Sequence[dict], chosen: dict | None = None) -> str:
     """The sweep as a markdown table (the CLI prints it; the profile stores the rows)."""
-    cols = ("threshold", "warmup", "max skips", "skipped", "forwards ÷", "denoise ×", "PSNR mean/worst dB")
+    cols = ("threshold", "warmup", "max skips", "forecast", "skipped", "forwards ÷", "denoise ×", "PSNR mean/worst dB")
     cols += ("SSIM mean/worst", "adherence", "target")
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
@@ -133,7 +139,8 @@ def table_markdown(rows: Sequence[dict], chosen: dict | None = None) -> str:
         if chosen is not None and r is chosen:
             mark = "**recommended**"
         lines.append(
-            f"| {r['threshold']:g} | {r['warmup']} | {r['max_skips'] or '-'} | {r['skipped_fraction']:.0%} "
+            f"| {r['threshold']:g} | {r['warmup']} | {r['max_skips'] or '-'} | {r['forecast']} "
+            f"| {r['skipped_fraction']:.0%} "
             f"| {r['forward_reduction']:.2f} | {r['denoise_speedup']:.2f} | {r['psnr_mean']:.1f} / {r['psnr_min']:.1f} "
             f"| {r['ssim_mean']:.3f} / {r['ssim_min']:.3f} | {adh} | {mark} |"
         )

@@ -11,7 +11,7 @@ import itertools
 import os
 import sys
 
-from triptych.accel.teacache_profile import AUTO_THRESHOLD
+from triptych.accel.teacache_profile import AUTO_THRESHOLD, FORECAST_ORDERS
 from triptych.calibration.target import Target
 from triptych.cli.worker_flags import add_degree_flags
 from triptych.core.devices import add_device_flags, add_threads_flag, device_config_from_args, set_torch_threads
@@ -71,6 +71,14 @@ def add_calibrate(sub) -> None:
     p.add_argument(
         "--max-skips", type=int, nargs="+", default=[0, 1, 2], help="cap on consecutive skips, 0 = none (swept)"
     )
+    p.add_argument(
+        "--forecast",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="residual of a skipped step (swept): 0 = reuse the last computed one, 1 = linear forecast "
+        "from the last two (TaylorSeer order 1)",
+    )
     p.add_argument("--batch", type=int, default=8, help="requests per forward in the sweep")
     p.add_argument("--report", metavar="DIR", help="write an HTML report (fit plot, curves, images) into DIR")
     _add_target(p, "recommendation target")
@@ -91,6 +99,8 @@ def check_calibrate(args) -> None:
         raise InvalidParam("eval_images", args.eval_images, "must be >= 1")
     if min(args.warmup) < 0 or min(args.max_skips) < 0:
         raise InvalidParam("warmup/max_skips", (args.warmup, args.max_skips), "must be >= 0")
+    if not set(args.forecast) <= set(FORECAST_ORDERS):
+        raise InvalidParam("forecast", args.forecast, f"each must be one of {FORECAST_ORDERS}")
     check_out(args.out)
     _target(args)
     args.image_rgb = read_image(args.image) if args.image else None
@@ -123,7 +133,7 @@ def cmd_calibrate(args) -> int:
     base = {"image": args.image_rgb} if args.image_rgb is not None else {}
     model = resolve_model(args.model, os.environ.get("TRIPTYCH_CACHE"))
     prompts = args.prompt or world_prompts(model, args.fit_prompts) or DEFAULT_PROMPTS
-    variants = [(w, c or None) for w, c in itertools.product(args.warmup, args.max_skips)]
+    variants = [(w, c or None, f) for w, c, f in itertools.product(args.warmup, args.max_skips, args.forecast)]
     target = _target(args)
     _warn_small_eval_set(model, args, target)
     profile, path = calibrate(
@@ -153,7 +163,8 @@ def cmd_calibrate(args) -> int:
         print(table_markdown(rows, rows[chosen] if chosen is not None else None))
         rec = profile.recommended_threshold
         print(
-            f"recommended threshold: {rec:g} (warmup {profile.warmup}, max skips {profile.max_skips})"
+            f"recommended threshold: {rec:g} (warmup {profile.warmup}, max skips {profile.max_skips}, "
+            f"forecast {profile.forecast})"
             if rec is not None
             else f"no threshold meets the target {target}; the profile has no recommendation"
         )
