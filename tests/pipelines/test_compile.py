@@ -5,8 +5,9 @@ branch or both, TeaCache sub-batches) compiles nothing more.
 Measured (torch 2.13 CPU, one thread, 20 steps, 64x64): compiled staged vs the eager pipeline's
 ``__call__``, max abs over the image 3.8e-6 (fused CFG) / 2.6e-6 (separate forwards), the VAE
 decoder compiled too (``compile_vae_decoder``: its one-frame decoder, ``accel/frame_decode.py``;
-alone, on the same latents, 8.9e-7 from the eager decoder); the tolerance is 10x the larger; with TeaCache 0.1 and previews on both, 1.9e-5 (TeaCache's skipped steps reuse
-a residual, which carries the rounding forward), within the same tolerance. The warm-up compiles 2 graphs of the fast path's block stack
+alone, on the same latents, 8.9e-7 from the eager decoder); the tolerance is 10x the larger; with TeaCache 0.1 and previews on both, 5.2e-5 (the shipped profile's linear forecast extrapolates
+the rounding of two computed residuals into each skipped step; 1.9e-5 when it reused one), against
+``TEACACHE_TOLERANCE``, 5x that. The warm-up compiles 2 graphs of the fast path's block stack
 (``families/qwenimage/fast_stack.py``: one row and several; ``engine/warmup.py`` runs the shapes; 5
 before ``stack_inputs`` gave every call one form of inputs) and the decoder's
 warm-up one more, the mixed load after them 0.
@@ -27,6 +28,7 @@ from triptych.families.models import default_model_dir
 from triptych.families.registry import load_family
 
 TOLERANCE = 3.8e-5  # measured 3.8e-6; 4.2e-6 with the schedule tables and the one-frame decoder
+TEACACHE_TOLERANCE = 2.6e-4  # measured 5.2e-5 (TeaCache 0.1 with the profile's forecast, previews)
 DECODER_TOLERANCE = 8.9e-6  # measured 8.9e-7 (the compiled one-frame decoder alone, same denoised latents)
 WARMUP_GRAPHS = 2  # measured: the block stack's graphs (one row, several) for the shapes of engine/warmup.py
 PROMPTS = ["a red circle on a blue background", "a green square", "a small yellow triangle on a white background"]
@@ -122,4 +124,4 @@ def test_compile_composes_with_teacache_and_previews(families):
     print(f"TeaCache 0.1 + 2 previews, compiled vs eager: max abs {diff:.2e}, skipped {out['compiled'][1]}")
     assert out["compiled"][1] == out["eager"][1] > 0
     assert out["compiled"][2] == out["eager"][2] == [0, 1]
-    assert diff <= TOLERANCE
+    assert diff <= TEACACHE_TOLERANCE
