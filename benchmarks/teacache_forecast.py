@@ -26,6 +26,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+from teacache_cfg_delta import steps  # noqa: E402  (a sibling script: "0-3,6" -> {0, 1, 2, 3, 6})
 
 from triptych.accel.teacache import BranchState, Decision, TeaCache  # noqa: E402
 from triptych.accel.teacache_profile import find_profile  # noqa: E402
@@ -47,14 +48,6 @@ DEFAULT_FIXED = (
     "full 0-3, then 2 of 3=0-3,4,5,7,8,10,11,13,14,16,17,19",
     "full 0-2, then 1 of 3=0-2,5,8,11,14,17,19",
 )
-
-
-def steps(text: str) -> set[int]:
-    out: set[int] = set()
-    for part in filter(None, text.split(",")):
-        lo, _, hi = part.partition("-")
-        out.update(range(int(lo), int(hi or lo) + 1))
-    return out
 
 
 class Scheduled(TeaCache):
