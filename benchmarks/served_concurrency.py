@@ -9,7 +9,10 @@ checkout (``--before DIR``: that tree's code, imported through ``PYTHONPATH``, t
 ``--compiled`` also this tree's ``serve --compile`` (its warm-up before it registers included in
 its start, not in the figures); with ``--compiled-denoisers N`` also ``serve --compile --denoisers N``
 (N denoiser processes of one thread each: on this 2-core machine one denoiser keeps one core busy
-and leaves most of the other idle).
+and leaves most of the other idle); with ``--denoiser-threads N`` also ``serve --compile
+--denoiser-threads N`` ('compiled dNt': the one denoiser on N torch threads, the other workers on
+one) and, as its fair peer, diffusers' ``__call__`` on N threads ('diffusers Nt'; its ratio columns
+are the served systems' images/s over its own).
 
 Per repeat the systems alternate (order rotated) at every concurrency, each warmed up first. Every
 server is one encoder, one denoiser, one decoder (a bare ``serve``), one torch thread per process,
@@ -60,15 +63,28 @@ def psnr(a: np.ndarray, b: np.ndarray) -> float:
 
 
 class Diffusers(InProc):
-    """Plain diffusers, one request at a time; keeps each image for the comparison."""
+    """Plain diffusers, one request at a time, on ``threads`` torch threads; keeps each image for the
+    comparison (the one-thread peer's images are the reference)."""
 
-    name = "diffusers"
+    def __init__(self, model: str, extra: dict, threads: int = 1):
+        super().__init__(model, extra)
+        self.threads = threads
+        self.name = "diffusers" if threads == 1 else f"diffusers {threads}t"
 
     def image(self, b: dict) -> np.ndarray:
         gen = self.torch.Generator("cpu").manual_seed(b["seed"])
-        out = self.pipe(
-            prompt=b["prompt"], generator=gen, height=64, width=64, num_inference_steps=b["num_inference_steps"], **CALL
-        )
+        self.torch.set_num_threads(self.threads)  # in the thread that runs it (OpenMP's count is per thread)
+        try:
+            out = self.pipe(
+                prompt=b["prompt"],
+                generator=gen,
+                height=64,
+                width=64,
+                num_inference_steps=b["num_inference_steps"],
+                **CALL,
+            )
+        finally:
+            self.torch.set_num_threads(1)
         return np.asarray(out.images[0].convert("RGB"))
 
     async def run(self, bodies: list[dict]) -> list[np.ndarray]:
@@ -111,7 +127,7 @@ async def measure(systems, args) -> list[dict]:
                 t = time.perf_counter()
                 images = await (s.run(bodies) if isinstance(s, Diffusers) else s.run(bodies, c))
                 span = time.perf_counter() - t
-                if isinstance(s, Diffusers):
+                if isinstance(s, Diffusers) and s.threads == 1:
                     reference.update({b["seed"]: im for b, im in zip(bodies, images)})
                 row = {"system": s.name, "repeat": rep, "clients": c, "n": n, "span_s": span, "images_per_s": n / span}
                 row["_images"] = {b["seed"]: im for b, im in zip(bodies, images)}
@@ -127,9 +143,12 @@ def table(rows: list[dict], args) -> str:
     names = list(dict.fromkeys(r["system"] for r in rows))
     out = ["| clients | " + " | ".join(f"{n} images/s" for n in names) + " | "]
     out[0] += " | ".join(f"{n} ÷ diffusers" for n in names if n != "diffusers")
+    peers_nt = [n for n in names if n.startswith("diffusers ")]  # diffusers on N threads
+    served = [n for n in names if not n.startswith("diffusers")]
+    out[0] += "".join(f" | {n} ÷ {p}" for p in peers_nt for n in served)
     out[0] += " | this ÷ before |" if "before" in names else " |"
     out[0] += " worst PSNR vs diffusers dB (this tree) |"
-    cols = 2 * len(names) + 1 + (1 if "before" in names else 0)
+    cols = 2 * len(names) + 1 + len(peers_nt) * len(served) + (1 if "before" in names else 0)
     out.append("|---" * cols + "|")
     for c in args.concurrency:
         best = {
@@ -137,6 +156,7 @@ def table(rows: list[dict], args) -> str:
         }  # best repeat of each
         cells = [f"{best[n]:.2f}" for n in names]
         cells += [f"{best[n] / best['diffusers']:.2f}x" for n in names if n != "diffusers"]
+        cells += [f"{best[n] / best[p]:.2f}x" for p in peers_nt for n in served]
         if "before" in names:
             cells.append(f"{best['serve'] / best['before']:.2f}x")
         worst = min(
@@ -162,6 +182,13 @@ def main() -> None:
         metavar="N",
         help="also `serve --compile --denoisers N` ('compiled xN'): N denoiser processes, one thread each",
     )
+    ap.add_argument(
+        "--denoiser-threads",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also `serve --compile --denoiser-threads N` ('compiled dNt') and diffusers on N threads ('diffusers Nt')",
+    )
     ap.add_argument("--out", default="/tmp/served_concurrency.json")
     args = ap.parse_args()
     from triptych.families.models import default_model_dir
@@ -177,6 +204,10 @@ def main() -> None:
         n = args.compiled_denoisers
         cache = ["--compile-cache-dir", str(Path(tmp) / "inductor")]
         specs[f"compiled x{n}"] = (ROOT, [*base, "--compile", *cache, "--denoisers", str(n)])
+    if args.denoiser_threads > 1:
+        n = args.denoiser_threads
+        cache = ["--compile-cache-dir", str(Path(tmp) / "inductor")]
+        specs[f"compiled d{n}t"] = (ROOT, [*base, "--compile", *cache, "--denoiser-threads", str(n)])
     if args.before:
         specs["before"] = (Path(args.before).resolve(), base)
     servers = []
@@ -187,7 +218,10 @@ def main() -> None:
         os.environ["PYTHONPATH"] = str(ROOT)
         for s in servers:
             s.wait(1800)
-        systems = [Diffusers(model, CALL), *(Served(s) for s in servers)]
+        peers = [Diffusers(model, CALL)]
+        if args.denoiser_threads > 1:
+            peers.append(Diffusers(model, CALL, threads=args.denoiser_threads))
+        systems = [*peers, *(Served(s) for s in servers)]
         rows = asyncio.run(measure(systems, args))
     finally:
         for s in servers:

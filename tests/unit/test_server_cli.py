@@ -178,6 +178,8 @@ def test_serve_flags_build_the_cluster_and_autoscale_configs():
         (["--api-key", "short"], "--api-key"),
         (["--heartbeat-timeout-s", "0.5"], "--heartbeat-timeout-s"),
         (["--encoders", "-1"], "--encoders"),
+        (["--denoiser-threads", "-1"], "--denoiser-threads"),
+        (["--threads", "-2"], "--threads"),
         (["--timeout-decoding-s", "0"], "--timeout-decoding-s"),
         (["--autoscale", "denoiser=4:1"], "--autoscale"),
         (["--ray-node-ip", "somewhere"], "--ray-node-ip"),

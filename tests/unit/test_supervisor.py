@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
+from triptych.core.kinds import ROLES, Role
 from triptych.deploy.launch import TopologyConfig
 from triptych.deploy.supervisor import LocalWorkers
 
@@ -82,12 +85,34 @@ def test_without_restart_an_exit_is_only_reported():
 def test_threads_split_the_idle_cores_among_local_workers_unless_set(monkeypatch):
     monkeypatch.setattr("os.cpu_count", lambda: 16)
     monkeypatch.setattr("os.getloadavg", lambda: (0.2, 0.0, 0.0))
-    assert workers(encoders=1, denoisers=2, decoders=1)[0].threads() == 4
-    assert workers(encoders=1, denoisers=1, decoders=1, torch_threads=3)[0].threads() == 3
+    for role in ROLES:
+        assert workers(encoders=1, denoisers=2, decoders=1)[0].threads(role) == 4
+        assert workers(encoders=1, denoisers=1, decoders=1, torch_threads=3)[0].threads(role) == 3
     monkeypatch.setattr("os.getloadavg", lambda: (8.4, 0.0, 0.0))  # 8 of the 16 cores busy
-    assert workers(encoders=1, denoisers=2, decoders=1)[0].threads() == 2
+    assert workers(encoders=1, denoisers=2, decoders=1)[0].threads(Role.DENOISER) == 2
     monkeypatch.setattr("os.cpu_count", lambda: 2)
-    assert workers(encoders=1, denoisers=2, decoders=1)[0].threads() == 1
+    assert workers(encoders=1, denoisers=2, decoders=1)[0].threads(Role.ENCODER) == 1
+
+
+def test_denoiser_threads_set_the_denoisers_alone(monkeypatch):
+    """``--denoiser-threads N``: each denoiser process gets N torch threads; the other roles keep
+    ``--threads`` or the split of the idle cores; a spawned denoiser's worker config carries N."""
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    monkeypatch.setattr("os.getloadavg", lambda: (0.0, 0.0, 0.0))
+    w, _ = workers(encoders=1, denoisers=1, decoders=1, denoiser_threads=2)
+    assert w.threads(Role.DENOISER) == 2
+    assert w.threads(Role.ENCODER) == w.threads(Role.DECODER) == 1  # 2 cores among 3 workers
+    started = []
+    monkeypatch.setattr(
+        "triptych.deploy.supervisor.subprocess.Popen", lambda cmd, **kw: started.append(cmd) or FakeProc()
+    )
+    w = LocalWorkers(Path("m"), TopologyConfig(torch_threads=3, denoiser_threads=2), "t" * 32, lambda *a: None)
+    for role in (Role.ENCODER, Role.DENOISER, Role.DECODER):
+        w.spawn(role, "tcp://127.0.0.1:1")
+    assert [cmd[cmd.index("--role") + 1] for cmd in started] == ["encoder", "denoiser", "decoder"]
+    assert [cmd[cmd.index("--threads") + 1] for cmd in started] == ["3", "2", "3"]
+    with pytest.raises(ValueError, match="denoiser_threads=-1"):
+        TopologyConfig(denoiser_threads=-1)
 
 
 def test_gpus_are_laid_out_denoisers_first_and_a_worker_sees_only_its_own(monkeypatch):

@@ -54,6 +54,12 @@ class TopologyConfig:
     """Slots per worker (requests it may hold at once)."""
     torch_threads: int = 0
     """torch threads per local worker; 0 = the machine's cores split evenly among the local workers."""
+    denoiser_threads: int = 0
+    """torch threads per denoiser process (each rank of a multi-rank one), in place of
+    ``torch_threads`` for that role; 0 = as every worker. For machines with cores to spare: the
+    denoiser is the busy process of a served load. On a 2-core CPU it did not pay: 0.92x the
+    served images/s at 8 concurrent requests with 2 threads, as the other workers take their turns
+    on the same cores (benchmarks/RESULTS.md, "Served at 1 / 4 / 8")."""
     start_timeout_s: float = 300.0
     """How long ``start`` waits for every local worker to register."""
     extra_args: tuple[str, ...] = field(default_factory=tuple)
@@ -88,6 +94,9 @@ class TopologyConfig:
         object.__setattr__(self, "transfer", TransferKind(self.transfer))  # a plain string as its member
         if self.capacity < 1:
             raise ValueError(f"capacity={self.capacity} must be >= 1")
+        for name in ("torch_threads", "denoiser_threads"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0 (0: split the idle cores)")
         if self.gpus and self.device.torch_device.type != "cuda":
             raise ValueError(
                 f"gpus={self.gpus} places workers on CUDA devices: use device cuda (not {self.device.device})"
@@ -103,6 +112,12 @@ class TopologyConfig:
     def count(self, role: Role) -> int:
         """Local workers of ``role``."""
         return {Role.ENCODER: self.encoders, Role.DENOISER: self.denoisers, Role.DECODER: self.decoders}[role]
+
+    def threads(self, role: Role) -> int:
+        """torch threads of one process of ``role`` as set (0: the caller splits the cores)."""
+        if role == Role.DENOISER and self.denoiser_threads:
+            return self.denoiser_threads
+        return self.torch_threads
 
     def ranks(self, role: Role) -> int:
         """Processes of one instance of ``role``: the denoiser's ranks, 1 for the others."""

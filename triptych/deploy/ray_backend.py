@@ -188,7 +188,7 @@ class RayWorkers:
         iid = instance_id or f"{role}-{n}"
         res = self.cluster.resources(role)
         ranks = self.topology.ranks(role)
-        threads = self.topology.torch_threads or max(1, int(res.cpus))
+        threads = self.topology.threads(role) or max(1, int(res.cpus))
         config = worker_config(self.topology, self.model_dir, role, head, iid, threads, self.token)
         cmd = worker_command(config, self.topology.extra_args)
         options = actor_options(res, self.cluster.ray_max_restarts, ranks)

@@ -137,7 +137,7 @@ class LocalWorkers:
 
     def _start(self, role: Role, head: str, instance_id: str) -> subprocess.Popen:
         t = self.topology
-        config = worker_config(t, self.model_dir, role, head, instance_id, self.threads(), self.token, os.getpid())
+        config = worker_config(t, self.model_dir, role, head, instance_id, self.threads(role), self.token, os.getpid())
         cmd = worker_command(config, t.extra_args)
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRIPTYCH_TOKEN": self.token}
         env["MC_LOG_LEVEL"] = t.mooncake_log_level  # read by Mooncake when a transfer engine starts
@@ -149,13 +149,14 @@ class LocalWorkers:
         logger.info("spawned %s (pid %d)", instance_id, proc.pid)
         return proc
 
-    def threads(self) -> int:
-        """torch threads of each local worker: ``topology.torch_threads``, or (0) the machine's cores
-        split evenly among the topology's local workers (``devices.split_threads``: less the cores the load
-        average says are busy), so they do not oversubscribe the CPU."""
+    def threads(self, role: Role) -> int:
+        """torch threads of a local worker of ``role``: ``topology.threads(role)`` (``--threads``, or
+        ``--denoiser-threads`` for a denoiser), or (0) the machine's cores split evenly among the
+        topology's local workers (``devices.split_threads``: less the cores the load average says are
+        busy), so they do not oversubscribe the CPU."""
         t = self.topology
-        if t.torch_threads:
-            return t.torch_threads
+        if t.threads(role):
+            return t.threads(role)
         if self._threads is None:  # once: later spawns would count the running workers as load
             self._threads = split_threads(sum(t.count(role) * t.ranks(role) for role in ROLES))
         return self._threads
