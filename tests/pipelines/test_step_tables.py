@@ -96,6 +96,48 @@ def test_qwen_fused_rows_equal_the_model_forward(qwen, monkeypatch):
     assert torch.equal(got, want)
 
 
+def test_qwen_batch_text_is_kept_across_steps_and_follows_its_rows_and_weights(qwen):
+    """A several-row batch's padded text projection is kept on its first request for the next step
+    (``FastForward.batch_text``): the same bits as the model's forward at each of three steps, the
+    same tensor while rows and weights stay, recomputed for another batch of rows and after ``txt_in``
+    changes in place."""
+    prompts = ["a red circle", "a large green square at the left on a black background"]
+    fast, plain = [], []
+    for i, prompt in enumerate(prompts):
+        p = qwen.resolve(GenerationParams(prompt=prompt, guidance=3.0, seed=i, steps=4))
+        fast.append(prepared(qwen, p, True))
+        plain.append(prepared(qwen, p, False))
+    rows = lambda states: [Row(s, b) for s in states for b in (COND, UNCOND)]  # noqa: E731
+    t, ff = qwen.pipe.transformer, qwen._fast
+
+    def step(fast_states, plain_states):
+        with torch.no_grad():
+            got = qwen.forward(rows(fast_states))
+            want = qwen_den.forward(t, rows(plain_states), qwen.pipe.vae_scale_factor)
+        assert torch.equal(got, want)
+        for s in (*fast_states, *plain_states):
+            s.step += 1
+
+    step(fast, plain)
+    kept = fast[0].step_consts.batch[2]
+    step(fast, plain)
+    step(fast, plain)
+    assert fast[0].step_consts.batch[2] is kept  # computed once for the three steps
+    with torch.no_grad():
+        other = ff.embed([Row(fast[1], COND), Row(fast[0], COND)])  # another batch, led by the other request
+    assert fast[1].step_consts.batch[2] is other.txt and other.txt.shape[0] == 2
+    assert fast[0].step_consts.batch[2] is kept
+    saved = t.txt_in.weight.detach().clone()
+    try:
+        with torch.no_grad():
+            t.txt_in.weight.mul_(1.5)
+        step(fast, plain)
+        assert fast[0].step_consts.batch[2] is not kept
+    finally:
+        with torch.no_grad():
+            t.txt_in.weight.copy_(saved)
+
+
 def test_qwen_fused_weights_follow_a_weight_changed_in_place(qwen):
     """The fused q/k/v and modulation copies are rebuilt when a weight changes in place."""
     p = qwen.resolve(GenerationParams(prompt="a blue square", guidance=3.0, seed=1, steps=2))
