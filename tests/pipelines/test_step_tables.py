@@ -98,7 +98,7 @@ def test_qwen_fused_rows_equal_the_model_forward(qwen, monkeypatch):
 
 def test_qwen_batch_text_is_kept_across_steps_and_follows_its_rows_and_weights(qwen):
     """A several-row batch's padded text projection is kept on its first request for the next step
-    (``FastForward.batch_text``): the same bits as the model's forward at each of three steps, the
+    (``fast_text.batch_text``): the same bits as the model's forward at each of three steps, the
     same tensor while rows and weights stay, recomputed for another batch of rows and after ``txt_in``
     changes in place."""
     prompts = ["a red circle", "a large green square at the left on a black background"]

@@ -37,7 +37,6 @@ are rebuilt when a weight is replaced or changed in place.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -50,6 +49,7 @@ from triptych.families.fastpath import model_hooked, native_attention
 from triptych.families.qwenimage.denoise import image_shapes, pad_prompts
 from triptych.families.qwenimage.fast_block import BlockPlan, hooked, joint_block, module_block
 from triptych.families.qwenimage.fast_stack import FrozenStack, compile_stack, stack_inputs
+from triptych.families.qwenimage.fast_text import batch_text
 
 #: Largest concatenation of every block's modulation weights kept to build a table in one matmul per
 #: step (the default model's: 2.7 MB); above it each block's ``img_mod``/``txt_mod`` runs on its own.
@@ -72,7 +72,7 @@ class QwenTables:
     #: computed at ``prepare`` in one batch over the schedule (``FastForward.schedule``); None: per step
     schedule: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     #: the last several-row batch this request led (its first row): (the rows' prompts as weak
-    #: references, the text layers' weights and versions, text, mask); ``FastForward.batch_text``
+    #: references, the text layers' weights and versions, text, mask); ``fast_text.batch_text``
     batch: tuple | None = None
 
 
@@ -267,35 +267,6 @@ class FastForward:
             tables.step, tables.entry = state.step, (temb, mods, head)
         return tables.entry
 
-    def batch_text(self, tables: QwenTables, prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``txt_in(txt_norm(.))`` of the rows' prompt embeddings right-padded as one batch, and the bool
-        text mask (None for equal lengths), as the model's forward computes them for these rows. Kept
-        on the first row's ``tables`` (freed with that request) for the next forward while the rows'
-        prompt tensors are the same objects (weak references: a freed prompt is a miss, and a new
-        tensor is never taken for it) and the two layers' weights the same tensors at the same
-        versions; not kept when either layer has a hook other than the idle ones. A step batch keeps
-        its composition for many steps; at 16 rows the embed took 379 instead of 662 µs of a ~13.6 ms
-        compiled forward (benchmarks/RESULTS.md, "Where a compiled step's time goes")."""
-        t = self.t
-        weights = tuple((w, w._version) for w in (*t.txt_in.parameters(), *t.txt_norm.parameters()))
-        idle = self.idle()
-        keep = not (hooked(t.txt_in, idle) or hooked(t.txt_norm, idle))  # a hook runs at every call
-        kept = tables.batch
-        if (
-            keep
-            and kept is not None
-            and len(kept[0]) == len(prompts)
-            and all(ref() is p for ref, p in zip(kept[0], prompts))
-            and len(kept[1]) == len(weights)
-            and all(a is b and v == u for (a, v), (b, u) in zip(kept[1], weights))
-        ):
-            return kept[2], kept[3]
-        embeds, mask = pad_prompts(prompts)
-        txt = t.txt_in(t.txt_norm(embeds))
-        mask = mask.to(torch.bool) if mask is not None else None
-        tables.batch = (tuple(weakref.ref(p) for p in prompts), weights, txt, mask) if keep else None
-        return txt, mask
-
     def rotary(self, shapes: list[tuple[int, int, int]], text_len: int, device):
         key = (tuple(shapes), text_len, device)
         if key not in self._rope:
@@ -335,7 +306,7 @@ class FastForward:
                 txt, mask = pair  # this request's fused CFG rows: its own text constants
             else:
                 prompts = [r.state.cond.branches[r.branch]["prompt_embeds"] for r in rows]
-                txt, mask = self.batch_text(states[0].step_consts, prompts)
+                txt, mask = batch_text(t, states[0].step_consts, prompts, self.idle())
             if scheduled is not None:
                 temb, mods, head = scheduled
             else:
