@@ -198,16 +198,15 @@ def main() -> None:
     base = [sys.executable, "-m", "triptych.cli", "serve", "--model", model, "--threads", "1", "--transfer", "zmq"]
     base += ["--orchestrator-max-queued", "4096", "--max-queued-requests", "4096"]
     specs = {"serve": (ROOT, base)}
+    compiled = [*base, "--compile", "--compile-cache-dir", str(Path(tmp) / "inductor")]  # one cache for all
     if args.compiled:
-        specs["compiled"] = (ROOT, [*base, "--compile", "--compile-cache-dir", str(Path(tmp) / "inductor")])
+        specs["compiled"] = (ROOT, compiled)
     if args.compiled_denoisers > 1:
         n = args.compiled_denoisers
-        cache = ["--compile-cache-dir", str(Path(tmp) / "inductor")]
-        specs[f"compiled x{n}"] = (ROOT, [*base, "--compile", *cache, "--denoisers", str(n)])
+        specs[f"compiled x{n}"] = (ROOT, [*compiled, "--denoisers", str(n)])
     if args.denoiser_threads > 1:
         n = args.denoiser_threads
-        cache = ["--compile-cache-dir", str(Path(tmp) / "inductor")]
-        specs[f"compiled d{n}t"] = (ROOT, [*base, "--compile", *cache, "--denoiser-threads", str(n)])
+        specs[f"compiled d{n}t"] = (ROOT, [*compiled, "--denoiser-threads", str(n)])
     if args.before:
         specs["before"] = (Path(args.before).resolve(), base)
     servers = []
