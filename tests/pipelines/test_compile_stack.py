@@ -5,8 +5,9 @@ the blocks' own linears are read as module parameters. Without ``sync`` (the cop
 would close over) the compiled graph kept the old weights: a scratch check on torch 2.13 gave the old
 output after a replaced tensor.
 
-A weight changed *in place* is seen too: the fused copies are rebuilt (``BlockPlan.current`` checks
-the versions) and the linears the stack reads directly are graph inputs, not constants.
+A weight changed *in place* is seen too: the copies are rebuilt (``BlockPlan.current`` checks every
+linear's versions: the fused q/k/v, and on CPU the transposed copy of every product, ``FrozenBlock.sync``)
+and the biases the stack reads directly are graph inputs, not constants.
 
 Tiny seeded Qwen-Image, CPU, one request's fused-CFG rows; compiled vs eager forward measured at most
 4.8e-7 max abs (before the changes, after the replacement, after the in-place change; two runs, one

@@ -96,6 +96,11 @@ def hooked(m, idle: frozenset[int] = frozenset()) -> bool:
     return bool(m._forward_pre_hooks) or any(k not in idle for k in m._forward_hooks)
 
 
+#: ``joint_block``'s eight matrix products (``BlockPlan.operand``): the fused q/k/v of each stream, the
+#: attention outputs, the MLPs' two layers
+TXT_QKV, IMG_QKV, IMG_OUT, TXT_OUT, IMG_UP, IMG_DOWN, TXT_UP, TXT_DOWN = range(8)
+
+
 class BlockPlan:
     """One block's operands for ``joint_block``, resolved once and rebuilt when a weight is replaced,
     changed in place or hooked (``current``); ``joint`` says whether that kernel applies."""
@@ -150,7 +155,7 @@ class BlockPlan:
         if self.key is not None and self._valid(idle):
             return self.joint
         self.joint, self._weights = self._eligible(idle), {}
-        owners = [(m, "weight") for m in self.linears[:6]] + [(m, "bias") for m in self.linears[:6]]
+        owners = [(m, "weight") for m in self.linears] + [(m, "bias") for m in self.linears]
         owners += [(n, "weight") for n in self.norms if isinstance(getattr(n, "weight", None), torch.nn.Parameter)]
         self.key = [
             (m, name, m._parameters[name], m._parameters[name]._version)
@@ -165,6 +170,27 @@ class BlockPlan:
             w = [n.weight.detach() for n in self.norms]
             self._qk = (torch.stack(w[:2])[:, None], torch.stack(w[2:])[:, None])  # (2, 1, head_dim) each
         return self.joint
+
+    def operand(self, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(weight, bias) of ``joint_block``'s product ``k`` (``TXT_QKV`` ... ``TXT_DOWN``): the fused
+        q/k/v copies, else the block's own linear."""
+        if k < 2:
+            return self.fused[k]
+        linear = self.linears[4 + k]
+        return linear.weight, linear.bias
+
+    def product(self, k: int, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, *self.operand(k))
+
+    @staticmethod
+    def attend(q, k, v, mask) -> torch.Tensor:
+        """The processor's attention (native SDPA backend)."""
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=False, scale=None)
+
+    @staticmethod
+    def act(x: torch.Tensor, approximate: str) -> torch.Tensor:
+        """The MLP's activation (``GELU``'s)."""
+        return F.gelu(x, approximate=approximate)
 
     def norm_weight(self, text: int, image: int) -> torch.Tensor:
         """The q/k norm weights of every joint token: (text + image, 2, 1, head_dim)."""
@@ -182,25 +208,25 @@ def joint_block(plan: BlockPlan, hidden, txt, mask, mods, joint_freqs):
     img = _ln(hidden, block.img_norm1) * isc1 + ish1
     tx = _ln(txt, block.txt_norm1) * tsc1 + tsh1
     seq_txt, head_dim = tx.shape[1], plan.head_dim
-    (wt, bt), (wi, bi) = plan.fused
     joint = torch.cat(
-        [F.linear(tx, wt, bt).unflatten(-1, (3, -1, head_dim)), F.linear(img, wi, bi).unflatten(-1, (3, -1, head_dim))],
+        [
+            plan.product(TXT_QKV, tx).unflatten(-1, (3, -1, head_dim)),
+            plan.product(IMG_QKV, img).unflatten(-1, (3, -1, head_dim)),
+        ],
         dim=1,
     )  # (B, L + S, 3 (q, k, v), heads, head_dim)
     qk = F.rms_norm(joint[:, :, :2], (head_dim,), None, plan.eps) * plan.norm_weight(seq_txt, img.shape[1])
     q, k = rope(qk, joint_freqs).permute(2, 0, 3, 1, 4).unbind(0)
     v = joint[:, :, 2].permute(0, 2, 1, 3)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=False, scale=None)
-    out = out.permute(0, 2, 1, 3).flatten(2, 3)
-    (_, _, _, _, _, _, to_out, to_add_out, img_in, img_out, txt_in, txt_out) = plan.linears
-    img_attn = F.linear(out[:, seq_txt:, :].contiguous(), to_out.weight, to_out.bias)
-    txt_attn = F.linear(out[:, :seq_txt, :].contiguous(), to_add_out.weight, to_add_out.bias)
+    out = plan.attend(q, k, v, mask).permute(0, 2, 1, 3).flatten(2, 3)
+    img_attn = plan.product(IMG_OUT, out[:, seq_txt:, :].contiguous())
+    txt_attn = plan.product(TXT_OUT, out[:, :seq_txt, :].contiguous())
     ia, ta = plan.approximate
 
     def img_mlp(x):
-        return F.linear(F.gelu(F.linear(x, img_in.weight, img_in.bias), approximate=ia), img_out.weight, img_out.bias)
+        return plan.product(IMG_DOWN, plan.act(plan.product(IMG_UP, x), ia))
 
     def txt_mlp(x):
-        return F.linear(F.gelu(F.linear(x, txt_in.weight, txt_in.bias), approximate=ta), txt_out.weight, txt_out.bias)
+        return plan.product(TXT_DOWN, plan.act(plan.product(TXT_UP, x), ta))
 
     return _gated(block, hidden, txt, img_attn, txt_attn, mods, img_mlp, txt_mlp)

@@ -8,9 +8,16 @@ still one guarded call per block. Here the six ``joint_block`` calls are one gra
 compile, as the regional blocks). On CPU it compiles with ``cpp_wrapper`` (the graph's calls are made
 from C++, not Python; ``accel/compile.CPU_OPTIONS``); on other devices with the default options.
 
+On CPU the stack also computes three things in forms that inductor's CPU code runs faster at a few
+dozen tokens (same functions, other rounding; within the tolerances of tests/pipelines/test_compile.py
+and test_compile_stack.py): attention as ``baddbmm`` + softmax + ``bmm`` (``cpu_attend``), tanh-GELU
+as ``x * sigmoid(2u)`` (``cpu_act``), and every product against a transposed copy of its weight with
+the bias added in the next elementwise kernel (``FrozenBlock.product``). Measured on the default
+model, one thread (benchmarks/RESULTS.md): the stack 2.26 -> 1.67 ms at 2 rows, 10.2 -> 7.5 ms at 16.
+
 The operands live on this module so that dynamo sees them as module state (graph inputs, not
-constants): the fused q/k/v copies and q/k norm weights as buffers, the block (its linears) as a
-submodule. The fused copies are copies, so ``sync`` replaces the buffers whenever
+constants): the fused q/k/v copies, the transposed copies and q/k norm weights as buffers, the block
+(its linears) as a submodule. The copies are copies, so ``sync`` replaces the buffers whenever
 ``BlockPlan.current`` rebuilt them after a weight was replaced or changed in place (held by
 tests/pipelines/test_compile_stack.py); nothing in Triptych changes a transformer weight after load
 (LoRA adds its deltas in hooks; rows with an adapter do not take the fast path).
@@ -18,35 +25,96 @@ tests/pipelines/test_compile_stack.py); nothing in Triptych changes a transforme
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.nn.functional as F
 
 from triptych.accel.compile import options_for
-from triptych.families.qwenimage.fast_block import BlockPlan, joint_block
+from triptych.families.qwenimage.fast_block import TXT_QKV, BlockPlan, joint_block
+
+#: ``2 * sqrt(2 / pi)``: tanh-GELU's ``0.5 * x * (1 + tanh(u))`` is ``x * sigmoid(2 * u)``
+_TWO_SQRT_2_OVER_PI = 2.0 * math.sqrt(2.0 / math.pi)
+
+#: on CPU, a weight up to this size is also kept transposed, (in, out) contiguous: MKL's sgemm then
+#: takes its NN path, which packs nothing per call (1.27-1.33x per product at 32 rows, 96-512 wide;
+#: 1.0x at 256 rows or 12 MiB weights, where the packing is amortised; same bits at those sizes)
+TRANSPOSE_BYTES = 4 << 20
+
+
+def cpu_act(x: torch.Tensor, approximate: str) -> torch.Tensor:
+    """``GELU`` for inductor's CPU code: the tanh form as ``x * sigmoid(2u)`` (the same function; one
+    vectorised exp where inductor's tanh costs about twice the MLP's other elementwise work)."""
+    if approximate != "tanh":
+        return F.gelu(x, approximate=approximate)
+    return x * torch.sigmoid(_TWO_SQRT_2_OVER_PI * (x + 0.044715 * (x * x * x)))
+
+
+def cpu_attend(q, k, v, mask, scale: float) -> torch.Tensor:
+    """SDPA for inductor's CPU code at a few dozen tokens: the scores of every (row, head) as one
+    ``baddbmm`` with the key mask as an additive bias, a fused softmax, one ``bmm`` (ATen's CPU flash
+    kernel pays a fixed cost per (row, head) that dominates at these sizes)."""
+    b, h, n, d = q.shape
+    keys = k.shape[2]
+    q3, k3, v3 = q.reshape(b * h, n, d), k.reshape(b * h, keys, d), v.reshape(b * h, keys, d)
+    if mask is None:
+        scores = torch.bmm(q3, k3.transpose(1, 2)) * scale
+    else:
+        bias = torch.where(mask, 0.0, float("-inf")).to(q.dtype).expand(b, h, n, keys).reshape(b * h, n, keys)
+        scores = torch.baddbmm(bias, q3, k3.transpose(1, 2), alpha=scale)
+    return torch.bmm(scores.softmax(-1), v3).view(b, h, n, d)
 
 
 class FrozenBlock(torch.nn.Module):
     """One block's ``joint_block`` operands as module state (what ``joint_block`` reads of a plan)."""
 
-    def __init__(self, plan: BlockPlan):
+    def __init__(self, plan: BlockPlan, cpu: bool = False):
         super().__init__()
+        self.cpu = cpu
         self.block = plan.block
         self.linears = plan.linears  # the block's own linears (submodules of ``block``)
         self.head_dim, self.approximate = plan.head_dim, plan.approximate
-        for name in ("wt", "bt", "wi", "bi", "qk_txt", "qk_img"):
+        for name in ("wt", "bt", "wi", "bi", "qk_txt", "qk_img", *(f"t{k}" for k in range(8))):
             self.register_buffer(name, None, persistent=False)
         self.sync(plan)
 
     def sync(self, plan: BlockPlan) -> None:
         """Point the buffers at the plan's current copies (replaced, never changed in place)."""
         (wt, bt), (wi, bi) = plan.fused
-        if self.wt is not wt or self.wi is not wi or self.qk_txt is not plan._qk[0]:
+        if self.wt is not wt or self.wi is not wi or self.qk_txt is not plan._qk[0]:  # the plan rebuilt
             self.wt, self.bt, self.wi, self.bi = wt, bt, wi, bi
             self.qk_txt, self.qk_img = plan._qk
+            for k in range(8):
+                weight = self.operand(k)[0]
+                small = self.cpu and weight.numel() * weight.element_size() <= TRANSPOSE_BYTES
+                setattr(self, f"t{k}", weight.detach().t().contiguous() if small else None)
         self.eps = plan.eps
 
-    @property
-    def fused(self):
-        return (self.wt, self.bt), (self.wi, self.bi)
+    def attend(self, q, k, v, mask) -> torch.Tensor:
+        if self.cpu:
+            return cpu_attend(q, k, v, mask, self.head_dim**-0.5)
+        return BlockPlan.attend(q, k, v, mask)
+
+    def operand(self, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``BlockPlan.operand`` read from this module's state."""
+        if k < 2:
+            return (self.wt, self.bt) if k == TXT_QKV else (self.wi, self.bi)
+        linear = self.linears[4 + k]
+        return linear.weight, linear.bias
+
+    def product(self, k: int, x: torch.Tensor) -> torch.Tensor:
+        """On CPU: ``x`` times the transposed copy (``sync``) where there is one, the bias added by
+        the elementwise kernel that reads the product next (inductor's ``addmm`` first copies the bias
+        into its output, a pass of its own)."""
+        weight, bias = self.operand(k)
+        if not self.cpu:
+            return F.linear(x, weight, bias)
+        transposed = getattr(self, f"t{k}")
+        out = x @ transposed if transposed is not None else F.linear(x, weight)
+        return out if bias is None else out + bias
+
+    def act(self, x: torch.Tensor, approximate: str) -> torch.Tensor:
+        return cpu_act(x, approximate) if self.cpu else BlockPlan.act(x, approximate)
 
     def norm_weight(self, text: int, image: int) -> torch.Tensor:
         """``BlockPlan.norm_weight`` without its cache (sizes are symbolic in the graph)."""
@@ -56,9 +124,9 @@ class FrozenBlock(torch.nn.Module):
 class FrozenStack(torch.nn.Module):
     """Every block's ``joint_block`` in one forward; compiled by ``compile_stack``."""
 
-    def __init__(self, plans: list[BlockPlan]):
+    def __init__(self, plans: list[BlockPlan], cpu: bool = False):
         super().__init__()
-        self.frozen = torch.nn.ModuleList(FrozenBlock(p) for p in plans)
+        self.frozen = torch.nn.ModuleList(FrozenBlock(p, cpu) for p in plans)
 
     def sync(self, plans: list[BlockPlan]) -> None:
         for block, plan in zip(self.frozen, plans):
@@ -96,7 +164,7 @@ def compile_stack(plans: list[BlockPlan], device: torch.device | str, cuda_graph
     (a CUDA device): with torch.compile's ``reduce-overhead`` mode, whose CUDA graph trees record one
     graph per input shape and replay it (the caller marks each call a new step and copies the
     output out of the graphs' pool: ``FastForward.blocks``)."""
-    stack = FrozenStack(plans)
+    stack = FrozenStack(plans, cpu=torch.device(device).type == "cpu")
     if cuda_graphs:
         stack.compile(dynamic=True, mode="reduce-overhead")
     else:
