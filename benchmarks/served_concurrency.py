@@ -5,7 +5,8 @@ Issue 27's served figure: images per second of ``triptych serve`` (the built-in 
 clients each sending its requests back to back (closed loop), against plain diffusers'
 ``QwenImagePipeline.__call__`` in this process on the same requests one after another (the images/s
 one pipeline gives, whatever the concurrency), and against the same server run from an older
-checkout (``--before DIR``: that tree's code, imported through ``PYTHONPATH``, this venv); with
+checkout (``--before DIR``: that tree's code, imported through ``PYTHONPATH``, this venv; with
+``--before-compiled`` also that tree's ``serve --compile``, 'compiled before'); with
 ``--compiled`` also this tree's ``serve --compile`` (its warm-up before it registers included in
 its start, not in the figures); with ``--compiled-denoisers N`` also ``serve --compile --denoisers N``
 (N denoiser processes of one thread each: on this 2-core machine one denoiser keeps one core busy
@@ -146,9 +147,10 @@ def table(rows: list[dict], args) -> str:
     peers_nt = [n for n in names if n.startswith("diffusers ")]  # diffusers on N threads
     served = [n for n in names if not n.startswith("diffusers")]
     out[0] += "".join(f" | {n} ÷ {p}" for p in peers_nt for n in served)
-    out[0] += " | this ÷ before |" if "before" in names else " |"
+    out[0] += " | this ÷ before" if "before" in names else ""
+    out[0] += " | compiled ÷ compiled before |" if "compiled before" in names else " |"
     out[0] += " worst PSNR vs diffusers dB (this tree) |"
-    cols = 2 * len(names) + 1 + len(peers_nt) * len(served) + (1 if "before" in names else 0)
+    cols = 2 * len(names) + 1 + len(peers_nt) * len(served) + ("before" in names) + ("compiled before" in names)
     out.append("|---" * cols + "|")
     for c in args.concurrency:
         best = {
@@ -159,8 +161,12 @@ def table(rows: list[dict], args) -> str:
         cells += [f"{best[n] / best[p]:.2f}x" for p in peers_nt for n in served]
         if "before" in names:
             cells.append(f"{best['serve'] / best['before']:.2f}x")
+        if "compiled before" in names:
+            cells.append(f"{best['compiled'] / best['compiled before']:.2f}x")
         worst = min(
-            r["worst_psnr_db"] for r in rows if r["clients"] == c and r["system"].startswith(("serve", "compiled"))
+            r["worst_psnr_db"]
+            for r in rows
+            if r["clients"] == c and r["system"].startswith(("serve", "compiled")) and "before" not in r["system"]
         )
         cells.append(f"{worst:.1f}")
         out.append(f"| {c} | " + " | ".join(cells) + " |")
@@ -175,6 +181,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--before", help="an older checkout: its `triptych serve` is the 'before' system")
     ap.add_argument("--compiled", action="store_true", help="also this tree's `serve --compile` ('compiled')")
+    ap.add_argument(
+        "--before-compiled",
+        action="store_true",
+        help="with --before and --compiled: also the older checkout's `serve --compile` ('compiled before')",
+    )
     ap.add_argument(
         "--compiled-denoisers",
         type=int,
@@ -209,6 +220,9 @@ def main() -> None:
         specs[f"compiled d{n}t"] = (ROOT, [*compiled, "--denoiser-threads", str(n)])
     if args.before:
         specs["before"] = (Path(args.before).resolve(), base)
+    if args.before and args.compiled and args.before_compiled:  # its own cache: other code, other graphs
+        before_cache = ["--compile", "--compile-cache-dir", str(Path(tmp) / "inductor-before")]
+        specs["compiled before"] = (Path(args.before).resolve(), [*base, *before_cache])
     servers = []
     try:
         for name, (tree, cmd) in specs.items():

@@ -60,8 +60,12 @@ class WorkerConfig:
     """Diffusers model directory (same configs as the head's, checked by revision)."""
     instance_id: str = ""
     """Unique id; empty = ``<role>-<random>``."""
-    capacity: int = 4
-    """Requests this instance may hold at once (the head never routes more)."""
+    capacity: int = EngineConfig.max_batch_requests
+    """Requests this instance may hold at once (the head never routes more). A request holds a slot of
+    its denoiser from its encode to the end of its denoise and one of its decoder from the start of its
+    denoise, so a denoiser's step batch is at most the smaller of the two: the default is the engine's
+    default batch (``EngineConfig.max_batch_requests``, 8); with 4 (the default before), 8 concurrent
+    requests stepped at most 4 at a time (benchmarks/RESULTS.md, served at 8 concurrent requests)."""
     transfer: TransferKind = TransferKind.AUTO
     """Transfer backend."""
     host: str = TransferConfig.host
