@@ -226,8 +226,11 @@ def main() -> None:
     servers = []
     try:
         for name, (tree, cmd) in specs.items():
-            os.environ["PYTHONPATH"] = str(tree)  # the server and its workers import that tree's triptych
-            servers.append(Server(name, [*cmd, "--data-dir", str(Path(tmp) / name)], tmp))
+            # The server and its workers import that tree's triptych: PYTHONPATH and the working directory
+            # (``python -m`` puts the working directory first on sys.path; before 2026-12-05 the servers
+            # started in this tree, so every 'before' system imported this tree's code).
+            os.environ["PYTHONPATH"] = str(tree)
+            servers.append(Server(name, [*cmd, "--data-dir", str(Path(tmp) / name)], tmp, cwd=tree))
         os.environ["PYTHONPATH"] = str(ROOT)
         for s in servers:
             s.wait(1800)

@@ -87,11 +87,14 @@ def free_port() -> int:
 class Server:
     """A server subprocess on a free loopback port."""
 
-    def __init__(self, name: str, cmd: list[str], tmp: str):
+    def __init__(self, name: str, cmd: list[str], tmp: str, cwd: str | Path | None = None):
+        """``cwd``: the server's working directory. ``python -m`` puts it first on ``sys.path``, before
+        ``PYTHONPATH``: a server meant to run another checkout must start in that checkout."""
         self.name, self.port = name, free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         log = open(Path(tmp) / f"{name}.log", "w")  # noqa: SIM115 - lives as long as the process
-        self.proc = subprocess.Popen([*cmd, "--port", str(self.port)], stdout=log, stderr=subprocess.STDOUT)
+        cmd = [*cmd, "--port", str(self.port)]
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=cwd)
 
     def wait(self, timeout_s: float = 600) -> None:
         end = time.monotonic() + timeout_s

@@ -154,13 +154,15 @@ def _rank_engine(parallelism):
 def rank_cells(rank: int, device, model_dir: str, keys: list[str], inductor: str | None = None) -> dict:
     """Every cell of ``keys`` on this rank of one launch, layout after layout (module level: spawned
     ranks import it). Each layout's groups are built, attached to the family, run, removed. A
-    compiling cell warms every rank up first, as a served instance does (``ranks/warmup.py``), and
-    reports the graphs its request compiled after that (``compiled``); ``inductor``: their compile
-    cache directory (every rank shares it)."""
+    compiling cell warms every rank up first, as a served instance does (``ranks/warmup.py``; and the
+    compiled VAE decoder, which a served decoder warms up before it registers), and reports the graphs
+    its request compiled after that (``compiled``); ``inductor``: their compile cache directory (every
+    rank shares it)."""
     import dataclasses
     from pathlib import Path
 
     from triptych.accel.compile import compile_counts
+    from triptych.engine.warmup import warm_up_decoder
     from triptych.families.registry import load_family
     from triptych.parallel import ParallelGroups, apply_parallel
     from triptych.worker.ranks.warmup import warm_up_ranks
@@ -180,6 +182,8 @@ def rank_cells(rank: int, device, model_dir: str, keys: list[str], inductor: str
         try:
             if cell.has("compile"):
                 warm_up_ranks(family, parallelism, groups)
+                if family.compile_vae_decoder:  # the cell decodes here; served, the decoder role warms it up
+                    warm_up_decoder(family)
                 warm = compile_counts()
             result = run_cell(family, cell, _rank_engine(parallelism))
             if cell.has("compile"):
