@@ -53,7 +53,8 @@ def cpu_act(x: torch.Tensor, approximate: str) -> torch.Tensor:
 def cpu_attend(q, k, v, mask, scale: float) -> torch.Tensor:
     """SDPA for inductor's CPU code at a few dozen tokens: the scores of every (row, head) as one
     ``baddbmm`` with the key mask as an additive bias, a fused softmax, one ``bmm`` (ATen's CPU flash
-    kernel pays a fixed cost per (row, head) that dominates at these sizes)."""
+    kernel pays a fixed cost per (row, head) that dominates at these sizes). ``mask``: boolean, True
+    where a key is attended (SDPA's boolean mask; ``stack_inputs`` always passes one), or None."""
     b, h, n, d = q.shape
     keys = k.shape[2]
     q3, k3, v3 = q.reshape(b * h, n, d), k.reshape(b * h, keys, d), v.reshape(b * h, keys, d)
