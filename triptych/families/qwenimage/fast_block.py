@@ -101,6 +101,12 @@ def hooked(m, idle: frozenset[int] = frozenset()) -> bool:
 TXT_QKV, IMG_QKV, IMG_OUT, TXT_OUT, IMG_UP, IMG_DOWN, TXT_UP, TXT_DOWN = range(8)
 
 
+def own_operand(linears, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, bias) of product ``k`` >= ``IMG_OUT``: the block's own linear (``BlockPlan.linears`` order)."""
+    linear = linears[4 + k]
+    return linear.weight, linear.bias
+
+
 class BlockPlan:
     """One block's operands for ``joint_block``, resolved once and rebuilt when a weight is replaced,
     changed in place or hooked (``current``); ``joint`` says whether that kernel applies."""
@@ -174,10 +180,7 @@ class BlockPlan:
     def operand(self, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(weight, bias) of ``joint_block``'s product ``k`` (``TXT_QKV`` ... ``TXT_DOWN``): the fused
         q/k/v copies, else the block's own linear."""
-        if k < 2:
-            return self.fused[k]
-        linear = self.linears[4 + k]
-        return linear.weight, linear.bias
+        return self.fused[k] if k < IMG_OUT else own_operand(self.linears, k)
 
     def product(self, k: int, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, *self.operand(k))

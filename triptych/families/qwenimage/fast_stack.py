@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from triptych.accel.compile import options_for
-from triptych.families.qwenimage.fast_block import TXT_QKV, BlockPlan, joint_block
+from triptych.families.qwenimage.fast_block import IMG_QKV, TXT_QKV, BlockPlan, joint_block, own_operand
 
 #: ``2 * sqrt(2 / pi)``: tanh-GELU's ``0.5 * x * (1 + tanh(u))`` is ``x * sigmoid(2 * u)``
 _TWO_SQRT_2_OVER_PI = 2.0 * math.sqrt(2.0 / math.pi)
@@ -98,10 +98,9 @@ class FrozenBlock(torch.nn.Module):
 
     def operand(self, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``BlockPlan.operand`` read from this module's state."""
-        if k < 2:
-            return (self.wt, self.bt) if k == TXT_QKV else (self.wi, self.bi)
-        linear = self.linears[4 + k]
-        return linear.weight, linear.bias
+        if k == TXT_QKV:
+            return self.wt, self.bt
+        return (self.wi, self.bi) if k == IMG_QKV else own_operand(self.linears, k)
 
     def product(self, k: int, x: torch.Tensor) -> torch.Tensor:
         """On CPU: ``x`` times the transposed copy (``sync``) where there is one, the bias added by
