@@ -1,14 +1,16 @@
-"""The compiled block stack's CPU forms against the model's own operators, same process, alternating.
+"""The compiled block stack's CPU forms and its arena against the model's own operators, same process, alternating.
 
-Qwen-Image's ``--compile`` runs the six blocks as one inductor graph (``families/qwenimage/fast_stack.py``).
-On CPU that graph computes attention as ``baddbmm`` + softmax + ``bmm``, tanh-GELU as ``x * sigmoid(2u)``
-and every product against a transposed copy of its weight with the bias added in the next elementwise
-kernel (``FrozenStack(cpu=True)``, what ``--compile`` builds on CPU); the peer is the same stack with
-the model's own operators (``cpu=False``: SDPA, ``F.gelu``, ``F.linear`` with its bias; what
-``--compile`` built before). Both compiled with the same options (``accel/compile.CPU_OPTIONS``),
-on the default model's rows: one request's two fused-CFG rows, and 8 requests' 16 (a served step
-batch). One torch thread, process time, best of ``--rounds`` rounds of ``--calls`` calls each,
-variants alternating; the output difference against the eager stack beside it.
+Qwen-Image's ``--compile`` runs the six blocks and the head as one inductor graph
+(``families/qwenimage/fast_stack.py``). On CPU that graph computes attention as ``baddbmm`` + softmax +
+``bmm``, tanh-GELU as ``x * sigmoid(2u)`` and every product against a transposed copy of its weight
+with the bias added in the next elementwise kernel (``cpu=True``), and reads every operand from one
+contiguous copy, the arena (what ``--compile`` builds on CPU for the default model). Variants, each the
+same ``FrozenStack`` compiled with the same options (``accel/compile.CPU_OPTIONS``): the model's own
+operators with every operand a graph input (``cpu=False``, no arena: SDPA, ``F.gelu``, ``F.linear``
+with its bias), the CPU forms without the arena, the CPU forms with it. On the default model's rows:
+one request's two fused-CFG rows, and 8 requests' 16 (a served step batch). One torch thread, process
+time, best of ``--rounds`` rounds of ``--calls`` calls each, variants alternating; the output
+difference against the eager stack beside it.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/stack_forms.py --cache-dir /tmp/forms-ind
 """
@@ -42,11 +44,13 @@ def main() -> None:
     family = load_family(default_model_dir(), dtype="float32", speed=speed)
     fast = family._fast
     assert all(plan.current(fast.idle()) for plan in fast.plans)
-    variants = {"model's operators": False, "CPU forms": True}
+    head = (family.pipe.transformer.norm_out.norm, family.pipe.transformer.proj_out)
+    variants = {"model's operators": (False, 0), "CPU forms": (True, 0), "CPU forms + arena": (True, None)}
     stacks = {}
-    for name, cpu in variants.items():
-        stacks[name] = FrozenStack(fast.plans, cpu=cpu)
+    for name, (cpu, arena_bytes) in variants.items():
+        stacks[name] = FrozenStack(fast.plans, cpu=cpu, head=head, arena_bytes=arena_bytes)
         stacks[name].compile(dynamic=True, options=CPU_OPTIONS)
+    assert stacks["CPU forms + arena"].arena is not None and stacks["CPU forms"].arena is None
     params = family.resolve(GenerationParams(prompt="a red circle on a blue background", seed=0))
     inputs = {}
     with torch.no_grad():
@@ -54,11 +58,11 @@ def main() -> None:
             states = [family.prepare(f"b{i}", params, family.encode(params)) for i in range(requests)]
             rows = [Row(s, b) for b in (COND, UNCOND) for s in states]
             e = fast.embed(rows)
-            inputs[2 * requests] = stack_inputs(e.hidden, e.txt, e.joint_mask, e.mods, e.rope[2])
-            eager = FrozenStack(fast.plans, cpu=False)(*inputs[2 * requests])
+            inputs[2 * requests] = stack_inputs(e.hidden, e.txt, e.joint_mask, e.mods, e.rope[2], e.head)
+            eager = FrozenStack(fast.plans, cpu=False, head=head, arena_bytes=0)(*inputs[2 * requests])[1]
             for name, stack in stacks.items():
                 t = time.perf_counter()
-                diff = float((stack(*inputs[2 * requests]) - eager).abs().max())
+                diff = float((stack(*inputs[2 * requests])[1] - eager).abs().max())
                 print(
                     f"{name}, {2 * requests} rows: first call {time.perf_counter() - t:.1f} s, max abs vs eager {diff:.1e}"
                 )
@@ -73,11 +77,13 @@ def main() -> None:
                     for _ in range(args.calls):
                         stack(*stack_args)
                     times[(name, n)].append((time.process_time() - t) / args.calls * 1e3)
-    print("\n| rows | model's operators ms | CPU forms ms | speed-up |")
-    print("|---|---|---|---|")
+    print(
+        "\n| rows | model's operators ms | CPU forms ms | CPU forms + arena ms | forms speed-up | arena speed-up | both |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for n in inputs:
-        a, b = min(times[("model's operators", n)]), min(times[("CPU forms", n)])
-        print(f"| {n} | {a:.3f} | {b:.3f} | {a / b:.2f}x |")
+        a, b, c = (min(times[(name, n)]) for name in variants)
+        print(f"| {n} | {a:.3f} | {b:.3f} | {c:.3f} | {a / b:.2f}x | {b / c:.2f}x | {a / c:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -9,8 +9,10 @@ from diffusers.models.attention_dispatch import AttentionBackendName, _Attention
 
 def diffusers_hooked(module: torch.nn.Module) -> bool:
     """Whether diffusers' hook registry on ``module`` holds a hook (context parallel, caches, offload).
-    A pipeline's ``__call__`` leaves an empty registry behind (``cache_context``): that one is idle."""
-    registry = getattr(module, "_diffusers_hook", None)
+    A pipeline's ``__call__`` leaves an empty registry behind (``cache_context``): that one is idle.
+    The registry is a plain attribute (in the module's ``__dict__``); read there, a module without
+    one costs a dict look-up, not ``Module.__getattr__``'s raised and caught ``AttributeError``."""
+    registry = module.__dict__.get("_diffusers_hook")
     return registry is not None and bool(registry.hooks)
 
 

@@ -162,7 +162,8 @@ class FastForward:
         if not all(plan.current(idle) for plan in self.plans):
             return None
         if self._stack is None:
-            self._stack = compile_stack(self.plans, self.compile_device, self.cuda_graphs)
+            head = (self.t.norm_out.norm, self.t.proj_out)
+            self._stack = compile_stack(self.plans, head, self.compile_device, self.cuda_graphs)
         self._stack.sync(self.plans)
         return self._stack
 
@@ -336,13 +337,20 @@ class FastForward:
     @torch.no_grad()
     def blocks(self, e: FastEmbedded, idx: torch.Tensor | None = None) -> torch.Tensor:
         """The block stack on every row, or on the rows ``idx`` (TeaCache's sub-batches); the image stream."""
+        return self.run(e, idx)[0]
+
+    def run(self, e: FastEmbedded, idx: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``blocks``, and where the compiled stack ran them, its head's output (``FrozenStack``), else None."""
         hidden, txt, mask, joint, temb, mods = e.hidden, e.txt, e.mask, e.joint_mask, e.temb, e.mods
+        head = e.head
         if idx is not None:
             hidden, txt, temb = hidden[idx], txt[idx], temb[idx]
             mask = mask[idx] if mask is not None else None
             joint = joint[idx] if joint is not None else None
             if mods is not None and mods.dim() == 6:
                 mods = mods[:, :, :, idx]
+            if head is not None and head.dim() == 4:
+                head = head[:, idx]
         img_freqs, txt_freqs, joint_freqs, rotary = e.rope
         if mods is None:
             for block in self.t.transformer_blocks:
@@ -355,9 +363,9 @@ class FastForward:
                     joint_attention_kwargs={},
                     modulate_index=None,
                 )
-            return hidden
+            return hidden, None
         if e.stack is not None:
-            args = stack_inputs(hidden, txt, joint, mods, joint_freqs)
+            args = stack_inputs(hidden, txt, joint, mods, joint_freqs, head)
             if self.cuda_graphs:  # a new replay; the output copied out of the graph's memory pool,
                 torch.compiler.cudagraph_mark_step_begin()  # which the next replay overwrites
             if torch._dynamo.config.skip_nnmodule_hook_guards:  # dynamo's default: no hook guards
@@ -365,7 +373,7 @@ class FastForward:
             else:  # the regional compile turned hook guards on (accel/compile.py); hooked blocks never get here
                 with torch._dynamo.config.patch(skip_nnmodule_hook_guards=True):
                     out = e.stack(*args)
-            return out.clone() if self.cuda_graphs else out
+            return tuple(x.clone() for x in out) if self.cuda_graphs else out
         # every block's 12 modulation tensors as views from one unbind (not 3 per block)
         flat, idle = mods.reshape(-1, *mods.shape[3:]).unbind(0), self.idle()
         for i, plan in enumerate(self.plans):
@@ -374,7 +382,7 @@ class FastForward:
                 hidden, txt = joint_block(plan, hidden, txt, joint, mod, joint_freqs)
             else:
                 hidden, txt = module_block(plan.block, hidden, txt, joint, mod, img_freqs, txt_freqs)
-        return hidden
+        return hidden, None
 
     @torch.no_grad()
     def head(self, e: FastEmbedded, hidden: torch.Tensor, idx: torch.Tensor | None = None) -> torch.Tensor:
@@ -389,4 +397,7 @@ class FastForward:
 
     def __call__(self, rows: Sequence[Row]) -> torch.Tensor:
         e = self.embed(rows)
-        return self.head(e, self.blocks(e))
+        hidden, projected = self.run(e)
+        if projected is not None and not hooked(self.t.proj_out, self.idle()):
+            return projected[:, : e.noise_tokens]  # the compiled stack's head: ``head``'s operators
+        return self.head(e, hidden)

@@ -134,14 +134,14 @@ class BlockPlan:
 
     def _valid(self, idle: frozenset[int]) -> bool:
         """Whether the copies ``current`` made (fused q/k/v, stacked norm weights) still hold: the same
-        parameter objects at their versions, and no linear hooked since (checked every forward)."""
-        for m in self.linears:
-            if m._forward_pre_hooks or (m._forward_hooks and hooked(m, idle)):
-                return False
-        for mod, name, p, v in self.key:
-            if mod._parameters.get(name) is not p or p._version != v:
-                return False
-        return True
+        parameter objects at their versions, and no linear hooked since (checked every forward, so as
+        flat comprehensions over lists ``current`` made, not a loop over records)."""
+        if any(pre or (post and hooked(m, idle)) for m, pre, post in self._hooks):
+            return False
+        params, versions = self._params
+        if not all(owner.get(name) is p for (owner, name), p in zip(self._owners, params)):
+            return False
+        return [p._version for p in params] == versions
 
     def _eligible(self, idle: frozenset[int]) -> bool:
         if any(hooked(m, idle) or type(m) is not torch.nn.Linear for m in self.linears):
@@ -168,6 +168,10 @@ class BlockPlan:
             for m, name in owners
             if m._parameters.get(name) is not None
         ]
+        # what ``_valid`` reads: each linear's hook dicts, each parameter's owner dict, the parameters
+        self._hooks = [(m, m._forward_pre_hooks, m._forward_hooks) for m in self.linears]
+        self._owners = [(m._parameters, name) for m, name, _, _ in self.key]
+        self._params = ([p for _, _, p, _ in self.key], [v for _, _, _, v in self.key])
         if self.joint:
             self.fused = [
                 (torch.cat([m.weight for m in s]).detach(), torch.cat([m.bias for m in s]).detach()) for s in self.qkv
