@@ -5,10 +5,13 @@ transformer=int8-weight-only``, ``--quantize transformer=int8-dynamic``, and ``-
 each. Compiled ones are warmed up first (``engine/warmup.py``: compile time is not in the
 figures; it is printed). Then, for ``--repeats`` rounds, every variant in turn runs
 (a) one image through ``run_request`` (20 steps, fused CFG, 64x64) and (b) ``--forwards``
-transformer forwards of one request's two CFG rows. Reported: the best CPU time of each (one thread,
-process time), the ratio to eager, the output difference to eager beside it (max abs and PSNR of
-the image), and the forward's share of the machine's measured fp32 matmul rate (FLOPs of the eager
-forward from ``torch.utils.flop_counter`` / time / the 1024x1024 matmul rate on one thread).
+transformer forwards of one request's two CFG rows, prepared by that variant's family (as a served
+request's are: ``--compile`` reads each step's timestep embedding and modulation from tables its
+``prepare`` computed). Reported: the best CPU time of each (one thread, process time), the ratio to
+eager, the output difference to eager beside it (max abs and PSNR of the image), and the forward's
+share of the machine's measured fp32 matmul rate (FLOPs of the eager forward from
+``torch.utils.flop_counter``, less what a compiled forward reads from those tables, / time / the
+1024x1024 matmul rate on one thread).
 
 (c) 10 VAE decodes of the same latents ("decode ms", per decode; ``--compile`` compiles the decoder where the
 family's ``compile_vae_decoder`` says it pays), and, as the peer of (a), diffusers' own eager
@@ -93,6 +96,16 @@ def forward_flops(family, rows) -> int:
     return counter.get_total_flops()
 
 
+def table_flops(family, state) -> float:
+    """FLOPs per row and step of what a compiled forward reads from the tables ``prepare`` computed
+    (``FastForward.schedule``: the timestep embedding, every block's modulation, ``norm_out``'s)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        family._fast.schedule(state)
+    return counter.get_total_flops() / len(state.timesteps)
+
+
 def diffusers_compiled(params, device: str = "cpu"):
     """A family of its own whose diffusers pipeline has diffusers' regional compile on the transformer
     and ``torch.compile`` on the VAE decoder, warmed up by one ``__call__``."""
@@ -140,6 +153,12 @@ def main(argv=None) -> int:
     state = eager.prepare("bench", params, eager.encode(params))
     rows = [Row(state, COND), Row(state, UNCOND)]
     flops = forward_flops(eager, rows)
+    moved = 2 * table_flops(eager, state)  # the two rows' share of the tables
+    own_rows, own_flops = {}, {}
+    for name, family in families.items():
+        own = family.prepare("bench", params, family.encode(params))
+        own_rows[name] = [Row(own, COND), Row(own, UNCOND)]
+        own_flops[name] = flops - moved if getattr(own.step_consts, "schedule", None) is not None else flops
     rate = matmul_gflops(device=args.device)
     denoised = eager.prepare("bench-decode", params, eager.encode(params))
     while not denoised.done:
@@ -155,11 +174,15 @@ def main(argv=None) -> int:
         for name, family in families.items():
             image_s[name].append(_timed(lambda f=family: run_request(f, params)))
             with torch.no_grad():
-                forward_s[name].append(_timed(lambda f=family: [f.forward(rows) for _ in range(args.forwards)]))
+                fwd_rows = own_rows[name]
+                forward_s[name].append(
+                    _timed(lambda f=family, r=fwd_rows: [f.forward(r) for _ in range(args.forwards)])
+                )
             decode_s[name].append(_timed(lambda f=family: [f.decode(denoised.latents, params) for _ in range(10)]) / 10)
     base_img, base_fwd = min(image_s["eager fp32"]), min(forward_s["eager fp32"]) / args.forwards
     print(
-        f"matmul 1024x1024 fp32 on {args.device} (one thread on CPU): {rate:.1f} GFLOP/s; transformer forward (2 rows): {flops / 1e6:.1f} MFLOP"
+        f"matmul 1024x1024 fp32 on {args.device} (one thread on CPU): {rate:.1f} GFLOP/s; transformer forward (2 rows): "
+        f"{flops / 1e6:.1f} MFLOP, {(flops - moved) / 1e6:.1f} reading the schedule tables"
     )
     print(
         "| variant | setup s (compile+warm-up) | image ms | vs eager | vs diffusers __call__ | forward ms | vs eager | "
@@ -177,7 +200,7 @@ def main(argv=None) -> int:
     for name in families:
         img, fwd = min(image_s[name]), min(forward_s[name]) / args.forwards
         diff = float(np.abs(images[name] - images["eager fp32"]).max())
-        share = flops / fwd / (rate * 1e9)
+        share = own_flops[name] / fwd / (rate * 1e9)
         p = psnr(images[name], images["eager fp32"])
         print(
             f"| {name} | {compile_s[name]:.1f} | {img * 1000:.0f} | {base_img / img:.2f}x | {base_peer / img:.2f}x | "

@@ -250,6 +250,10 @@ class FastForward:
             temb, mods, head = states[0].step_consts.schedule
             step = states[0].step
             return temb[step : step + 1], mods[step], head[step]
+        if all(s is states[0] for s in states):  # one request's rows (its CFG branches): its row, broadcast
+            (temb, mods, head), step, n = states[0].step_consts.schedule, states[0].step, len(states)
+            mods, head = mods[step][:, :, :, None, None], head[step][:, None, None]
+            return temb[step : step + 1].expand(n, -1), mods.expand(-1, -1, -1, n, 1, -1), head.expand(-1, n, 1, -1)
         rows = [(s.step_consts.schedule, s.step) for s in states]
         temb, mods, head = (torch.stack([table[i][step] for table, step in rows]) for i in range(3))
         return temb, mods.permute(1, 2, 3, 0, 4).unsqueeze(4), head.permute(1, 0, 2).unsqueeze(2)
