@@ -25,14 +25,12 @@ and for a batch (tests/pipelines/test_step_tables.py; test_qwenimage.py against 
 ``usable`` says when it applies; otherwise the family calls the transformer as before: a row with a
 LoRA (an adapter may change ``txt_in`` or a modulation linear), ``zero_cond_t`` checkpoints, a
 processor or attention backend other than diffusers' native one (sequence parallel, flash),
-hooks on the model (a hook expects its forward to run). With ``--compile`` the block stack runs as
-one compiled graph (``fast_stack.py``) when every block takes ``joint_block``, and reads its rows'
-temb and modulation from tables of the whole schedule computed at ``prepare`` (``schedule``: one
-batch, not bit-identical to the model's per-step batch, as the compiled stack is not); otherwise, with
-compiled blocks, the text, temb and RoPE are used and each block is called as a module, so its
-compiled graph runs.
-The tables assume the weights do not change during a request; the fused copies (q/k/v, modulation)
-are rebuilt when a weight is replaced or changed in place.
+hooks on the model (a hook expects its forward to run). With ``--compile`` the blocks and the head
+run as one compiled graph (``fast_stack.py``) when every block takes ``joint_block``, reading the rows'
+temb and modulation from tables of the whole schedule made at ``prepare`` (``schedule``: one batch, not
+bit-identical to the model's per-step batch, as the compiled stack is not); otherwise, with compiled
+blocks, each block is called as a module, so its compiled graph runs. The fused copies (q/k/v,
+modulation) are rebuilt when a weight is replaced or changed in place.
 """
 
 from __future__ import annotations
@@ -246,13 +244,11 @@ class FastForward:
         ``embed`` shapes its own; None when a state has none."""
         if any(s.step_consts.schedule is None for s in states):
             return None
+        (temb, mods, head), step = states[0].step_consts.schedule, states[0].step
         if len(states) == 1:
-            temb, mods, head = states[0].step_consts.schedule
-            step = states[0].step
             return temb[step : step + 1], mods[step], head[step]
         if all(s is states[0] for s in states):  # one request's rows (its CFG branches): its row, broadcast
-            (temb, mods, head), step, n = states[0].step_consts.schedule, states[0].step, len(states)
-            mods, head = mods[step][:, :, :, None, None], head[step][:, None, None]
+            n, mods, head = len(states), mods[step][:, :, :, None, None], head[step][:, None, None]
             return temb[step : step + 1].expand(n, -1), mods.expand(-1, -1, -1, n, 1, -1), head.expand(-1, n, 1, -1)
         rows = [(s.step_consts.schedule, s.step) for s in states]
         temb, mods, head = (torch.stack([table[i][step] for table, step in rows]) for i in range(3))
@@ -344,17 +340,13 @@ class FastForward:
         return self.run(e, idx)[0]
 
     def run(self, e: FastEmbedded, idx: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``blocks``, and where the compiled stack ran them, its head's output (``FrozenStack``), else None."""
-        hidden, txt, mask, joint, temb, mods = e.hidden, e.txt, e.mask, e.joint_mask, e.temb, e.mods
-        head = e.head
+        """``blocks``, and the compiled stack's head output where it ran them (``FrozenStack``), else None."""
+        hidden, txt, mask, joint, temb, mods, head = e.hidden, e.txt, e.mask, e.joint_mask, e.temb, e.mods, e.head
         if idx is not None:
             hidden, txt, temb = hidden[idx], txt[idx], temb[idx]
-            mask = mask[idx] if mask is not None else None
-            joint = joint[idx] if joint is not None else None
-            if mods is not None and mods.dim() == 6:
-                mods = mods[:, :, :, idx]
-            if head is not None and head.dim() == 4:
-                head = head[:, idx]
+            mask, joint = (x[idx] if x is not None else None for x in (mask, joint))
+            mods = mods[:, :, :, idx] if mods is not None and mods.dim() == 6 else mods
+            head = head[:, idx] if head is not None and head.dim() == 4 else head
         img_freqs, txt_freqs, joint_freqs, rotary = e.rope
         if mods is None:
             for block in self.t.transformer_blocks:
