@@ -154,6 +154,15 @@ def _product(cpu: bool, x, weight, transposed, bias) -> torch.Tensor:
     return out if bias is None else out + bias
 
 
+def _view(arena: torch.Tensor, layout: dict, name: str) -> torch.Tensor | None:
+    """Operand ``name`` as the view of ``arena`` that ``layout`` places it at; None where it has none."""
+    place = layout.get(name)
+    if place is None:
+        return None
+    offset, shape = place
+    return arena[offset : offset + math.prod(shape)].view(shape)
+
+
 class ArenaBlock:
     """``joint_block``'s plan for one ``FrozenBlock`` of an arena stack: its operands as views of the
     arena. Made by ``FrozenStack.forward`` at every call, inside the traced graph, so the views cost
@@ -165,11 +174,7 @@ class ArenaBlock:
         self.approximate, self.eps = frozen.approximate, frozen.eps
 
     def tensor(self, name: str) -> torch.Tensor | None:
-        place = self.frozen.layout.get(name)
-        if place is None:
-            return None
-        offset, shape = place
-        return self.arena[offset : offset + math.prod(shape)].view(shape)
+        return _view(self.arena, self.frozen.layout, name)
 
     def product(self, k: int, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self.tensor(f"w{k}"), self.tensor(f"b{k}")
@@ -247,13 +252,7 @@ class FrozenStack(torch.nn.Module):
         self.arena = torch.cat(parts)
 
     def _head_tensor(self, name: str, module, attr: str):
-        if self.arena is None:
-            return getattr(module, attr)
-        place = self.head_layout.get(name)
-        if place is None:
-            return None
-        offset, shape = place
-        return self.arena[offset : offset + math.prod(shape)].view(shape)
+        return getattr(module, attr) if self.arena is None else _view(self.arena, self.head_layout, name)
 
     def head(self, hidden, head_mods) -> torch.Tensor:
         """``FastForward.head``'s arithmetic: LayerNorm, (1 + scale, shift), ``proj_out``."""
