@@ -9,6 +9,15 @@ linear's versions: the fused q/k/v, and on CPU the transposed copy of every prod
 the stack checks its head's, ``proj_out``), and without an arena the parameters the stack reads
 directly are graph inputs, not constants.
 
+Forward hooks added after the compile to the linears the stack reads (as ``lora/rows.py`` attaches an
+adapter loaded at run time; idle for rows without one) compile no new graph: the stack reads the
+linears' weights and never calls them, so dynamo has no hook to guard on (``fast.py`` calls the stack
+without patching its ``skip_nnmodule_hook_guards``, which ``accel/compile.py`` turns off; the patch cost
+~80 us a call).
+
+A request whose schedule tables would exceed ``fast_schedule.SCHEDULE_BYTES`` has none and the stack
+reads each step's modulation computed at that step (2.38e-7 from eager here, as with the tables).
+
 Both forms of the stack: its operands in one arena (what the tiny and the default model get) and as
 separate buffers (``ARENA_BYTES`` = 0 here: what a model above the arena's size gets).
 
@@ -23,8 +32,9 @@ import pytest
 import torch
 
 from triptych.accel import SpeedConfig
+from triptych.accel.compile import compile_counts
 from triptych.families.base import GenerationParams, Row
-from triptych.families.qwenimage import fast_stack
+from triptych.families.qwenimage import fast_schedule, fast_stack
 from triptych.families.registry import load_family
 
 TOLERANCE = 1.4e-5  # measured 1.91e-6
@@ -53,16 +63,31 @@ def replace(family, generator) -> None:
         linear.weight = torch.nn.Parameter(new)
 
 
-def test_the_stack_runs_compiled_and_sees_replaced_weights(families):
+def test_the_stack_runs_compiled_and_sees_replaced_weights(families, monkeypatch):
     form, eager, compiled = families
     rows_e, rows_c = rows_of(eager), rows_of(compiled)
     with torch.no_grad():
         before = compiled.forward(rows_c)
+        assert rows_c[0].state.step_consts.schedule is not None  # every step's modulation, at prepare
+        monkeypatch.setattr(fast_schedule, "SCHEDULE_BYTES", 0)  # a schedule too large to keep: per step
+        rows_p = rows_of(compiled)
+        assert rows_p[0].state.step_consts.schedule is None
+        per_step = compiled.forward(rows_p)
+        assert compiled._fast.embed(rows_p).frozen
         assert compiled._fast.embed(rows_c).frozen  # the blocks ran as the compiled stack
         assert compiled._fast._stack._compiled_call_impl is not None
         assert (compiled._fast._stack.arena is not None) == (form == "arena")
+        counts = compile_counts()
+        linears = [m for m in compiled.pipe.transformer.modules() if isinstance(m, torch.nn.Linear)]
+        hooks = [m.register_forward_hook(lambda *a: None) for m in linears]
+        compiled._fast.idle = lambda: frozenset(h.id for h in hooks)  # as the LoRA runtime's (``hook_ids``)
+        assert torch.equal(compiled.forward(rows_c), before) and compiled._fast.embed(rows_c).frozen
+        assert compile_counts() == counts  # no graph for the hooks
+        for h in hooks:
+            h.remove()
         assert not eager._fast.embed(rows_e).frozen
         first = float((before - eager.forward(rows_e)).abs().max())
+        unscheduled = float((per_step - eager.forward(rows_e)).abs().max())
         for family in (eager, compiled):
             replace(family, torch.Generator().manual_seed(7))
         after_e, after_c = eager.forward(rows_e), compiled.forward(rows_c)
@@ -77,8 +102,9 @@ def test_the_stack_runs_compiled_and_sees_replaced_weights(families):
     second = float((after_c - after_e).abs().max())
     third = float((inplace_c - inplace_e).abs().max())
     print(
-        f"{form}: compiled vs eager: {first:.2e} before, {second:.2e} after the replacement (which moved it {changed:.2e}), "
+        f"{form}: compiled vs eager: {first:.2e} before ({unscheduled:.2e} without schedule tables), {second:.2e} after the replacement (which moved it {changed:.2e}), "
         f"{third:.2e} after the in-place change (which moved it {moved:.2e})"
     )
     assert changed > 100 * TOLERANCE and moved > 100 * TOLERANCE  # the changes matter
+    assert unscheduled <= TOLERANCE, f"without the schedule tables: {unscheduled:.2e}"
     assert first <= TOLERANCE and second <= TOLERANCE and third <= TOLERANCE

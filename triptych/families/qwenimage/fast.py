@@ -28,7 +28,8 @@ processor or attention backend other than diffusers' native one (sequence parall
 hooks on the model (a hook expects its forward to run). With ``--compile`` the blocks and the head
 run as one compiled graph (``fast_stack.py``) when every block takes ``joint_block``, reading the rows'
 temb and modulation from tables of the whole schedule made at ``prepare`` (``schedule``: one batch, not
-bit-identical to the model's per-step batch, as the compiled stack is not); otherwise, with compiled
+bit-identical to the model's per-step batch, as the compiled stack is not; ``fast_schedule.py``: where
+they fit ``SCHEDULE_BYTES``, else computed per step); otherwise, with compiled
 blocks, each block is called as a module, so its compiled graph runs. The fused copies (q/k/v,
 modulation) are rebuilt when a weight is replaced or changed in place.
 """
@@ -46,6 +47,7 @@ from triptych.families.base import COND, UNCOND, DenoiseState, Row
 from triptych.families.fastpath import model_hooked, native_attention
 from triptych.families.qwenimage.denoise import image_shapes, pad_prompts
 from triptych.families.qwenimage.fast_block import BlockPlan, hooked, joint_block, module_block
+from triptych.families.qwenimage.fast_schedule import fits_schedule, from_schedule
 from triptych.families.qwenimage.fast_stack import FrozenStack, compile_stack, stack_inputs
 from triptych.families.qwenimage.fast_text import batch_text
 
@@ -224,7 +226,8 @@ class FastForward:
         if COND in branches and UNCOND in branches:
             embeds, mask = pad_prompts([branches[b]["prompt_embeds"] for b in (COND, UNCOND)])
             pair = (t.txt_in(t.txt_norm(embeds)), mask.to(torch.bool) if mask is not None else None)
-        return QwenTables(text, pair, schedule=self.schedule(state) if self.compile_device is not None else None)
+        tabled = self.compile_device is not None and fits_schedule(t, len(state.timesteps))
+        return QwenTables(text, pair, schedule=self.schedule(state) if tabled else None)
 
     def schedule(self, state: DenoiseState) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(temb, modulation, norm_out's) of every step of ``state``'s schedule, one row each: one batch
@@ -237,22 +240,6 @@ class FastForward:
         temb = self.t.time_text_embed(timesteps, state.latents.new_empty(0, dtype=dtype), None)
         mods, head = self.modulation(temb)
         return temb, mods, head
-
-    @staticmethod
-    def scheduled(states: Sequence[DenoiseState]) -> tuple | None:
-        """The rows' (temb, modulation, norm_out's) at their steps from ``schedule``'s tables, shaped as
-        ``embed`` shapes its own; None when a state has none."""
-        if any(s.step_consts.schedule is None for s in states):
-            return None
-        (temb, mods, head), step = states[0].step_consts.schedule, states[0].step
-        if len(states) == 1:
-            return temb[step : step + 1], mods[step], head[step]
-        if all(s is states[0] for s in states):  # one request's rows (its CFG branches): its row, broadcast
-            n, mods, head = len(states), mods[step][:, :, :, None, None], head[step][:, None, None]
-            return temb[step : step + 1].expand(n, -1), mods.expand(-1, -1, -1, n, 1, -1), head.expand(-1, n, 1, -1)
-        rows = [(s.step_consts.schedule, s.step) for s in states]
-        temb, mods, head = (torch.stack([table[i][step] for table, step in rows]) for i in range(3))
-        return temb, mods.permute(1, 2, 3, 0, 4).unsqueeze(4), head.permute(1, 0, 2).unsqueeze(2)
 
     def step_entry(self, state: DenoiseState, modular: bool) -> tuple:
         """(temb, modulation, norm_out's) for one row of ``state`` at its step, once per step."""
@@ -272,7 +259,7 @@ class FastForward:
         key = (tuple(shapes), text_len, device)
         if key not in self._rope:
             vid, txt = self.t.pos_embed([shapes], max_txt_seq_len=text_len, device=device)
-            joint = torch.cat([txt, vid])[:, None, None]  # text tokens first, as the joint sequence
+            joint = torch.cat([txt[:, None, None], vid[:, None, None]])  # text first, as the joint sequence
             self._rope[key] = (vid.unsqueeze(1), txt.unsqueeze(1), joint, (vid, txt))
         return self._rope[key]
 
@@ -291,7 +278,7 @@ class FastForward:
         stack = None if any(_block_hooked(b) for b in t.transformer_blocks) else self.stack()
         modular = stack is None and any(_compiled(b) or _block_hooked(b) for b in t.transformer_blocks)
         mods = head = None
-        scheduled = self.scheduled(states) if stack is not None else None
+        scheduled = from_schedule(states) if stack is not None else None
         if one:  # the request's tables
             txt, mask = states[0].step_consts.text[rows[0].branch], None
             temb, mods, head = scheduled or self.step_entry(states[0], modular)
@@ -319,8 +306,8 @@ class FastForward:
         shapes = image_shapes(states[0], self.vae_scale_factor)
         rope = self.rotary(shapes, txt.shape[1], hidden.device)
         if mask is not None:  # the processor's joint (text ‖ image) key mask, once instead of per block
-            image_mask = torch.ones((hidden.shape[0], hidden.shape[1]), dtype=torch.bool, device=hidden.device)
-            joint = torch.cat([mask, image_mask], dim=1)[:, None, None, :]
+            image_mask = torch.ones((hidden.shape[0], 1, 1, hidden.shape[1]), dtype=torch.bool, device=hidden.device)
+            joint = torch.cat([mask[:, None, None], image_mask], dim=-1)
         else:
             joint = None
         return FastEmbedded(hidden, txt, mask, joint, temb, mods, head, rope, noise_tokens, stack)
@@ -364,11 +351,7 @@ class FastForward:
             args = stack_inputs(hidden, txt, joint, mods, joint_freqs, head)
             if self.cuda_graphs:  # a new replay; the output copied out of the graph's memory pool,
                 torch.compiler.cudagraph_mark_step_begin()  # which the next replay overwrites
-            if torch._dynamo.config.skip_nnmodule_hook_guards:  # dynamo's default: no hook guards
-                out = e.stack(*args)
-            else:  # the regional compile turned hook guards on (accel/compile.py); hooked blocks never get here
-                with torch._dynamo.config.patch(skip_nnmodule_hook_guards=True):
-                    out = e.stack(*args)
+            out = e.stack(*args)  # it calls no module, so dynamo's hook guards have nothing to fail on
             return tuple(x.clone() for x in out) if self.cuda_graphs else out
         # every block's 12 modulation tensors as views from one unbind (not 3 per block)
         flat, idle = mods.reshape(-1, *mods.shape[3:]).unbind(0), self.idle()
