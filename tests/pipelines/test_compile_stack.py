@@ -13,7 +13,9 @@ Forward hooks added after the compile to the linears the stack reads (as ``lora/
 adapter loaded at run time; idle for rows without one) compile no new graph: the stack reads the
 linears' weights and never calls them, so dynamo has no hook to guard on (``fast.py`` calls the stack
 without patching its ``skip_nnmodule_hook_guards``, which ``accel/compile.py`` turns off; the patch cost
-~80 us a call).
+~80 us a call). The same hooks not idle take the stack out of the forward (a hook must run), and once
+removed the stack is back (before ``fast_watch.Watch``, a block left ineligible by a hook stayed so until a
+weight changed).
 
 A request whose schedule tables would exceed ``fast_schedule.SCHEDULE_BYTES`` has none and the stack
 reads each step's modulation computed at that step (2.38e-7 from eager here, as with the tables).
@@ -83,8 +85,11 @@ def test_the_stack_runs_compiled_and_sees_replaced_weights(families, monkeypatch
         compiled._fast.idle = lambda: frozenset(h.id for h in hooks)  # as the LoRA runtime's (``hook_ids``)
         assert torch.equal(compiled.forward(rows_c), before) and compiled._fast.embed(rows_c).frozen
         assert compile_counts() == counts  # no graph for the hooks
+        compiled._fast.idle = frozenset  # the same hooks, not idle: a linear's hook must run, so no stack
+        assert not compiled._fast.embed(rows_c).frozen
         for h in hooks:
             h.remove()
+        assert compiled._fast.embed(rows_c).frozen
         assert not eager._fast.embed(rows_e).frozen
         first = float((before - eager.forward(rows_e)).abs().max())
         unscheduled = float((per_step - eager.forward(rows_e)).abs().max())

@@ -46,10 +46,11 @@ from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStream
 from triptych.families.base import COND, UNCOND, DenoiseState, Row
 from triptych.families.fastpath import model_hooked, native_attention
 from triptych.families.qwenimage.denoise import image_shapes, pad_prompts
-from triptych.families.qwenimage.fast_block import BlockPlan, hooked, joint_block, module_block
+from triptych.families.qwenimage.fast_block import BlockPlan, joint_block, module_block
 from triptych.families.qwenimage.fast_schedule import fits_schedule, from_schedule
 from triptych.families.qwenimage.fast_stack import FrozenStack, compile_stack, stack_inputs
 from triptych.families.qwenimage.fast_text import batch_text
+from triptych.families.qwenimage.fast_watch import Watch, hooked
 
 #: Largest concatenation of every block's modulation weights kept to build a table in one matmul per
 #: step (the default model's: 2.7 MB); above it each block's ``img_mod``/``txt_mod`` runs on its own.
@@ -152,6 +153,8 @@ class FastForward:
         self.compile_device = compile_device
         self.cuda_graphs = cuda_graphs
         self._stack: FrozenStack | None = None
+        #: the plans' and the stack head's ``Watch`` as of the stack's last ``sync``: one check per forward
+        self._watch: Watch | None = None
 
     def stack(self) -> FrozenStack | None:
         """The compiled block stack when ``--compile`` is on and every block takes ``joint_block``
@@ -159,12 +162,16 @@ class FastForward:
         if self.compile_device is None:
             return None
         idle = self.idle()
+        if self._watch is not None and self._watch.holds(idle):  # nothing changed since the last sync
+            return self._stack
+        self._watch = None
         if not all(plan.current(idle) for plan in self.plans):
             return None
         if self._stack is None:
             head = (self.t.norm_out.norm, self.t.proj_out)
             self._stack = compile_stack(self.plans, head, self.compile_device, self.cuda_graphs)
         self._stack.sync(self.plans)
+        self._watch = Watch.union([*(plan.watch for plan in self.plans), self._stack.head_watch()])
         return self._stack
 
     def mod_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:

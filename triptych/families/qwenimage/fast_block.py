@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from diffusers.models.normalization import RMSNorm
 
+from triptych.families.qwenimage.fast_watch import Watch, hooked
+
 
 def rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     """``apply_rotary_emb_qwen(x, f, use_real=False)`` with ``f`` already broadcastable to ``x``."""
@@ -90,12 +92,6 @@ def module_block(block, hidden, txt, mask, mods, img_freqs, txt_freqs):
     return _gated(block, hidden, txt, img_attn, txt_attn, mods, mlp(block.img_mlp), mlp(block.txt_mlp))
 
 
-def hooked(m, idle: frozenset[int] = frozenset()) -> bool:
-    """Whether calling ``m``'s weights directly would skip a hook: any pre-hook, or a forward hook
-    other than the ``idle`` ones (the LoRA runtime's, which add nothing when no row has an adapter)."""
-    return bool(m._forward_pre_hooks) or any(k not in idle for k in m._forward_hooks)
-
-
 #: ``joint_block``'s eight matrix products (``BlockPlan.operand``): the fused q/k/v of each stream, the
 #: attention outputs, the MLPs' two layers
 TXT_QKV, IMG_QKV, IMG_OUT, TXT_OUT, IMG_UP, IMG_DOWN, TXT_UP, TXT_DOWN = range(8)
@@ -128,20 +124,9 @@ class BlockPlan:
         self.norms = (a.norm_added_q, a.norm_added_k, a.norm_q, a.norm_k)  # text q, k; image q, k
         self.head_dim = a.inner_dim // a.heads
         self.approximate = (block.img_mlp.net[0].approximate, block.txt_mlp.net[0].approximate)
-        self.key = None
+        self.watch: Watch | None = None
         self.joint = False
         self._weights: dict[tuple[int, int], torch.Tensor] = {}
-
-    def _valid(self, idle: frozenset[int]) -> bool:
-        """Whether the copies ``current`` made (fused q/k/v, stacked norm weights) still hold: the same
-        parameter objects at their versions, and no linear hooked since (checked every forward, so as
-        flat comprehensions over lists ``current`` made, not a loop over records)."""
-        if any(pre or (post and hooked(m, idle)) for m, pre, post in self._hooks):
-            return False
-        params, versions = self._params
-        if not all(owner.get(name) is p for (owner, name), p in zip(self._owners, params)):
-            return False
-        return [p._version for p in params] == versions
 
     def _eligible(self, idle: frozenset[int]) -> bool:
         if any(hooked(m, idle) or type(m) is not torch.nn.Linear for m in self.linears):
@@ -158,20 +143,14 @@ class BlockPlan:
     def current(self, idle: frozenset[int] = frozenset()) -> bool:
         """Whether ``joint_block`` applies (rebuilding the copies first if needed); ``idle``: ids of
         forward hooks known to add nothing to this forward (``hooked``)."""
-        if self.key is not None and self._valid(idle):
+        if self.watch is not None and self.watch.holds(idle):
             return self.joint
         self.joint, self._weights = self._eligible(idle), {}
         owners = [(m, "weight") for m in self.linears] + [(m, "bias") for m in self.linears]
         owners += [(n, "weight") for n in self.norms if isinstance(getattr(n, "weight", None), torch.nn.Parameter)]
-        self.key = [
-            (m, name, m._parameters[name], m._parameters[name]._version)
-            for m, name in owners
-            if m._parameters.get(name) is not None
-        ]
-        # what ``_valid`` reads: each linear's hook dicts, each parameter's owner dict, the parameters
-        self._hooks = [(m, m._forward_pre_hooks, m._forward_hooks) for m in self.linears]
-        self._owners = [(m._parameters, name) for m, name, _, _ in self.key]
-        self._params = ([p for _, _, p, _ in self.key], [v for _, _, _, v in self.key])
+        # what the copies below are made from; none where the kernel does not apply (checked again at
+        # every call, so a hook removed or a weight made eligible gives the kernel back)
+        self.watch = Watch.of(self.linears, owners) if self.joint else None
         if self.joint:
             self.fused = [
                 (torch.cat([m.weight for m in s]).detach(), torch.cat([m.bias for m in s]).detach()) for s in self.qkv

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from triptych.accel.compile import options_for
 from triptych.families.qwenimage.fast_block import IMG_QKV, TXT_QKV, BlockPlan, joint_block, own_operand
+from triptych.families.qwenimage.fast_watch import Watch
 
 #: ``2 * sqrt(2 / pi)``: tanh-GELU's ``0.5 * x * (1 + tanh(u))`` is ``x * sigmoid(2 * u)``
 _TWO_SQRT_2_OVER_PI = 2.0 * math.sqrt(2.0 / math.pi)
@@ -217,6 +218,10 @@ class FrozenStack(torch.nn.Module):
 
     def _head_versions(self) -> list:
         return [(p, p._version) for _, _, p in self._head_params()]
+
+    def head_watch(self) -> Watch:
+        """The head's parameters as ``sync`` last saw them (``FastForward.stack``'s one check per forward)."""
+        return Watch.of((), [(m, n) for m, n, _ in self._head_params()])
 
     def sync(self, plans: list[BlockPlan]) -> None:
         """Follow the plans' and the head's current weights (``FastForward.stack``, every forward)."""

@@ -18,7 +18,7 @@ import weakref
 import torch
 
 from triptych.families.qwenimage.denoise import pad_prompts
-from triptych.families.qwenimage.fast_block import hooked
+from triptych.families.qwenimage.fast_watch import hooked
 
 
 def batch_text(transformer, tables, prompts: list[torch.Tensor], idle: frozenset[int]) -> tuple:
