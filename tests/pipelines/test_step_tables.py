@@ -17,6 +17,7 @@ from tests.helpers import pristine_pipeline, qwen_reference, staged
 from triptych.families.base import COND, UNCOND, GenerationParams, Row
 from triptych.families.qwenimage import denoise as qwen_den
 from triptych.families.qwenimage import fast as qwen_fast
+from triptych.families.qwenimage.fast_block import BlockPlan
 from triptych.families.qwenimage.tiny import make_tiny_qwen_image
 from triptych.families.registry import load_family, make_tiny
 from triptych.families.wan import denoise as wan_den
@@ -255,3 +256,19 @@ def test_flux_tables_give_the_model_forward(tmp_path, name, monkeypatch):
                 want = flux_den.forward(family.pipe.transformer, [Row(plain, b) for b in rows])
                 assert torch.equal(got, want)
     assert calls == [1, 1, 2] * p.steps
+
+
+def test_qwen_block_plan_follows_a_linear_hook_and_keeps_its_verdict_otherwise(tiny_model_dir):
+    """``BlockPlan.current``: a linear's hook takes the block off ``joint_block`` and, once removed, gives
+    it back; a block ineligible for another reason (a q/k/v linear without bias) keeps that verdict
+    under its watch instead of checking eligibility again at every forward."""
+    family = load_family(tiny_model_dir("qwen-image"))
+    block = family.pipe.transformer.transformer_blocks[0]
+    plan = BlockPlan(block)
+    assert plan.current() and plan.watch is not None
+    handle = block.attn.to_out[0].register_forward_hook(lambda *a: None)
+    assert not plan.current() and plan.watch is None  # checked again at every call while hooked
+    handle.remove()
+    assert plan.current() and plan.watch is not None
+    block.attn.to_q.bias = None
+    assert not plan.current() and plan.watch is not None and plan.watch.holds(frozenset())

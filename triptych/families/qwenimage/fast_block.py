@@ -148,9 +148,11 @@ class BlockPlan:
         self.joint, self._weights = self._eligible(idle), {}
         owners = [(m, "weight") for m in self.linears] + [(m, "bias") for m in self.linears]
         owners += [(n, "weight") for n in self.norms if isinstance(getattr(n, "weight", None), torch.nn.Parameter)]
-        # what the copies below are made from; none where the kernel does not apply (checked again at
-        # every call, so a hook removed or a weight made eligible gives the kernel back)
-        self.watch = Watch.of(self.linears, owners) if self.joint else None
+        # what the copies below are made from (or what made the block ineligible); none where a hook
+        # did, since a watch fails on a hook added, not on one removed: checked again at every call
+        # until the hook is gone, then the kernel is back
+        unhooked = not any(hooked(m, idle) for m in self.linears)
+        self.watch = Watch.of(self.linears, owners) if self.joint or unhooked else None
         if self.joint:
             self.fused = [
                 (torch.cat([m.weight for m in s]).detach(), torch.cat([m.bias for m in s]).detach()) for s in self.qkv
