@@ -49,7 +49,7 @@ def main() -> None:
     stacks = {}
     for name, (cpu, arena_bytes) in variants.items():
         stacks[name] = FrozenStack(fast.plans, cpu=cpu, head=head, arena_bytes=arena_bytes)
-        stacks[name].compile(dynamic=True, options=CPU_OPTIONS)
+        stacks[name].compile(options=CPU_OPTIONS)  # as compile_stack: sizes marked dynamic by stack_inputs
     assert stacks["CPU forms + arena"].arena is not None and stacks["CPU forms"].arena is None
     params = family.resolve(GenerationParams(prompt="a red circle on a blue background", seed=0))
     inputs = {}

@@ -208,29 +208,28 @@ class FrozenStack(torch.nn.Module):
         self.frozen = torch.nn.ModuleList(FrozenBlock(p, cpu, arena=total <= arena_bytes) for p in plans)
         self.register_buffer("arena", None, persistent=False)
         self.head_layout: dict[str, tuple[int, tuple[int, ...]]] = {}
-        self._head_key = self._head_versions()
+        self._head = Watch.of((), self._head_owners())  # the head's parameters as ``sync`` last saw them
         if total <= arena_bytes:
             self._build_arena()
 
-    def _head_params(self) -> list[tuple[torch.nn.Module, str, torch.Tensor]]:
+    def _head_owners(self) -> list[tuple[torch.nn.Module, str]]:
         mods = [(self.norm, "weight"), (self.norm, "bias"), (self.proj, "weight"), (self.proj, "bias")]
-        return [(m, n, m._parameters[n]) for m, n in mods if m is not None and m._parameters.get(n) is not None]
+        return [(m, n) for m, n in mods if m is not None]
 
-    def _head_versions(self) -> list:
-        return [(p, p._version) for _, _, p in self._head_params()]
+    def _head_params(self) -> list[tuple[torch.nn.Module, str, torch.Tensor]]:
+        return [(m, n, m._parameters[n]) for m, n in self._head_owners() if m._parameters.get(n) is not None]
 
     def head_watch(self) -> Watch:
         """The head's parameters as ``sync`` last saw them (``FastForward.stack``'s one check per forward)."""
-        return Watch.of((), [(m, n) for m, n, _ in self._head_params()])
+        return self._head
 
     def sync(self, plans: list[BlockPlan]) -> None:
         """Follow the plans' and the head's current weights (``FastForward.stack``, every forward)."""
         changed = False
         for block, plan in zip(self.frozen, plans):
             changed = block.sync(plan) or changed
-        key = self._head_versions()
-        if len(key) != len(self._head_key) or any(a is not b or v != w for (a, v), (b, w) in zip(key, self._head_key)):
-            self._head_key, changed = key, True
+        if not self._head.holds(frozenset()):
+            self._head, changed = Watch.of((), self._head_owners()), True
         if changed and self.arena is not None:
             self._build_arena()
 
@@ -291,6 +290,12 @@ def _plan_bytes(plan: BlockPlan) -> int:
     return sum(_bytes(t) for t in tensors)
 
 
+#: the sizes of ``stack_inputs``' tensors that vary between calls (rows, text and image tokens), marked
+#: dynamic for the compile (``compile_stack``) instead of ``dynamic=True``, whose config patch around
+#: every call and dynamic Python floats cost ~60 us a call (1.85 against 1.79 ms per forward at 2 rows)
+_DYNAMIC = ([0, 1], [0, 1], [0, 3], [3], [0], [1])
+
+
 def stack_inputs(hidden, txt, mask, mods, joint_freqs, head_mods) -> tuple:
     """The stack's arguments in one form for every call, so that a mixed load compiles two graphs
     (one row, where dynamo specialises the size 1, and several rows) instead of five: a one-row
@@ -309,12 +314,6 @@ def stack_inputs(hidden, txt, mask, mods, joint_freqs, head_mods) -> tuple:
     for x, dims in zip(args, _DYNAMIC):
         torch._dynamo.maybe_mark_dynamic(x, dims)
     return args
-
-
-#: the sizes of ``stack_inputs``' tensors that vary between calls (rows, text and image tokens), marked
-#: dynamic for the compile (``compile_stack``) instead of ``dynamic=True``, whose config patch around
-#: every call and dynamic Python floats cost ~60 us a call (1.85 against 1.79 ms per forward at 2 rows)
-_DYNAMIC = ([0, 1], [0, 1], [0, 3], [3], [0], [1])
 
 
 def _own(x: torch.Tensor) -> torch.Tensor:

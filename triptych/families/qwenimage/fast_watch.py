@@ -30,24 +30,28 @@ class Watch:
 
     hooks: list[tuple[torch.nn.Module, dict, dict]]
     owners: list[tuple[dict, str]]
-    params: list[torch.Tensor]
-    versions: list[int]
+    params: list[torch.Tensor | None]  # per owner: None where it has no such parameter (a bias-free linear)
+    present: list[torch.Tensor]  # the params that exist
+    versions: list[int]  # theirs
 
     @classmethod
     def of(cls, bypassed: Iterable[torch.nn.Module], owners: Sequence[tuple[torch.nn.Module, str]]) -> Watch:
-        """The current state of ``owners``' parameters (those that exist) and ``bypassed``'s hooks."""
-        held = [(m._parameters, name) for m, name in owners if m._parameters.get(name) is not None]
-        params = [owner[name] for owner, name in held]
+        """The current state of ``owners``' parameters (absent ones too: one added is a change) and
+        ``bypassed``'s hooks."""
+        held = [(m._parameters, name) for m, name in owners]
+        params = [owner.get(name) for owner, name in held]
+        present = [p for p in params if p is not None]
         hooks = [(m, m._forward_pre_hooks, m._forward_hooks) for m in bypassed]
-        return cls(hooks, held, params, [p._version for p in params])
+        return cls(hooks, held, params, present, [p._version for p in present])
 
     @classmethod
     def union(cls, watches: Iterable[Watch]) -> Watch:
-        out = cls([], [], [], [])
+        out = cls([], [], [], [], [])
         for w in watches:
             out.hooks += w.hooks
             out.owners += w.owners
             out.params += w.params
+            out.present += w.present
             out.versions += w.versions
         return out
 
@@ -58,4 +62,4 @@ class Watch:
             return False
         if not all(owner.get(name) is p for (owner, name), p in zip(self.owners, self.params)):
             return False
-        return [p._version for p in self.params] == self.versions
+        return [p._version for p in self.present] == self.versions
