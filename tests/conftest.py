@@ -26,14 +26,35 @@ def pytest_configure(config):
 
 def pytest_addoption(parser):
     parser.addoption("--run-slow", action="store_true", help="run tests marked slow (benchmarks, long runs)")
+    parser.addoption(
+        "--only-extras",
+        default="",
+        metavar="NAMES",
+        help="keep only the tests marked needs_extra(NAME) for these comma-separated extras (tests/extras.py)",
+    )
 
 
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    from tests import extras
+
     skip_slow = pytest.mark.skip(reason="slow: pass --run-slow")
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    required = extras.required()
+    only = {n.strip() for n in config.getoption("--only-extras").split(",") if n.strip()}
+    if only:
+        kept = [item for item in items if only & _extras_of(item)]
+        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+        items[:] = kept
     for item in items:
+        for name in _extras_of(item):
+            if not extras.missing(name):
+                continue
+            if name in required:
+                item.add_marker(pytest.mark.extra_required_but_missing(extras.EXTRAS[name].reason()))
+            else:
+                item.add_marker(pytest.mark.skip(reason=extras.EXTRAS[name].reason()))
         if "slow" in item.keywords:
             if not config.getoption("--run-slow"):
                 item.add_marker(skip_slow)
@@ -41,6 +62,18 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.timeout(3600))  # long benchmarks: past the suite's 900 s
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
+
+
+def _extras_of(item) -> set[str]:
+    return {m.args[0] for m in item.iter_markers("extra")}
+
+
+def pytest_runtest_setup(item):
+    marker = item.get_closest_marker("extra_required_but_missing")
+    if marker is not None:
+        from tests.extras import REQUIRE_ENV
+
+        pytest.fail(f"{REQUIRE_ENV} requires it, but this test {marker.args[0]}", pytrace=False)
 
 
 @pytest.fixture(scope="session")

@@ -5,18 +5,10 @@ from __future__ import annotations
 
 import contextlib
 
-import pytest
+from tests.extras import needs_extra
 
-from triptych.transfer import mooncake_available
-
-#: Mooncake is optional on a developer machine; CI (.ci/run) fails when install.sh installed it but
-#: it cannot be imported, so this skip never hides the Mooncake tests there.
-NEEDS_MOONCAKE = pytest.mark.skipif(
-    not mooncake_available(),
-    reason="Mooncake not importable (`import mooncake.engine` failed): pip install -e '.[mooncake]' "
-    "(mooncake-transfer-engine-non-cuda==0.3.13.post1) and apt-get install -y libibverbs1; "
-    ".ci/run fails instead of skipping",
-)
+#: Mooncake is optional on a developer machine (skipped naming the extra); .ci/run requires it.
+NEEDS_MOONCAKE = needs_extra("mooncake")
 
 
 @contextlib.contextmanager

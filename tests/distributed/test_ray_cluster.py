@@ -9,7 +9,7 @@ name; every listener of the Ray processes is on 127.0.0.1; a kill -9 of a denois
 is restarted by Ray (a new instance to the head) and the requests in flight complete through retry.
 Node B also declares 2 GPUs (none are real): a 2-rank denoiser's actor is handed both, and a 2-rank
 Ulysses denoiser served as a Ray placement group (CPU, gloo) matches the single-rank image.
-Skipped without Ray (``pip install 'triptych[ray]'``).
+Needs the ray extra (``pip install 'triptych[ray]'``; ``./install.sh`` installs it).
 """
 
 from __future__ import annotations
@@ -24,9 +24,12 @@ import numpy as np
 import psutil
 import pytest
 
-ray = pytest.importorskip("ray")
+from tests.extras import module_needs  # noqa: E402
+
+pytestmark = module_needs("ray")
 
 import openai  # noqa: E402
+import ray  # noqa: E402
 from ray_support import is_loopback, listeners  # noqa: E402
 
 from tests.e2e.http_support import decode_pixels, serve, wait_for  # noqa: E402

@@ -4,8 +4,8 @@ with the mm-hash as the item's ``uuid``; vLLM decodes. vLLM's copy of the vision
 (``--vllm-vision-weights nan``), so an answer that matches the built-in engine token for token was
 decoded from Triptych's embeddings: vLLM's tower did not run.
 
-Needs ``.venv-vllm`` (``./install_vllm.sh``): skipped without it on a developer machine, a failure on
-CI (``CI=true``), where ``.ci/run`` installs it.
+Needs the vllm extra (``.venv-vllm``, ``./install.sh --vllm``): skipped naming it without; ``.ci/run``
+installs it and requires it in its second phase.
 """
 
 from __future__ import annotations
@@ -27,12 +27,10 @@ import pytest
 
 from shapeworld import render, sample_scenes
 from tests.e2e.http_support import free_port, wait_for
+from tests.extras import ROOT, VLLM_PYTHON, needs_extra
 from triptych.families.models import PACKAGED_DEFAULT
 
-ROOT = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
-ON_CI = os.environ.get("CI") == "true"
-pytestmark = pytest.mark.skipif(not VLLM_PYTHON.is_file() and not ON_CI, reason="no .venv-vllm (run ./install_vllm.sh)")
+pytestmark = needs_extra("vllm")
 QUESTION = "What is in this image?"
 
 
@@ -78,7 +76,6 @@ LENGTH = 'finished_reason="length"'  # an answer that ran to max_tokens (an abor
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    assert VLLM_PYTHON.is_file(), f"CI=true but {VLLM_PYTHON} is missing: .ci/run runs ./install_vllm.sh"
     port, vllm_port = free_port(), free_port()
     data = tmp_path_factory.mktemp("vllm-serve")
     cmd = [sys.executable, "-m", "triptych.cli", "serve", "--model", f"default={PACKAGED_DEFAULT}"]

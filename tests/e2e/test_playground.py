@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import subprocess
 
@@ -15,12 +14,13 @@ import httpx
 import pytest
 
 from tests.e2e.http_support import serve
+from tests.extras import chromium, needs_extra
 from triptych.control.backend import InProcessBackend
 from triptych.families.registry import load_family
 from triptych.head.app import HeadConfig, create_app
 
 KEY = "playground-key-123"
-CHROMIUM = next((p for p in ("/usr/bin/chromium", shutil.which("chromium") or "") if p and os.path.exists(p)), None)
+CHROMIUM = chromium()
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,7 @@ def dump_dom(url: str, profile) -> str:
     return out.decode()
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="no chromium (apt-get install -y chromium)")
+@needs_extra("chromium")
 def test_browser_streams_a_generation_and_loads_the_result(server, tmp_path):
     query = f"autorun=1&key={KEY}&prompt=a+red+cube&size=64x48&steps=4&seed=5&partial_images=2"
     dom = dump_dom(f"{server}/?{query}", tmp_path / "profile")
@@ -69,7 +69,7 @@ def test_browser_streams_a_generation_and_loads_the_result(server, tmp_path):
     assert re.search(r'<option value="([^"]+)">\1 \(image\)</option>', dom)  # the list from /v1/models
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="no chromium (apt-get install -y chromium)")
+@needs_extra("chromium")
 def test_browser_without_the_key_shows_the_401(server, tmp_path):
     dom = dump_dom(f"{server}/?autorun=1", tmp_path / "profile")
     status = re.search(r'<div id="status"[^>]*>([^<]*)</div>', dom).group(1)

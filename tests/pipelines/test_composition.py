@@ -25,7 +25,6 @@ plain image for cells with a lossy feature (TeaCache, int8, bf16), the measured 
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import sys
@@ -35,6 +34,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.extras import needs_extra
 from tests.pipelines.composition_support import (
     BEGIN,
     END,
@@ -53,7 +53,6 @@ from triptych.core.errors import InvalidParam
 DOC = Path(__file__).resolve().parents[2] / "docs" / "speed.md"
 WRITE = os.environ.get("TRIPTYCH_WRITE_COMPOSITION") == "1"
 IMAGE_TOKENS = 16  # 64x64 pixels: an 8x8 latent in 2x2 patches
-HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
 
 # cell key → bound: ("max_abs", largest max abs) or ("psnr", lowest dB); measured figure beside each.
 BOUNDS: dict[str, tuple[str, float]] = {
@@ -163,16 +162,22 @@ CELLS = all_cells()
 REFUSED = [c for c in CELLS if expected_refusal(c)]
 SINGLE = [c for c in CELLS if c not in REFUSED and c.ranks == 1]
 MULTI = [c for c in CELLS if c not in REFUSED and c.ranks > 1]
+
+
+def _quantized(cell: Cell) -> bool:
+    return cell.has("int8wo") or cell.has("int8dyn")
+
+
 #: One launch per world size (layout after layout inside it), its compile cells in a launch of their
-#: own (slow: every rank compiles); 6 ranks (CFG 2 x Ulysses 3) is slow here.
-LAUNCHES = sorted({(c.ranks, c.has("compile")) for c in MULTI})
+#: own (slow: every rank compiles), its int8 cells in one more (they need the quant extra); 6 ranks
+#: (CFG 2 x Ulysses 3) is slow here.
+LAUNCHES = sorted({(c.ranks, c.has("compile"), _quantized(c)) for c in MULTI})
 
 
 def _marks(cell: Cell):
     marks = [pytest.mark.slow] if cell.has("compile") else []  # each compiled variant compiles for minutes
-    if not HAS_TORCHAO and any(cell.has(q) for q in ("int8wo", "int8dyn")):
-        assert os.environ.get("CI") != "true", "CI=true but torchao is missing: .ci/run runs ./install.sh --quant"
-        marks.append(pytest.mark.skip(reason="the quant extra (torchao) is not installed"))
+    if _quantized(cell):
+        marks.append(needs_extra("quant"))
     return marks
 
 
@@ -274,8 +279,9 @@ def test_refused_cell_is_refused_at_startup_with_the_reason(cell):
     ROWS[cell.key] = dict(status="refused", where="startup", reason=reason)
 
 
-def test_runnable_cells_pass_the_startup_check():
-    for cell in SINGLE + MULTI:
+@pytest.mark.parametrize("quantized", [False, pytest.param(True, marks=needs_extra("quant"))])
+def test_runnable_cells_pass_the_startup_check(quantized):
+    for cell in [c for c in SINGLE + MULTI if _quantized(c) == quantized]:
         assert refusal(cell) is None, cell.key
 
 
@@ -304,20 +310,26 @@ def _launch(model_dir, cells: list[Cell], world: int, plain: torch.Tensor, induc
     assert not failures, "\n".join(failures)
 
 
+def _launch_marks(world: int, compiled: bool, quantized: bool) -> list:
+    marks = [pytest.mark.slow] if world > 4 or compiled else []
+    return marks + ([needs_extra("quant")] if quantized else [])
+
+
 @pytest.mark.parametrize(
-    "world,compiled",
+    "world,compiled,quantized",
     [
-        pytest.param(w, k, id=f"{w}" + ("-compile" if k else ""), marks=[pytest.mark.slow] if w > 4 or k else [])
-        for w, k in LAUNCHES
+        pytest.param(
+            w, k, q, id=f"{w}" + ("-compile" if k else "") + ("-int8" if q else ""), marks=_launch_marks(w, k, q)
+        )
+        for w, k, q in LAUNCHES
     ],
 )
-def test_multi_rank_cells(world, compiled, model_dir, plain, tmp_path):
-    cells = [c for c in MULTI if (c.ranks, c.has("compile")) == (world, compiled)]
-    cells = [c for c in cells if not any(m.name == "skip" for m in _marks(c))]
+def test_multi_rank_cells(world, compiled, quantized, model_dir, plain, tmp_path):
+    cells = [c for c in MULTI if (c.ranks, c.has("compile"), _quantized(c)) == (world, compiled, quantized)]
     _launch(model_dir, cells, world, plain, str(tmp_path / "inductor") if compiled else None)
 
 
-@pytest.mark.skipif(not HAS_TORCHAO, reason="the quant extra (torchao) is not installed")
+@needs_extra("quant")
 def test_follower_ranks_quantize_as_rank_0(model_dir, families):
     """The multi-rank cells above load every rank's family themselves; a served or ``generate``
     instance's followers load theirs in ``worker/ranks/follower.py`` from rank 0's ``RankSetup``. CFG parallel

@@ -21,9 +21,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from tests.extras import chromium, needs_extra
 from triptych import cli
 
-CHROMIUM = "/usr/bin/chromium"
+CHROMIUM = chromium()
 DAMAGING = 0.3
 
 
@@ -86,9 +87,8 @@ def test_a_damaging_threshold_fails_and_the_report_shows_it(saved):
     assert 'class="fail"' in html and "diff_0.png" in html and "Gates FAILED" in html
 
 
+@needs_extra("chromium")
 def test_the_report_renders_in_headless_chromium_with_its_images(saved, tmp_path):
-    if not Path(CHROMIUM).exists():
-        pytest.skip("headless Chromium (/usr/bin/chromium) is not installed")
     out = saved / "damaged"
     if not (out / "index.html").exists():
         _compare(saved, "damaged", "--teacache-threshold", str(DAMAGING))

@@ -9,24 +9,17 @@ measured figure minus 6 dB (4x the measured MSE).
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 import torch
 
-# A developer machine without the quant extra skips; CI (CI=true, where .ci/run installs it) fails.
-if importlib.util.find_spec("torchao") is None:
-    assert os.environ.get("CI") != "true", "CI=true but torchao is missing: .ci/run runs ./install.sh --quant"
-    pytest.skip("the quant extra (torchao) is not installed", allow_module_level=True)
-
-from triptych.accel import SpeedConfig  # noqa: E402
-from triptych.accel.quantize import is_quantized  # noqa: E402
-from triptych.calibration.metrics import psnr  # noqa: E402
-from triptych.engine.runner import run_request  # noqa: E402
-from triptych.families.base import GenerationParams  # noqa: E402
-from triptych.families.models import default_model_dir  # noqa: E402
-from triptych.families.registry import load_family  # noqa: E402
+from tests.extras import needs_extra
+from triptych.accel import SpeedConfig
+from triptych.accel.quantize import is_quantized
+from triptych.calibration.metrics import psnr
+from triptych.engine.runner import run_request
+from triptych.families.base import GenerationParams
+from triptych.families.models import default_model_dir
+from triptych.families.registry import load_family
 
 MIN_PSNR_DB = {
     "transformer=int8-weight-only": 48.9,  # measured 54.9
@@ -34,6 +27,7 @@ MIN_PSNR_DB = {
     "text_encoder=int8-weight-only": 59.2,  # measured 65.2
     "text_encoder=int8-dynamic": 50.3,  # measured 56.3
 }
+pytestmark = needs_extra("quant")
 PROMPTS = ["a red circle on a blue background", "a green square on a white background"]
 
 
