@@ -4,7 +4,7 @@ Same weights, prompts, seeds and steps. For concurrency N: Triptych encodes N re
 through one ``DenoiserEngine`` (all rows of a step in one forward, CFG fused) and decodes them;
 the peer is N back-to-back ``pipe(...)`` calls. Reports images/s of each and their ratio, best of
 ``--repeats`` rounds measured alternately in the same process. On CPU, batching is expected to pay
-little (compute-bound kernels, ENVIRONMENT.md); the table measures it rather than assuming it.
+little (compute-bound kernels); the table measures it rather than assuming it.
 
     python benchmarks/denoiser.py [--family flux] [--size tiny|small] [--concurrency 1 2 4 8] [--cfg]
 """

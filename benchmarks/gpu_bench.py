@@ -16,7 +16,7 @@ denoise loop only:
 - ``diffusers batched``: one ``pipe(prompt_embeds=<N stacked>)`` call (CFG as separate forwards).
 - ``diffusers sequential``: N ``pipe(...)`` calls of one request each.
 
-Speed is a ratio against the peers in the same run (STYLE.md); the first call of each is a warm-up.
+Speed is a ratio against the peers in the same run (never an absolute time); the first call of each is a warm-up.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # One compute thread per process: e2e tests run a head and several workers on 2 cores, and results
-# do not depend on the thread count (ENVIRONMENT.md). Subprocesses inherit the variable.
+# do not depend on the thread count. Subprocesses inherit the variable.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # The CLI's per-user data (TeaCache profiles of `triptych calibrate`): a fresh directory, never the
 # user's own.

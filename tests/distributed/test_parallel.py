@@ -11,7 +11,7 @@ Bounds: max abs difference of the latents after 2 steps, float32 on CPU, one thr
 10× the largest figure measured on this machine (beside it). Parallel runs change batch composition
 (a CFG half is a 1-row forward instead of 2 rows) and the reduction order of attention (Ulysses: one
 head at a time; ring: per-chunk softmax merged through the log-sum-exp); the figures, 5e-7..5e-6,
-are the size of the batching differences ENVIRONMENT.md measured (~6e-7 per forward).
+are the size of the batching differences measured on CPU (~6e-7 per forward, docs/exactness.md).
 
 FLUX: a dev-style model with distilled guidance has one row per request, so CFG parallel has
 nothing to split (both halves compute the row; checked exact below); its CFG cases use true CFG
@@ -181,7 +181,7 @@ def _rank_families(rank: int, device, model_dirs: dict, configs: list[dict], ext
 
 
 def _leader_flow(rank: int, device, family, params, reference: torch.Tensor) -> dict:
-    """Contract 8 as a runner does it: only rank 0 holds the request (params and the encoder's
+    """One instance, decided on rank 0, as a runner does it: only rank 0 holds the request (params and the encoder's
     conditioning); it broadcasts them, every rank prepares and steps the same state."""
     from triptych.families.base import Conditioning, GenerationParams
 

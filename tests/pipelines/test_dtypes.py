@@ -32,7 +32,7 @@ ORIGINAL_CALCULATE_DIMENSIONS = pipeline_qwenimage_edit.calculate_dimensions
 
 @pytest.fixture(scope="module", autouse=True)
 def small_condition_and_one_thread():
-    """One thread: the shared 2-core machine (results do not depend on it, ENVIRONMENT.md)."""
+    """One thread: the shared 2-core machine (results do not depend on it)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     small = lambda area, ratio: ORIGINAL_CALCULATE_DIMENSIONS(CONDITION_AREA, ratio)  # noqa: E731
@@ -68,6 +68,6 @@ def test_bfloat16_runs_exactly_as_diffusers_and_close_to_float32(tiny_model_dir,
         params = family.resolve(_params(name))
         frames, _ = run_request(family, params, fuse_cfg=False)
         reference = np.asarray(family.reference_call(params), dtype=np.float32).reshape(frames.array.shape)
-        assert np.abs(frames.array - reference).max() == 0.0, dtype  # contract 1 holds in bf16 as well
+        assert np.abs(frames.array - reference).max() == 0.0, dtype  # the stage split is exact in bf16 as well
         images[dtype] = frames.array
     assert psnr(images["bfloat16"], images["float32"]) >= MIN_PSNR_DB[name]

@@ -13,7 +13,7 @@ from triptych.engine.runner import run_request
 from triptych.families.base import GenerationParams
 from triptych.families.registry import load_family
 
-# Batching changes CPU kernel reduction order (~6e-7 per forward, ENVIRONMENT.md); over a few steps
+# Batching changes CPU kernel reduction order (~6e-7 per forward, docs/exactness.md); over a few steps
 # the latents of a request stepped inside a batch stay within this of the request stepped alone.
 BATCH_LATENT_ATOL = 4e-6  # measured 4.8e-7 max abs, both models (two runs)
 BATCH_MIN_PSNR_DB = 112.0  # measured 131.9 dB at worst (two runs)

@@ -4,6 +4,8 @@
   the test command ``.ci/run`` runs.
 - Every page in docs/ is linked from the README and opens with a one-line summary under its title.
 - Every relative link in README.md and docs/*.md resolves inside the repository (none names ../shared).
+- No docstring or comment of the code cites a document outside the repository, and none in
+  ``triptych/`` carries a time measurement (figures live in benchmarks/RESULTS.md).
 - Every file or folder of the repository they name (``triptych/...py``, ``tests/...``, ``head/x.py``
   for ``triptych/head/x.py``, a bare ``x.py`` somewhere in the tree) exists, and every
   ``path.py::name`` and ``module.name`` naming a triptych module (``triptych.mmcache.cache.tenant_scope``,
@@ -152,7 +154,11 @@ def test_the_first_screen_holds_the_two_commands_and_ci_runs_the_readmes_test_co
     first = "\n".join(README.read_text().splitlines()[:FIRST_SCREEN])
     assert INSTALL_AND_GENERATE in first
     assert f"```bash\n{TEST_COMMAND}\n```" in first
-    assert TEST_COMMAND in (REPO / ".ci" / "run").read_text().splitlines()
+    ci = (REPO / ".ci" / "run").read_text().splitlines()
+    assert "./install.sh" in ci, ".ci/run does not run the README's install as written"
+    assert any(line == TEST_COMMAND or line.endswith(" " + TEST_COMMAND) for line in ci), (
+        ".ci/run does not run the README's test command as written"
+    )
 
 
 def test_every_docs_page_is_linked_from_the_readme_and_opens_with_one_line_saying_what_it_covers():
@@ -188,3 +194,61 @@ def test_the_check_finds_a_missing_module_file_and_name():
     assert problems("`head/app.py::no_such_function`") == ["head/app.py does not define no_such_function"]
     assert problems("`mmcache.cache.no_such_name`") == ["triptych/mmcache/cache.py does not define no_such_name"]
     assert problems("`torch.nn.Linear`, `~/.cache/triptych/x`") == []
+
+
+#: a document that is not in the repository (ours, beside it), or a numbered contract of one
+OUTSIDE = re.compile(r"ARCHITECTURE\.md|STYLE\.md|ENVIRONMENT\.md|\.\./shared|\b[Cc]ontract \d+\b")
+#: a time measurement: "2.4 ms", "379 µs", "1.85 -> 1.79"
+FIGURE = re.compile(r"\b\d[\d.,]*\s?(?:ms|µs|us)\b|\b\d[\d.]*\s?(?:ms|µs|us|s)?\s?(?:->|→)\s?\d")
+
+
+def prose(path: Path) -> list[tuple[int, str]]:
+    """(line, text) of every comment and docstring of a Python file."""
+    import tokenize
+
+    out = []
+    with path.open("rb") as f:
+        for tok in tokenize.tokenize(f.readline):
+            if tok.type == tokenize.COMMENT:
+                out.append((tok.start[0], tok.string))
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                if isinstance(body[0].value.value, str):
+                    out.append((body[0].lineno, body[0].value.value))
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            out.append((node.lineno, node.value.value))  # attribute docstrings
+    return out
+
+
+def prose_problems(paths, pattern) -> list[str]:
+    found = []
+    for path in paths:
+        for line, text in prose(path):
+            for m in pattern.finditer(text):
+                shown = path.relative_to(REPO) if path.is_relative_to(REPO) else path
+                found.append(f"{shown}:{line}: {m.group(0)!r}")
+    return sorted(set(found))
+
+
+def python_files(*roots: str) -> list[Path]:
+    return sorted(p for root in roots for p in (REPO / root).rglob("*.py") if ".venv" not in p.parts)
+
+
+def test_no_code_cites_a_document_outside_the_repository():
+    own = Path(__file__).resolve()
+    paths = [p for p in python_files("triptych", "tests", "benchmarks", "shapeworld", "training") if p != own]
+    assert prose_problems(paths, OUTSIDE) == []
+
+
+def test_no_docstring_or_comment_in_the_package_carries_a_time_measurement():
+    assert prose_problems(python_files("triptych"), FIGURE) == []
+
+
+def test_the_prose_checks_find_a_citation_and_a_figure(tmp_path):
+    bad = tmp_path / "probe.py"
+    bad.write_text('"""As ARCHITECTURE.md says."""\n\n\ndef f():\n    """Takes 2.4 ms."""\n    # 1.85 -> 1.79\n')
+    assert len(prose_problems([bad], OUTSIDE)) == 1
+    assert len(prose_problems([bad], FIGURE)) == 2

@@ -35,11 +35,11 @@ from pathlib import Path
 import torch
 
 #: inductor options on CPU for the decoder here and Qwen-Image's block stack
-#: (``families/qwenimage/fast_stack.py``): ``cpp_wrapper``, the graph's calls made from C++ (the stack:
-#: 2.19 against 2.60 ms per call, benchmarks/RESULTS.md). NOTE: inductor's ``freezing`` is not among
+#: (``families/qwenimage/fast_stack.py``): ``cpp_wrapper``, the graph's calls made from C++ (faster for the
+#: stack: benchmarks/RESULTS.md). NOTE: inductor's ``freezing`` is not among
 #: them. Passed as a ``torch.compile`` option it does not take effect on torch 2.13 (``compile_fx``
 #: reads it outside the options' patch: no weight was packed, inductor's counters say); set globally it
-#: packs the linears for oneDNN, which made the stack slower (2.54 against 2.21 ms at dynamic shapes)
+#: packs the linears for oneDNN, which made the stack slower at dynamic shapes
 #: and bypasses the FX graph cache (a restart would compile again).
 CPU_OPTIONS = {"cpp_wrapper": True}
 

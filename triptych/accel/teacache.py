@@ -19,7 +19,7 @@ sum reaches the threshold the row computes and the sum resets. The first ``warmu
 of a row (``max_skips``). A threshold of ``AUTO_THRESHOLD`` (``"auto"``) means the profile's
 recommended threshold, resolved when the request is admitted.
 
-Ownership and lifetime (STYLE.md, "caches and state"). A :class:`TeaCache` is owned by whoever runs
+Ownership and lifetime. A :class:`TeaCache` is owned by whoever runs
 the batch (the denoiser engine), one per loaded family; it never stores anything on the transformer
 module. Its state is keyed by ``(request_id, cfg_branch)`` (:class:`RequestStateStore`), created the
 first time a request with a threshold > 0 appears, and dropped by ``release(request_id)``, which the

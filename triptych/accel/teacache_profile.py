@@ -1,6 +1,6 @@
 """TeaCache calibration profiles: the file format, its validation and where a model's profiles are found.
 
-Calibration profiles ("TeaCache is calibrated or off", ARCHITECTURE.md contract 7). The polynomial
+Calibration profiles ("TeaCache is calibrated or off": without a profile it runs only when forced). The polynomial
 comes from a profile file for the family and step schedule, produced by
 ``triptych.calibration.fit``. Without one, a request with a threshold > 0 is refused with
 ``InvalidParam("teacache_threshold", ...)`` unless it brings its coefficients explicitly; nothing is

@@ -16,7 +16,7 @@ video the frame-to-frame consistency (mean PSNR between consecutive frames) of t
 beside the baseline's. Gates, on by default:
 
 - an *exact* configuration must match within ``exact_tolerance`` max abs on the frames (default 0:
-  identical; CPU float32 is bit-reproducible, ARCHITECTURE.md contract 1); *served* and *parallel*
+  identical; CPU float32 is bit-reproducible); *served* and *parallel*
   ones within their stated rounding tolerance;
 - an *acceleration* must meet the calibration :class:`~triptych.calibration.sweep.Target` (worst
   PSNR 30 dB, worst SSIM 0.92, adherence drop at most 2 points) and, for video, keep the

@@ -4,7 +4,7 @@ A baseline is always the plain path: each case alone, CFG fused, TeaCache off, i
 dtype. The configuration under test changes one thing, and its default gate (``--gate auto``) follows:
 
 - this code, no flags: each case alone as the baseline ran it; gate *exact*, max abs 0 (CPU float32
-  is bit-reproducible, ARCHITECTURE.md contract 1);
+  is bit-reproducible);
 - ``--dtype bfloat16`` (any dtype), ``--quantize COMPONENT=MODE``, ``--compile``: the family loaded
   so; gate *exact*, so it fails; ``--gate target`` holds it to the calibration target instead;
 - ``--teacache-threshold T|auto``: each case alone through TeaCache; gate *target* (worst PSNR,
@@ -32,11 +32,11 @@ import torch
 from triptych.calibration.batch import Cases, Output, run_cases
 from triptych.core.errors import InvalidParam
 
-#: Batched requests differ from alone by rounding (CPU float32, ~6e-7 per forward, ENVIRONMENT.md).
+#: Batched requests differ from alone by rounding (CPU float32, reduction order; docs/exactness.md).
 #: Measured max abs on the decoded frames of the default matrices served at batch 4: default model
 #: (4 cases, 20 steps) 3.7e-6, tiny FLUX (4 cases) 3.0e-6. The gate allows 10x the larger.
 SERVED_TOLERANCE = 3.7e-5
-#: Multi-rank against one rank on gloo (~2.4e-7 per forward, ENVIRONMENT.md). Measured max abs on the
+#: Multi-rank against one rank on gloo (reduction order; docs/exactness.md). Measured max abs on the
 #: decoded frames of the default matrices: default model CFG-2 3.5e-6; tiny FLUX Ulysses-2 2.4e-6,
 #: CFG-2 0 (bit-identical). The gate allows 10x the largest.
 PARALLEL_TOLERANCE = 3.5e-5

@@ -6,7 +6,7 @@ Requests are encoded once (:class:`Cases`) and then run as often as a sweep need
 serving engine (``DenoiserEngine``, up to ``batch_size`` requests a tick, CFG branches fused, the
 cache as the engine's acceleration); ``batch_size=1`` is exactly ``run_request`` (a request served
 alone). The batch composition is the same for every setting a sweep compares, so the plain run and
-the cached runs differ only by the cache's decisions (ARCHITECTURE.md contract 1: batching changes
+the cached runs differ only by the cache's decisions (batching changes
 rounding, not results).
 """
 

@@ -361,8 +361,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _leave_heap_to_exit() -> None:
     """Freeze the heap so interpreter shutdown does not sweep it: the garbage collector's passes over
-    what torch, diffusers and transformers loaded (~3,500 modules) took 1.1 s of a ``generate``'s exit
-    (benchmarks/RESULTS.md, cold start). Output is already written and flushed or closed; atexit
+    what torch, diffusers and transformers loaded (thousands of modules) are a visible part of a
+    ``generate``'s exit (benchmarks/RESULTS.md, cold start). Output is already written and flushed or closed; atexit
     handlers still run; the memory goes back to the OS with the process."""
     import gc
 

@@ -1,8 +1,8 @@
 """What the command line checks before it imports torch: paths, images, numbers, output formats.
 
 ``triptych.cli.main`` runs a command's ``check`` (set as a parser default) right after parsing, so a
-bad argument is one ``error: invalid ...`` line and exit code 2 in about a second, not after the
-30-50 s the torch/diffusers import takes on a loaded machine. Nothing here imports torch (PIL and
+bad argument is one ``error: invalid ...`` line and exit code 2 at once, not after the
+torch/diffusers import. Nothing here imports torch (PIL and
 numpy only, for images); what needs the weights (sizes a family accepts, a profile's steps) is still
 checked by the command after loading.
 """

@@ -100,7 +100,7 @@ class ControlPlane:
     async def _recv_loop(self) -> None:
         """Each frame, then a turn for the rest of the loop: awaiting a receive that a queued frame
         answers at once never suspends, so a steady flow (a worker streaming a chat's pieces) held
-        the loop until it stopped (2.9 s measured), and with it the HTTP side: a client that left was
+        the loop until it stopped, and with it the HTTP side: a client that left was
         noticed, and its chat cancelled, only after the answer had ended."""
         while True:
             self.receive(await self._sock.recv_multipart())

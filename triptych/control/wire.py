@@ -68,8 +68,8 @@ def params_from_wire(w: WireParams) -> GenerationParams:
 
 
 # ---- ChatParams <-> ChatTask -----------------------------------------------------------------
-#: Images of at most this many pixels in all encode as PNG in well under a millisecond (64x64 noise:
-#: 0.3 ms): the head encodes them where it is, a hop to its offload pool would cost more.
+#: Images of at most this many pixels in all encode as PNG faster than a hop
+#: to the head's offload pool: the head encodes them where it is, a hop to its offload pool would cost more.
 SMALL_PIXELS = 96 * 96
 
 

@@ -1,6 +1,6 @@
 """Where and how a stage runs: device, dtype, attention backend, VAE tiling/slicing, offload.
 
-``DeviceConfig`` is the one config of this subsystem (ARCHITECTURE.md contract 9: devices are a
+``DeviceConfig`` is the one config of this subsystem (devices are a
 parameter). Every check a user can fail raises ``InvalidParam`` naming the CLI option, the value and
 the rule, so ``triptych <command>`` prints one line and exits 2. Capability checks run the real thing
 once per process (a tiny matmul and conv in the dtype on the device; one attention call through
@@ -213,8 +213,8 @@ def split_threads(processes: int = 1, cores: int | None = None, load: float | No
     other processes keep busy (the one-minute load average, rounded), split evenly; at least 1.
 
     ``cores``/``load`` default to ``os.cpu_count()``/``os.getloadavg()``. On a busy machine this is
-    1: OpenMP threads that wait on each other for a core stall (the default model's denoise took
-    48.2 s on torch's default 2 threads against 3.0 s on one, same bytes out).
+    1: OpenMP threads that wait on each other for a core stall, many times slower than one thread,
+    with the same bytes out.
     """
     cores = cores if cores is not None else os.cpu_count() or 1
     if load is None:

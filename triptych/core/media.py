@@ -136,12 +136,12 @@ def decode_data_url(url: str, limits: ImageLimits, field: str):
     return decode_image(data, limits, field)
 
 
-_B64_CHUNK = 1 << 20  # characters (a multiple of 4): ~10 ms of decode each
+_B64_CHUNK = 1 << 20  # characters (a multiple of 4) per decode call
 
 
 def _b64decode(text: str) -> bytes:
     """``base64.b64decode(text, validate=True)`` in 1 MiB pieces: the decoder holds the GIL for a whole
-    call (0.3 s for 26 MiB), so a thread decoding one large data URL would stall the event loop that
+    call, so a thread decoding one large data URL would stall the event loop that
     long; between pieces it can run."""
     import base64
 

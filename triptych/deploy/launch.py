@@ -57,9 +57,8 @@ class TopologyConfig:
     denoiser_threads: int = 0
     """torch threads per denoiser process (each rank of a multi-rank one), in place of
     ``torch_threads`` for that role; 0 = as every worker. For machines with cores to spare: the
-    denoiser is the busy process of a served load. On a 2-core CPU it did not pay: 0.92x the
-    served images/s at 8 concurrent requests with 2 threads, as the other workers take their turns
-    on the same cores (benchmarks/RESULTS.md, "Served at 1 / 4 / 8")."""
+    denoiser is the busy process of a served load. On a 2-core CPU it did not pay, as the other
+    workers take their turns on the same cores (benchmarks/RESULTS.md, "Served at 1 / 4 / 8")."""
     start_timeout_s: float = 300.0
     """How long ``start`` waits for every local worker to register."""
     extra_args: tuple[str, ...] = field(default_factory=tuple)

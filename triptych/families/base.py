@@ -9,7 +9,7 @@ process boundary:
 - ``denoise_step(states)``: advances a *batch of requests, each at its own step*, by one step.
 - ``decode(latents, params) -> Frames``: final latents → frames (images are one frame).
 
-Exactness contract (ARCHITECTURE.md, contract 1): with ``fuse_cfg=False`` a single request runs
+Exactness contract: with ``fuse_cfg=False`` a single request runs
 each CFG branch as its own forward, exactly as the diffusers pipeline's ``__call__`` does, so the
 staged output is bit-identical to it in float32 on CPU. ``fuse_cfg=True`` stacks both branches (and
 any number of requests) into one transformer forward; that changes kernel reduction order and is
@@ -111,7 +111,7 @@ class Family(ABC):
         self.frame_decoder = apply_speed(self.pipe, speed, self.device_config.device, self.compile_vae_decoder)
         # The device the encode stage hands diffusers' encode_prompt: the pipeline's own
         # ``_execution_device`` (offload hooks included), looked up once. NOTE: the property walks every
-        # module's offload hooks on each read (2.4 ms on the default model, half of its prompt encode).
+        # module's offload hooks on each read, a large part of a tiny model's prompt encode.
         self.execution_device = self.pipe._execution_device
         self.pipe.set_progress_bar_config(disable=True)
         # triptych.json's "prompt_normaliser": only the shipped shape-world models name one.

@@ -56,9 +56,9 @@ def group_offload(pipe, onload_device: torch.device, offload_device: torch.devic
     )
 
 
-#: Tile edge and stride (pixels) for VAEs whose ``enable_tiling`` takes sizes (Qwen-Image, Wan). diffusers'
-#: default 256/192 decoded the default model at 2048² in 212 s vs 107 s with 512/448, at the same peak
-#: (922 vs 913 MB; 4787 MB untiled), on the 2-core CPU: fewer, larger tiles overlap less.
+#: Tile edge and stride (pixels) for VAEs whose ``enable_tiling`` takes sizes (Qwen-Image, Wan). Larger than
+#: diffusers' default 256/192: fewer, larger tiles overlap less, at about the same memory peak
+#: (benchmarks/decode_memory.py, benchmarks/RESULTS.md).
 TILE, TILE_STRIDE = 512, 448
 
 

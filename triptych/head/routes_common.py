@@ -38,7 +38,7 @@ API_FIELD = {
     "teacache_threshold": "teacache_threshold",
 }
 FORM_TEXT_LIMIT = 4 * 1024 * 1024  # largest non-file multipart field (prompts are capped lower later)
-#: JSON bodies from this size on are parsed in the offload pool (a 50 MiB chat body: ~0.3 s of parse);
+#: JSON bodies from this size on are parsed in the offload pool (a large chat body would hold the loop);
 #: smaller ones on the loop, where the hop to a thread would cost more than the parse.
 OFFLOAD_JSON_BYTES = 256 * 1024
 

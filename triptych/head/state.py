@@ -99,8 +99,8 @@ class HeadConfig:
     """Longest a request may wait for its answer once its body was read: images and edits until
     their images, a stream until its first event, a chat until its answer (a video job is
     answered at once). Past it the request is cancelled and answered 504 naming this limit. The
-    default is about 3x the default model's 2048² image at 100 steps on one CPU thread (2,600 s
-    measured on a loaded 2-core machine, ``benchmarks/RELIABILITY.md``). Bounds: > 0."""
+    default covers the default model's largest image at its step limit on one CPU thread with room
+    to spare (``benchmarks/RELIABILITY.md``). Bounds: > 0."""
 
     media_threads: int = 2
     """Threads that parse large JSON bodies and decode, check and re-encode uploaded images off the

@@ -7,7 +7,7 @@ to the rows that use it (a gather, two small matmuls, an ``index_add``: one segm
 not per row). Rows of one request's CFG branches carry the same specs, so both use its adapter, as
 diffusers does. Outside a plan (or with no adapter in it) a hook returns at its first check: the base
 layer's output is untouched, so a batch without adapters is bit-identical to the model without
-hooks. The base weights are never changed (ARCHITECTURE.md, contract 14).
+hooks. The base weights are never changed: adapters are rows, never merged.
 
 On a sequence-parallel rank (Ulysses, ring) a layer sees this rank's shard of the tokens; the delta
 is per token, so the hook applies it to the shard. A layer whose output the split gathers (the

@@ -1,5 +1,5 @@
 """One request across many devices: CFG parallel and Ulysses/ring sequence parallel for one
-multi-rank denoiser instance (ARCHITECTURE.md contract 8). Model-agnostic: a transformer's own
+multi-rank denoiser instance (one instance: rank 0 decides each tick). Model-agnostic: a transformer's own
 ``_cp_plan`` says how its inputs split; rows are opaque to the CFG split."""
 
 from triptych.core.parallel_config import ParallelConfig

@@ -1,6 +1,6 @@
 """``apply_parallel``: make a transformer and its rows forward run as one multi-rank instance.
 
-A multi-rank denoiser runner (contract 8: one instance; rank 0 talks to the head) runs, on every
+A multi-rank denoiser runner (one instance; rank 0 talks to the head) runs, on every
 rank::
 
     device = init_rank(rank, world_size, port, device="cuda", timeout=timedelta(seconds=60))

@@ -1,4 +1,4 @@
-"""Leader-to-ranks broadcasts for a multi-rank instance (contract 8: each tick is decided on rank 0).
+"""Leader-to-ranks broadcasts for a multi-rank instance (each tick is decided on rank 0).
 
 Nothing here pickles: a message travels as msgspec msgpack bytes in a uint8 tensor, tensors travel
 as tensors after a msgspec header naming their dtypes and shapes (``core.tensors.TensorSpec`` by name). Every rank of the group calls the

@@ -116,7 +116,7 @@ class ParallelGroups:
     """This rank's view of the instance: its device, mesh coordinates and the groups it talks on.
 
     Owns nothing but sub-group handles; the default group (``world``) belongs to whoever called
-    ``init_rank``. Rank 0 of ``world`` is the instance's leader (contract 8: it decides each tick).
+    ``init_rank``. Rank 0 of ``world`` is the instance's leader (it decides each tick).
     """
 
     config: ParallelConfig

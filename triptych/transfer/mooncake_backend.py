@@ -43,7 +43,7 @@ _ENGINES_LOCK = threading.Lock()
 def _shared_engine(host: str) -> tuple[object, str]:
     """The process's TransferEngine for `host`, created on first use and kept for the process
     lifetime: every endpoint of the process registers its buffers on it (an engine's teardown
-    costs ~1 s, and one engine per process is what Mooncake expects)."""
+    is slow, and one engine per process is what Mooncake expects)."""
     with _ENGINES_LOCK:
         if host not in _ENGINES:
             _ENGINES[host] = _start_engine(host)

@@ -88,7 +88,7 @@ class Worker:
         self._hb_sock = self._dealer("heartbeat")
         self._hb = SequencedSender(self._key, self._hb_sock.send_multipart)
         # A transfer that ends on the port's threads wakes the loop's poll at once (an idle loop would
-        # otherwise see it only at its next 20 ms poll timeout: up to 20 ms per stage hop).
+        # otherwise see it only at its next poll timeout, once per stage hop).
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)

@@ -11,8 +11,7 @@ batch: same size, same text length), the context for a forward of one row (a mat
 rows does not give the same bits as one per row, so several rows project theirs as the model
 does). The same bits as the model's forward in both cases (tests/pipelines/test_step_tables.py).
 
-On the small FLUX this is 1.4 ms of a ~300 ms forward (its arithmetic is already ~half the machine's
-matmul rate); on the tiny one, a larger share. ``usable``: no LoRA row (an adapter may change the
+On a large FLUX this is a small share of a forward; on the tiny one, a larger share. ``usable``: no LoRA row (an adapter may change the
 context embedder), no hook on the model, 2-D ids (the adapter's).
 """
 

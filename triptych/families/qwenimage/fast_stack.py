@@ -12,15 +12,15 @@ On CPU the stack also computes three things in forms that inductor's CPU code ru
 dozen tokens (same functions, other rounding; within the tolerances of tests/pipelines/test_compile.py
 and test_compile_stack.py): attention as ``baddbmm`` + softmax + ``bmm`` (``cpu_attend``), tanh-GELU
 as ``x * sigmoid(2u)`` (``cpu_act``), and every product against a transposed copy of its weight with
-the bias added in the next elementwise kernel (``FrozenBlock.product``). Measured on the default
-model, one thread (benchmarks/RESULTS.md): the stack 2.26 -> 1.67 ms at 2 rows, 10.2 -> 7.5 ms at 16.
+the bias added in the next elementwise kernel (``FrozenBlock.product``). Their gain is measured by
+``benchmarks/stack_forms.py`` (benchmarks/RESULTS.md).
 
 The operands live on this module so that dynamo sees them as module state (graph inputs, not
 constants). Where every block's operands together (weights, biases, q/k norm weights) take at most
 ``ARENA_BYTES``, they are one contiguous copy, the *arena*, and the compiled forward reads them as views
 of it (``ArenaBlock``): the graph then has a handful of inputs instead of ~120, and what a call costs
 around its kernels (dynamo's and AOT autograd's wrappers, the C++ wrapper's per-input handles) shrinks
-with them: the default model's stack 1.60 -> 1.37 ms at 2 rows, same bits (benchmarks/RESULTS.md).
+with them, with the same bits (benchmarks/RESULTS.md).
 Larger stacks (a real checkpoint, where a copy of every weight would double the memory) keep each
 operand as a buffer of its ``FrozenBlock``: the fused q/k/v copies, the transposed copies and q/k norm
 weights, the block (its linears) as a submodule. Either way the copies are copies, so ``sync`` replaces
@@ -292,7 +292,7 @@ def _plan_bytes(plan: BlockPlan) -> int:
 
 #: the sizes of ``stack_inputs``' tensors that vary between calls (rows, text and image tokens), marked
 #: dynamic for the compile (``compile_stack``) instead of ``dynamic=True``, whose config patch around
-#: every call and dynamic Python floats cost ~60 us a call (1.85 against 1.79 ms per forward at 2 rows)
+#: every call and dynamic Python floats cost time at every call
 _DYNAMIC = ([0, 1], [0, 1], [0, 3], [3], [0], [1])
 
 

@@ -6,9 +6,8 @@ composition for many steps, so the result is kept on the batch's first request
 (``QwenTables.batch``, freed with that request) and reused while the rows' prompt tensors are the
 same objects (weak references: a freed prompt is a miss, and a new tensor is never taken for it) and
 the two layers' weights the same tensors at the same versions; not kept when either layer has a hook
-other than the idle ones (a hook runs at every call). At 16 rows on the default model with
-``--compile`` the embed took 379 instead of 662 µs of a ~13.6 ms forward (benchmarks/RESULTS.md,
-"Where a compiled step's time goes"); the same bits (tests/pipelines/test_step_tables.py).
+other than the idle ones (a hook runs at every call). Its gain is in benchmarks/RESULTS.md
+("Where a compiled step's time goes"); the same bits (tests/pipelines/test_step_tables.py).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What every rank of a multi-rank denoiser does with one tick (contract 8: decided once on rank 0).
+"""What every rank of a multi-rank denoiser does with one tick (decided once on rank 0).
 
 Rank 0 applies its aborts and joins, schedules, and broadcasts the result as a ``Tick`` (requests
 that leave, requests that join with their parameters, the batch to step, in order), then each

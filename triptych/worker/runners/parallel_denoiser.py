@@ -2,7 +2,7 @@
 
 It is the single-rank ``DenoiserRunner`` with one difference at each step boundary: rank 0 applies
 the aborts and joins, schedules the batch, and broadcasts that decision (``ranks/ticks.Tick``,
-then each joining request's conditioning), so every rank runs the identical forward (contract 8);
+then each joining request's conditioning), so every rank runs the identical forward;
 the transformer forward is split across the ranks (``triptych.parallel``). Rank 0 alone talks to
 the head and the transfer plane. An idle instance still broadcasts an empty tick every
 ``keepalive_s``, so the followers' collectives never time out while nothing runs.
