@@ -265,9 +265,19 @@ def run_triptych(arch: Arch, family, emb: dict, n: int, size: int, steps: int) -
     engine.run_until_done()
 
 
-def run_diffusers(arch: Arch, family, emb: dict, rows: slice, size: int, steps: int) -> None:
+def run_diffusers(
+    arch: Arch,
+    family,
+    emb: dict,
+    rows: slice,
+    size: int,
+    steps: int,
+    width: int | None = None,
+    frames: int | None = None,
+) -> None:
+    """diffusers' own call of the rows' requests at ``size`` (x ``width``; ``frames`` for video)."""
     n = len(range(*rows.indices(emb["embeds"].shape[0])))
-    kw = dict(height=size, width=size, num_inference_steps=steps, output_type="latent")
+    kw = dict(height=size, width=width or size, num_inference_steps=steps, output_type="latent")
     kw["generator"] = [family.generator(i) for i in range(rows.start or 0, (rows.start or 0) + n)]
     if arch.family == "flux":
         kw.update(
@@ -279,7 +289,7 @@ def run_diffusers(arch: Arch, family, emb: dict, rows: slice, size: int, steps: 
         kw.update(negative_prompt_embeds=emb["negative"][rows], negative_prompt_embeds_mask=ones)
     else:
         kw.update(prompt_embeds=emb["embeds"][rows], negative_prompt_embeds=emb["negative"][rows])
-        kw.update(guidance_scale=arch.guidance, num_frames=arch.frames)
+        kw.update(guidance_scale=arch.guidance, num_frames=frames or arch.frames)
     family.pipe(**kw)
 
 
