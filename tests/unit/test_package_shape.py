@@ -77,7 +77,7 @@ TIERS = (
     ("mmcache", "accel", "parallel", "transfer"),  # mechanisms, each on core alone
     ("lora", "chat"),  # per-row adapters (their deltas gathered as parallel gathers outputs); the chat engine
     ("families",),  # the stage protocol and the model families
-    ("engine",),  # step batching, the in-process driver, TeaCache per family
+    ("engine", "plan"),  # step batching, the in-process driver, TeaCache per family; FLOPs and memory counted on meta
     ("vllm_chat", "control"),  # the vLLM chat client; head <-> worker messages, backends, routing, registry
     ("worker", "head", "deploy"),  # the worker process; the HTTP app; supervisor, Ray, autoscale
     ("calibration",),  # TeaCache calibration and quality reports (drive the engine in process)

@@ -295,6 +295,12 @@ def _add_quality(sub) -> None:
     add_quality(sub)  # flags and command: triptych/cli/calibration.py
 
 
+def _add_plan(sub) -> None:
+    from triptych.cli.plan import add_plan
+
+    add_plan(sub)  # flags and command: triptych/cli/plan.py
+
+
 def cmd_make_tiny(args) -> int:
     from triptych.families.registry import make_tiny
 
@@ -312,6 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_make_tiny(sub)
     _add_calibrate(sub)
     _add_quality(sub)
+    _add_plan(sub)
     try:
         from triptych.cli.serve import add_server_commands
     except ImportError:
