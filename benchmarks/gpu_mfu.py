@@ -269,7 +269,7 @@ def table_row(r: dict, rows: list[dict]) -> str:
     if r["variant"] == "fp8":
         notes.append(f"{100 * r['mfu_bf16_peak']:.1f}% of the bf16 peak; {r['psnr_vs_bf16']:.1f} dB vs bf16")
     return (
-        f"| {r['cell']} | {r['variant']} | {r['tflop']:.2f} | {r['s_per_step']:.4f} | {mfu} | {vs} | "
+        f"| {r['cell']} | {r['variant']} | {r['tflop']:.4g} | {r['s_per_step']:.4f} | {mfu} | {vs} | "
         f"{'; '.join(notes)} |"
     )
 
@@ -291,8 +291,8 @@ def main(argv=None) -> int:
     peak = peaks(device)
     deadline = time.monotonic() + args.budget_s
     print(
-        f"device: {peak[0]}; peaks bf16 {peak[1] / 1e12:.0f} TFLOP/s, fp8 "
-        + (f"{peak[2] / 1e12:.0f}" if peak[2] else "-")
+        f"device: {peak[0]}; peaks bf16 {peak[1] / 1e12:.4g} TFLOP/s, fp8 "
+        + (f"{peak[2] / 1e12:.4g}" if peak[2] else "-")
     )
     print(HEADER, flush=True)
     measured = 0

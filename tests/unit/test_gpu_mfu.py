@@ -19,7 +19,7 @@ sys.modules["gpu_mfu"] = gpu_mfu  # dataclasses look their module up
 spec.loader.exec_module(gpu_mfu)
 
 ROW = re.compile(
-    r"^\| (?P<cell>[^|]+) \| (?P<variant>[\w-]+) \| (?P<tflop>[\d.]+) \| (?P<s>[\d.]+) \| (?P<mfu>[\d.]+)% \|"
+    r"^\| (?P<cell>[^|]+) \| (?P<variant>[\w-]+) \| (?P<tflop>[\d.e+-]+) \| (?P<s>[\d.]+) \| (?P<mfu>[\d.]+)% \|"
 )
 
 
