@@ -287,6 +287,9 @@ def main(argv=None) -> int:
     args.cells = args.cells or [Cell.parse(c) for c in (TINY_CELLS if args.tiny else DEFAULT_CELLS)]
     if args.tiny:
         args.steps, args.repeats = min(args.steps, 2), 1
+    # NOTE: the variants compile the same block classes again (each on a fresh model): past dynamo's
+    # default recompile limit the later ones would silently run eager.
+    torch._dynamo.config.recompile_limit = 64
     device = torch.device(args.device)
     peak = peaks(device)
     deadline = time.monotonic() + args.budget_s

@@ -92,6 +92,19 @@ def tiny_model_dir(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def inductor_cache_dir(tmp_path_factory):
+    """One inductor cache for every compiling test of the run, shared by the xdist workers (a worker's
+    base temp is a folder of the run's): a model another test already compiled reuses its kernels.
+    Dynamo still traces, so the tests' graph counts do not depend on which test ran first."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    path = root / "inductor"
+    path.mkdir(exist_ok=True)
+    return path
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """One torch thread for a module's tests (``pytest.mark.usefixtures``), the count restored after."""

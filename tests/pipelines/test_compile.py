@@ -36,10 +36,10 @@ PROMPTS = ["a red circle on a blue background", "a green square", "a small yello
 
 
 @pytest.fixture(scope="module")
-def families(tmp_path_factory):
+def families(inductor_cache_dir):
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    speed = SpeedConfig(compile=True, compile_cache_dir=tmp_path_factory.mktemp("inductor"))
+    speed = SpeedConfig(compile=True, compile_cache_dir=inductor_cache_dir)
     compiled = load_family(default_model_dir(), speed=speed)
     counts = warm_up(compiled)
     counts = dict(counts, after_decoder=warm_up_decoder(compiled))  # a served decoder warms up alike

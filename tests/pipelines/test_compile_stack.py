@@ -43,11 +43,11 @@ TOLERANCE = 1.4e-5  # measured 1.91e-6
 
 
 @pytest.fixture(params=["arena", "buffers"])
-def families(request, tiny_model_dir, tmp_path_factory, monkeypatch):
+def families(request, tiny_model_dir, inductor_cache_dir, monkeypatch):
     if request.param == "buffers":
         monkeypatch.setattr(fast_stack, "ARENA_BYTES", 0)
     path = tiny_model_dir("qwen-image")
-    speed = SpeedConfig(compile=True, compile_cache_dir=tmp_path_factory.mktemp("inductor"))
+    speed = SpeedConfig(compile=True, compile_cache_dir=inductor_cache_dir)
     return request.param, load_family(path), load_family(path, speed=speed)
 
 

@@ -35,13 +35,13 @@ LATER = [[A, A], [(), ()], [(), A, B], [(("a", 0.3),), B], [AB, AB, B, (("b", 1.
 
 
 @pytest.fixture(scope="module")
-def families(tmp_path_factory):
+def families(tmp_path_factory, inductor_cache_dir):
     root = tmp_path_factory.mktemp("lora_compile")
     model, config = tiny_qwen_with_two_adapters(root)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     eager = load_family(model)
-    compiled = load_family(model, speed=SpeedConfig(compile=True, compile_cache_dir=root / "inductor"))
+    compiled = load_family(model, speed=SpeedConfig(compile=True, compile_cache_dir=inductor_cache_dir))
     for family in (eager, compiled):
         family.enable_lora(config)
     counts = warm_up(compiled)  # as a compiled denoiser serving adapters does before it registers
