@@ -71,7 +71,8 @@ def warm_up(family: Family, forward: Callable[[Sequence[Row]], torch.Tensor] | N
                 forward(batch)
         finally:
             family.lora.release("warm-up-lora")
-    from triptych.engine.teacache import has_plan, plan_for
+    from triptych.engine.teacache import plan_for
+    from triptych.families.teacache_check import has_plan
 
     if has_plan(family):  # TeaCache computes a sub-batch of the rows: one masked row, and two
         plan = plan_for(family)

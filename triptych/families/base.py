@@ -222,7 +222,7 @@ class Family(ABC):
         return False
 
     def chat_model(self):
-        """This instance's ``triptych.chat.ChatModel``, or None (no VLM loaded here)."""
+        """This instance's ``triptych.chat.vlm.ChatModel``, or None (no VLM loaded here)."""
         return None
 
     def vllm_export(self, out: Path, vision: str = "copy") -> Path:

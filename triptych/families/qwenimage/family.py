@@ -122,7 +122,7 @@ class QwenImageFamily(Family):
             and self.processor is not None
             and self.supports_chat
         ):
-            from triptych.chat import ChatModel
+            from triptych.chat.vlm import ChatModel
 
             # The shipped default captioner knows image-then-text only: its triptych.json says
             # "chat_parts": "image-first" (a user's model does not, and gets its messages as sent).
