@@ -1,33 +1,25 @@
-"""TeaCache for a loaded family: its plan and the engine's cache.
+"""TeaCache for a loaded family: the engine's cache.
 
 The denoiser engine owns one ``TeaCache`` per loaded family (``make_teacache``); the head, which
 loads no weights, validates a request's ``teacache_threshold`` before queueing it with
 ``triptych.families.teacache_check.check_teacache``. ``make_teacache`` is::
 
-    TeaCache(plan_for(family), ProfileIndex(family.model_dir, family.name, profiles_dir), config)
+    TeaCache(family.teacache_plan(), ProfileIndex(family.model_dir, family.name, profiles_dir), config)
 
 with ``TeaCache`` from ``triptych.accel.teacache`` and ``ProfileIndex`` from
-``triptych.accel.teacache_profile``. Calibration (``triptych.calibration``) uses the same lookup; the
-server never imports calibration.
+``triptych.accel.teacache_profile``. Calibration (``triptych.calibration``) takes the plan from the
+family the same way; the server never imports calibration.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from triptych.accel.teacache import TeaCache, TeaCachePlan
+from triptych.accel.teacache import TeaCache
 from triptych.accel.teacache_profile import ProfileIndex
 from triptych.accel.teacache_settings import TeaCacheConfig
 from triptych.families.base import Family
-from triptych.families.registry import teacache_families, teacache_plan
 from triptych.families.teacache_check import has_plan
-
-
-def plan_for(family) -> TeaCachePlan:
-    plan = teacache_plan(family.name)
-    if plan is None:
-        raise ValueError(f"family {family.name!r} has no TeaCache plan; families with one: {teacache_families()}")
-    return plan(family)
 
 
 def make_teacache(
@@ -39,4 +31,4 @@ def make_teacache(
     if not has_plan(family) or getattr(family.pipe, "transformer", None) is None:
         return None
     profiles = ProfileIndex(family.model_dir, family.name, profiles_dir)
-    return TeaCache(plan_for(family), profiles, config, ranks, lora_plan=family.lora_plan)
+    return TeaCache(family.teacache_plan(), profiles, config, ranks, lora_plan=family.lora_plan)

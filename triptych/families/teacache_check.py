@@ -11,15 +11,16 @@ from triptych.accel.teacache_profile import ProfileIndex
 from triptych.accel.teacache_settings import TeaCacheConfig, resolve_settings
 from triptych.core.errors import InvalidParam
 from triptych.families.params import GenerationParams
-from triptych.families.registry import teacache_families, teacache_plan
+from triptych.families.registry import has_teacache, teacache_families
 
 if TYPE_CHECKING:  # the head passes its weightless adapter; the checks read its name and model directory
     from triptych.families.base import Family
 
 
 def has_plan(family: Family) -> bool:
-    """Whether ``family`` has a TeaCache plan (its ``families.registry.FamilyEntry.teacache``)."""
-    return teacache_plan(family.name) is not None
+    """Whether ``family`` has a TeaCache plan (``Family.teacache_plan``), from its registry entry: no
+    weights, no import of the family."""
+    return has_teacache(family.name)
 
 
 def check_teacache(
