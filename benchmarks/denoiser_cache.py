@@ -44,7 +44,6 @@ from triptych.calibration.metrics import psnr, ssim
 from triptych.calibration.quality import _requests, world_prompts
 from triptych.calibration.sweep import world_adherence
 from triptych.calibration.target import FIT_SEEDS, Target
-from triptych.engine.teacache import plan_for
 from triptych.families.base import GenerationParams
 from triptych.families.models import resolve_model
 from triptych.families.registry import load_family
@@ -162,7 +161,7 @@ def methods(family, model, steps: int) -> list[Method]:
     t = family.pipe.transformer
     out = [Method("uncached", "", "staged"), Method("uncached", "", "pipeline")]
     profile = find_profile(model, steps, family.name)
-    plan = plan_for(family)
+    plan = family.teacache_plan()
     for (warmup, cap), thresholds in TEACACHE.items():
         variant = replace(profile, warmup=warmup, max_skips=cap)
         tc = TeaCache(plan, profiles=lambda n, v=variant: v)

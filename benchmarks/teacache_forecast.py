@@ -34,7 +34,6 @@ from triptych.calibration.batch import Cases, run_cases  # noqa: E402
 from triptych.calibration.fit import DEFAULT_PROMPTS, eval_requests  # noqa: E402
 from triptych.calibration.sweep import fidelity, world_adherence  # noqa: E402
 from triptych.calibration.target import Target  # noqa: E402
-from triptych.engine.teacache import plan_for  # noqa: E402
 from triptych.families.base import GenerationParams, Role  # noqa: E402
 from triptych.families.models import default_model_dir  # noqa: E402
 from triptych.families.registry import load_family  # noqa: E402
@@ -89,7 +88,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     model = default_model_dir()
     family = load_family(model, roles=(Role.ENCODER, Role.DENOISER, Role.DECODER))
-    plan, shipped = plan_for(family), find_profile(model, 20, family.name)
+    plan, shipped = family.teacache_plan(), find_profile(model, 20, family.name)
     requests = eval_requests(model, args.images, list(DEFAULT_PROMPTS), GenerationParams(prompt="-", steps=20))
     cases, scenes = Cases(family, [p for p, _ in requests]), [s for _, s in requests]
     plain, _ = run_cases(cases, 0.0, batch_size=args.batch, tag="plain")

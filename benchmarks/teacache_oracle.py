@@ -17,7 +17,6 @@ from triptych.calibration.collect import Trajectory, _Recorder
 from triptych.calibration.quality import _requests
 from triptych.calibration.sweep import fidelity, world_adherence
 from triptych.engine import DenoiserEngine, EngineConfig
-from triptych.engine.teacache import plan_for
 from triptych.families.models import resolve_model
 from triptych.families.registry import load_family
 
@@ -66,7 +65,7 @@ class Oracle(TeaCache):
 def main() -> None:
     model = resolve_model(None)
     family = load_family(model)
-    plan = plan_for(family)
+    plan = family.teacache_plan()
     reqs = _requests(32, None, True, None)
     scenes = [s for _, s in reqs]
     cases = Cases(family, [p for p, _ in reqs])

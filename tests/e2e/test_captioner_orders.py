@@ -45,7 +45,7 @@ def test_the_text_encoder_is_the_one_the_generator_was_trained_on():
 
 
 def test_only_the_shipped_captioner_reorders_and_only_user_messages(family, tiny_model_dir):
-    from triptych.chat.vlm import ChatParams, ChatTurn
+    from triptych.chat import ChatParams, ChatTurn
     from triptych.families.registry import load_family
 
     params = ChatParams(
@@ -65,7 +65,7 @@ def test_only_the_shipped_captioner_reorders_and_only_user_messages(family, tiny
 def test_captioner_names_shape_and_colour_in_both_orders(family, order):
     from shapeworld import render, sample_scenes, score_caption
     from training.common import CAPTION_QUESTION
-    from triptych.chat.vlm import ChatParams, ChatTurn
+    from triptych.chat import ChatParams, ChatTurn
 
     chat = family.chat_model()
     parts = (0, CAPTION_QUESTION) if order == "image-first" else (CAPTION_QUESTION, 0)

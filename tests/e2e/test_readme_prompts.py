@@ -110,7 +110,7 @@ def test_video_examples_draw_what_they_say(prompts):
 def test_chat_examples_name_the_first_examples_image(prompts):
     """``triptych chat --image a.png``: a.png is the first command's image; the answer names it."""
     from shapeworld import parse_caption
-    from triptych.chat.vlm import ChatParams, ChatTurn
+    from triptych.chat import ChatParams, ChatTurn
     from triptych.engine.runner import run_request
     from triptych.families.base import GenerationParams
     from triptych.families.registry import load_family

@@ -10,7 +10,6 @@ from PIL import Image
 from triptych.accel.teacache import TeaCache
 from triptych.accel.teacache_profile import ProfileIndex
 from triptych.calibration.metrics import psnr
-from triptych.engine.teacache import plan_for
 
 
 def condition_image(seed=7):
@@ -19,7 +18,7 @@ def condition_image(seed=7):
 
 
 def new_cache(family):
-    return TeaCache(plan_for(family), ProfileIndex(family.model_dir, family.name))
+    return TeaCache(family.teacache_plan(), ProfileIndex(family.model_dir, family.name))
 
 
 _ENCODED: dict = {}

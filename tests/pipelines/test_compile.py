@@ -94,9 +94,8 @@ def test_mixed_load_compiles_nothing_after_warm_up(families):
     for i, prompt in enumerate(PROMPTS * 2):
         params = compiled.resolve(GenerationParams(prompt=prompt, seed=i))
         states.append(compiled.prepare(f"r{i}", params, compiled.encode(params)))
-    from triptych.engine.teacache import plan_for
 
-    plan = plan_for(compiled)
+    plan = compiled.teacache_plan()
     with torch.no_grad():
         for n in (1, 2, 3, 4, 6, 2, 1):
             rows = [Row(s, b) for b in (COND, UNCOND) for s in states[:n]]

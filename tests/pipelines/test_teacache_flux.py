@@ -21,7 +21,6 @@ from triptych.accel.teacache_profile import ProfileIndex
 from triptych.calibration.fit import calibrate
 from triptych.core.errors import InvalidParam
 from triptych.families.base import GenerationParams, Row
-from triptych.families.flux.teacache import plan_for
 from triptych.families.registry import load_family, make_tiny
 
 STEPS = 8
@@ -50,7 +49,7 @@ def block_calls(family):
 
 
 def new_cache(family):
-    return TeaCache(plan_for(family), ProfileIndex(family.model_dir, family.name))
+    return TeaCache(family.teacache_plan(), ProfileIndex(family.model_dir, family.name))
 
 
 def params(family, prompt="a small house by a lake", seed=3, threshold=0.0, **kw):
@@ -94,7 +93,7 @@ def _record(tc, forward, rows, decisions):
 
 
 def test_split_forward_is_bit_identical(family):
-    plan = plan_for(family)
+    plan = family.teacache_plan()
     p = params(family, negative_prompt="blurry", true_cfg=2.0)
     states = [family.prepare(f"r{i}", p.replace(seed=i), encode(family, p)) for i in range(2)]
     for rows in ([Row(states[0], "cond")], [Row(s, b) for b in ("cond", "uncond") for s in states]):

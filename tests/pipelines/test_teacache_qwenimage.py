@@ -30,7 +30,6 @@ from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
 
 from tests.pipelines.teacache_support import condition_image, decoded_psnr, encode, new_cache, run
 from triptych.calibration.fit import calibrate
-from triptych.engine.teacache import plan_for
 from triptych.families.base import GenerationParams, Row
 from triptych.families.registry import load_family
 
@@ -106,7 +105,7 @@ def mixed_rows(family):
 
 @torch.no_grad()
 def check_split(family):
-    plan = plan_for(family)
+    plan = family.teacache_plan()
     one, four = mixed_rows(family)
     for rows in (one, four):
         e = plan.embed(rows)

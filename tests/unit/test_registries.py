@@ -14,6 +14,7 @@ import triptych
 from triptych.control import protocol as P
 from triptych.core.kinds import ROLES, Role, TransferKind
 from triptych.families import registry
+from triptych.families.base import Family
 
 
 @pytest.mark.parametrize("entry", registry.ENTRIES, ids=lambda e: e.name)
@@ -25,14 +26,16 @@ def test_each_entry_names_its_adapters_name_and_pipeline_class(entry):
     module = cls.__module__.rsplit(".", 1)[0]  # triptych.families.<family>
     for name, maker in entry.tiny:
         assert maker().__module__ == f"{module}.tiny", name
-    assert entry.teacache is not None and entry.teacache.__name__.endswith("_plan")
+    for adapter in (cls, *(v() for _, v in entry.variants)):  # the entry says what the adapter does
+        assert entry.teacache == (adapter.teacache_plan is not Family.teacache_plan), adapter.__name__
 
 
 def test_lookups_cover_every_entry_and_nothing_else():
     assert registry.supported() == sorted(e.pipeline for e in registry.ENTRIES)
     assert registry.tiny_names() == ["flux", "flux-schnell", "qwen-image", "qwen-image-edit", "wan-i2v", "wan-t2v"]
     assert registry.teacache_families() == sorted(e.name for e in registry.ENTRIES)
-    assert registry.teacache_plan("no-such-family") is None
+    assert all(registry.has_teacache(name) for name in registry.teacache_families())
+    assert registry.has_teacache("no-such-family") is False
     with pytest.raises(ValueError, match="unknown family 'sdxl'"):
         registry.make_tiny("sdxl", "unused")
 

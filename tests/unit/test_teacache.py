@@ -179,10 +179,10 @@ def test_state_store_counts_and_releases():
 
 
 def test_family_without_a_plan_is_named():
-    from triptych.engine.teacache import plan_for
+    from triptych.families.base import Family
 
-    class NoPlan:
+    class NoPlan:  # what a family that does not override teacache_plan answers
         name = "no-such-family"
 
-    with pytest.raises(ValueError, match="no-such-family"):
-        plan_for(NoPlan())
+    with pytest.raises(ValueError, match="'no-such-family' has no TeaCache plan"):
+        Family.teacache_plan(NoPlan())

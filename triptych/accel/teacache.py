@@ -34,10 +34,11 @@ batch (up to batch-composition rounding of ~1e-7 in the rel-L1 values).
 
 Adding a family: write ``triptych/families/<family>/teacache.py`` with ``make_plan(transformer) ->
 TeaCachePlan`` (see the FLUX one: ``describe`` is family-independent and can be reused), test that
-``head(e, blocks(e, None))`` equals the family's ``forward``, and name its ``plan_for`` as the
-``teacache`` of the family's entry in ``triptych.families.registry``. Modulated inputs used by the TeaCache reference code: Qwen-Image,
-the first block's ``img_mod(temb)`` shift/scale applied to ``img_norm1(hidden)``; Wan 2.1, the timestep
-embedding after ``time_projection`` (``e0``) or before it (``e``), per the paper's two variants.
+``head(e, blocks(e, None))`` equals the family's ``forward``, return it from the family's
+``Family.teacache_plan`` and set ``teacache=True`` on its entry in ``triptych.families.registry``.
+Modulated inputs used by the TeaCache reference code: Qwen-Image, the first block's ``img_mod(temb)``
+shift/scale applied to ``img_norm1(hidden)``; Wan 2.1, the timestep embedding after ``time_projection``
+(``e0``) or before it (``e``), per the paper's two variants.
 
 The polynomial comes from a calibration profile for the family and step schedule
 (:mod:`triptych.accel.teacache_profile`: the file format, its loader and lookup); without one a request
@@ -160,7 +161,7 @@ class TeaCache:
     :class:`~triptych.accel.teacache_profile.ProfileIndex`).
     Engine use::
 
-        tc = TeaCache(plan_for(family), profiles=ProfileIndex(model_dir, family.name))  # pipelines.teacache
+        tc = TeaCache(family.teacache_plan(), profiles=ProfileIndex(model_dir, family.name))
         tc.admit(rid, threshold=p.teacache_threshold, steps=p.steps)      # at join: raises InvalidParam
         family.denoise_step(batch, fuse_cfg=..., forward=tc.bind(family.forward))
         tc.release(rid)                                                    # finished / failed / aborted

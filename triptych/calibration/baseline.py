@@ -245,7 +245,8 @@ def compare_baseline(
     baseline tensors)."""
     from triptych.accel.teacache_profile import AUTO_THRESHOLD
     from triptych.core.identity import model_identity, model_revision
-    from triptych.engine.teacache import check_teacache, make_teacache
+    from triptych.engine.teacache import make_teacache
+    from triptych.families.teacache_check import check_teacache
 
     meta, tensors = load_baseline(directory)
     target = target or Target()

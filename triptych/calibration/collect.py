@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 import torch
 
 from triptych.accel.teacache import TeaCachePlan
-from triptych.engine.teacache import plan_for
 from triptych.families.base import Family, GenerationParams, Row
 
 DEFAULT_PROMPTS = (
@@ -86,7 +85,7 @@ def collect(
     (size, guidance, negative prompt / true CFG). Requests run ``batch_size`` at a time."""
     from triptych.engine import DenoiserEngine, EngineConfig
 
-    plan = plan or plan_for(family)
+    plan = plan or family.teacache_plan()
     base = base or GenerationParams(prompt="-")
     jobs = [(p, s) for p in prompts for s in seeds]
     trajectories: dict[tuple[str, str], Trajectory] = {}

@@ -156,7 +156,6 @@ def calibrate(
     """
     from triptych.accel.teacache import TeaCache
     from triptych.calibration.batch import Cases
-    from triptych.engine.teacache import plan_for
     from triptych.families.base import GenerationParams, Role
     from triptych.families.registry import load_family
 
@@ -172,7 +171,7 @@ def calibrate(
         cases = Cases(family, [p for p, _ in requests])
         scenes = [s for _, s in requests] if requests[0][1] is not None else None
         variants = list(variants or [(warmup, None, 0)])
-        plan = plan_for(family)
+        plan = family.teacache_plan()
         bar = _bar(progress, len(cases) * (1 + len(thresholds) * len(variants)), "calibrate sweep")
         result = sweep(
             lambda p: TeaCache(plan, profiles=lambda n: p),

@@ -108,8 +108,9 @@ def quality_report(
     """
     from triptych.calibration.batch import Cases, run_cases
     from triptych.calibration.sweep import fidelity, world_adherence
-    from triptych.engine.teacache import check_teacache, make_teacache
+    from triptych.engine.teacache import make_teacache
     from triptych.families.registry import load_family
+    from triptych.families.teacache_check import check_teacache
 
     model_dir = Path(model_dir)
     if images < 1:

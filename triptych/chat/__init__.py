@@ -1,5 +1,8 @@
-"""The VLM understanding path: chat about images with the encoder's own vision-language model."""
+"""The VLM understanding path: chat about images with the encoder's own vision-language model.
 
-from triptych.chat.vlm import ChatModel, ChatParams, ChatResult, ChatTurn
+The package exports the plain request and answer values (``triptych.chat.params``), which import without
+torch; the model that answers them is ``triptych.chat.vlm.ChatModel``."""
 
-__all__ = ["ChatModel", "ChatParams", "ChatResult", "ChatTurn"]
+from triptych.chat.params import ChatParams, ChatResult, ChatTurn
+
+__all__ = ["ChatParams", "ChatResult", "ChatTurn"]

@@ -28,12 +28,13 @@ import torch
 
 from triptych.chat.config import ChatEngineConfig
 from triptych.chat.kvbatch import KV, KVBatch, layers_of
+from triptych.chat.params import ChatParams, ChatResult
 from triptych.chat.prefill import Decode, Row, prefill
 from triptych.chat.prefix import Entry, PrefixCache
 from triptych.chat.prompt import Prompt, build_prompt, chunk_embeddings
 from triptych.chat.sampler import Sampler, pick
 from triptych.chat.stats import ChatEngineStats
-from triptych.chat.vlm import ChatModel, ChatParams, ChatResult, _Pieces
+from triptych.chat.vlm import ChatModel, _Pieces
 from triptych.mmcache.cache import tenant_scope
 
 logger = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from transformers import TemperatureLogitsWarper, TopPLogitsWarper
 
-from triptych.chat.vlm import GREEDY_BELOW, ChatParams
+from triptych.chat.params import GREEDY_BELOW, ChatParams
 
 
 class Sampler:

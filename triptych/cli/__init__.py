@@ -211,7 +211,8 @@ def _teacache(family, params):
     shipped ones (``cli_profiles``); ``auto`` says which profile and threshold it took."""
     from triptych.accel.teacache_profile import AUTO_THRESHOLD
     from triptych.cli.profiles import describe_auto, user_profiles_dir
-    from triptych.engine.teacache import check_teacache, make_teacache
+    from triptych.engine.teacache import make_teacache
+    from triptych.families.teacache_check import check_teacache
 
     profiles_dir = user_profiles_dir(family.model_dir)
     check_teacache(family, params, profiles_dir)

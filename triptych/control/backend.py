@@ -19,11 +19,15 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from triptych.chat import ChatParams, ChatResult
 from triptych.control.metrics import Metrics
 from triptych.core.errors import InvalidParam, TriptychError
-from triptych.families.base import Family, GenerationParams
+from triptych.families.params import GenerationParams
+
+if TYPE_CHECKING:  # the head holds a family without importing torch; a backend is given a loaded one
+    from triptych.families.base import Family
 
 logger = logging.getLogger(__name__)
 

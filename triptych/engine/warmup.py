@@ -71,10 +71,10 @@ def warm_up(family: Family, forward: Callable[[Sequence[Row]], torch.Tensor] | N
                 forward(batch)
         finally:
             family.lora.release("warm-up-lora")
-    from triptych.engine.teacache import has_plan, plan_for
+    from triptych.families.teacache_check import has_plan
 
     if has_plan(family):  # TeaCache computes a sub-batch of the rows: one masked row, and two
-        plan = plan_for(family)
+        plan = family.teacache_plan()
         plan.blocks(plan.embed(rows), torch.tensor([0]))
         plan.blocks(plan.embed(rows), torch.tensor([0, 1]))
     counts = compile_counts()

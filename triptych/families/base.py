@@ -24,7 +24,7 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -50,6 +50,9 @@ from triptych.families.types import (  # noqa: F401 - re-exported: the stage pro
     to_frames,
 )
 from triptych.mmcache.cache import MMCacheConfig
+
+if TYPE_CHECKING:
+    from triptych.accel.teacache import TeaCachePlan
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +149,12 @@ class Family(ABC):
             return f"--offload {offload} runs the transformer's own forward"
         return None
 
+    def teacache_plan(self) -> TeaCachePlan:
+        """This instance's TeaCache plan (``triptych.accel.teacache.TeaCachePlan``: its transformer's
+        forward split in four), for a loaded denoiser; raises ``ValueError`` where the family has none.
+        A family with one overrides this and sets its entry's ``teacache`` in ``families.registry``."""
+        raise ValueError(f"family {self.name!r} has no TeaCache plan")
+
     def warmup_latents(self, params: GenerationParams) -> torch.Tensor | None:
         """Random latents shaped like a denoised ``params`` request's, for warming up a compiled VAE
         decoder without a transformer (``engine/warmup.py``); None: no decoder warm-up."""
@@ -222,7 +231,7 @@ class Family(ABC):
         return False
 
     def chat_model(self):
-        """This instance's ``triptych.chat.ChatModel``, or None (no VLM loaded here)."""
+        """This instance's ``triptych.chat.vlm.ChatModel``, or None (no VLM loaded here)."""
         return None
 
     def vllm_export(self, out: Path, vision: str = "copy") -> Path:

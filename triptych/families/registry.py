@@ -1,9 +1,10 @@
 """The built-in families, one typed ``FamilyEntry`` each: which ``model_index.json`` ``_class_name``
-it serves, its adapter class, its tiny-model makers and its TeaCache plan; and the look-ups on them.
+it serves, its adapter class, its tiny-model makers and whether it has a TeaCache plan; and the
+look-ups on them.
 
-Nothing here imports a family at import time: each entry's ``adapter``, ``variants``, ``tiny`` and
-``teacache`` are plain functions that import the family's module when called (the CLI builds its
-``make-tiny`` choices from this table without importing torch)."""
+Nothing here imports a family at import time: each entry's ``adapter``, ``variants`` and ``tiny`` are
+plain functions that import the family's module when called (the CLI builds its ``make-tiny``
+choices from this table without importing torch)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ from triptych.core.errors import UnknownModel
 from triptych.families.geometry import model_defaults
 
 if TYPE_CHECKING:
-    from triptych.accel.teacache import TeaCachePlan
     from triptych.families.base import Family
 
 TinyMaker = Callable[..., Path]  # (out, seed=, size=) -> the model directory
@@ -35,29 +35,12 @@ class FamilyEntry:
     """The family's adapter class (imported when called)."""
     tiny: tuple[tuple[str, Callable[[], TinyMaker]], ...] = ()
     """``make-tiny --family NAME`` → the maker of a seeded tiny model of this family."""
-    teacache: Callable[[Family], TeaCachePlan] | None = None
-    """The family's TeaCache plan; None: the family has no TeaCache."""
+    teacache: bool = False
+    """Whether the family has a TeaCache plan (its adapter's ``Family.teacache_plan``): read without
+    importing the family (the head's check, the families a refusal names)."""
     variants: tuple[tuple[str, Callable[[], type[Family]]], ...] = ()
     """(``triptych.json`` key, adapter) for a checkpoint of this pipeline class whose ``triptych.json``
     sets the key true: one checkpoint trained for more than its class's job."""
-
-
-def _flux_plan(family):
-    from triptych.families.flux.teacache import plan_for
-
-    return plan_for(family)
-
-
-def _qwen_plan(family):
-    from triptych.families.qwenimage.teacache import plan_for
-
-    return plan_for(family)
-
-
-def _wan_plan(family):
-    from triptych.families.wan.teacache import plan_for
-
-    return plan_for(family)
 
 
 def _flux():
@@ -84,14 +67,14 @@ ENTRIES: tuple[FamilyEntry, ...] = (
         "FluxPipeline",
         adapter=lambda: _flux()[0].FluxFamily,
         tiny=(("flux", lambda: _flux()[1].make_tiny_flux), ("flux-schnell", lambda: _flux()[1].make_tiny_flux_schnell)),
-        teacache=_flux_plan,
+        teacache=True,
     ),
     FamilyEntry(
         "qwen-image",
         "QwenImagePipeline",
         adapter=lambda: _qwen()[0].QwenImageFamily,
         tiny=(("qwen-image", lambda: _qwen()[1].make_tiny_qwen_image),),
-        teacache=_qwen_plan,
+        teacache=True,
         variants=(("edits", lambda: _qwen()[2].QwenImageGenerateEditFamily),),
     ),
     FamilyEntry(
@@ -99,21 +82,21 @@ ENTRIES: tuple[FamilyEntry, ...] = (
         "QwenImageEditPipeline",
         adapter=lambda: _qwen()[0].QwenImageEditFamily,
         tiny=(("qwen-image-edit", lambda: _qwen()[1].make_tiny_qwen_image_edit),),
-        teacache=_qwen_plan,
+        teacache=True,
     ),
     FamilyEntry(
         "wan-t2v",
         "WanPipeline",
         adapter=lambda: _wan()[0].WanFamily,
         tiny=(("wan-t2v", lambda: _wan()[1].make_tiny_wan_t2v),),
-        teacache=_wan_plan,
+        teacache=True,
     ),
     FamilyEntry(
         "wan-i2v",
         "WanImageToVideoPipeline",
         adapter=lambda: _wan()[0].WanImageToVideoFamily,
         tiny=(("wan-i2v", lambda: _wan()[1].make_tiny_wan_i2v),),
-        teacache=_wan_plan,
+        teacache=True,
     ),
 )
 
@@ -138,13 +121,13 @@ def tiny_names() -> list[str]:
 
 def teacache_families() -> list[str]:
     """Names of the families with a TeaCache plan."""
-    return sorted(e.name for e in ENTRIES if e.teacache is not None)
+    return sorted(e.name for e in ENTRIES if e.teacache)
 
 
-def teacache_plan(name: str) -> Callable[[Family], TeaCachePlan] | None:
-    """The TeaCache plan of the family named ``name`` (``Family.name``); None when it has none."""
+def has_teacache(name: str) -> bool:
+    """Whether the family named ``name`` (``Family.name``) has a TeaCache plan."""
     entry = BY_NAME.get(name)
-    return entry.teacache if entry is not None else None
+    return entry is not None and entry.teacache
 
 
 def architecture(model_dir: str | Path) -> str:

@@ -24,8 +24,8 @@ from triptych.control.backend import GenerationJob
 from triptych.core import offload
 from triptych.core.errors import InvalidParam
 from triptych.core.media import decode_image
-from triptych.engine.teacache import check_teacache
-from triptych.families.base import GenerationParams
+from triptych.families.params import GenerationParams
+from triptych.families.teacache_check import check_teacache
 from triptych.head.state import TENANT, ClientGone, DeadlineExceeded, Head, ModelHead
 
 #: GenerationParams field → the API field a user set.

@@ -25,8 +25,7 @@ import httpx
 import numpy as np
 import torch
 
-from triptych.chat import ChatParams, ChatResult
-from triptych.chat.vlm import GREEDY_BELOW
+from triptych.chat.params import GREEDY_BELOW, ChatParams, ChatResult
 from triptych.core.errors import InvalidParam, TriptychError
 
 logger = logging.getLogger(__name__)

@@ -8,6 +8,7 @@ import torch
 from diffusers import FluxPipeline
 from diffusers.image_processor import VaeImageProcessor
 
+from triptych.accel.teacache import TeaCachePlan
 from triptych.core.errors import InvalidParam
 from triptych.families.base import (
     COND,
@@ -24,6 +25,7 @@ from triptych.families.flux import decode as dec
 from triptych.families.flux import denoise as den
 from triptych.families.flux import encode as enc
 from triptych.families.flux import fast
+from triptych.families.flux import teacache as tea
 from triptych.families.geometry import model_defaults, read_json, vae_config
 
 
@@ -122,6 +124,9 @@ class FluxFamily(Family):
         if self.step_tables and not params.lora:
             state.step_consts = fast.request_tables(self.pipe.transformer, state)
         return state
+
+    def teacache_plan(self) -> TeaCachePlan:
+        return tea.make_plan(self.pipe.transformer)
 
     @torch.no_grad()
     def forward(self, rows: Sequence[Row]) -> torch.Tensor:

@@ -86,8 +86,3 @@ def make_plan(transformer) -> TeaCachePlan:
         return t.proj_out(t.norm_out(hidden, e.temb))
 
     return TeaCachePlan("flux", describe, embed, modulated_input, blocks, head)
-
-
-def plan_for(family) -> TeaCachePlan:
-    """The plan for a loaded ``FluxFamily`` (denoiser role)."""
-    return make_plan(family.pipe.transformer)

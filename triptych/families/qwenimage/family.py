@@ -17,6 +17,7 @@ import torch
 from diffusers import QwenImageEditPipeline, QwenImagePipeline
 from diffusers.image_processor import VaeImageProcessor
 
+from triptych.accel.teacache import TeaCachePlan
 from triptych.core.errors import InvalidParam, TriptychError
 from triptych.core.identity import model_identity
 from triptych.families.base import (
@@ -35,6 +36,7 @@ from triptych.families.qwenimage import decode as dec
 from triptych.families.qwenimage import denoise as den
 from triptych.families.qwenimage import encode as enc
 from triptych.families.qwenimage import fast
+from triptych.families.qwenimage import teacache as tea
 
 DEFAULT_NEGATIVE_PROMPT = " "
 
@@ -122,7 +124,7 @@ class QwenImageFamily(Family):
             and self.processor is not None
             and self.supports_chat
         ):
-            from triptych.chat import ChatModel
+            from triptych.chat.vlm import ChatModel
 
             # The shipped default captioner knows image-then-text only: its triptych.json says
             # "chat_parts": "image-first" (a user's model does not, and gets its messages as sent).
@@ -222,6 +224,11 @@ class QwenImageFamily(Family):
         return fast.FastForward(
             self.pipe.transformer, self.pipe.vae_scale_factor, self._idle_hooks, device, self.speed.cuda_graphs
         )
+
+    def teacache_plan(self) -> TeaCachePlan:
+        """Rows with step tables take the fast forward's pieces in the plan, as they take it in ``forward``."""
+        quick = self._fast if self.step_tables else None
+        return tea.make_plan(self.pipe.transformer, self.pipe.vae_scale_factor, self.name, quick)
 
     def _idle_hooks(self) -> frozenset[int]:
         """The LoRA runtime's hooks: they add nothing to a forward without adapter rows (``fast.usable``)."""

@@ -122,9 +122,3 @@ def make_plan(transformer, vae_scale_factor: int, family_name: str = "qwen-image
         return t.proj_out(t.norm_out(hidden, temb))[:, : e.noise_tokens]
 
     return TeaCachePlan(family_name, describe, embed, modulated_input, blocks, head)
-
-
-def plan_for(family) -> TeaCachePlan:
-    """The plan for a loaded ``QwenImageFamily`` or ``QwenImageEditFamily`` (denoiser role)."""
-    quick = family._fast if family.step_tables else None
-    return make_plan(family.pipe.transformer, family.pipe.vae_scale_factor, family.name, quick)

@@ -15,6 +15,7 @@ import torch
 from diffusers import WanImageToVideoPipeline, WanPipeline
 from diffusers.video_processor import VideoProcessor
 
+from triptych.accel.teacache import TeaCachePlan
 from triptych.core.errors import InvalidParam
 from triptych.families.base import Conditioning, DenoiseState, Family, Frames, GenerationParams, Role, Row
 from triptych.families.geometry import model_defaults, read_json, vae_config
@@ -22,6 +23,7 @@ from triptych.families.wan import decode as dec
 from triptych.families.wan import denoise as den
 from triptych.families.wan import encode as enc
 from triptych.families.wan import fast
+from triptych.families.wan import teacache as tea
 
 # Pipeline ``__call__`` defaults, for checkpoints without a ``triptych.json``.
 PIPELINE_DEFAULTS = {"height": 480, "width": 832, "frames": 81, "steps": 50, "guidance": 5.0}
@@ -152,6 +154,11 @@ class WanFamily(Family):
     @functools.cached_property
     def _fast(self) -> fast.FastForward:
         return fast.FastForward(self.pipe.transformer)
+
+    def teacache_plan(self) -> TeaCachePlan:
+        """Rows with step tables take the fast forward's pieces in the plan, as they take it in ``forward``."""
+        quick = self._fast if self.step_tables else None
+        return tea.make_plan(self.pipe.transformer, self.name, quick)
 
     @torch.no_grad()
     def forward(self, rows: Sequence[Row]) -> torch.Tensor:

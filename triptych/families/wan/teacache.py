@@ -112,9 +112,3 @@ def make_plan(transformer, family_name: str = "wan-t2v", quick=None) -> TeaCache
         return hidden.flatten(6, 7).flatten(4, 5).flatten(2, 3)
 
     return TeaCachePlan(family_name, describe, embed, modulated_input, blocks, head)
-
-
-def plan_for(family) -> TeaCachePlan:
-    """The plan for a loaded ``WanFamily`` or ``WanImageToVideoFamily`` (denoiser role)."""
-    quick = family._fast if family.step_tables else None
-    return make_plan(family.pipe.transformer, family.name, quick)
