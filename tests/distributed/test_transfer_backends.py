@@ -30,7 +30,9 @@ from triptych.transfer.messages import WriteClaim, WriteDone
 
 BACKENDS = [pytest.param("zmq"), pytest.param("mooncake", marks=NEEDS_MOONCAKE)]
 # Small staging so tensors above 64 KiB exercise Mooncake's chunked writes.
-CONFIG = TransferConfig(max_slots=8, max_bytes=1 << 20, staging_bytes=64 << 10, poll_interval_s=0.01)
+# An explicit token: the spawned sender (its own import of this module) must share it.
+TOKEN = "transfer-test-token-" + "0" * 44
+CONFIG = TransferConfig(max_slots=8, max_bytes=1 << 20, staging_bytes=64 << 10, poll_interval_s=0.01, token=TOKEN)
 DTYPES = [torch.float32, torch.bfloat16, torch.int64]
 SHAPES = [(), (7,), (3, 4, 5), (160, 200), (0, 3)]
 
@@ -243,11 +245,11 @@ def test_unknown_backend_kind_raises():
 def test_claimed_range_is_parked_until_the_write_ends():
     with make_endpoint("mooncake", "rx", CONFIG) as rx, make_endpoint("mooncake", "tx", CONFIG) as tx:
         ref = rx.reserve("parked", torch.float32, (4,), "tx", 10)
-        tx.sender.request(ref, WriteClaim(1, "parked", "tx", ref.nbytes), [], 10)
+        tx.sender.request(ref, WriteClaim(1, "parked", "tx", ref.nbytes, ref.request, ref.slot), [], 10)
         rx.cancel("parked")
         assert rx.pool.is_full_capacity() and not rx.idle()  # range held for the in-flight write
         with pytest.raises(TransferRejected, match="released before the write"):
-            tx.sender.request(ref, WriteDone(2, "parked", "tx", ref.nbytes, False), [], 10)
+            tx.sender.request(ref, WriteDone(2, "parked", "tx", ref.nbytes, False, ref.request, ref.slot), [], 10)
         assert rx.idle()
 
 
