@@ -6,6 +6,7 @@ receiver is back at full capacity (no slot, no arena range, nothing parked).
 
 import multiprocessing as mp
 import threading
+from dataclasses import replace
 
 import msgspec
 import pytest
@@ -29,9 +30,9 @@ from triptych.transfer import (
 from triptych.transfer.messages import WriteClaim, WriteDone
 
 BACKENDS = [pytest.param("zmq"), pytest.param("mooncake", marks=NEEDS_MOONCAKE)]
-# Small staging so tensors above 64 KiB exercise Mooncake's chunked writes.
 # An explicit token: the spawned sender (its own import of this module) must share it.
 TOKEN = "transfer-test-token-" + "0" * 44
+# Small staging so tensors above 64 KiB exercise Mooncake's chunked writes.
 CONFIG = TransferConfig(max_slots=8, max_bytes=1 << 20, staging_bytes=64 << 10, poll_interval_s=0.01, token=TOKEN)
 DTYPES = [torch.float32, torch.bfloat16, torch.int64]
 SHAPES = [(), (7,), (3, 4, 5), (160, 200), (0, 3)]
@@ -239,6 +240,24 @@ def test_auto_on_a_loopback_host_is_zmq_which_binds_only_that_host():
 def test_unknown_backend_kind_raises():
     with pytest.raises(ValueError, match="nccl"):
         make_endpoint("nccl", "x", CONFIG)  # type: ignore[arg-type]
+
+
+def test_a_peer_with_another_token_writes_nothing_into_a_reserved_slot(pair):
+    """Its push (a frame, or a Mooncake claim before any write) is refused; the slot's memory is as
+    it was, and the real sender's bytes land."""
+    rx, tx = pair
+    with make_endpoint(rx.kind, "tx", replace(CONFIG, token="s" * 64)) as stranger:  # it claims tx's id
+        sent = sample(torch.float32, (64, 8))
+        ref = rx.reserve("guarded", sent.dtype, sent.shape, "tx", 10)
+        entry = rx._entries["guarded"]
+        before = None if entry.offset is None else rx.carrier.read(entry.offset, ref)
+        with pytest.raises(TransferRejected, match="refused$"):
+            stranger.push(ref, torch.full_like(sent, -7.0))
+        if before is not None:  # Mooncake: nothing was written into the arena range
+            assert same_bytes(rx.carrier.read(entry.offset, ref), before)
+        assert rx.stats.unauthenticated == 1 and rx.stats.pushes_received == 0
+        tx.push(ref, sent)
+        assert same_bytes(rx.wait_ready("guarded", 10), sent)
 
 
 @NEEDS_MOONCAKE
