@@ -4,6 +4,7 @@ Receiver side (owns buffers): `reserve` -> hand the `TensorRef` to the sender ov
 plane -> `wait_ready` returns the tensor and releases the slot. `release`/`cancel` free a slot
 early; `reclaim_peer` frees every slot of a dead sender.
 Sender side: `push(ref, tensor)` returns once the receiver acknowledged the bytes, or raises.
+Only an endpoint built with the receiver's token can fill its slots (``capability``).
 """
 
 from __future__ import annotations
