@@ -32,8 +32,9 @@ from triptych.core.errors import shown
 
 logger = logging.getLogger(__name__)
 
-#: Largest control frame the head reads (``zmq.MAXMSGSIZE``): above any worker's legitimate message.
-MAX_FRAME_BYTES = 256 << 20
+#: Largest control frame the head reads (``zmq.MAXMSGSIZE``): above any worker's legitimate message
+#: (a decoder fails a request whose media would not fit, ``protocol.MAX_MEDIA_BYTES``).
+MAX_FRAME_BYTES = P.MAX_FRAME_BYTES
 #: Longest instance id a refusal echoes back.
 _ECHO_ID = 256
 
