@@ -41,9 +41,12 @@ from triptych.families.base import Role  # noqa: E402
 from triptych.families.models import PACKAGED_DEFAULT  # noqa: E402
 from triptych.families.registry import family_class  # noqa: E402
 from triptych.mmcache.cache import MMCacheConfig  # noqa: E402
+from triptych.transfer import TransferConfig  # noqa: E402
 from triptych.transfer.peer import PeerEndpoint  # noqa: E402
 from triptych.worker import mm_remote  # noqa: E402
 from triptych.worker.runners.encoder import EncoderRunner  # noqa: E402
+
+CONFIG = TransferConfig()  # one token for every encoder
 
 
 class Encoder:
@@ -51,7 +54,7 @@ class Encoder:
         self.family = family_class(PACKAGED_DEFAULT)(
             PACKAGED_DEFAULT, roles={Role.ENCODER}, mm_cache_config=MMCacheConfig()
         )
-        self.endpoint = PeerEndpoint(name)
+        self.endpoint = PeerEndpoint(name, CONFIG)
         mm_remote.attach(self.family.mm_cache, self.endpoint, timeout_s=5.0)
         self.port = EncoderPort(keep_deltas=False)
         self.port.instance_id = name

@@ -6,6 +6,7 @@ receiver is back at full capacity (no slot, no arena range, nothing parked).
 
 import multiprocessing as mp
 import threading
+from dataclasses import replace
 
 import msgspec
 import pytest
@@ -29,8 +30,10 @@ from triptych.transfer import (
 from triptych.transfer.messages import WriteClaim, WriteDone
 
 BACKENDS = [pytest.param("zmq"), pytest.param("mooncake", marks=NEEDS_MOONCAKE)]
+# An explicit token: the spawned sender (its own import of this module) must share it.
+TOKEN = "transfer-test-token-" + "0" * 44
 # Small staging so tensors above 64 KiB exercise Mooncake's chunked writes.
-CONFIG = TransferConfig(max_slots=8, max_bytes=1 << 20, staging_bytes=64 << 10, poll_interval_s=0.01)
+CONFIG = TransferConfig(max_slots=8, max_bytes=1 << 20, staging_bytes=64 << 10, poll_interval_s=0.01, token=TOKEN)
 DTYPES = [torch.float32, torch.bfloat16, torch.int64]
 SHAPES = [(), (7,), (3, 4, 5), (160, 200), (0, 3)]
 
@@ -239,15 +242,33 @@ def test_unknown_backend_kind_raises():
         make_endpoint("nccl", "x", CONFIG)  # type: ignore[arg-type]
 
 
+def test_a_peer_with_another_token_writes_nothing_into_a_reserved_slot(pair):
+    """Its push (a frame, or a Mooncake claim before any write) is refused; the slot's memory is as
+    it was, and the real sender's bytes land."""
+    rx, tx = pair
+    with make_endpoint(rx.kind, "tx", replace(CONFIG, token="s" * 64)) as stranger:  # it claims tx's id
+        sent = sample(torch.float32, (64, 8))
+        ref = rx.reserve("guarded", sent.dtype, sent.shape, "tx", 10)
+        entry = rx._entries["guarded"]
+        before = None if entry.offset is None else rx.carrier.read(entry.offset, ref)
+        with pytest.raises(TransferRejected, match="refused$"):
+            stranger.push(ref, torch.full_like(sent, -7.0))
+        if before is not None:  # Mooncake: nothing was written into the arena range
+            assert same_bytes(rx.carrier.read(entry.offset, ref), before)
+        assert rx.stats.unauthenticated == 1 and rx.stats.pushes_received == 0
+        tx.push(ref, sent)
+        assert same_bytes(rx.wait_ready("guarded", 10), sent)
+
+
 @NEEDS_MOONCAKE
 def test_claimed_range_is_parked_until_the_write_ends():
     with make_endpoint("mooncake", "rx", CONFIG) as rx, make_endpoint("mooncake", "tx", CONFIG) as tx:
         ref = rx.reserve("parked", torch.float32, (4,), "tx", 10)
-        tx.sender.request(ref, WriteClaim(1, "parked", "tx", ref.nbytes), [], 10)
+        tx.sender.request(ref, WriteClaim(1, "parked", "tx", ref.nbytes, ref.request, ref.slot), [], 10)
         rx.cancel("parked")
         assert rx.pool.is_full_capacity() and not rx.idle()  # range held for the in-flight write
         with pytest.raises(TransferRejected, match="released before the write"):
-            tx.sender.request(ref, WriteDone(2, "parked", "tx", ref.nbytes, False), [], 10)
+            tx.sender.request(ref, WriteDone(2, "parked", "tx", ref.nbytes, False, ref.request, ref.slot), [], 10)
         assert rx.idle()
 
 

@@ -104,6 +104,24 @@ def test_a_body_that_is_not_an_object_is_named_as_such(tmp_path):
     assert resp.status_code == 400 and "must be a JSON object" in message and "None=" not in message
 
 
+def test_an_empty_body_is_named_as_missing_not_as_field_none(tmp_path):
+    _, server = make_server(tmp_path)
+    with server as base:
+        resp = httpx.post(f"{base}/v1/images/generations", content=b"", headers={"content-type": "application/json"})
+    message = resp.json()["error"]["message"]
+    assert resp.status_code == 400 and "missing request body" in message and "None" not in message, message
+
+
+def test_include_usage_must_be_a_boolean(tmp_path):
+    _, server = make_server(tmp_path)
+    body = {"messages": [{"role": "user", "content": "hi"}], "stream": True, "stream_options": {"include_usage": "yes"}}
+    with server as base:
+        resp = httpx.post(f"{base}/v1/chat/completions", json=body)
+    error = resp.json()["error"]
+    assert resp.status_code == 400 and error["param"] == "stream_options.include_usage", error
+    assert "'yes'" in error["message"] and "bool" in error["message"], error["message"]
+
+
 def test_sizes_take_ascii_digits_only(tmp_path):
     _, server = make_server(tmp_path)
     with server as base:

@@ -14,15 +14,18 @@ from tests.helpers import EncoderPort
 from tests.pipelines.test_encoder_layer import drain, edit_task, images, load
 from triptych.control import protocol as P
 from triptych.control.affinity import ImageAffinity
+from triptych.transfer import TransferConfig
 from triptych.transfer.peer import PeerEndpoint
 from triptych.worker.mm_remote import attach
 from triptych.worker.runners.encoder import EncoderRunner
+
+CONFIG = TransferConfig()  # one token for both sides
 
 
 class Side:
     def __init__(self, name: str):
         self.family = load()
-        self.endpoint = PeerEndpoint(name)
+        self.endpoint = PeerEndpoint(name, CONFIG)
         self.remote = attach(self.family.mm_cache, self.endpoint, 10.0)
         self.port = EncoderPort()
         self.port.instance_id = name

@@ -17,12 +17,14 @@ from triptych.transfer import TensorSpec, TransferConfig
 from triptych.transfer.peer import PeerEndpoint
 from triptych.worker.mm_remote import attach
 
+CONFIG = TransferConfig(poll_interval_s=0.01)  # one token for every encoder
+
 
 class Encoder:
     def __init__(self, name: str, timeout_s: float = 5.0):
         self.enc = Toy()
         self.cache = install(self.enc, MMEmbeddingCache(1 << 20, scope="toy"))
-        self.endpoint = PeerEndpoint(name, TransferConfig(poll_interval_s=0.01))
+        self.endpoint = PeerEndpoint(name, CONFIG)
         self.remote = attach(self.cache, self.endpoint, timeout_s)
 
     def hint_for(self, key: str, tensor: torch.Tensor, tenant: str = "") -> MMHint:

@@ -129,3 +129,15 @@ def test_abort_forgets_previews_and_a_new_generation_starts_clean(runner):
     runner.accept(retry)
     runner.arrived(runner.port.jobs["r1"], {"latents": torch.ones(1, 1)})
     assert drain(runner) == ["MediaResult"]
+
+
+def test_media_too_large_for_a_control_frame_fails_the_request_naming_the_limit(runner, monkeypatch):
+    """The head drops a frame above its limit unread; the decoder says why instead of sending it."""
+    monkeypatch.setattr(P, "MAX_MEDIA_BYTES", 64)  # a 16x16 PNG is larger
+    failures = []
+    runner.port.fail = lambda job, error, retryable: failures.append((str(error), retryable))
+    runner.accept(DECODE)
+    runner.arrived(runner.port.jobs["r1"], {"latents": torch.ones(1, 1)})
+    assert drain(runner) == [] and len(failures) == 1
+    message, retryable = failures[0]
+    assert "above the 64 a result may carry" in message and retryable is False

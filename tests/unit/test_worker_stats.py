@@ -105,6 +105,23 @@ def test_windows_feed_the_denoiser_and_transfer_series():
     assert 'instance="den-m"' not in metrics.render().decode()
 
 
+def test_refused_transfers_are_counted_by_reason():
+    def refused(unauthenticated: int, replays: int, other: int) -> TransferStats:
+        stats = TransferStats(backend="zmq")
+        stats.add(rejected_pushes=unauthenticated + replays + other, unauthenticated=unauthenticated)
+        stats.add(replays_refused=replays)
+        return stats
+
+    reasons = ("unauthenticated", "replay", "other")
+    before = {r: sample("triptych_transfer_refused_total", f'{{reason="{r}"}}') for r in reasons}
+    prev = P.StatsReport(instance_id="den-r", uptime_s=1.0, engine=None, transfer=refused(2, 1, 0))
+    cur = P.StatsReport(instance_id="den-r", uptime_s=2.0, engine=None, transfer=refused(7, 4, 2))
+    metrics.record_worker_window(stats_window("denoiser", prev, cur))
+    after = {r: sample("triptych_transfer_refused_total", f'{{reason="{r}"}}') - before[r] for r in reasons}
+    assert after == {"unauthenticated": 5, "replay": 3, "other": 2}
+    metrics.forget_instance("den-r")
+
+
 def test_mm_cache_counters_become_deltas_and_its_size_a_gauge():
     before = {r: sample("triptych_mm_cache_lookups_total", f'{{result="{r}"}}') for r in ("hits", "misses")}
     prev = P.StatsReport(

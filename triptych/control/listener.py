@@ -8,6 +8,11 @@ it into a typed worker message (a malformed one is counted and dropped), and che
 not sealed under a challenge it issued to that socket, and drops a replayed frame or one from a
 socket its instance was not bound to (``replays_refused``) or from a session its instance replaced
 (``stale_session``). The rest goes to ``on_message``. It knows nothing of instances or requests.
+
+Bounded input: a frame larger than ``MAX_FRAME_BYTES`` (above the largest legitimate message, a
+decoded video in a ``MediaResult``) makes ZMQ drop its peer before the frame is read whole
+(``zmq.MAXMSGSIZE``); an id a peer sends is logged cut and escaped (``shown``), and a refusal
+echoes it cut.
 """
 
 from __future__ import annotations
@@ -23,8 +28,15 @@ from triptych.control import protocol as P
 from triptych.control.auth import ControlKey
 from triptych.control.counters import ControlCounters
 from triptych.control.sessions import SessionTable, Verdict
+from triptych.core.errors import shown
 
 logger = logging.getLogger(__name__)
+
+#: Largest control frame the head reads (``zmq.MAXMSGSIZE``): above any worker's legitimate message
+#: (a decoder fails a request whose media would not fit, ``protocol.MAX_MEDIA_BYTES``).
+MAX_FRAME_BYTES = P.MAX_FRAME_BYTES
+#: Longest instance id a refusal echoes back.
+_ECHO_ID = 256
 
 
 class ControlPlane:
@@ -59,6 +71,7 @@ class ControlPlane:
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         self._sock.bind(f"tcp://{self.host}:{self.port or '*'}")
         self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._task = asyncio.create_task(self._recv_loop())
@@ -120,7 +133,7 @@ class ControlPlane:
             msg = P.decode_from_worker(payload)
         except P.ProtocolError as e:
             self.counters.malformed += 1
-            logger.warning("dropped a control frame from %r: %s", identity[:64], e)
+            logger.warning("dropped a control frame from %s: %s", shown(identity), shown(str(e), 200))
             return
         if isinstance(msg, P.Hello):
             self.send_to(
@@ -159,7 +172,8 @@ class ControlPlane:
         self.counters.replays_refused += 1
         n = self.counters.replays_refused
         log = logger.warning if n == 1 or n % 1000 == 0 else logger.debug
-        log("dropped %s for %s from %r: %s (%d so far)", type(msg).__name__, msg.instance_id, identity[:64], why, n)
+        name, who = type(msg).__name__, shown(msg.instance_id)
+        log("dropped %s for %s from %s: %s (%d so far)", name, who, shown(identity), why, n)
 
     def _unauthenticated(self, identity: bytes, frames: list[bytes]) -> None:
         self.counters.unauthenticated += 1
@@ -168,12 +182,16 @@ class ControlPlane:
         except P.ProtocolError:
             return
         if isinstance(msg, P.Hello | P.Register):  # tell it why, unsigned: a refusal grants nothing
-            logger.warning(
-                "refused %s: its control frames are not signed with this deployment's token", msg.instance_id
-            )
+            n = self.counters.unauthenticated
+            if n == 1 or n % 1000 == 0:
+                logger.warning(
+                    "refused %s: its control frames are not signed with this deployment's token (%d so far)",
+                    shown(msg.instance_id),
+                    n,
+                )
             reason = "wrong or missing control-plane token (--token), or a worker older than this head"
             refusal = P.RegisterAck(
-                instance_id=msg.instance_id, accepted=False, reason=reason, heartbeat_interval_s=0.0
+                instance_id=msg.instance_id[:_ECHO_ID], accepted=False, reason=reason, heartbeat_interval_s=0.0
             )
             if self._sock is not None:
                 self._sock.send_multipart([identity, P.encode(refusal), b""])

@@ -28,6 +28,7 @@ from prometheus_client.metrics_core import Metric
 from triptych.control.metrics_hist import ReportedHistogram
 from triptych.control.metrics_lora import LoraMetrics
 from triptych.control.metrics_remote import RemoteMetrics
+from triptych.control.metrics_transfer import TransferRefusals
 from triptych.core.buckets import PUSH_SECONDS_BOUNDS, STEP_SECONDS_BOUNDS
 
 if TYPE_CHECKING:
@@ -153,6 +154,7 @@ class Metrics:
             "triptych_encoder_cache_entries", "Entries in an encoder-layer tier", ["tier", "instance"], registry=r
         )
         self.encoder_remote = RemoteMetrics(r)  # cross-encoder embedding hits
+        self.transfer_refused = TransferRefusals(r)  # what the workers' endpoints refused
         self.vision_forwards = Counter(
             "triptych_vision_tower_forwards",
             "Vision-tower forwards the encoders ran (a batch of many images counts one)",
@@ -235,6 +237,7 @@ class Metrics:
         if t.pushes_sent > 0:
             self.transfer_bytes.labels(t.backend).inc(t.bytes_sent)
             self.transfer_latency.add(t.push_buckets, t.push_seconds, [t.backend])
+        self.transfer_refused.record(t)
         c = window.mm_cache
         if c is not None:
             for result in ("hits", "misses", "bypassed"):

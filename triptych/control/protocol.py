@@ -175,8 +175,14 @@ class TickReport(msgspec.Struct, kw_only=True, frozen=True, tag="tick_report"):
     progress: tuple[StepProgress, ...]
 
 
+#: Largest control frame the head reads; a ``MediaResult``'s bytes stay below it by a MiB of envelope.
+MAX_FRAME_BYTES = 256 << 20
+MAX_MEDIA_BYTES = MAX_FRAME_BYTES - (1 << 20)
+
+
 class MediaResult(WorkerReply, kw_only=True, frozen=True, tag="media_result"):
-    """The decoder's encoded output (media bytes may pass through the head; tensors never do)."""
+    """The decoder's encoded output (media bytes may pass through the head; tensors never do;
+    at most ``MAX_MEDIA_BYTES``)."""
 
     data: bytes  # PNG/JPEG/WebP/MP4 bytes
     output_format: str

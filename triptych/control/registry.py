@@ -23,6 +23,7 @@ from triptych.control.dispatch import DispatchPolicy, Instance, make_policy
 from triptych.control.listener import ControlPlane
 from triptych.control.metrics import Metrics
 from triptych.control.worker_stats import stats_window
+from triptych.core.errors import shown
 from triptych.core.kinds import ROLES, Role
 
 logger = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ class InstanceRegistry:
                 "registered %s %s (capacity %d, %s at %s)", m.role, m.instance_id, m.capacity, m.transfer, m.data
             )
         else:
-            logger.warning("refused %s: %s", m.instance_id, reason)
+            logger.warning("refused %s: %s", shown(m.instance_id), reason)
         ack = P.RegisterAck(
             instance_id=m.instance_id,
             accepted=reason is None,
@@ -107,7 +108,7 @@ class InstanceRegistry:
         inst = self.instances.get(msg.instance_id)
         if inst is None:
             self.counters.from_unknown_instance += 1
-            logger.debug("message from unknown instance %s dropped", msg.instance_id)
+            logger.debug("message from unknown instance %s dropped", shown(msg.instance_id))
             if not isinstance(msg, P.Heartbeat):  # the heartbeat socket never reads: answer the control one
                 self._tell_rejoin(identity, msg.instance_id)
             return None
@@ -157,7 +158,9 @@ class InstanceRegistry:
             return
         self._rejoin_sent[instance_id] = now
         self.counters.rejoins_requested += 1
-        logger.warning("%s is alive but not registered (declared dead earlier?); asking it to rejoin", instance_id)
+        logger.warning(
+            "%s is alive but not registered (declared dead earlier?); asking it to rejoin", shown(instance_id)
+        )
         self.control.send_to(identity, P.Rejoin(reason="not registered with this head"))
 
     def describe(self) -> list[dict]:

@@ -171,7 +171,7 @@ class ChatMessageIn(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # strict like its request: "yes" is no bool
     include_usage: bool | None = None
 
 

@@ -82,7 +82,9 @@ def validation_message(errors) -> tuple[str, str | None]:
         name = shown_name(".".join(loc)) or None
         if err.get("type") != "json_invalid":
             first = first or name
-        if err.get("type") == "missing":
+        if err.get("type") == "missing" and name is None:  # no body at all (or an empty one)
+            parts.append("missing request body: must be a JSON object with this endpoint's fields")
+        elif err.get("type") == "missing":
             parts.append(f"missing required field {name}")
         elif err.get("type") == "json_invalid":
             parts.append(f"request body is not valid JSON ({err.get('ctx', {}).get('error', 'parse error')})")

@@ -4,13 +4,15 @@ Receiver side (owns buffers): `reserve` -> hand the `TensorRef` to the sender ov
 plane -> `wait_ready` returns the tensor and releases the slot. `release`/`cancel` free a slot
 early; `reclaim_peer` frees every slot of a dead sender.
 Sender side: `push(ref, tensor)` returns once the receiver acknowledged the bytes, or raises.
+Only an endpoint built with the receiver's token can fill its slots (``capability``).
 """
 
 from __future__ import annotations
 
 import abc
+import secrets
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,6 +38,10 @@ class TransferConfig:
     """Receiver loop tick: the latency with which expired reservations are released."""
     staging_bytes: int = 16 << 20
     """Mooncake sender staging buffer; larger tensors are written in chunks of this size."""
+    token: str = field(default_factory=lambda: secrets.token_hex(32), repr=False)
+    """The deployment token the slots' capabilities derive from (``capability``): only endpoints
+    built with the same token can fill each other's slots. Default: a fresh random one, so an
+    endpoint built without the deployment's token talks only to endpoints sharing its config."""
 
     def __post_init__(self) -> None:
         if self.max_slots < 1:
@@ -48,6 +54,8 @@ class TransferConfig:
             raise ValueError(f"poll_interval_s={self.poll_interval_s} must be in (0, 1]")
         if self.staging_bytes < 4096:
             raise ValueError(f"staging_bytes={self.staging_bytes} must be >= 4096")
+        if len(self.token) < 16:
+            raise ValueError("token must be the deployment token (at least 16 characters)")
 
 
 class TransferEndpoint(abc.ABC):
@@ -69,10 +77,16 @@ class TransferEndpoint(abc.ABC):
     # -- receiver ------------------------------------------------------------------------------
     @abc.abstractmethod
     def reserve(
-        self, transfer_id: str, dtype: torch.dtype, shape: Sequence[int], peer: str, timeout_s: float
+        self,
+        transfer_id: str,
+        dtype: torch.dtype,
+        shape: Sequence[int],
+        peer: str,
+        timeout_s: float,
+        request: str = "",
     ) -> TensorRef:
-        """Reserve a slot that only `peer` may fill within `timeout_s`; raises SlotUnavailable
-        or DuplicateTransfer."""
+        """Reserve a slot that only `peer`, holding the slot's capability (bound to `request`), may
+        fill within `timeout_s`; raises SlotUnavailable or DuplicateTransfer."""
 
     @abc.abstractmethod
     def wait_ready(self, transfer_id: str, timeout_s: float | None = None) -> torch.Tensor:
@@ -108,13 +122,14 @@ class TransferEndpoint(abc.ABC):
 
     # -- bundles: several tensors of one request -------------------------------------------------
     def reserve_bundle(
-        self, prefix: str, specs: Mapping[str, TensorSpec], peer: str, timeout_s: float
+        self, prefix: str, specs: Mapping[str, TensorSpec], peer: str, timeout_s: float, request: str = ""
     ) -> dict[str, TensorRef]:
         """Reserve one slot per named tensor (ids `prefix/name`); all or nothing."""
         refs: dict[str, TensorRef] = {}
         try:
             for name, spec in specs.items():
-                refs[name] = self.reserve(f"{prefix}/{name}", dtype_from_name(spec.dtype), spec.shape, peer, timeout_s)
+                dtype = dtype_from_name(spec.dtype)
+                refs[name] = self.reserve(f"{prefix}/{name}", dtype, spec.shape, peer, timeout_s, request)
         except TransferError:
             for ref in refs.values():
                 self.release(ref.transfer_id)

@@ -5,12 +5,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+import msgspec
 import zmq
 
+from triptych.core.errors import shown
 from triptych.transfer.errors import TransferTimeout
-from triptych.transfer.messages import ACK_DECODER, ENCODER, Ack, Request
+from triptych.transfer.messages import ACK_DECODER, ENCODER, MAX_ACK_BYTES, Ack, Request
 
 logger = logging.getLogger(__name__)
 
@@ -23,22 +25,29 @@ class PeerChannel:
         self.lock = threading.Lock()
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_ACK_BYTES)
         self.sock.connect(address)
 
-    def request(self, msg: Request, payload: Sequence[object], timeout_s: float) -> Ack:
+    def request(self, msg: Request, seal: Callable[[bytes], bytes], payload: Sequence[object], timeout_s: float) -> Ack:
+        """Send ``[header, seal(header), *payload]`` and wait for its Ack (``seal``: the slot's MAC)."""
+        header = ENCODER.encode(msg)
         with self.lock:
             # NOTE: copy=False keeps a reference to the tensor memory until ZMQ sent it; the caller
             # keeps the tensor alive and unmodified until the Ack, which implies it was sent.
-            self.sock.send_multipart([ENCODER.encode(msg), *payload], copy=False)
+            self.sock.send_multipart([header, seal(header), *payload], copy=False)
             end = time.monotonic() + timeout_s
             while (remaining := end - time.monotonic()) > 0:
                 if not self.sock.poll(remaining * 1000, zmq.POLLIN):
                     break
-                ack = ACK_DECODER.decode(self.sock.recv())
+                try:
+                    ack = ACK_DECODER.decode(self.sock.recv())
+                except msgspec.DecodeError:
+                    logger.debug("dropping an unreadable ack from %s", self.address)
+                    continue
                 if ack.seq == msg.seq:
                     return ack
                 logger.debug("dropping stale ack seq=%d from %s", ack.seq, self.address)
-        raise TransferTimeout(f"no ack for {msg.transfer_id!r} from {self.address} in {timeout_s}s")
+        raise TransferTimeout(f"no ack for {shown(msg.transfer_id)} from {self.address} in {timeout_s}s")
 
     def close(self) -> None:
         with self.lock:

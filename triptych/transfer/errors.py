@@ -32,7 +32,8 @@ class PeerLost(TransferError):
 
 
 class TransferRejected(TransferError):
-    """The receiver refused a push (unreserved, duplicate, wrong size, wrong sender, expired)."""
+    """The receiver refused a push (no valid capability, unreserved, duplicate, wrong size, wrong
+    sender, expired)."""
 
 
 class BackendUnavailable(TransferError):

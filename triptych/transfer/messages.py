@@ -1,7 +1,9 @@
 """Wire messages between a sender and a receiver endpoint (msgpack via msgspec; never pickle).
 
-Frames on the receiver's ROUTER socket: [sender identity, header, *payload]; the reply is
-[identity, Ack]. Only `DataPush` carries a payload frame (the raw tensor bytes). `FetchRequest` turns
+Frames on the receiver's ROUTER socket: [sender identity, header, mac, *payload]; the reply is
+[identity, Ack]. ``mac`` seals the header under the capability of the slot it names
+(``capability``); a request whose mac does not verify is refused unread. Only `DataPush` carries a
+payload frame (the raw tensor bytes). `FetchRequest` turns
 the roles round: the asker reserved a slot of its own and asks this endpoint to push a tensor it
 lends (``lending``) into it.
 """
@@ -22,6 +24,8 @@ class DataPush(msgspec.Struct, frozen=True, tag="push"):
     dtype: str  # wire dtype name
     shape: tuple[int, ...]
     nbytes: int  # length of the payload frame
+    request: str  # the request the slot was reserved for (``TensorRef.request``)
+    slot: int  # the slot's index (``TensorRef.slot``)
 
 
 class WriteClaim(msgspec.Struct, frozen=True, tag="claim"):
@@ -31,6 +35,8 @@ class WriteClaim(msgspec.Struct, frozen=True, tag="claim"):
     transfer_id: str
     sender: str
     nbytes: int
+    request: str
+    slot: int
 
 
 class WriteDone(msgspec.Struct, frozen=True, tag="done"):
@@ -41,6 +47,8 @@ class WriteDone(msgspec.Struct, frozen=True, tag="done"):
     sender: str
     nbytes: int
     failed: bool  # True: the write failed; the receiver fails the transfer and frees the slot
+    request: str
+    slot: int
 
 
 class FetchRequest(msgspec.Struct, frozen=True, tag="fetch"):
@@ -65,6 +73,11 @@ class Ack(msgspec.Struct, frozen=True, tag="ack"):
 
 
 Request = DataPush | WriteClaim | WriteDone | FetchRequest
+
+#: Longest header frame a receiver decodes (a header is a few hundred bytes; ids are bounded by it).
+MAX_HEADER_BYTES = 64 << 10
+#: Longest frame a sender accepts back (an Ack).
+MAX_ACK_BYTES = 64 << 10
 
 ENCODER = msgspec.msgpack.Encoder()
 REQUEST_DECODER = msgspec.msgpack.Decoder(Request)

@@ -11,6 +11,10 @@ a range of the carrier's registered memory, named in the `TensorRef`, and a send
 can reach it writes there one-sidedly: WriteClaim (ack) -> carrier write -> WriteDone (ack ->
 READY). Either side without a carrier falls back to frames, so the two kinds interoperate. The
 sending half (channels, both push paths) is `sender.PushSender`, one per endpoint.
+
+Every request is sealed with the capability of the slot it names (``capability``): ``gate.Gate``
+refuses one without a valid capability before it is read, and the socket drops any frame larger
+than the pool could ever hold (``zmq.MAXMSGSIZE``) before it is read whole.
 """
 
 from __future__ import annotations
@@ -21,13 +25,14 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import msgspec
 import torch
 import zmq
 from cachetools import FIFOCache
 
+from triptych.core.errors import shown
 from triptych.core.kinds import TransferKind
 from triptych.transfer.base import TransferConfig, TransferEndpoint
+from triptych.transfer.capability import TransferKey
 from triptych.transfer.carrier import Carrier
 from triptych.transfer.errors import (
     PeerLost,
@@ -37,21 +42,10 @@ from triptych.transfer.errors import (
     TransferTimeout,
     UnknownTransfer,
 )
+from triptych.transfer.gate import REFUSED, Gate
 from triptych.transfer.lending import Lending
-from triptych.transfer.messages import (
-    ENCODER,
-    REQUEST_DECODER,
-    Ack,
-    FetchRequest,
-    Request,
-    WriteClaim,
-    WriteDone,
-)
-from triptych.transfer.refs import (
-    TensorRef,
-    dtype_name,
-    tensor_nbytes,
-)
+from triptych.transfer.messages import ENCODER, MAX_HEADER_BYTES, Ack, FetchRequest, Request, WriteClaim, WriteDone
+from triptych.transfer.refs import TensorRef, dtype_name, tensor_nbytes
 from triptych.transfer.sender import PushSender
 from triptych.transfer.slots import SlotPool, SlotState
 from triptych.transfer.stats import TransferStats
@@ -102,10 +96,14 @@ class PeerEndpoint(TransferEndpoint):
         self._parked: dict[str, tuple[int, str]] = {}  # transfer id -> (carrier offset, peer)
         self._outcomes: FIFOCache[str, TransferError] = FIFOCache(_REMEMBER_OUTCOMES)  # the oldest forgotten
         self._ctx = zmq.Context()
-        self.sender = PushSender(instance_id, self._ctx, carrier, self.stats, self.config.push_timeout_s)
+        key = TransferKey(self.config.token)
+        self.gate = Gate(key, instance_id, self.stats)
+        self.sender = PushSender(instance_id, self._ctx, carrier, self.stats, self.config.push_timeout_s, key)
         self.lending: Lending | None = None  # what it lends to peers' FetchRequests (``lend_from``); None: nothing
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
+        # No slot is larger than the pool: a bigger frame is dropped (its peer disconnected) unread.
+        self._router.setsockopt(zmq.MAXMSGSIZE, max(self.config.max_bytes, MAX_HEADER_BYTES))
         self._router.bind(f"tcp://{self.config.host}:*")
         self.address = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
         self._stop = threading.Event()
@@ -115,7 +113,13 @@ class PeerEndpoint(TransferEndpoint):
 
     # -- receiver ------------------------------------------------------------------------------
     def reserve(
-        self, transfer_id: str, dtype: torch.dtype, shape: Sequence[int], peer: str, timeout_s: float
+        self,
+        transfer_id: str,
+        dtype: torch.dtype,
+        shape: Sequence[int],
+        peer: str,
+        timeout_s: float,
+        request: str = "",
     ) -> TensorRef:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s} must be > 0")
@@ -134,7 +138,7 @@ class PeerEndpoint(TransferEndpoint):
                     )
                 offset, location = landing
             ref = TensorRef(
-                transfer_id, dtype_name(dtype), shape, nbytes, self.instance_id, slot, self.address, location
+                transfer_id, dtype_name(dtype), shape, nbytes, self.instance_id, slot, self.address, location, request
             )
             self._entries[transfer_id] = Entry(ref, peer, offset=offset)
         self.stats.add(reservations=1)
@@ -269,71 +273,78 @@ class PeerEndpoint(TransferEndpoint):
             logger.info("expired %d reservations: %s", len(expired), [s.transfer_id for s in expired])
 
     def _handle(self, frames: list[zmq.Frame]) -> Ack:
-        try:
-            msg = REQUEST_DECODER.decode(frames[0].buffer) if frames else None
-        except msgspec.DecodeError as exc:
-            msg, reason = None, f"bad header: {exc}"
-        else:
-            reason = "empty message" if msg is None else None
+        msg = self.gate.open(frames)
+        if isinstance(msg, Ack):  # no valid capability: refused unread, counted by the gate
+            return msg
         if isinstance(msg, FetchRequest):
             reason = "this endpoint lends nothing" if self.lending is None else self.lending.lend(msg)
-        elif msg is not None:
+        else:
             with self._cond:
-                reason = self._admit(msg, frames[1:])
+                reason = self._admit(msg, frames[2:])
+        if reason == REFUSED:
+            return self.gate.refuse(msg, "the capability of another slot or request")
         if reason is not None:
             self.stats.add(rejected_pushes=1)
             logger.warning("rejected %s: %s", type(msg).__name__, reason)
-        seq, tid = (msg.seq, msg.transfer_id) if msg is not None else (-1, "")
-        return Ack(seq, tid, reason is None, reason or "")
+        return Ack(msg.seq, msg.transfer_id, reason is None, reason or "")
 
     def _admit(self, msg: Request, payload: list[zmq.Frame]) -> str | None:
-        """Validate and apply one request; returns the rejection reason or None. Holds `_cond`."""
+        """Validate and apply one authentic request; returns the rejection reason or None. Holds `_cond`."""
         entry = self._entries.get(msg.transfer_id)
         slot = self.pool.get(msg.transfer_id)
+        tid = shown(msg.transfer_id)
         if entry is None or slot is None:
-            return self._unreserved(msg)
+            return self._unreserved(msg, tid)
+        if (msg.request, msg.slot) != (entry.ref.request, entry.ref.slot):
+            return REFUSED  # sealed for a slot of that id that is not this one
         if msg.sender != slot.peer:
-            return f"{msg.transfer_id!r}: sender {msg.sender!r} is not the reserved peer {slot.peer!r}"
+            return f"{tid}: sender {shown(msg.sender)} is not the reserved peer {shown(slot.peer)}"
         if msg.nbytes != entry.ref.nbytes:
-            return f"{msg.transfer_id!r}: {msg.nbytes} bytes != reserved {entry.ref.nbytes}"
+            return f"{tid}: {msg.nbytes} bytes != reserved {entry.ref.nbytes}"
         if isinstance(msg, WriteDone):
-            return self._write_done(entry, msg)
+            return self._write_done(entry, msg, tid)
         if slot.state is not SlotState.RESERVED or entry.claimed:
-            return f"{msg.transfer_id!r}: duplicate push (slot is {slot.state.value})"
+            self.stats.add(replays_refused=1)
+            return f"{tid}: duplicate push (slot is {slot.state.value})"
         if isinstance(msg, WriteClaim):
             if entry.offset is None:
-                return f"{msg.transfer_id!r}: {self.kind} receiver does not accept remote writes"
+                return f"{tid}: {self.kind} receiver does not accept remote writes"
             entry.claimed = True
             return None
         ref = entry.ref
         if (msg.dtype, tuple(msg.shape)) != (ref.dtype, ref.shape):
-            return f"{msg.transfer_id!r}: {msg.dtype}{list(msg.shape)} != reserved {ref.dtype}{list(ref.shape)}"
+            return f"{tid}: {msg.dtype}{list(msg.shape)[:8]} != reserved {ref.dtype}{list(ref.shape)}"
         if len(payload) != 1 or len(payload[0].buffer) != entry.ref.nbytes:
-            return f"{msg.transfer_id!r}: payload is not one frame of {entry.ref.nbytes} bytes"
+            return f"{tid}: payload is not one frame of {entry.ref.nbytes} bytes"
         entry.tensor = _frame_tensor(payload[0], entry.ref)
         self._mark_ready(entry)
         return None
 
-    def _write_done(self, entry: Entry, msg: WriteDone) -> str | None:
+    def _write_done(self, entry: Entry, msg: WriteDone, tid: str) -> str | None:
         if entry.offset is None:
-            return f"{msg.transfer_id!r}: {self.kind} receiver does not accept remote writes"
+            return f"{tid}: {self.kind} receiver does not accept remote writes"
         if not entry.claimed:
-            return f"{msg.transfer_id!r}: write done without a claim"
+            self.stats.add(replays_refused=1)
+            return f"{tid}: write done without a claim"
         entry.claimed = False
         if msg.failed:
-            self._finish(msg.transfer_id, TransferError(f"{msg.transfer_id!r}: sender's write failed"))
+            self._finish(msg.transfer_id, TransferError(f"{tid}: sender's write failed"))
             return None
         self._mark_ready(entry)
         return None
 
-    def _unreserved(self, msg: Request) -> str:
-        """A request for no live slot: the WriteDone of a parked range returns the range."""
+    def _unreserved(self, msg: Request, tid: str) -> str:
+        """An authentic request for no live slot: the WriteDone of a parked range returns the range;
+        one for a slot released already is a replay (or a sender too late), counted as one."""
         parked = self._parked.get(msg.transfer_id)
         if isinstance(msg, WriteDone) and parked is not None and parked[1] == msg.sender:
             del self._parked[msg.transfer_id]
             self.carrier.free(parked[0])
-            return f"{msg.transfer_id!r}: reservation was released before the write completed"
-        return f"{msg.transfer_id!r}: no live reservation"
+            return f"{tid}: reservation was released before the write completed"
+        if self.pool.finished(msg.transfer_id):
+            self.stats.add(replays_refused=1)
+            return f"{tid}: already filled or released"
+        return f"{tid}: no live reservation"
 
     def _mark_ready(self, entry: Entry) -> None:
         self.pool.mark_ready(entry.ref.transfer_id)

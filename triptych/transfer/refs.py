@@ -42,6 +42,7 @@ class TensorRef(msgspec.Struct, frozen=True):
     slot: int  # slot index in the owner's pool (for logs and stats; the id is the key)
     endpoint: str  # owner's ZMQ control/data address, "tcp://host:port"
     mooncake: MooncakeLocation | None  # write target for the Mooncake backend; None for ZMQ-only
+    request: str = ""  # the request the slot serves; bound into the slot's capability (``capability``)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -89,6 +89,10 @@ class SlotPool:
     def live(self) -> list[Slot]:
         return list(self._live.values())
 
+    def finished(self, transfer_id: str) -> bool:
+        """True when `transfer_id` held a slot that is released now (among the remembered ones)."""
+        return transfer_id in self._finished
+
     # -- transitions --------------------------------------------------------------------------
     def reserve(self, transfer_id: str, nbytes: int, peer: str, deadline: float) -> int:
         """Hold a slot of `nbytes` for `transfer_id`, fillable only by `peer`, until `deadline`."""

@@ -123,7 +123,9 @@ class JobPort:
     def reserve(self, job: Job, handoff: str, specs: dict[str, TensorSpec], source: str, timeout_s: float) -> None:
         """Reserve receiver slots for a handoff, tell the head, and wait for the push off-loop."""
         transfer = Transfer(job.request_id, job.generation, handoff, Way.IN)
-        refs = self.endpoint.reserve_bundle(transfer.prefix, specs, peer=source, timeout_s=timeout_s)
+        refs = self.endpoint.reserve_bundle(
+            transfer.prefix, specs, peer=source, timeout_s=timeout_s, request=job.request_id
+        )
         job.reserved += [r.transfer_id for r in refs.values()]
         self.send(
             P.SlotsReserved(

@@ -76,7 +76,10 @@ class Worker:
             config.transfer,
             self.instance_id,
             TransferConfig(
-                host=config.host, max_slots=max(4, 8 * config.capacity), max_bytes=config.transfer_max_bytes
+                host=config.host,
+                max_slots=max(4, 8 * config.capacity),
+                max_bytes=config.transfer_max_bytes,
+                token=config.token,  # the slots' capabilities derive from the deployment token
             ),
         )
         self._stop = threading.Event()

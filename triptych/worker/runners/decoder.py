@@ -107,6 +107,11 @@ class DecoderRunner(StageRunner):
         with torch.no_grad():
             frames = self.family.decode(latents, job.params)
         data = encode_frames(frames.to_uint8(), task.output_format, task.fps, task.quality)
+        if len(data) > P.MAX_MEDIA_BYTES:  # the head would drop the frame unread: say why instead
+            raise ValueError(
+                f"the encoded {task.output_format} is {len(data)} bytes, above the {P.MAX_MEDIA_BYTES} a result "
+                "may carry to the head: ask for fewer frames, a smaller size or a lower quality"
+            )
         self._forget(job)
         self.port.finish(job)
         self.port.send(
