@@ -3,9 +3,12 @@ workers' report windows (``Metrics.record_worker_window``)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter
 
-from triptych.transfer.stats import TransferStats
+if TYPE_CHECKING:  # the head imports this module: the transfer package imports torch
+    from triptych.transfer.stats import TransferStats
 
 
 class TransferRefusals:
