@@ -245,6 +245,31 @@ def test_an_encoder_dead_after_its_conditioning_reached_the_denoiser_costs_the_r
         head.close()
 
 
+def test_a_live_only_instance_that_fails_a_request_retryably_fails_it_at_once(model, ctx):
+    """No wait when the instance lives: it failed the request itself (out of memory, say), and
+    nothing says another will register."""
+    head, w = start(model[0], ctx)
+    try:
+        pending = head.submit(head.orch.run(job(model[1], "w-8")))
+        encode(w["encoder"], "w-8", 1)
+        next_of(w["denoiser"], P.DenoiseTask)
+        error = P.StageError(
+            request_id="w-8",
+            generation=1,
+            instance_id="denoiser-0",
+            stage="denoise",
+            kind="OutOfMemoryError",
+            message="out of memory",
+            retryable=True,
+        )
+        w["denoiser"].send(error)
+        with pytest.raises(StageFailed, match="out of memory; no other denoiser instance is registered"):
+            pending.result(30)
+        assert "replacement_waits" not in stats(head) and held(head) == {}
+    finally:
+        head.close()
+
+
 def test_a_video_job_survives_the_death_of_its_only_denoiser(tmp_path, ctx):
     from triptych.head.admission import Admission, AdmissionLimits
     from triptych.head.jobs import VideoJobs, VideoRecord

@@ -80,8 +80,7 @@ class OrchestratorConfig:
     chat_timeout_s: float = 600.0
     """Longest a chat answer may take from its first token to its last."""
     replacement_wait_s: float = 120.0
-    """A request whose instance died (or failed it retryably) while no other instance of that role
-    is registered waits this long for one to register (a supervisor's restart: the backoff, then
+    """A request whose instance died while no other instance of that role is registered waits this long for one to register (a supervisor's restart: the backoff, then
     loading the model) before it fails; the request's own deadline (``request_timeout_s``) cuts it
     shorter. Such a request holds no slot while it waits, and it is not failed by
     ``unavailable_after_s`` (new requests are)."""

@@ -1,6 +1,8 @@
-"""A retry with nowhere else to go: the instance serving a request died (or failed it retryably) and
-no other instance of its role is registered, so the retry waits for one to register (a supervisor's
-restart, a scaler's new worker, a remote worker rejoining) instead of failing at once.
+"""A retry with nowhere else to go: the instance serving a request died and no other instance of its
+role is registered, so the retry waits for one to register (a supervisor's restart under the same
+id, a scaler's new worker, a stalled worker rejoining) instead of failing at once. A live instance
+that failed the request itself (a retryable ``StageError``) while it is the only one of its role
+fails the request at once, as before: nothing says another will register.
 
 The wait is bounded by the earlier of the backend's ``replacement_wait_s`` and the request's own
 deadline (``GenerationJob.deadline``); past the bound the request fails with an error naming which
@@ -10,7 +12,10 @@ cancel when the attempt ended (the router's release).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+from triptych.control.dispatch import Instance
 
 
 @dataclass(frozen=True)
@@ -41,3 +46,24 @@ def replacement_wait(role: str, why: str, now: float, wait_s: float, deadline: f
         left = max(0.0, deadline - now)
         until, bound = deadline, f"the request's deadline (request_timeout_s; {left:.1f}s were left)"
     return ReplacementWait(role, why, until, bound, passed=until <= now)
+
+
+def plan_retry(
+    role: str,
+    failed: str | None,
+    instances: Mapping[str, Instance],
+    why: str,
+    now: float,
+    wait_s: float,
+    deadline: float | None,
+) -> tuple[str | None, ReplacementWait | None]:
+    """(refusal, wait) of a retry away from ``failed``, an instance of ``role`` (``instances``: the
+    registered ones, id -> ``Instance``): neither while another instance of the role is registered;
+    a refusal while ``failed`` itself is registered (it failed the request, alive) or when the
+    deadline passed already; else the wait for a registration."""
+    if [i for iid, i in instances.items() if i.role == role and iid != failed]:
+        return None, None
+    if failed in instances:
+        return f"no other {role} instance is registered", None
+    wait = replacement_wait(role, why, now, wait_s, deadline)
+    return (wait.refusal(), None) if wait.passed else (None, wait)

@@ -41,7 +41,7 @@ from triptych.control.dispatch import Instance
 from triptych.control.lifecycle import Lifecycle
 from triptych.control.metrics import Metrics, StageStats
 from triptych.control.registry import InstanceRegistry
-from triptych.control.replacement import replacement_wait
+from triptych.control.replacement import plan_retry
 from triptych.control.request_state import TRANSITIONS, RequestMachine, RequestState, StateTimeouts
 from triptych.core.kinds import Role
 
@@ -387,14 +387,14 @@ class GenerationRouter:
         tr.cond_specs = None
 
     def _retry(self, tr: Tracked, why: str, exclude: str | None = None) -> None:
-        """Back to the queue, away from ``exclude``; with no other instance of its role, waiting for one."""
+        """Back to the queue, away from ``exclude``; with no other instance of its role, waiting for one
+        to register if ``exclude`` died (``replacement.plan_retry``)."""
         role = next((r for r, i in tr.assigned.items() if i == exclude), None)
-        refusal = tr.attempts.refusal(self.lifecycle.max_retries)
-        if refusal is None and role and not [i for i in self.registry.pool(role) if i.instance_id != exclude]:
-            wait = replacement_wait(role, why, time.monotonic(), self.replacement_wait_s, tr.job.deadline)
-            if wait.passed:  # the request's deadline passed already
-                refusal = wait.refusal()
-            else:
-                tr.attempts.waiting = wait
-                self.counters.replacement_waits += 1
+        refusal, wait = tr.attempts.refusal(self.lifecycle.max_retries), None
+        if refusal is None and role is not None:
+            now, wait_s = time.monotonic(), self.replacement_wait_s
+            refusal, wait = plan_retry(role, exclude, self.registry.instances, why, now, wait_s, tr.job.deadline)
+        if wait is not None:
+            tr.attempts.waiting = wait
+            self.counters.replacement_waits += 1
         self.lifecycle.retry(tr, why, refusal, role, exclude)
