@@ -6,8 +6,8 @@ fails the request at once, as before: nothing says another will register.
 
 The wait is bounded by the earlier of the backend's ``replacement_wait_s`` and the request's own
 deadline (``GenerationJob.deadline``); past the bound the request fails with an error naming which
-bound it was. While it waits the request holds nothing: its slots were freed and its workers told to
-cancel when the attempt ended (the router's release).
+bound it was. While it waits the request holds nothing of the dead attempt: its slots were freed
+and its workers told to cancel when the attempt ended (the router's release).
 """
 
 from __future__ import annotations
