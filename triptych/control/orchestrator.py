@@ -80,11 +80,12 @@ class OrchestratorConfig:
     chat_timeout_s: float = 600.0
     """Longest a chat answer may take from its first token to its last."""
     replacement_wait_s: float = 120.0
-    """A request whose instance died while no other instance of that role is registered waits this long for one to register (a supervisor's restart: the backoff, then
-    loading the model) before it fails; the request's own deadline (``request_timeout_s``) cuts it
-    shorter, as do the state timeouts it waits in (``timeouts.queued_s``; ``encoding_s`` once
-    encoded again, waiting for a decoder). Such a request holds no slot of the dead attempt while
-    it waits, and it is not failed by ``unavailable_after_s`` (new requests are)."""
+    """A request whose instance died while no other instance of that role is registered waits this
+    long for one to register (a supervisor's restart: the backoff, then loading the model) before it
+    fails; 0 = fail at once. The request's own deadline (``request_timeout_s``) cuts it shorter, as
+    do the state timeouts it waits in (``timeouts.queued_s``; ``encoding_s`` once encoded again,
+    waiting for a decoder). Such a request holds no slot of the dead attempt while it waits, and it
+    is not failed by ``unavailable_after_s`` (new requests are)."""
     unavailable_after_s: float = 30.0
     """A role with no live instance for this long (and no local worker of it starting: a spawn or a
     restart restarts the count) makes new and queued requests that need it fail at once (HTTP 503 +
