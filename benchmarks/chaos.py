@@ -2,7 +2,10 @@
 
 For each kill it records how the requests in flight ended (completed, or failed with which status
 and message), how long until the killed worker was replaced (a new pid registered under its id),
-and whether any zombie or orphan process is left. Killing the head must take every worker with it
+and whether any zombie or orphan process is left. Every request of the worker kills must be
+answered 200 (a request whose worker died is retried elsewhere, or waits for the replacement when
+it had the only one: ``--denoisers 1`` makes every role single). The load stops, its requests
+answered, before the head is killed; killing the head must take every worker with it
 (the kernel's parent-death signal). Everything runs on 127.0.0.1; every process group started here
 is ended by its pgid.
 
@@ -12,7 +15,7 @@ lives and again after it is gone; the head's ``replays_refused`` count and wheth
 are recorded. ``--cpu-hogs N`` runs N busy-loop processes beside everything (ended by pid), and each
 row carries the 1-minute load average when it was measured.
 
-    python benchmarks/chaos.py --out benchmarks/reliability [--cpu-hogs 2]
+    python benchmarks/chaos.py --out benchmarks/reliability [--cpu-hogs 2] [--denoisers 1 --clients 6]
 """
 
 from __future__ import annotations
@@ -149,20 +152,22 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/reliability")
     ap.add_argument("--settle-s", type=float, default=15.0)
     ap.add_argument("--cpu-hogs", type=int, default=0, help="busy-loop processes running beside everything")
+    ap.add_argument("--denoisers", type=int, default=2, help="denoisers of the server (1: every role single)")
+    ap.add_argument("--clients", type=int, default=4, help="clients posting images without pause")
     args = ap.parse_args()
     from triptych.families.models import PACKAGED_DEFAULT
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     data = Path(tempfile.mkdtemp(prefix="triptych-chaos-"))
-    server = Server("chaos", str(PACKAGED_DEFAULT), 2, data)
-    rows, ok, probe = [], True, None
+    server = Server("chaos", str(PACKAGED_DEFAULT), args.denoisers, data)
+    rows, ok, probe, failed, head_stats = [], True, None, {}, {}
     hogs = [subprocess.Popen([sys.executable, "-c", HOG]) for _ in range(args.cpu_hogs)]
     try:
         server.wait_ready()
         probe = replay_probe(server.url, (data / "chaos" / "worker.token").read_text().strip())
         ok &= probe["replays_refused"] == probe["replayed"] and not probe["ghost_registered"]
-        load = Load(server.url)
+        load = Load(server.url, args.clients)
         for t in load.threads:
             t.start()
         time.sleep(args.settle_s)
@@ -183,6 +188,12 @@ def main() -> int:
             zombies = [c for c in children(server.proc.pid) if proc_state(c) == psutil.STATUS_ZOMBIE]
             rows.append({"kill": victim, "replaced_s": replaced, "zombies": zombies, "load1": load1()})
             ok &= replaced is not None and replaced < 30 and not zombies
+        load.stop.set()  # every request of the worker kills answered before the head goes
+        for t in load.threads:
+            t.join(150)
+        failed = {p: n for p, c in load.outcomes.items() if (n := sum(v for k, v in c.items() if k != "200"))}
+        ok &= not failed
+        head_stats = httpx.get(f"{server.url}/health", timeout=10).json()["backend"]["stats"]
         load.phase = "kill head"
         workers = children(server.proc.pid)
         os.kill(server.proc.pid, signal.SIGKILL)
@@ -194,9 +205,6 @@ def main() -> int:
         gone_s = time.monotonic() - t0
         rows.append({"kill": "head", "workers_gone_s": gone_s, "orphans": orphans, "load1": load1()})
         ok &= not orphans
-        load.stop.set()
-        for t in load.threads:
-            t.join(150)
     finally:
         server.stop()
         for hog in hogs:
@@ -204,11 +212,15 @@ def main() -> int:
             hog.wait()
     result = {
         "cpu_hogs": args.cpu_hogs,
+        "denoisers": args.denoisers,
+        "clients": args.clients,
         "cpus": os.cpu_count(),
         "replay_probe": probe,
         "rows": rows,
         "outcomes": {k: dict(v) for k, v in load.outcomes.items()},
         "errors": {k: sorted(v) for k, v in load.errors.items()},
+        "failed_answers": failed,  # per phase of the worker kills: answers other than 200
+        "head_stats": head_stats,  # the head's event counters before it was killed (retries, waits...)
         "pass": ok,
     }
     (out / "chaos.json").write_text(json.dumps(result, indent=1))

@@ -7,6 +7,7 @@ import threading
 
 import pytest
 import zmq
+from fake_workers import FakeWorker, next_of, on_loop
 from orchestrator_support import job
 
 from tests.e2e.http_support import wait_for
@@ -37,44 +38,6 @@ def head(model):
     asyncio.run_coroutine_threadsafe(orch.close(), loop).result(30)
     loop.call_soon_threadsafe(loop.stop)
     thread.join(10)
-
-
-class FakeWorker:
-    def __init__(
-        self, ctx, head: Orchestrator, instance_id: str, role: str, revision: str | None = None, identity: bytes = b""
-    ):
-        self.id = instance_id
-        self.key = ControlKey(head.token)
-        self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.IDENTITY, identity or instance_id.encode())
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(head.control_address)
-        self.client = ControlClient(self.sock, self.key)
-        register = P.Register(
-            instance_id=instance_id,
-            role=role,
-            capacity=2,
-            control=instance_id,
-            data="tcp://127.0.0.1:1",
-            transfer="zmq",
-            revision=revision or head.revision,
-            pid=1,
-        )
-        self.ack = self.client.register(register, 30.0, on_skipped=print)
-
-    def send(self, msg) -> None:
-        self.client.send(msg)
-
-    def recv(self, timeout_s: float = 30.0):
-        assert self.sock.poll(timeout_s * 1000), f"{self.id}: no message from the head"
-        return self.client.recv()
-
-
-def on_loop(loop, fn):
-    async def run():
-        return fn()
-
-    return asyncio.run_coroutine_threadsafe(run(), loop).result(30)
 
 
 def test_revision_mismatch_is_refused(head):
@@ -119,14 +82,6 @@ def test_stale_and_malformed_messages_are_dropped_and_cancel_reaches_every_holde
     ctx.destroy(linger=0)
 
 
-def _next(worker, kind):
-    """The next message of type ``kind`` (skipping others, e.g. the Cancels a retry sends)."""
-    while True:
-        msg = worker.recv()
-        if isinstance(msg, kind):
-            return msg
-
-
 def test_a_retry_avoids_the_instance_that_failed_the_request(head, model):
     """A retryable stage failure (a denoiser evicted the request, e.g. out of memory) retries it on
     another instance of that role, even where the dispatch policy's turn would pick the same one."""
@@ -137,12 +92,12 @@ def test_a_retry_avoids_the_instance_that_failed_the_request(head, model):
     dec = FakeWorker(ctx, orch, "decoder-0", "decoder")
     assert all(w.ack.accepted for w in (enc, dec, *dens.values()))
     first = asyncio.run_coroutine_threadsafe(orch.run(job(model[1], "r-1")), loop)
-    a = _next(enc, P.EncodeTask)
+    a = next_of(enc, P.EncodeTask)
     asyncio.run_coroutine_threadsafe(orch.run(job(model[1], "r-2")), loop)
-    b = _next(enc, P.EncodeTask)
+    b = next_of(enc, P.EncodeTask)
     assert {a.denoiser, b.denoiser} == set(dens)  # round robin: r-2 went to the other one
     enc.send(P.EncodeDone(request_id="r-1", generation=1, instance_id="encoder-0", specs=SPEC))
-    _next(dens[a.denoiser], P.DenoiseTask)
+    next_of(dens[a.denoiser], P.DenoiseTask)
     dens[a.denoiser].send(
         P.StageError(
             request_id="r-1",
@@ -154,7 +109,7 @@ def test_a_retry_avoids_the_instance_that_failed_the_request(head, model):
             retryable=True,
         )
     )
-    retry = _next(enc, P.EncodeTask)
+    retry = next_of(enc, P.EncodeTask)
     assert (retry.request_id, retry.generation) == ("r-1", 2)
     assert retry.denoiser == b.denoiser != a.denoiser  # round robin's turn was a.denoiser again
     assert on_loop(loop, orch.describe)["stats"]["retries"] == 1
@@ -246,7 +201,7 @@ def test_a_denoiser_is_asked_for_step_progress_only_when_someone_follows_it(head
     pending = asyncio.run_coroutine_threadsafe(orch.run(job(model[1], "p-2"), on_progress), loop)
     assert isinstance(enc.recv(), P.EncodeTask)
     enc.send(P.EncodeDone(request_id="p-2", generation=1, instance_id="encoder-0", specs=SPEC))
-    denoise = _next(den, P.DenoiseTask)
+    denoise = next_of(den, P.DenoiseTask)
     assert denoise.progress is follow
     for step in (1, 2):  # one report per engine tick; the stale and the ended entries are dropped
         progress = (
@@ -357,9 +312,9 @@ def test_replayed_register_and_heartbeats_register_nothing_and_are_counted(head,
     _wait_stat(loop, orch, "replays_refused", 1 + len(beats))
     # ... and the real worker keeps working: a request reaches it, its heartbeats count
     pending = asyncio.run_coroutine_threadsafe(orch.run(job(model[1], "r-1")), loop)
-    assert isinstance(_next(enc, P.EncodeTask), P.EncodeTask)
+    assert isinstance(next_of(enc, P.EncodeTask), P.EncodeTask)
     enc.send(P.EncodeDone(request_id="r-1", generation=1, instance_id="encoder-0", specs=SPEC))
-    assert _next(den, P.DenoiseTask).request_id == "r-1"
+    assert next_of(den, P.DenoiseTask).request_id == "r-1"
     refused = _stat(loop, orch, "replays_refused")
     den.send(P.Heartbeat(instance_id="denoiser-0", active=1, free_slots=3, max_slots=4, engine_running=1))
 
@@ -418,13 +373,13 @@ def test_a_job_a_worker_reports_that_the_head_does_not_hold_is_cancelled(head, m
     ctx = zmq.Context()
     enc, den, dec = (FakeWorker(ctx, orch, f"{r}-0", r) for r in ("encoder", "denoiser", "decoder"))
     pending = asyncio.run_coroutine_threadsafe(orch.run(job(model[1], "live-1")), loop)
-    _next(enc, P.EncodeTask)
+    next_of(enc, P.EncodeTask)
     enc.send(P.EncodeDone(request_id="live-1", generation=1, instance_id="encoder-0", specs=SPEC))
-    _next(den, P.DenoiseTask)
+    next_of(den, P.DenoiseTask)
     transfer = P.TransferStats(backend="zmq")
     held = (("live-1", 1), ("live-1", 0), ("gone-7", 3))  # the routed job, an older attempt, an unknown one
     den.send(P.StatsReport(instance_id="denoiser-0", uptime_s=1.0, engine=None, transfer=transfer, jobs=held))
-    cancels = {(m.request_id, m.generation) for m in (_next(den, P.Cancel), _next(den, P.Cancel))}
+    cancels = {(m.request_id, m.generation) for m in (next_of(den, P.Cancel), next_of(den, P.Cancel))}
     assert cancels == {("live-1", 0), ("gone-7", 3)}
     assert _stat(loop, orch, "orphans_cancelled") == 2
     den.send(
@@ -479,7 +434,7 @@ def test_a_worker_declared_dead_is_asked_to_rejoin_on_its_control_socket(head):
             instance_id="denoiser-3", uptime_s=1.0, engine=None, transfer=P.TransferStats(backend="zmq"), mm_cache=None
         )
     )
-    assert isinstance(_next(den, P.Rejoin), P.Rejoin)
+    assert isinstance(next_of(den, P.Rejoin), P.Rejoin)
     assert not beat_sock.poll(200)  # nothing was sent where nobody reads
     ctx.destroy(linger=0)
 

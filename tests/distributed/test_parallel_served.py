@@ -137,9 +137,15 @@ def test_killing_a_follower_rank_takes_the_instance_out_and_it_comes_back(cluste
     pending = [cluster.submit(j, on_progress if i == 0 else None) for i, j in enumerate(jobs)]
     assert stepping.wait(120), "the requests never reached the denoiser"  # kill it mid-denoise
     os.kill(followers[0], signal.SIGKILL)
-    for p in pending:  # a liveness bound, not a speed check: the instance's failure reaches each request
-        with pytest.raises(StageFailed, match="denoiser"):
-            p.result(120)
+    for j, p in zip(jobs, pending):  # a liveness bound, not a speed check: the failure reaches each request
+        # rank 0 fails its requests (retryable, the only denoiser: at once) and exits; a request the
+        # head sees only the exit of waits for the restarted instance instead and completes on it
+        try:
+            got = pixels(p.result(300))
+        except StageFailed as e:
+            assert "denoiser" in str(e)
+        else:
+            assert np.abs(got - alone(family, j)).max() <= MAX_PIXEL_DIFF
 
     assert not wait_gone([den["pid"], followers[0]], 30), "a rank of the broken instance is still running"
     back = cluster.wait_until(

@@ -124,6 +124,25 @@ def test_a_request_past_its_deadline_is_a_504_naming_it_and_its_job_is_cancelled
         assert 'outcome="timed_out"' in metrics
 
 
+@pytest.mark.parametrize("kind", ["images", "edits", "image-stream-before-first-event"])
+def test_the_head_hands_each_job_its_requests_deadline(tmp_path, kind):
+    """``GenerationJob.deadline``: ``request_timeout_s`` from the request's start, on the monotonic
+    clock (a retry waiting for a replacement worker gives up then)."""
+    import time
+
+    send, check = KINDS[kind]
+    backend = FakeBackend(FakeFamily(tmp_path / "model", accepts_image=True, chat=True))
+    app = create_app(backend, HeadConfig(data_dir=tmp_path / "data", request_timeout_s=1000.0))
+    with serve(app) as base:
+        before = time.monotonic()
+        resp = send(base)
+        after = time.monotonic()
+    assert resp.status_code == 200, resp.text
+    check(resp)
+    (job,) = backend.jobs
+    assert before + 1000.0 <= job.deadline <= after + 1000.0
+
+
 def test_request_timeout_s_is_checked():
     with pytest.raises(ValueError, match="request_timeout_s"):
         HeadConfig(data_dir="x", request_timeout_s=0)

@@ -73,6 +73,7 @@ def test_the_router_prefers_the_holder_for_the_denoiser_only():
         max_retries=0,
         max_queued=1,
         reserve_timeout_s=1.0,
+        replacement_wait_s=0.0,
     )
     params = GenerationParams(prompt="x", lora=(("style", 1.0),))
     tr = SimpleNamespace(job=SimpleNamespace(params=params), attempts=Attempts())

@@ -1,5 +1,6 @@
-"""Retry bookkeeping shared by generation and chat routing: how often a request was retried and
-which instances failed it, so a retry goes elsewhere while another instance of that role exists."""
+"""Retry bookkeeping shared by generation and chat routing: how often a request was retried, which
+instances failed it (so a retry goes elsewhere while another instance of that role exists), and,
+where none does, the wait for one to register (``replacement``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass, field
 
 from triptych.control.dispatch import DispatchPolicy, Instance
 from triptych.control.lora_affinity import prefer_holder
+from triptych.control.replacement import ReplacementWait
 
 
 @dataclass
@@ -16,13 +18,14 @@ class Attempts:
     avoid: dict[str, set[str]] = field(default_factory=dict)  # role -> instances that failed this request
     #: (tenant, image hash) of the request's images, for the encoder's image affinity (set once)
     image_keys: list[tuple[str, str]] | None = None
+    #: set while the retry waits for an instance of a role that had no other one (cleared once a slot
+    #: of that role is charged to the request); past its ``until`` the request fails
+    waiting: ReplacementWait | None = None
 
-    def refusal(self, max_retries: int, role: str | None, pool: list[Instance], failed: str | None) -> str | None:
-        """Why no retry may happen (None: it may): retries exhausted, or no other instance of the role."""
+    def refusal(self, max_retries: int) -> str | None:
+        """Why no retry may happen (None: it may): retries exhausted."""
         if self.retries >= max_retries:
             return f"retries exhausted ({self.retries})"
-        if role is not None and not [i for i in pool if i.instance_id != failed]:
-            return f"no other {role} instance is registered"
         return None
 
     def record(self, role: str | None, failed: str | None) -> None:

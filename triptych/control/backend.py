@@ -70,6 +70,10 @@ class GenerationJob:
     fps: int = 16
     quality: int | None = None  # jpeg/webp quality (OpenAI's output_compression); None: the default
     partial_images: int = 0  # previews wanted (0..3, ``engine.previews``), delivered to ``on_preview``
+    #: ``time.monotonic()`` past which nobody waits for the answer (the HTTP head's ``request_timeout_s``
+    #: from the request's start); a retry waiting for a replacement instance gives up then. None: no
+    #: deadline of its own (a video job), only the backend's bounds.
+    deadline: float | None = None
 
 
 @dataclass(frozen=True)

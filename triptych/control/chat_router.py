@@ -160,11 +160,7 @@ class ChatRouter:
 
     def _retry(self, ct: ChatTracked, why: str) -> None:
         """Elsewhere, while nothing was streamed yet (a client never sees two beginnings)."""
-        refusal = (
-            "part of the answer was sent"
-            if ct.streamed
-            else ct.attempts.refusal(self.lifecycle.max_retries, None, [], None)
-        )
+        refusal = "part of the answer was sent" if ct.streamed else ct.attempts.refusal(self.lifecycle.max_retries)
         refusal = None if refusal is None else f"no retry: {refusal}"
         self.lifecycle.retry(ct, why, refusal, Role.ENCODER, ct.instance)
 

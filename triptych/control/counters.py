@@ -35,6 +35,8 @@ class LifecycleCounters(msgspec.Struct):
     timed_out: int = 0
     invalid: int = 0  # of ``failed``: a rule only the worker checks (a chat prompt past the context)
     retries: int = 0  # moves back to the queue after an instance died or failed retryably
+    replacement_waits: int = 0  # of ``retries``: with no other instance of the role, waiting for one
+    replacement_waits_expired: int = 0  # of ``failed``: none registered within the wait's bound
     dropped_after_end: int = 0  # a message for a request that had ended (e.g. pieces on the wire)
     done_after_end: int = 0  # a final answer for a request that had ended: a worker finished it anyway
     dropped_stale: int = 0  # a message of an older generation (or, chats: from another instance)

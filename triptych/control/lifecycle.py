@@ -89,10 +89,12 @@ class Lifecycle(Generic[T]):
         for tracked in list(self.requests.values()):
             self.finish(tracked, S.CANCELLED, error=error(tracked.job.request_id))
 
-    def fail_queued(self, error: Exception) -> None:
-        """End every request still waiting in the queue with ``error`` (a role it needs is gone)."""
+    def fail_queued(self, error: Exception, spare: Callable[[T], bool] = lambda tracked: False) -> None:
+        """End every request still waiting in the queue with ``error`` (a role it needs is gone),
+        but those ``spare`` keeps."""
         for rid in list(self.queue):
-            self.finish(self.requests[rid], S.FAILED, error=error)
+            if not spare(self.requests[rid]):
+                self.finish(self.requests[rid], S.FAILED, error=error)
 
     def expire(self, now: float) -> None:
         for tracked in [t for t in self.requests.values() if t.machine.expired(now)]:

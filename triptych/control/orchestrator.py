@@ -8,7 +8,9 @@ routers (generations, chats), and decides what an instance's death means for eac
 - ``chat_router.ChatRouter``: each chat on one chat-capable encoder, same machine and retry code.
 
 A dead instance (silent past ``heartbeat_timeout_s``) is removed; every live peer is told to reclaim
-its transfer slots; each request it was serving is retried elsewhere under a new generation.
+its transfer slots; each request it was serving is retried elsewhere under a new generation, or,
+with no other instance of that role, on the first one to register within ``replacement_wait_s`` and
+the request's deadline (``replacement``).
 All state lives on the asyncio loop that called ``start``; nothing here takes a lock.
 """
 
@@ -77,6 +79,13 @@ class OrchestratorConfig:
     """How long a receiver keeps slots reserved waiting for the upstream push."""
     chat_timeout_s: float = 600.0
     """Longest a chat answer may take from its first token to its last."""
+    replacement_wait_s: float = 120.0
+    """A request whose instance died while no other instance of that role is registered waits this
+    long for one to register (a supervisor's restart: the backoff, then loading the model) before it
+    fails; 0 = fail at once. The request's own deadline (``request_timeout_s``) cuts it shorter, as
+    do the state timeouts it waits in (``timeouts.queued_s``; ``encoding_s`` once encoded again,
+    waiting for a decoder). Such a request holds no slot of the dead attempt while it waits, and it
+    is not failed by ``unavailable_after_s`` (new requests are)."""
     unavailable_after_s: float = 30.0
     """A role with no live instance for this long (and no local worker of it starting: a spawn or a
     restart restarts the count) makes new and queued requests that need it fail at once (HTTP 503 +
@@ -93,6 +102,8 @@ class OrchestratorConfig:
             )
         if self.unavailable_after_s <= 0:
             raise ValueError(f"unavailable_after_s={self.unavailable_after_s} must be > 0")
+        if self.replacement_wait_s < 0:
+            raise ValueError(f"replacement_wait_s={self.replacement_wait_s} must be >= 0 (0: fail at once)")
         if self.max_retries < 0 or self.max_queued < 1 or self.reserve_timeout_s <= 0 or self.chat_timeout_s <= 0:
             raise ValueError("max_retries must be >= 0, max_queued >= 1, reserve_timeout_s and chat_timeout_s > 0")
         make_policy(self.dispatch)  # raises on an unknown name
@@ -137,6 +148,7 @@ class Orchestrator(GenerationBackend):
             max_retries=c.max_retries,
             max_queued=c.max_queued,
             reserve_timeout_s=c.reserve_timeout_s,
+            replacement_wait_s=c.replacement_wait_s,
         )
         self.chats = ChatRouter(
             registry=self.registry,

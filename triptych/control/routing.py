@@ -12,7 +12,12 @@ Ownership contract:
   instance died. Ending a request any other way than DONE also sends ``Cancel`` to every worker
   still holding something of it.
 - A request whose instance died (or failed retryably) is retried under a new generation, away from
-  that instance (``Attempts``); messages of an older generation are counted and dropped.
+  that instance (``Attempts``); messages of an older generation are counted and dropped. With no
+  other instance of that role registered the retry waits for one (``replacement``), bounded by
+  ``replacement_wait_s`` and the job's deadline, holding nothing meanwhile.
+- What survives a death: a stage's output once pushed on (``PushDone`` frees the sender's slot, so
+  its death no longer touches the request). All else re-runs from the encode: the conditioning and
+  the latents each live on one worker only, so a dead denoiser or decoder costs the whole request.
 - Admission, cancel, expiry, retries and endings are the shared ``lifecycle.Lifecycle`` (the chat
   router composes the same one); this module adds placement and the stage messages.
 All state lives on the head's event loop; nothing here takes a lock.
@@ -36,6 +41,7 @@ from triptych.control.dispatch import Instance
 from triptych.control.lifecycle import Lifecycle
 from triptych.control.metrics import Metrics, StageStats
 from triptych.control.registry import InstanceRegistry
+from triptych.control.replacement import plan_retry
 from triptych.control.request_state import TRANSITIONS, RequestMachine, RequestState, StateTimeouts
 from triptych.core.kinds import Role
 
@@ -72,8 +78,10 @@ class GenerationRouter:
         max_retries: int,
         max_queued: int,
         reserve_timeout_s: float,
+        replacement_wait_s: float,
     ):
         self.registry = registry
+        self.replacement_wait_s = replacement_wait_s
         self.send = send
         self.metrics = metrics
         self.counters = counters
@@ -125,10 +133,15 @@ class GenerationRouter:
         self.lifecycle.end_all(error)
 
     def fail_queued(self, error: Exception) -> None:
-        """End every request still waiting for its encode with ``error`` (a role it needs is gone)."""
-        self.lifecycle.fail_queued(error)
+        """End every request still waiting for its encode with ``error`` (a role it needs is gone),
+        but for retries waiting for a replacement: their wait has its own bound."""
+        self.lifecycle.fail_queued(error, spare=lambda tr: tr.attempts.waiting is not None)
 
     def expire(self, now: float) -> None:
+        """End the requests past a state's timeout, and the retries whose replacement wait ran out."""
+        for tr in [t for t in self.requests.values() if t.attempts.waiting and now >= t.attempts.waiting.until]:
+            self.counters.replacement_waits_expired += 1
+            self.lifecycle.finish(tr, S.FAILED, error=StageFailed(tr.attempts.waiting.error()))
         self.lifecycle.expire(now)
 
     def handle(self, msg) -> None:
@@ -250,6 +263,8 @@ class GenerationRouter:
     def _charge(self, tr: Tracked, inst: Instance) -> None:
         inst.hold(tr.job.request_id)
         tr.assigned[inst.role] = inst.instance_id
+        if tr.attempts.waiting is not None and tr.attempts.waiting.role == inst.role:
+            tr.attempts.waiting = None  # the role it waited for took it
 
     def _uncharge(self, tr: Tracked, role: str) -> None:
         iid = tr.assigned.pop(role, None)
@@ -372,7 +387,14 @@ class GenerationRouter:
         tr.cond_specs = None
 
     def _retry(self, tr: Tracked, why: str, exclude: str | None = None) -> None:
+        """Back to the queue, away from ``exclude``; with no other instance of its role, waiting for one
+        to register if ``exclude`` died (``replacement.plan_retry``)."""
         role = next((r for r, i in tr.assigned.items() if i == exclude), None)
-        pool = self.registry.pool(role) if role else []
-        refusal = tr.attempts.refusal(self.lifecycle.max_retries, role, pool, exclude)
+        refusal, wait = tr.attempts.refusal(self.lifecycle.max_retries), None
+        if refusal is None and role is not None:
+            now, wait_s = time.monotonic(), self.replacement_wait_s
+            refusal, wait = plan_retry(role, exclude, self.registry.instances, why, now, wait_s, tr.job.deadline)
+        if wait is not None:
+            tr.attempts.waiting = wait
+            self.counters.replacement_waits += 1
         self.lifecycle.retry(tr, why, refusal, role, exclude)

@@ -201,6 +201,12 @@ async def deadline(head: Head | ModelHead, t0: float):
         raise
 
 
+def deadline_at(head: Head | ModelHead, t0: float) -> float:
+    """The request's deadline (``deadline``) as a ``time.monotonic()`` value, for its jobs
+    (``GenerationJob.deadline``): a retry waiting for a replacement worker gives up then."""
+    return time.monotonic() + head.config.request_timeout_s - (time.perf_counter() - t0)
+
+
 async def wait_disconnect(request: Request) -> None:
     """Returns when the client has disconnected (the body was read already)."""
     while (await request.receive())["type"] != "http.disconnect":

@@ -23,6 +23,7 @@ from triptych.head.api_models import ImageData, ImageEditForm, ImageGenerationRe
 from triptych.head.routes_common import (
     build_params,
     deadline,
+    deadline_at,
     read_form,
     read_upload,
     resolve,
@@ -65,6 +66,7 @@ async def generate_images(head: ModelHead, request: Request, req, image, endpoin
             fmt,
             quality=req.output_compression,
             partial_images=req.partial_images or 0,
+            deadline=deadline_at(head, t0),
         )
         for i in range(req.n or 1)
     ]
