@@ -14,6 +14,9 @@ headers go out with the first event, so a refused request is a proper 4xx/5xx, n
 error inside; an error after that is an ``error`` event. A client that disconnects cancels the job
 and frees its slots (the generator's ``finally``). No first event within ``request_timeout_s``:
 the job is cancelled and the answer is a 504.
+
+A stream answered from the head's result cache (``stream_cached``) is the ``completed`` event
+alone: no step runs, so there are no previews.
 """
 
 from __future__ import annotations
