@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import re
 
 import httpx
+import numpy as np
 import pytest
 
 from tests.e2e.http_support import FakeBackend, FakeFamily, png_bytes, serve, wait_for
@@ -244,3 +246,27 @@ def test_a_real_model_repeat_returns_identical_bytes_without_running(tiny_model_
         assert backend.runs == 1
         post(base, {**body, "num_inference_steps": 3}, {})
         assert backend.runs == 2
+
+
+def test_another_adapter_or_new_weights_under_the_same_name_miss(tmp_path):
+    from safetensors.numpy import save_file
+
+    from triptych.lora.config import LoraConfig
+
+    files = {name: tmp_path / f"{name}.safetensors" for name in ("a", "b")}
+    for i, file in enumerate(files.values()):  # a layout the head cannot check: served unchecked
+        save_file({"x.weight": np.full((2, 2), i, dtype=np.float32)}, str(file))
+    backend = FakeBackend(FakeFamily(tmp_path / "model"))
+    lora = LoraConfig(lora=tuple(f"{name}={file}" for name, file in files.items()))
+    config = HeadConfig(data_dir=tmp_path / "data", result_cache_mb=4, lora=lora)
+    body = {**BODY, "lora": "a"}
+    with serve(create_app(backend, config)) as base:
+        assert ran(backend, body, base, {}) == 1
+        assert ran(backend, body, base, {}) == 0
+        assert ran(backend, {**body, "lora": "b"}, base, {}) == 1
+        assert ran(backend, {**body, "lora": [{"name": "a", "scale": 0.5}]}, base, {}) == 1
+        assert ran(backend, {k: v for k, v in body.items() if k != "lora"}, base, {}) == 1
+        save_file({"x.weight": np.full((2, 2), 7, dtype=np.float32)}, str(files["a"]))  # retrained in place
+        os.utime(files["a"], ns=(1, 1))  # a modification time of its own, whatever the clock's resolution
+        assert ran(backend, body, base, {}) == 1
+        assert ran(backend, body, base, {}) == 0
