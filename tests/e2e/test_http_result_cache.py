@@ -270,3 +270,24 @@ def test_another_adapter_or_new_weights_under_the_same_name_miss(tmp_path):
         os.utime(files["a"], ns=(1, 1))  # a modification time of its own, whatever the clock's resolution
         assert ran(backend, body, base, {}) == 1
         assert ran(backend, body, base, {}) == 0
+
+
+def test_another_teacache_threshold_or_recalibrated_profile_misses(tmp_path):
+    from triptych.accel.teacache_profile import TeaCacheProfile, save_profile
+
+    family = FakeFamily(tmp_path / "model")
+    family.name = "flux"  # a family with a TeaCache plan; the head checks thresholds against its profiles
+    profile = TeaCacheProfile("flux", "model", 2, (0.0, 0.0, 0.0, 1.0, 0.0), recommended_threshold=0.2)
+    save_profile(profile, tmp_path / "model" / "teacache" / "flux-2steps.json")
+    backend = FakeBackend(family)
+    with serve(create_app(backend, HeadConfig(data_dir=tmp_path / "data", result_cache_mb=4))) as base:
+        body = {**BODY, "teacache_threshold": 0.3}
+        assert ran(backend, body, base, {}) == 1
+        assert ran(backend, body, base, {}) == 0
+        assert ran(backend, {**body, "teacache_threshold": 0.5}, base, {}) == 1
+        assert ran(backend, {**body, "teacache_threshold": 0}, base, {}) == 1
+        assert ran(backend, {**body, "teacache_threshold": "auto"}, base, {}) == 1
+        recalibrated = TeaCacheProfile("flux", "model", 2, (0.0, 0.0, 0.0, 2.0, 0.0), recommended_threshold=0.2)
+        save_profile(recalibrated, tmp_path / "model" / "teacache" / "flux-2steps.json")
+        os.utime(tmp_path / "model" / "teacache" / "flux-2steps.json", ns=(1, 1))
+        assert ran(backend, body, base, {}) == 1
