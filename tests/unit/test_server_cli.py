@@ -131,6 +131,16 @@ def test_serve_flags_build_aliases_hosts_and_the_header_timeout(tmp_path, monkey
     assert args.serve_flags.head_config(args, tmp_path) == expected
 
 
+def test_serve_flag_sizes_the_result_cache(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("TRIPTYCH_API_KEYS", raising=False)
+    args = serve_args("--result-cache-mb", "64")
+    assert args.serve_flags.head_config(args, tmp_path).result_cache_mb == 64.0
+    args = serve_args("--result-cache-mb", "-1")
+    with pytest.raises(SystemExit):
+        args.serve_flags.head_config(args, tmp_path)
+    assert "--result-cache-mb" in capsys.readouterr().err
+
+
 def test_serve_flags_build_the_topology_and_control_plane():
     args = serve_args()
     assert args.serve_flags.topology_config(args) == TopologyConfig()

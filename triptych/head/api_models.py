@@ -74,6 +74,9 @@ class _GenerationFields(BaseModel):
     output_compression: int | None = Field(
         None, ge=0, le=100, description="jpeg/webp quality, 0-100 (100: least compression); default 95"
     )
+    result_cache: bool | None = Field(
+        None, description="false: never answered from, nor stored in, the head's result cache (needs a seed)"
+    )
     # OpenAI fields accepted and ignored
     user: str | None = Field(None, max_length=256)
     quality: str | None = Field(None, max_length=32)
@@ -128,6 +131,9 @@ class VideoCreateRequest(BaseModel):
     true_cfg_scale: FiniteFloat | None = Field(None, ge=0)
     teacache_threshold: TeaCacheThreshold | None = None
     _threshold = field_validator("teacache_threshold")(_auto_threshold)
+    result_cache: bool | None = Field(
+        None, description="false: never answered from, nor stored in, the head's result cache (needs a seed)"
+    )
     input_reference: ImageReference | None = Field(None, description="JSON form of the condition image")
 
 

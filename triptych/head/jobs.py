@@ -19,6 +19,7 @@ import os
 import sqlite3
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -156,19 +157,43 @@ class VideoJobs:
     def path(self, job_id: str) -> Path:
         return self.dir / f"{job_id}.mp4"
 
-    def submit(self, rec: VideoRecord, job: GenerationJob, backend: GenerationBackend, admission: Admission) -> None:
+    def submit(
+        self,
+        rec: VideoRecord,
+        job: GenerationJob,
+        backend: GenerationBackend,
+        admission: Admission,
+        on_result: Callable[[bytes], None] | None = None,
+    ) -> None:
         """Persist ``rec`` and start ``job`` on ``backend``; raises ``Overloaded`` (``admission`` is
-        full) before persisting anything."""
+        full) before persisting anything. ``on_result`` gets the MP4 once the job completed."""
         admission.reserve(1)
         try:
             self.store.insert(rec)
         except BaseException:
             admission.release(1)
             raise
-        task = asyncio.create_task(self._run(rec.id, job, backend, admission), name=f"video-{rec.id}")
+        task = asyncio.create_task(self._run(rec.id, job, backend, admission, on_result), name=f"video-{rec.id}")
         self._tasks[rec.id] = (task, backend)
 
-    async def _run(self, job_id: str, job: GenerationJob, backend: GenerationBackend, admission: Admission) -> None:
+    async def complete(self, rec: VideoRecord, data: bytes, backend: GenerationBackend) -> None:
+        """Persist ``rec`` as a job already completed with ``data`` as its MP4 (a result-cache hit):
+        it holds no admission slot and runs nothing. ``rec`` is updated to what was stored."""
+        await asyncio.to_thread(self._write, rec.id, data)
+        rec.completed_at = int(time.time())
+        rec.expires_at = rec.completed_at + int(self.ttl_s) if self.ttl_s else None
+        rec.status, rec.progress = "completed", DONE
+        self.store.insert(rec)
+        backend.metrics.record_video_job("completed")
+
+    async def _run(
+        self,
+        job_id: str,
+        job: GenerationJob,
+        backend: GenerationBackend,
+        admission: Admission,
+        on_result: Callable[[bytes], None] | None = None,
+    ) -> None:
         last = [-1]
 
         def on_progress(done: int, total: int) -> None:
@@ -190,6 +215,8 @@ class VideoJobs:
                 outcome = "cancelled"
             else:
                 outcome = "completed"
+                if on_result is not None:
+                    on_result(data)
                 logger.info("video %s completed in %.1f s", job_id, time.time() - t0)
         except Cancelled:
             if self._closing:

@@ -14,6 +14,9 @@ headers go out with the first event, so a refused request is a proper 4xx/5xx, n
 error inside; an error after that is an ``error`` event. A client that disconnects cancels the job
 and frees its slots (the generator's ``finally``). No first event within ``request_timeout_s``:
 the job is cancelled and the answer is a 504.
+
+A stream answered from the head's result cache (``stream_cached``) is the ``completed`` event
+alone: no step runs, so there are no previews.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import asyncio
 import base64
 import json
 import time
+from collections.abc import Callable
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -57,10 +61,42 @@ def _abandon(head: Head, job: GenerationJob, task: asyncio.Task) -> None:
         cancel.add_done_callback(_CANCELLING.discard)
 
 
-async def stream_image(
-    head: Head, request: Request, job: GenerationJob, prefix: str, endpoint: str, size: str, t0: float
+def _completed(prefix: str, data: bytes, common: dict) -> bytes:
+    usage = {
+        "input_tokens": 0,
+        "input_tokens_details": {"image_tokens": 0, "text_tokens": 0},
+        "output_tokens": 0,
+        "total_tokens": 0,
+    }
+    body = {"type": f"{prefix}.completed", "b64_json": base64.b64encode(data).decode("ascii")}
+    return _sse(body["type"], {**body, "created_at": int(time.time()), **common, "usage": usage})
+
+
+def _common(output_format: str, size: str) -> dict:
+    return {"background": "opaque", "output_format": output_format, "quality": "auto", "size": size}
+
+
+def stream_cached(
+    head: Head, data: bytes, prefix: str, endpoint: str, size: str, output_format: str, t0: float
 ) -> StreamingResponse:
-    """Start ``job``; answer with its events once the first is there (see the module docstring)."""
+    """A stream answered from the result cache: the ``completed`` event alone (no previews: no step ran)."""
+    head.metrics.record_request(endpoint, "success", time.perf_counter() - t0)
+    event = _completed(prefix, data, _common(output_format, size))
+    return StreamingResponse(iter([event]), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def stream_image(
+    head: Head,
+    request: Request,
+    job: GenerationJob,
+    prefix: str,
+    endpoint: str,
+    size: str,
+    t0: float,
+    on_result: Callable[[bytes], None] | None = None,
+) -> StreamingResponse:
+    """Start ``job``; answer with its events once the first is there (see the module docstring).
+    ``on_result`` gets the final image once the job succeeded (the result cache's store)."""
     queue: asyncio.Queue[tuple[int, bytes]] = asyncio.Queue()
     head.admission.reserve(1)
     task = asyncio.create_task(head.backend.run(job, on_preview=lambda i, data: queue.put_nowait((i, data))))
@@ -80,7 +116,7 @@ async def stream_image(
         raise
     finally:
         watcher.cancel()
-    common = {"background": "opaque", "output_format": job.output_format, "quality": "auto", "size": size}
+    common = _common(job.output_format, size)
 
     def partial(index: int, data: bytes) -> bytes:
         body = {"type": f"{prefix}.partial_image", "b64_json": base64.b64encode(data).decode("ascii")}
@@ -114,14 +150,9 @@ async def stream_image(
                 yield _error(e)
                 return
             head.metrics.record_request(endpoint, "success", time.perf_counter() - t0)
-            usage = {
-                "input_tokens": 0,
-                "input_tokens_details": {"image_tokens": 0, "text_tokens": 0},
-                "output_tokens": 0,
-                "total_tokens": 0,
-            }
-            body = {"type": f"{prefix}.completed", "b64_json": base64.b64encode(data).decode("ascii")}
-            yield _sse(body["type"], {**body, "created_at": int(time.time()), **common, "usage": usage})
+            if on_result is not None:
+                on_result(data)
+            yield _completed(prefix, data, common)
         finally:
             # Also on a client disconnect, where the response's cancel scope is cancelled and any
             # await here would raise again: nothing below awaits.

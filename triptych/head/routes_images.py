@@ -4,6 +4,8 @@ The request's ``model`` picks the served model (default: the first image model, 
 edit-capable one for edits). At a size the model was not trained at, the response carries a note in
 ``warnings`` and in the ``X-Triptych-Warning`` header.
 ``stream=true`` (one image, b64_json) answers with server-sent events (``http_image_stream``).
+A seeded request may be answered from the head's result cache (``result_use``): each image whose
+exact repeat is stored is not run; a streamed hit sends only the final image (no previews).
 A request waits for its images until they come, its client disconnects (499) or
 ``request_timeout_s`` passes (504); a stream, until its first event.
 """
@@ -20,6 +22,7 @@ from fastapi import FastAPI, Request, Response
 from triptych.control.backend import GenerationJob
 from triptych.core.errors import InvalidParam
 from triptych.head.api_models import ImageData, ImageEditForm, ImageGenerationRequest, ImagesResponse, inline_schema
+from triptych.head.result_use import cache_keys, lookup, store
 from triptych.head.routes_common import (
     build_params,
     deadline,
@@ -30,7 +33,7 @@ from triptych.head.routes_common import (
     run_jobs,
     text_fields,
 )
-from triptych.head.routes_image_stream import stream_image
+from triptych.head.routes_image_stream import stream_cached, stream_image
 from triptych.head.state import WARNING_HEADER, Head, ModelHead
 
 
@@ -70,13 +73,25 @@ async def generate_images(head: ModelHead, request: Request, req, image, endpoin
         )
         for i in range(req.n or 1)
     ]
+    keys = await cache_keys(head, req, jobs)
+    outputs = lookup(head, keys, len(jobs))
     if req.stream:
         prefix = "image_edit" if image is not None else "image_generation"
         size = f"{params.width}x{params.height}"
-        return await stream_image(head, request, jobs[0], prefix, endpoint, size, t0)
-    with head.admission.admit(len(jobs)):
-        async with deadline(head, t0):
-            outputs = await run_jobs(head, request, jobs)
+        if outputs[0] is not None:
+            return stream_cached(head, outputs[0], prefix, endpoint, size, fmt, t0)
+        key = keys[0] if keys else None
+        return await stream_image(
+            head, request, jobs[0], prefix, endpoint, size, t0, on_result=lambda data: store(head, key, data)
+        )
+    todo = [i for i, out in enumerate(outputs) if out is None]
+    if todo:
+        with head.admission.admit(len(todo)):
+            async with deadline(head, t0):
+                ran = await run_jobs(head, request, [jobs[i] for i in todo])
+        for i, data in zip(todo, ran):
+            outputs[i] = data
+            store(head, keys[i] if keys else None, data)
     expires = None
     if req.response_format == "url":
         data = []

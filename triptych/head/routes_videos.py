@@ -3,6 +3,8 @@
 
 The create body is multipart (what the OpenAI SDK sends, with an optional ``input_reference`` file)
 or JSON (``input_reference`` as ``{"image_url": "data:image/png;base64,..."}``).
+A seeded create whose exact repeat is in the head's result cache (``result_use``) is answered with a
+job that is already ``completed``, its MP4 the stored one; nothing runs.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from triptych.head.api_models import (
     inline_schema,
 )
 from triptych.head.jobs import VideoRecord
+from triptych.head.result_use import cache_keys, lookup, store
 from triptych.head.routes_common import (
     build_params,
     parse_json,
@@ -181,7 +184,13 @@ def add_video_routes(app: FastAPI, head: Head) -> None:
             frames=params.frames or 1,
         )
         job = GenerationJob(rec.id, params, "mp4", fps=fps_of(model, req))
-        head.videos.submit(rec, job, model.backend, model.admission)
+        keys = await cache_keys(model, req, [job])
+        (stored,) = lookup(model, keys, 1)
+        if stored is not None:
+            await head.videos.complete(rec, stored, model.backend)
+        else:
+            key = keys[0] if keys else None
+            head.videos.submit(rec, job, model.backend, model.admission, on_result=lambda data: store(model, key, data))
         model.metrics.record_request("/v1/videos", "success")
         out = to_api(rec)
         note = model.size_warning(params.width, params.height)

@@ -29,10 +29,13 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
 from triptych.control.metrics import LoopMetrics, Metrics, render_labelled
+from triptych.control.metrics_result_cache import ResultCacheMetrics
 from triptych.core.errors import shown
 from triptych.core.private import private_dir
 from triptych.head.admission import AdmissionLimits
 from triptych.head.files import FileStore
+from triptych.head.result_cache import ResultCache
+from triptych.head.result_key import ResultKeys
 from triptych.head.served import ServedModel, ServedModels
 from triptych.lora.config import LoraConfig
 
@@ -126,6 +129,12 @@ class HeadConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     """The adapters requests may name (``serve --lora NAME=DIR``), checked at the head."""
 
+    result_cache_mb: float = 0.0
+    """Memory (MiB) of the head's result cache: the output bytes of seeded image and video requests,
+    kept so that an exact repeat (same model, adapters, prompt, seed, parameters, tenant, input image)
+    is answered from it without any worker running (``triptych.head.result_cache``); least recently
+    used results are evicted first. 0 = off. Bounds: >= 0."""
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir))
         if self.max_json_bytes < 1024:
@@ -135,6 +144,8 @@ class HeadConfig:
                 raise ValueError(f"HeadConfig.{name}={getattr(self, name)!r}: must be > 0")
         if self.video_ttl_s is not None and not self.video_ttl_s > 0:
             raise ValueError(f"HeadConfig.video_ttl_s={self.video_ttl_s!r}: must be > 0 or None (keep forever)")
+        if not 0 <= self.result_cache_mb < float("inf"):
+            raise ValueError(f"HeadConfig.result_cache_mb={self.result_cache_mb!r}: must be >= 0 (0 = off)")
         if not isinstance(self.media_threads, int) or self.media_threads < 1:
             raise ValueError(f"HeadConfig.media_threads={self.media_threads!r}: must be an integer >= 1")
         if not 1 <= self.video_fps <= 120:
@@ -209,6 +220,10 @@ class Head:
         """Outcomes of requests refused before a model was chosen (the ``model=""`` series)."""
         self.loop_metrics = LoopMetrics()
         """The event loop's lag (``watch_loop_forever``)."""
+        self.results = ResultCache(int(config.result_cache_mb * (1 << 20)))
+        """Outputs of seeded requests, for exact repeats (``HeadConfig.result_cache_mb``)."""
+        self.result_keys = ResultKeys()
+        self.result_metrics = ResultCacheMetrics(self.results.stats)
         self.files: FileStore | None = None
         self.videos: VideoJobs | None = None
 
@@ -233,7 +248,7 @@ class Head:
         for m in self.models:
             m.backend.metrics.update_from_describe(m.backend.describe(), head_in_flight=m.admission.in_flight)
         by_model = render_labelled({m.name: m.backend.metrics for m in self.models}, unrouted=self.unrouted_metrics)
-        return by_model + self.loop_metrics.render()
+        return by_model + self.loop_metrics.render() + self.result_metrics.render()
 
     def base_url(self, request: Request) -> str:
         """Where ``url`` links point (``HeadConfig.public_base_url`` and ``allowed_hosts``)."""
@@ -310,6 +325,14 @@ class ModelHead:
 
     def base_url(self, request: Request) -> str:
         return self.head.base_url(request)
+
+    @property
+    def results(self) -> ResultCache:
+        return self.head.results
+
+    @property
+    def result_keys(self) -> ResultKeys:
+        return self.head.result_keys
 
     def check_model(self, model: str | None) -> None:
         if model is not None and self.head.models.served_name(model) != self.model_id:
