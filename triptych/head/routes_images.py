@@ -1,7 +1,8 @@
 """Image routes: ``POST /v1/images/generations`` (JSON) and ``POST /v1/images/edits`` (multipart, one
 image). ``n`` images are ``n`` jobs with consecutive seeds, admitted together and run concurrently.
 The request's ``model`` picks the served model (default: the first image model, the first
-edit-capable one for edits). At a size the model was not trained at, the response carries a note in
+edit-capable one for edits). An edit's image is an uploaded file or ``url`` (a base64 data: URL);
+without ``size`` (or with ``"auto"``) its output has the input's size (``input_size``). At a size the model was not trained at, the response carries a note in
 ``warnings`` and in the ``X-Triptych-Warning`` header.
 ``stream=true`` (one image, b64_json) answers with server-sent events (``http_image_stream``).
 A request waits for its images until they come, its client disconnects (499) or
@@ -18,7 +19,9 @@ import time
 from fastapi import FastAPI, Request, Response
 
 from triptych.control.backend import GenerationJob
+from triptych.core import offload
 from triptych.core.errors import InvalidParam
+from triptych.core.media import decode_data_url
 from triptych.head.api_models import ImageData, ImageEditForm, ImageGenerationRequest, ImagesResponse, inline_schema
 from triptych.head.routes_common import (
     build_params,
@@ -98,6 +101,19 @@ async def generate_images(head: ModelHead, request: Request, req, image, endpoin
     )
 
 
+#: an edit's default size: the input's, each side floored to this (a multiple every family's takes)
+EDIT_SIZE_STEP = 16
+
+
+def input_size(head: ModelHead, image) -> str:
+    """An edit's default output size: the input image's, scaled down (aspect kept) to fit the head's
+    ``max_pixels`` and floored to ``EDIT_SIZE_STEP`` per side."""
+    width, height = image.size
+    scale = min(1.0, (head.limits.max_pixels / (width * height)) ** 0.5)
+    width, height = (max(EDIT_SIZE_STEP, int(v * scale) // EDIT_SIZE_STEP * EDIT_SIZE_STEP) for v in (width, height))
+    return f"{width}x{height}"
+
+
 def _with_warning(out, response: Response):
     """A JSON answer's size warning, also as a header (a stream answers with its own response)."""
     if isinstance(out, ImagesResponse) and out.warnings:
@@ -139,10 +155,18 @@ def add_image_routes(app: FastAPI, head: Head) -> None:
                 f"model {model.model_id!r} ({model.family.name}) is text-only; edits need an image-conditioned model",
             )
         images = form.getlist("image") or form.getlist("image[]")
-        if len(images) != 1:
-            raise InvalidParam("image", f"<{len(images)} files>", "exactly one image file is required")
         if form.get("mask") is not None:
             raise InvalidParam("mask", "<mask>", "masks are not supported; the model edits the whole image")
         req = ImageEditForm.model_validate(fields)
-        image = await read_upload(head, images[0], "image")
+        if req.url is not None:
+            if images:
+                raise InvalidParam("url", req.url[:40], "the image is given as a file too: give image or url")
+            image = await offload.run(decode_data_url, req.url, head.limits.image_limits, "url")
+        else:
+            if len(images) != 1:
+                why = "exactly one image file (or url, a base64 data: URL) is required"
+                raise InvalidParam("image", f"<{len(images)} files>", why)
+            image = await read_upload(head, images[0], "image")
+        if req.size in (None, "auto"):
+            req = req.model_copy(update={"size": input_size(model, image)})
         return _with_warning(await generate_images(model, request, req, image, "/v1/images/edits"), response)
