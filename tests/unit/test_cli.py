@@ -153,7 +153,15 @@ def test_a_misspelt_flag_shows_the_subcommands_usage(capsys):
         main(["generate", "--prompt", "x", "--out", "a.png", "--promt", "y"])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.startswith("usage: triptych generate ")
-    assert err.strip().splitlines()[-1] == "triptych generate: error: unrecognized arguments: --promt y"
+    last = "triptych generate: error: unrecognized arguments: --promt (did you mean --prompt?) y"
+    assert err.strip().splitlines()[-1] == last
+
+
+def test_an_unknown_flag_far_from_every_flag_gets_no_suggestion(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--prompt", "x", "--out", "a.png", "--zzzzzz", "--heigth=64"])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.endswith("unrecognized arguments: --zzzzzz --heigth=64 (did you mean --height?)"), last
 
 
 @pytest.mark.parametrize(

@@ -338,8 +338,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # Mooncake's INFO lines (serve sets its workers' own)
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
-    if unknown:  # a misspelt flag of a subcommand: that subcommand's usage, not the top level's
-        getattr(args, "parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
+    if unknown:  # a misspelt flag of a subcommand: that subcommand's usage, not the top level's, and its closest flag
+        from triptych.cli.flag_suggest import unknown_flags_message
+
+        command = getattr(args, "parser", parser)
+        command.error(unknown_flags_message(command, unknown))
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
