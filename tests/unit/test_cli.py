@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from triptych.cli import build_parser, main
+from triptych.core.errors import InvalidParam
 
 
 @pytest.mark.parametrize(
@@ -114,6 +115,8 @@ BAD_BEFORE_TORCH = [
     (["calibrate", "--steps", "4", "--out", "triptych/assets/default/teacache/x.json"], "out='triptych/assets"),
     (["quality", "--teacache-threshold", "0.1", "--images", "0"], "images=0"),
     (["generate", "--prompt", "x", "--out", "a.png", "--threads", "-1"], "--threads=-1"),
+    (["generate", "--prompt", "x", "--height", "4096", "--width", "4096", "--out", "a.png"], "size='4096x4096'"),
+    (["generate", "--prompt", "x", "--steps", "101", "--out", "a.png"], "steps=101"),
 ]
 
 
@@ -185,3 +188,35 @@ def test_every_in_process_command_sets_torch_threads_by_the_serve_rule(tmp_path,
             assert torch.get_num_threads() == expected
     finally:
         torch.set_num_threads(before)
+
+
+def test_generate_holds_a_request_to_the_servers_limits_unless_lifted():
+    """The head's own checks (``AdmissionLimits``): the flags before loading, the resolved request
+    (a model default, the model's token count) after; ``--no-limits`` lifts both."""
+    from types import SimpleNamespace
+
+    from triptych.cli.limits import LIFT, check_args, check_resolved
+    from triptych.families.base import GenerationParams
+    from triptych.head.admission import AdmissionLimits
+
+    def flags(**kw):
+        return SimpleNamespace(
+            **{"steps": None, "frames": None, "height": None, "width": None, "no_limits": False, **kw}
+        )
+
+    with pytest.raises(InvalidParam) as refused:
+        check_args(flags(frames=162))
+    assert refused.value.field == "frames" and "161" in refused.value.rule and LIFT in refused.value.rule
+    check_args(flags(frames=162, steps=1000, height=8192, width=8192, no_limits=True))
+    check_args(flags(height=4096))  # one side alone: the model's default fills the other, checked after loading
+
+    image = SimpleNamespace(is_video=False, sequence_tokens=lambda p: p.width * p.height // 256)
+    params = GenerationParams(prompt="x", height=2048, width=2048, steps=4, frames=1)
+    check_resolved(image, params, no_limits=False)  # 16,384 tokens: within the default 32,768
+    with pytest.raises(InvalidParam) as tokens:
+        check_resolved(image, params, no_limits=False, limits=AdmissionLimits(max_tokens=16_383))
+    assert tokens.value.field == "size" and "16384 transformer tokens" in tokens.value.rule, tokens.value
+    with pytest.raises(InvalidParam) as steps:
+        check_resolved(image, params.replace(steps=101), no_limits=False)
+    assert steps.value.field == "steps"
+    check_resolved(image, params.replace(steps=101, height=8192), no_limits=True)

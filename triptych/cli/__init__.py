@@ -76,6 +76,12 @@ def _add_generate(sub) -> None:
     )
     p.add_argument("--fps", type=int, default=16, help="MP4 frame rate")
     p.add_argument(
+        "--no-limits",
+        action="store_true",
+        help="lift the server's admission limits (size, steps, frames, transformer tokens; see docs/api.md), "
+        "knowing that a request past them may run for hours and out of memory",
+    )
+    p.add_argument(
         "--separate-cfg",
         action="store_true",
         help="run CFG branches as separate forwards, as diffusers does (bit-identical to it); "
@@ -159,6 +165,9 @@ def cmd_generate(args) -> int:
     )
     load_s = time.perf_counter() - t0
     params = family.resolve(params)
+    from triptych.cli.limits import check_resolved
+
+    check_resolved(family, params, args.no_limits)
     _warn_untrained_size(family.model_dir, params)
     if args.lora:
         params = _with_lora(family, params, args.lora)
