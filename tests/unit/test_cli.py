@@ -220,3 +220,18 @@ def test_generate_holds_a_request_to_the_servers_limits_unless_lifted():
         check_resolved(image, params.replace(steps=101), no_limits=False)
     assert steps.value.field == "steps"
     check_resolved(image, params.replace(steps=101, height=8192), no_limits=True)
+
+
+def test_generate_warns_of_words_a_shipped_model_does_not_know(tmp_path, capsys):
+    import json
+    from types import SimpleNamespace
+
+    from triptych.cli import _warn_unknown_words
+    from triptych.families.base import GenerationParams
+
+    (tmp_path / "triptych.json").write_text(json.dumps({"prompt_normaliser": "shapes"}))
+    family = SimpleNamespace(model_dir=tmp_path, is_video=False)
+    _warn_unknown_words(family, GenerationParams(prompt="draw a blue triangle on a white background"))
+    _warn_unknown_words(family, GenerationParams(prompt="a blue triangle on a white background"))
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"warning: model {tmp_path.name!r} does not know the word 'draw'")

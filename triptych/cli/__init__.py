@@ -169,6 +169,7 @@ def cmd_generate(args) -> int:
 
     check_resolved(family, params, args.no_limits)
     _warn_untrained_size(family.model_dir, params)
+    _warn_unknown_words(family, params)
     if args.lora:
         params = _with_lora(family, params, args.lora)
     accel = None
@@ -239,6 +240,20 @@ def _warn_untrained_size(model_dir, params) -> None:
     from triptych.families.geometry import size_warning, trained_sizes
 
     note = size_warning(Path(model_dir).name, trained_sizes(model_dir), params.width, params.height)
+    if note:
+        print(f"warning: {note}", file=sys.stderr)
+
+
+def _warn_unknown_words(family, params) -> None:
+    """One line on stderr naming the prompt's words a shipped shape-world model does not know."""
+    from pathlib import Path
+
+    from shapeworld.vocabulary import prompt_warning
+    from triptych.families.geometry import model_defaults
+
+    vocabulary = model_defaults(family.model_dir).get("prompt_normaliser")
+    edit = params.image is not None and not family.is_video
+    note = prompt_warning(Path(family.model_dir).name, vocabulary, params.prompt, edit)
     if note:
         print(f"warning: {note}", file=sys.stderr)
 

@@ -1,7 +1,9 @@
 """Streamed image generations and edits (``stream=true``): OpenAI's image streaming events.
 
 The response is server-sent events, each ``event: <type>`` plus ``data: <json>``:
-``<prefix>.partial_image`` per preview (``b64_json``, ``partial_image_index`` from 0), then one
+``<prefix>.partial_image`` per preview (``b64_json``, ``partial_image_index`` 0, 1, 2, ... in the
+order sent, without gaps: a preview lost in transfer or decoded after a newer one is not sent, and
+the next one takes its number), then one
 ``<prefix>.completed`` with the final image and ``usage``; ``<prefix>`` is ``image_generation`` or
 ``image_edit``. Previews are the clean image the denoiser predicts at evenly spaced steps, decoded
 by the decoder pool (``engine.previews``); the final image is the one a non-streamed request
@@ -29,7 +31,7 @@ from fastapi.responses import StreamingResponse
 from triptych.control.backend import GenerationJob
 from triptych.core.errors import InvalidParam, TriptychError
 from triptych.head.routes_common import deadline, wait_disconnect
-from triptych.head.state import ClientGone, Head
+from triptych.head.state import WARNING_HEADER, ClientGone, Head, header_value
 
 _CANCELLING: set[asyncio.Task] = set()
 
@@ -58,9 +60,17 @@ def _abandon(head: Head, job: GenerationJob, task: asyncio.Task) -> None:
 
 
 async def stream_image(
-    head: Head, request: Request, job: GenerationJob, prefix: str, endpoint: str, size: str, t0: float
+    head: Head,
+    request: Request,
+    job: GenerationJob,
+    prefix: str,
+    endpoint: str,
+    size: str,
+    t0: float,
+    warnings: list[str] = (),
 ) -> StreamingResponse:
-    """Start ``job``; answer with its events once the first is there (see the module docstring)."""
+    """Start ``job``; answer with its events once the first is there (see the module docstring);
+    ``warnings`` go out in the ``X-Triptych-Warning`` header."""
     queue: asyncio.Queue[tuple[int, bytes]] = asyncio.Queue()
     head.admission.reserve(1)
     task = asyncio.create_task(head.backend.run(job, on_preview=lambda i, data: queue.put_nowait((i, data))))
@@ -88,14 +98,23 @@ async def stream_image(
 
     async def events():
         nonlocal getter
-        sent = -1  # a retried job previews again from 0: each index goes out once
+        newest = -1  # the newest preview sent (the backend's index): an older or repeated one is not sent
+        count = 0  # partials sent: the next one's partial_image_index, so the indices have no gaps
+
+        def fresh(index: int) -> bool:
+            nonlocal newest
+            if index <= newest:  # a retried job previews again from 0; one decoded late is stale
+                return False
+            newest = index
+            return True
+
         try:
             while True:
                 if getter.done():
                     index, data = getter.result()
-                    if index > sent:
-                        sent = index
-                        yield partial(index, data)
+                    if fresh(index):
+                        yield partial(count, data)
+                        count += 1
                     getter = asyncio.create_task(queue.get())
                     continue
                 if task.done():
@@ -104,9 +123,9 @@ async def stream_image(
             getter.cancel()
             while not queue.empty():
                 index, data = queue.get_nowait()
-                if index > sent:
-                    sent = index
-                    yield partial(index, data)
+                if fresh(index):
+                    yield partial(count, data)
+                    count += 1
             try:
                 data = task.result()
             except (TriptychError, asyncio.CancelledError) as e:
@@ -129,4 +148,5 @@ async def stream_image(
             getter.cancel()
             _abandon(head, job, task)
 
-    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    headers = {"Cache-Control": "no-cache", **({WARNING_HEADER: header_value(warnings)} if warnings else {})}
+    return StreamingResponse(events(), media_type="text/event-stream", headers=headers)

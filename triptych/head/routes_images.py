@@ -2,8 +2,9 @@
 image). ``n`` images are ``n`` jobs with consecutive seeds, admitted together and run concurrently.
 The request's ``model`` picks the served model (default: the first image model, the first
 edit-capable one for edits). An edit's image is an uploaded file or ``url`` (a base64 data: URL);
-without ``size`` (or with ``"auto"``) its output has the input's size (``input_size``). At a size the model was not trained at, the response carries a note in
-``warnings`` and in the ``X-Triptych-Warning`` header.
+without ``size`` (or with ``"auto"``) its output has the input's size (``input_size``). At a size the model was not trained at, or with words in the prompt that a
+shipped shape-world model does not know, the response carries a note in ``warnings`` and in the
+``X-Triptych-Warning`` header, and the server logs it.
 ``stream=true`` (one image, b64_json) answers with server-sent events (``http_image_stream``).
 A request waits for its images until they come, its client disconnects (499) or
 ``request_timeout_s`` passes (504); a stream, until its first event.
@@ -33,7 +34,7 @@ from triptych.head.routes_common import (
     text_fields,
 )
 from triptych.head.routes_image_stream import stream_image
-from triptych.head.state import WARNING_HEADER, Head, ModelHead
+from triptych.head.state import WARNING_HEADER, Head, ModelHead, header_value
 
 
 def check_stream(req) -> None:
@@ -55,6 +56,7 @@ async def generate_images(head: ModelHead, request: Request, req, image, endpoin
         raise InvalidParam("model", head.model_id, "is a video model; use POST /v1/videos")
     params, size = build_params(head, req, image=image)
     params = resolve(head, params, size)
+    notes = head.warnings(params, edit=image is not None)
     fmt = req.output_format or "png"
     if req.output_compression is not None and fmt == "png":
         raise InvalidParam(
@@ -74,7 +76,7 @@ async def generate_images(head: ModelHead, request: Request, req, image, endpoin
     if req.stream:
         prefix = "image_edit" if image is not None else "image_generation"
         size = f"{params.width}x{params.height}"
-        return await stream_image(head, request, jobs[0], prefix, endpoint, size, t0)
+        return await stream_image(head, request, jobs[0], prefix, endpoint, size, t0, notes)
     with head.admission.admit(len(jobs)):
         async with deadline(head, t0):
             outputs = await run_jobs(head, request, jobs)
@@ -89,7 +91,6 @@ async def generate_images(head: ModelHead, request: Request, req, image, endpoin
     head.metrics.record_request(endpoint, "success", time.perf_counter() - t0)
     size = f"{params.width}x{params.height}"
     seeds = [j.params.seed for j in jobs]
-    note = head.size_warning(params.width, params.height)
     return ImagesResponse(
         created=int(time.time()),
         data=data,
@@ -97,7 +98,7 @@ async def generate_images(head: ModelHead, request: Request, req, image, endpoin
         size=size,
         seeds=seeds,
         expires_at=expires,
-        warnings=[note] if note else None,
+        warnings=notes or None,
     )
 
 
@@ -115,9 +116,9 @@ def input_size(head: ModelHead, image) -> str:
 
 
 def _with_warning(out, response: Response):
-    """A JSON answer's size warning, also as a header (a stream answers with its own response)."""
+    """A JSON answer's warnings, also as a header (a stream answers with its own response)."""
     if isinstance(out, ImagesResponse) and out.warnings:
-        response.headers[WARNING_HEADER] = out.warnings[0]
+        response.headers[WARNING_HEADER] = header_value(out.warnings)
     return out
 
 

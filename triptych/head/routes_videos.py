@@ -42,7 +42,7 @@ from triptych.head.routes_common import (
     same_knob,
     text_fields,
 )
-from triptych.head.state import WARNING_HEADER, Head, ModelHead
+from triptych.head.state import WARNING_HEADER, Head, ModelHead, header_value
 
 FRAME_SEARCH = 8  # seconds → frames: try this many counts above seconds*fps for one the model accepts
 
@@ -201,10 +201,10 @@ def add_video_routes(app: FastAPI, head: Head) -> None:
         head.videos.submit(rec, job, model.backend, model.admission)
         model.metrics.record_request("/v1/videos", "success")
         out = to_api(rec)
-        note = model.size_warning(params.width, params.height)
-        if note:
-            out.warnings = [note]
-            response.headers[WARNING_HEADER] = note
+        notes = model.warnings(params)
+        if notes:
+            out.warnings = notes
+            response.headers[WARNING_HEADER] = header_value(notes)
         return out
 
     @app.get("/v1/videos", response_model=VideoList)
