@@ -7,6 +7,8 @@ from __future__ import annotations
 import base64
 import io
 import json
+import logging
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -15,6 +17,7 @@ import pytest
 from PIL import Image
 
 from tests.e2e.http_support import FakeBackend, FakeFamily, decode_pixels, serve
+from triptych.core.startup import STARTUP_LOGGER
 from triptych.head.app import HeadConfig, create_app
 
 STEPS = 4
@@ -32,8 +35,38 @@ def client(tiny_model_dir, tmp_path_factory):
         TopologyConfig(transfer="zmq", torch_threads=1),
     )
     app = create_app(backend, HeadConfig(data_dir=tmp_path_factory.mktemp("stream") / "data"))
-    with serve(app) as base:
-        yield openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+    startup = logging.getLogger(STARTUP_LOGGER)
+    level, lines = startup.level, LinesHandler()
+    startup.setLevel(logging.INFO)  # as triptych serve sets it
+    startup.addHandler(lines)
+    try:
+        with serve(app) as base:
+            client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+            client.startup_lines, client.startup_model = lines.lines, Path(tiny_model_dir("flux")).name
+            yield client
+    finally:
+        startup.removeHandler(lines)
+        startup.setLevel(level)
+
+
+class LinesHandler(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def test_startup_says_each_workers_loading_and_the_models_readiness(client):
+    lines = client.startup_lines
+    model = client.startup_model
+    for role in ("encoder", "denoiser", "decoder"):
+        loading = [line for line in lines if line.startswith(f"{model}: {role} worker ") and "loading" in line]
+        ready = [line for line in lines if line.startswith(f"{model}: {role} worker ") and "ready" in line]
+        assert len(loading) == 1 and len(ready) == 1, lines
+        assert lines.index(loading[0]) < lines.index(ready[0])
+    assert lines[-1].startswith(f"{model} ready: 3 workers in "), lines
 
 
 def generate(client, seed: int, **kw):
