@@ -235,3 +235,23 @@ def test_generate_warns_of_words_a_shipped_model_does_not_know(tmp_path, capsys)
     _warn_unknown_words(family, GenerationParams(prompt="a blue triangle on a white background"))
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"warning: model {tmp_path.name!r} does not know the word 'draw'")
+
+
+def test_a_long_generate_says_its_estimate_after_the_first_step():
+    from triptych.cli.estimate import StepEstimate, duration
+
+    now = [100.0]
+    said: list[str] = []
+    slow = StepEstimate(said.append, long_s=30, clock=lambda: now[0])
+    slow.started()
+    now[0] += 300.0  # the first step (with the encode): 5 minutes
+    for step in range(1, 5):
+        slow.step(step, 20)
+    assert said == ["estimate: about 1.6 h more for the 19 steps left (5.0 min for the first); Ctrl-C stops it"]
+
+    quick = StepEstimate(said.append, long_s=30, clock=lambda: now[0])
+    quick.started()
+    now[0] += 1.0
+    quick.step(1, 20)  # 19 s to go: nothing said
+    assert len(said) == 1 and quick.estimate_s == 19.0
+    assert [duration(s) for s in (42, 210, 5760)] == ["42 s", "3.5 min", "1.6 h"]

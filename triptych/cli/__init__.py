@@ -179,12 +179,17 @@ def cmd_generate(args) -> int:
         raise InvalidParam("out", args.out, "video families write .mp4; image families write .png/.jpg/.webp")
     # the progress a served video job reports (triptych.core.progress): steps fill 90%, the decode the rest
     bar = tqdm(total=DONE, desc="denoising", unit="%", file=sys.stderr, bar_format="{l_bar}{bar}| {n}/{total}%")
+    from triptych.cli.estimate import StepEstimate
+
+    estimate = StepEstimate(lambda line: bar.write(line, file=sys.stderr))
 
     def on_step(state) -> None:
+        estimate.step(state.step, state.total_steps)
         bar.update(progress_percent(state.step, state.total_steps) - bar.n)
         if state.done:
             bar.set_description("decoding")
 
+    estimate.started()
     if parallel.world_size > 1:
         from triptych.worker.ranks.local import run_parallel_request
 
