@@ -255,3 +255,15 @@ def test_a_long_generate_says_its_estimate_after_the_first_step():
     quick.step(1, 20)  # 19 s to go: nothing said
     assert len(said) == 1 and quick.estimate_s == 19.0
     assert [duration(s) for s in (42, 210, 5760)] == ["42 s", "3.5 min", "1.6 h"]
+
+
+def test_a_misspelt_flag_is_named_when_the_flag_it_meant_is_required(capsys):
+    """``--promt x`` leaves the required ``--prompt`` missing, which argparse reports alone."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["--verbose", "generate", "--promt", "x", "--out", "a.png"])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit_.value.code == 2
+    assert last == (
+        "triptych generate: error: unrecognized arguments: --promt (did you mean --prompt?); "
+        "the following arguments are required: --prompt"
+    ), last

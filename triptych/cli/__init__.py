@@ -366,6 +366,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # Mooncake's INFO lines (serve sets its workers' own)
     parser = build_parser()
+    from triptych.cli.flag_suggest import name_misspelt_flags
+
+    name_misspelt_flags(parser, sys.argv[1:] if argv is None else list(argv))
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # a misspelt flag of a subcommand: that subcommand's usage, not the top level's, and its closest flag
         from triptych.cli.flag_suggest import unknown_flags_message
