@@ -226,13 +226,13 @@ def test_generate_warns_of_words_a_shipped_model_does_not_know(tmp_path, capsys)
     import json
     from types import SimpleNamespace
 
-    from triptych.cli import _warn_unknown_words
+    from triptych.cli.notes import warn_unknown_words
     from triptych.families.base import GenerationParams
 
     (tmp_path / "triptych.json").write_text(json.dumps({"prompt_normaliser": "shapes"}))
     family = SimpleNamespace(model_dir=tmp_path, is_video=False)
-    _warn_unknown_words(family, GenerationParams(prompt="draw a blue triangle on a white background"))
-    _warn_unknown_words(family, GenerationParams(prompt="a blue triangle on a white background"))
+    warn_unknown_words(family, GenerationParams(prompt="draw a blue triangle on a white background"))
+    warn_unknown_words(family, GenerationParams(prompt="a blue triangle on a white background"))
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"warning: model {tmp_path.name!r} does not know the word 'draw'")
 

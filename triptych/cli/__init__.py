@@ -168,8 +168,9 @@ def cmd_generate(args) -> int:
     from triptych.cli.limits import check_resolved
 
     check_resolved(family, params, args.no_limits)
-    _warn_untrained_size(family.model_dir, params)
-    _warn_unknown_words(family, params)
+    from triptych.cli.notes import warn_of_request
+
+    warn_of_request(family, params)
     if args.lora:
         params = _with_lora(family, params, args.lora)
     accel = None
@@ -236,31 +237,6 @@ def _teacache(family, params):
         logging.getLogger("triptych.cli").info(line)
         print(line)
     return accel
-
-
-def _warn_untrained_size(model_dir, params) -> None:
-    """One line on stderr when the size is not one the model was trained at (its ``triptych.json``)."""
-    from pathlib import Path
-
-    from triptych.families.geometry import size_warning, trained_sizes
-
-    note = size_warning(Path(model_dir).name, trained_sizes(model_dir), params.width, params.height)
-    if note:
-        print(f"warning: {note}", file=sys.stderr)
-
-
-def _warn_unknown_words(family, params) -> None:
-    """One line on stderr naming the prompt's words a shipped shape-world model does not know."""
-    from pathlib import Path
-
-    from shapeworld.vocabulary import prompt_warning
-    from triptych.families.geometry import model_defaults
-
-    vocabulary = model_defaults(family.model_dir).get("prompt_normaliser")
-    edit = params.image is not None and not family.is_video
-    note = prompt_warning(Path(family.model_dir).name, vocabulary, params.prompt, edit)
-    if note:
-        print(f"warning: {note}", file=sys.stderr)
 
 
 def _add_chat(sub) -> None:
