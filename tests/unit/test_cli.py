@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from triptych.cli import build_parser, main
+from triptych.core.errors import InvalidParam
 
 
 @pytest.mark.parametrize(
@@ -114,6 +115,8 @@ BAD_BEFORE_TORCH = [
     (["calibrate", "--steps", "4", "--out", "triptych/assets/default/teacache/x.json"], "out='triptych/assets"),
     (["quality", "--teacache-threshold", "0.1", "--images", "0"], "images=0"),
     (["generate", "--prompt", "x", "--out", "a.png", "--threads", "-1"], "--threads=-1"),
+    (["generate", "--prompt", "x", "--height", "4096", "--width", "4096", "--out", "a.png"], "size='4096x4096'"),
+    (["generate", "--prompt", "x", "--steps", "101", "--out", "a.png"], "steps=101"),
 ]
 
 
@@ -153,7 +156,15 @@ def test_a_misspelt_flag_shows_the_subcommands_usage(capsys):
         main(["generate", "--prompt", "x", "--out", "a.png", "--promt", "y"])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.startswith("usage: triptych generate ")
-    assert err.strip().splitlines()[-1] == "triptych generate: error: unrecognized arguments: --promt y"
+    last = "triptych generate: error: unrecognized arguments: --promt (did you mean --prompt?) y"
+    assert err.strip().splitlines()[-1] == last
+
+
+def test_an_unknown_flag_far_from_every_flag_gets_no_suggestion(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--prompt", "x", "--out", "a.png", "--zzzzzz", "--heigth=64"])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.endswith("unrecognized arguments: --zzzzzz --heigth=64 (did you mean --height?)"), last
 
 
 @pytest.mark.parametrize(
@@ -177,3 +188,82 @@ def test_every_in_process_command_sets_torch_threads_by_the_serve_rule(tmp_path,
             assert torch.get_num_threads() == expected
     finally:
         torch.set_num_threads(before)
+
+
+def test_generate_holds_a_request_to_the_servers_limits_unless_lifted():
+    """The head's own checks (``AdmissionLimits``): the flags before loading, the resolved request
+    (a model default, the model's token count) after; ``--no-limits`` lifts both."""
+    from types import SimpleNamespace
+
+    from triptych.cli.limits import LIFT, check_args, check_resolved
+    from triptych.families.base import GenerationParams
+    from triptych.head.admission import AdmissionLimits
+
+    def flags(**kw):
+        return SimpleNamespace(
+            **{"steps": None, "frames": None, "height": None, "width": None, "no_limits": False, **kw}
+        )
+
+    with pytest.raises(InvalidParam) as refused:
+        check_args(flags(frames=162))
+    assert refused.value.field == "frames" and "161" in refused.value.rule and LIFT in refused.value.rule
+    check_args(flags(frames=162, steps=1000, height=8192, width=8192, no_limits=True))
+    check_args(flags(height=4096))  # one side alone: the model's default fills the other, checked after loading
+
+    image = SimpleNamespace(is_video=False, sequence_tokens=lambda p: p.width * p.height // 256)
+    params = GenerationParams(prompt="x", height=2048, width=2048, steps=4, frames=1)
+    check_resolved(image, params, no_limits=False)  # 16,384 tokens: within the default 32,768
+    with pytest.raises(InvalidParam) as tokens:
+        check_resolved(image, params, no_limits=False, limits=AdmissionLimits(max_tokens=16_383))
+    assert tokens.value.field == "size" and "16384 transformer tokens" in tokens.value.rule, tokens.value
+    with pytest.raises(InvalidParam) as steps:
+        check_resolved(image, params.replace(steps=101), no_limits=False)
+    assert steps.value.field == "steps"
+    check_resolved(image, params.replace(steps=101, height=8192), no_limits=True)
+
+
+def test_generate_warns_of_words_a_shipped_model_does_not_know(tmp_path, capsys):
+    import json
+    from types import SimpleNamespace
+
+    from triptych.cli.notes import warn_unknown_words
+    from triptych.families.base import GenerationParams
+
+    (tmp_path / "triptych.json").write_text(json.dumps({"prompt_normaliser": "shapes"}))
+    family = SimpleNamespace(model_dir=tmp_path, is_video=False)
+    warn_unknown_words(family, GenerationParams(prompt="draw a blue triangle on a white background"))
+    warn_unknown_words(family, GenerationParams(prompt="a blue triangle on a white background"))
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"warning: model {tmp_path.name!r} does not know the word 'draw'")
+
+
+def test_a_long_generate_says_its_estimate_after_the_first_step():
+    from triptych.cli.estimate import StepEstimate, duration
+
+    now = [100.0]
+    said: list[str] = []
+    slow = StepEstimate(said.append, long_s=30, clock=lambda: now[0])
+    slow.started()
+    now[0] += 300.0  # the first step (with the encode): 5 minutes
+    for step in range(1, 5):
+        slow.step(step, 20)
+    assert said == ["estimate: about 1.6 h more for the 19 steps left (5.0 min for the first); Ctrl-C stops it"]
+
+    quick = StepEstimate(said.append, long_s=30, clock=lambda: now[0])
+    quick.started()
+    now[0] += 1.0
+    quick.step(1, 20)  # 19 s to go: nothing said
+    assert len(said) == 1 and quick.estimate_s == 19.0
+    assert [duration(s) for s in (42, 210, 5760)] == ["42 s", "3.5 min", "1.6 h"]
+
+
+def test_a_misspelt_flag_is_named_when_the_flag_it_meant_is_required(capsys):
+    """``--promt x`` leaves the required ``--prompt`` missing, which argparse reports alone."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["--verbose", "generate", "--promt", "x", "--out", "a.png"])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit_.value.code == 2
+    assert last == (
+        "triptych generate: error: unrecognized arguments: --promt (did you mean --prompt?); "
+        "the following arguments are required: --prompt"
+    ), last

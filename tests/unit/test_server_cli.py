@@ -268,3 +268,39 @@ def test_encoder_layer_flags_reach_the_config_and_the_workers_argv(capsys):
     with pytest.raises(SystemExit):
         flags.mm_cache_config(parser.parse_args(["--encoder-step-images", "0"]))
     assert "step_images" in capsys.readouterr().err
+
+
+def test_a_bare_serve_serves_the_adapters_the_models_ship(tmp_path, caplog):
+    """No ``--lora``: each model's ``lora/`` folders, as ``--lora NAME=DIR`` would give them (the head's
+    catalog and the workers' argv); a ``--lora`` serves only what it names."""
+    from triptych.cli.serve import serve_shipped_adapters, served_models
+    from triptych.lora.catalog import LoraCatalog
+
+    models = served_models([])  # the packaged defaults
+    default = next(iter(models.values()))
+    shipped = sorted(d.name for d in (default / "lora").iterdir() if d.is_dir())
+    assert shipped, "the default model ships adapters"
+    args = serve_args()
+    with caplog.at_level("INFO", logger="triptych.startup"):
+        serve_shipped_adapters(args, models)
+    lora = args.serve_flags.head_config(args, tmp_path).lora
+    assert sorted(lora.adapters) == shipped and all(p.parent == default / "lora" for p in lora.adapters.values())
+    assert [c["name"] for c in LoraCatalog(lora, default).cards()] == shipped  # they fit the model they came with
+    assert worker_config(*args.serve_flags.workers.argv(args)).lora == lora
+    assert any("packaged LoRA adapters" in r.getMessage() for r in caplog.records)
+
+    mine = tmp_path / "mine"
+    given = serve_args("--lora", f"mine={mine}")
+    serve_shipped_adapters(given, models)
+    assert given.lora == [f"mine={mine}"]
+
+
+def test_the_400_for_an_adapter_not_served_says_how_to_serve_one(tmp_path):
+    from triptych.core.errors import InvalidParam
+    from triptych.lora.catalog import LoraCatalog
+    from triptych.lora.config import LoraConfig
+
+    with pytest.raises(InvalidParam) as refused:
+        LoraCatalog(LoraConfig(), tmp_path).check("invert")
+    assert refused.value.field == "lora" and "triptych serve --lora NAME=DIR" in refused.value.rule
+    assert "POST /v1/loras" in refused.value.rule

@@ -76,6 +76,12 @@ def _add_generate(sub) -> None:
     )
     p.add_argument("--fps", type=int, default=16, help="MP4 frame rate")
     p.add_argument(
+        "--no-limits",
+        action="store_true",
+        help="lift the server's admission limits (size, steps, frames, transformer tokens; see docs/api.md), "
+        "knowing that a request past them may run for hours and out of memory",
+    )
+    p.add_argument(
         "--separate-cfg",
         action="store_true",
         help="run CFG branches as separate forwards, as diffusers does (bit-identical to it); "
@@ -159,7 +165,12 @@ def cmd_generate(args) -> int:
     )
     load_s = time.perf_counter() - t0
     params = family.resolve(params)
-    _warn_untrained_size(family.model_dir, params)
+    from triptych.cli.limits import check_resolved
+
+    check_resolved(family, params, args.no_limits)
+    from triptych.cli.notes import warn_of_request
+
+    warn_of_request(family, params)
     if args.lora:
         params = _with_lora(family, params, args.lora)
     accel = None
@@ -169,12 +180,17 @@ def cmd_generate(args) -> int:
         raise InvalidParam("out", args.out, "video families write .mp4; image families write .png/.jpg/.webp")
     # the progress a served video job reports (triptych.core.progress): steps fill 90%, the decode the rest
     bar = tqdm(total=DONE, desc="denoising", unit="%", file=sys.stderr, bar_format="{l_bar}{bar}| {n}/{total}%")
+    from triptych.cli.estimate import StepEstimate
+
+    estimate = StepEstimate(lambda line: bar.write(line, file=sys.stderr))
 
     def on_step(state) -> None:
+        estimate.step(state.step, state.total_steps)
         bar.update(progress_percent(state.step, state.total_steps) - bar.n)
         if state.done:
             bar.set_description("decoding")
 
+    estimate.started()
     if parallel.world_size > 1:
         from triptych.worker.ranks.local import run_parallel_request
 
@@ -222,17 +238,6 @@ def _teacache(family, params):
         logging.getLogger("triptych.cli").info(line)
         print(line)
     return accel
-
-
-def _warn_untrained_size(model_dir, params) -> None:
-    """One line on stderr when the size is not one the model was trained at (its ``triptych.json``)."""
-    from pathlib import Path
-
-    from triptych.families.geometry import size_warning, trained_sizes
-
-    note = size_warning(Path(model_dir).name, trained_sizes(model_dir), params.width, params.height)
-    if note:
-        print(f"warning: {note}", file=sys.stderr)
 
 
 def _add_chat(sub) -> None:
@@ -345,9 +350,15 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # Mooncake's INFO lines (serve sets its workers' own)
     parser = build_parser()
+    from triptych.cli.flag_suggest import name_misspelt_flags
+
+    name_misspelt_flags(parser, sys.argv[1:] if argv is None else list(argv))
     args, unknown = parser.parse_known_args(argv)
-    if unknown:  # a misspelt flag of a subcommand: that subcommand's usage, not the top level's
-        getattr(args, "parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
+    if unknown:  # a misspelt flag of a subcommand: that subcommand's usage, not the top level's, and its closest flag
+        from triptych.cli.flag_suggest import unknown_flags_message
+
+        command = getattr(args, "parser", parser)
+        command.error(unknown_flags_message(command, unknown))
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )

@@ -70,6 +70,9 @@ def check_generate(args) -> None:
         at_least(name, getattr(args, name), 1)
     at_least("mm_cache_mb", args.mm_cache_mb, 0)
     check_parallel(args)
+    from triptych.cli.limits import check_args
+
+    check_args(args)  # the server's size, step and frame limits, unless --no-limits
     args.image_rgb = read_image(args.image) if args.image else None
 
 

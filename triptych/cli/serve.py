@@ -37,6 +37,7 @@ from triptych.cli.worker_flags import WorkerFlags
 from triptych.control.auth import write_token
 from triptych.control.dispatch import POLICIES
 from triptych.core.config_flags import ConfigFlags, add_flags_later
+from triptych.core.startup import STARTUP_LOGGER, startup_log
 from triptych.vllm_chat.launch import chat_engines
 
 if TYPE_CHECKING:
@@ -259,13 +260,29 @@ def build_backends(
     return backends
 
 
+def serve_shipped_adapters(args, models: dict[str, Path]) -> None:
+    """No ``--lora``: serve the adapters the models ship (the default model's invert and resize), as
+    if each were given as ``--lora NAME=DIR``; any ``--lora`` serves only what it names."""
+    if args.lora is not None:
+        return
+    from triptych.lora.config import shipped_adapters
+
+    args.lora, notes = shipped_adapters(models.values())
+    for line in notes:
+        startup_log.warning(line)
+    if args.lora:
+        startup_log.info("serving the packaged LoRA adapters: %s", ", ".join(e.partition("=")[0] for e in args.lora))
+
+
 def cmd_serve(args) -> int:
     from triptych.families.models import cache_dir
 
     flags: ServeFlags = args.serve_flags
     cache_root = os.environ.get("TRIPTYCH_CACHE")
-    head_config = flags.head_config(args, default_data_dir=cache_dir(cache_root) / "head")
     models = served_models(args.model, cache_root)
+    logging.getLogger(STARTUP_LOGGER).setLevel(logging.INFO)  # each worker's loading, each model's readiness
+    serve_shipped_adapters(args, models)  # before the configs are built from args
+    head_config = flags.head_config(args, default_data_dir=cache_dir(cache_root) / "head")
     if len(models) > 1 and head_config.served_model_name:
         print("triptych serve: --served-model-name names one model; with several use --model NAME=DIR", file=sys.stderr)
         return 2
@@ -286,7 +303,7 @@ def cmd_serve(args) -> int:
             orchestrator = flags.orchestrator_config(args)
             backends = build_backends(models, orchestrator, topologies, pool=pool, autoscale=autoscale)
             for name, model_dir in models.items():
-                logger.info("serving %s from %s", name, model_dir)
+                startup_log.info("serving %s from %s", name, model_dir)
             write_token(head_config.data_dir, next(iter(backends.values())).orchestrator.token)
             return _serve_http(args, backends, head_config)
     finally:

@@ -48,6 +48,7 @@ from triptych.control.routing import GenerationRouter
 from triptych.core import offload
 from triptych.core.errors import InvalidParam
 from triptych.core.kinds import ROLES, Role
+from triptych.core.startup import startup_log
 
 logger = logging.getLogger(__name__)
 
@@ -196,8 +197,21 @@ class Orchestrator(GenerationBackend):
 
     async def wait_for_instances(self, counts: dict[str, int], timeout_s: float) -> None:
         """Block until at least ``counts[role]`` instances of each role registered."""
-        end = time.monotonic() + timeout_s
-        while (missing := {r: n for r, n in counts.items() if len(self.pool(r)) < n}) and time.monotonic() < end:
+        t0 = time.monotonic()
+        end = t0 + timeout_s
+        seen: set[str] = set()
+        model = Path(self.model_dir).name
+        while True:
+            for role in counts:
+                for inst in self.pool(role):
+                    if inst.instance_id not in seen:
+                        seen.add(inst.instance_id)
+                        startup_log.info(
+                            "%s: %s worker %s ready (%.1fs)", model, role, inst.instance_id, time.monotonic() - t0
+                        )
+            missing = {r: n for r, n in counts.items() if len(self.pool(r)) < n}
+            if not missing or time.monotonic() >= end:
+                break
             await asyncio.sleep(0.05)
         if missing:
             raise TimeoutError(f"workers missing after {timeout_s}s: {missing} (have {self.describe()['instances']})")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import signal
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,7 @@ from triptych.control.orchestrator import Orchestrator, OrchestratorConfig
 from triptych.control.worker_config import WorkerConfig
 from triptych.core.devices import DeviceConfig
 from triptych.core.kinds import ROLES, Role, TransferKind
+from triptych.core.startup import startup_log
 from triptych.deploy.supervisor import LocalWorkers, WorkerPool
 from triptych.parallel import ParallelConfig
 
@@ -182,11 +184,16 @@ class EmbeddedBackend(GenerationBackend):
         layout = t.layout()
         if layout:
             logger.info("local workers on GPUs: %s", ", ".join(f"{i} -> {g}" for i, g in layout.items()))
+        model = self.orchestrator.model_dir.name
+        t0 = time.monotonic()
         try:
             for role, n in counts.items():
                 for _ in range(n):
-                    self.spawn(role)
+                    instance = self.spawn(role)
+                    startup_log.info("%s: %s worker %s loading the model", model, role, instance)
             await self.orchestrator.wait_for_instances(counts, t.start_timeout_s)
+            total = sum(counts.values())
+            startup_log.info("%s ready: %d workers in %.1fs", model, total, time.monotonic() - t0)
             self.workers.watch(self.orchestrator.control_address)
             if self.autoscale is not None and self.autoscale.pools:
                 from triptych.deploy.autoscale import Autoscaler

@@ -35,6 +35,18 @@ class LoraItem(BaseModel):
     scale: FiniteFloat = 1.0
 
 
+#: Other spellings of an output format that mean the same one (formats are case-insensitive).
+FORMAT_SPELLINGS = {"jpg": "jpeg"}
+
+
+def _lower_name(v):
+    """``"PNG"``/``"Jpg"`` as ``"png"``/``"jpeg"``: a format's name in any case means the same format."""
+    if isinstance(v, str):
+        low = v.strip().lower()
+        return FORMAT_SPELLINGS.get(low, low)
+    return v
+
+
 def _lora_list(v):
     """A multipart form carries the list as JSON text."""
     if isinstance(v, str) and v.lstrip().startswith("["):
@@ -56,7 +68,10 @@ class _GenerationFields(BaseModel):
     n: int | None = Field(1, ge=1, description="images to generate; each is one job")
     size: str | None = Field(None, max_length=64, description='"WIDTHxHEIGHT" or "auto" (model default)')
     response_format: Literal["b64_json", "url"] | None = "b64_json"
-    output_format: Literal["png", "jpeg", "webp"] | None = "png"
+    output_format: Literal["png", "jpeg", "webp"] | None = Field(
+        "png", description="png|jpeg|webp, any case (jpg = jpeg)"
+    )
+    _formats = field_validator("output_format", "response_format", mode="before")(_lower_name)
     # Triptych extras (extra_body in the OpenAI SDK)
     seed: Seed | None = None
     num_inference_steps: int | None = Field(None, ge=1)
@@ -102,6 +117,11 @@ class ImageEditForm(_GenerationFields):
 
     model_config = ConfigDict(strict=False)
     input_fidelity: str | None = Field(None, max_length=32)
+    url: str | None = Field(
+        None,
+        max_length=64 * 1024 * 1024,
+        description="the image as a base64 data: URL instead of a file (vLLM-Omni's field)",
+    )
 
 
 class VideoCreateRequest(BaseModel):
@@ -135,6 +155,7 @@ class VideoCreateRequest(BaseModel):
         None, description="false: never answered from, nor stored in, the head's result cache (needs a seed)"
     )
     input_reference: ImageReference | None = Field(None, description="JSON form of the condition image")
+    image_reference: ImageReference | None = Field(None, description="= input_reference (a peer's name)")
 
 
 class ImageReference(BaseModel):

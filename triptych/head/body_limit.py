@@ -5,7 +5,9 @@
   the head never holds more than the limit of it. Multipart uploads keep their own budget
   (``http_common.read_form``: the upload limit plus the form's text fields).
 - A POST to the API must be ``application/json`` or ``multipart/form-data`` (415 otherwise): a
-  ``text/plain`` body is what any web page may send cross-site without a preflight.
+  ``text/plain`` body is what any web page may send cross-site without a preflight. The form routes
+  (``FORM_ROUTES``) also take ``application/x-www-form-urlencoded``, which a page may send as freely
+  as a multipart form, so it opens nothing new there; it is bounded as multipart is.
 - A client that stops sending in the middle of its body (a slow or half-open connection) gets 408
   after ``read_timeout_s`` without a byte, and its connection is closed. The timeout covers the body
   only: once its last part arrived, a ``receive()`` (a route watching for the client to disconnect
@@ -20,6 +22,9 @@ import json
 from starlette.exceptions import HTTPException
 
 ALLOWED_TYPES = (b"application/json", b"multipart/form-data")
+URLENCODED = b"application/x-www-form-urlencoded"
+#: routes that take urlencoded bodies too (what vLLM-Omni's video clients send)
+FORM_ROUTES = ("/v1/videos",)
 
 
 class BodyLimit:
@@ -34,12 +39,17 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         media = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
-        if scope["path"].startswith(self.api_prefix) and media not in ALLOWED_TYPES:
+        form_route = scope["path"].rstrip("/") in FORM_ROUTES
+        allowed = (*ALLOWED_TYPES, URLENCODED) if form_route else ALLOWED_TYPES
+        if scope["path"].startswith(self.api_prefix) and media not in allowed:
             shown = media.decode("latin-1") or "none"
-            return await _refuse(
-                send, 415, f"invalid Content-Type={shown!r}: send application/json or multipart/form-data"
+            also = (
+                ", multipart/form-data or application/x-www-form-urlencoded"
+                if form_route
+                else " or multipart/form-data"
             )
-        limit = None if media == b"multipart/form-data" else self.max_json_bytes
+            return await _refuse(send, 415, f"invalid Content-Type={shown!r}: send application/json{also}")
+        limit = None if media in (b"multipart/form-data", URLENCODED) else self.max_json_bytes
         declared = headers.get(b"content-length")
         if limit is not None and declared is not None:
             if not declared.isdigit():

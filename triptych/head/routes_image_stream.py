@@ -1,7 +1,9 @@
 """Streamed image generations and edits (``stream=true``): OpenAI's image streaming events.
 
 The response is server-sent events, each ``event: <type>`` plus ``data: <json>``:
-``<prefix>.partial_image`` per preview (``b64_json``, ``partial_image_index`` from 0), then one
+``<prefix>.partial_image`` per preview (``b64_json``, ``partial_image_index`` 0, 1, 2, ... in the
+order sent, without gaps: a preview lost in transfer or decoded after a newer one is not sent, and
+the next one takes its number), then one
 ``<prefix>.completed`` with the final image and ``usage``; ``<prefix>`` is ``image_generation`` or
 ``image_edit``. Previews are the clean image the denoiser predicts at evenly spaced steps, decoded
 by the decoder pool (``engine.previews``); the final image is the one a non-streamed request
@@ -33,7 +35,7 @@ from fastapi.responses import StreamingResponse
 from triptych.control.backend import GenerationJob
 from triptych.core.errors import InvalidParam, TriptychError
 from triptych.head.routes_common import deadline, wait_disconnect
-from triptych.head.state import ClientGone, Head
+from triptych.head.state import WARNING_HEADER, ClientGone, Head, header_value
 
 _CANCELLING: set[asyncio.Task] = set()
 
@@ -72,17 +74,28 @@ def _completed(prefix: str, data: bytes, common: dict) -> bytes:
     return _sse(body["type"], {**body, "created_at": int(time.time()), **common, "usage": usage})
 
 
+def _headers(warnings: list[str]) -> dict:
+    return {"Cache-Control": "no-cache", **({WARNING_HEADER: header_value(warnings)} if warnings else {})}
+
+
 def _common(output_format: str, size: str) -> dict:
     return {"background": "opaque", "output_format": output_format, "quality": "auto", "size": size}
 
 
 def stream_cached(
-    head: Head, data: bytes, prefix: str, endpoint: str, size: str, output_format: str, t0: float
+    head: Head,
+    data: bytes,
+    prefix: str,
+    endpoint: str,
+    size: str,
+    output_format: str,
+    t0: float,
+    warnings: list[str] = (),
 ) -> StreamingResponse:
     """A stream answered from the result cache: the ``completed`` event alone (no previews: no step ran)."""
     head.metrics.record_request(endpoint, "success", time.perf_counter() - t0)
     event = _completed(prefix, data, _common(output_format, size))
-    return StreamingResponse(iter([event]), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return StreamingResponse(iter([event]), media_type="text/event-stream", headers=_headers(warnings))
 
 
 async def stream_image(
@@ -93,10 +106,12 @@ async def stream_image(
     endpoint: str,
     size: str,
     t0: float,
+    warnings: list[str] = (),
     on_result: Callable[[bytes], None] | None = None,
 ) -> StreamingResponse:
-    """Start ``job``; answer with its events once the first is there (see the module docstring).
-    ``on_result`` gets the final image once the job succeeded (the result cache's store)."""
+    """Start ``job``; answer with its events once the first is there (see the module docstring);
+    ``warnings`` go out in the ``X-Triptych-Warning`` header; ``on_result`` gets the final image once
+    the job succeeded (the result cache's store)."""
     queue: asyncio.Queue[tuple[int, bytes]] = asyncio.Queue()
     head.admission.reserve(1)
     task = asyncio.create_task(head.backend.run(job, on_preview=lambda i, data: queue.put_nowait((i, data))))
@@ -124,14 +139,23 @@ async def stream_image(
 
     async def events():
         nonlocal getter
-        sent = -1  # a retried job previews again from 0: each index goes out once
+        newest = -1  # the newest preview sent (the backend's index): an older or repeated one is not sent
+        count = 0  # partials sent: the next one's partial_image_index, so the indices have no gaps
+
+        def fresh(index: int) -> bool:
+            nonlocal newest
+            if index <= newest:  # a retried job previews again from 0; one decoded late is stale
+                return False
+            newest = index
+            return True
+
         try:
             while True:
                 if getter.done():
                     index, data = getter.result()
-                    if index > sent:
-                        sent = index
-                        yield partial(index, data)
+                    if fresh(index):
+                        yield partial(count, data)
+                        count += 1
                     getter = asyncio.create_task(queue.get())
                     continue
                 if task.done():
@@ -140,9 +164,9 @@ async def stream_image(
             getter.cancel()
             while not queue.empty():
                 index, data = queue.get_nowait()
-                if index > sent:
-                    sent = index
-                    yield partial(index, data)
+                if fresh(index):
+                    yield partial(count, data)
+                    count += 1
             try:
                 data = task.result()
             except (TriptychError, asyncio.CancelledError) as e:
@@ -160,4 +184,5 @@ async def stream_image(
             getter.cancel()
             _abandon(head, job, task)
 
-    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    headers = _headers(warnings)
+    return StreamingResponse(events(), media_type="text/event-stream", headers=headers)

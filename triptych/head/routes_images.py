@@ -1,8 +1,10 @@
 """Image routes: ``POST /v1/images/generations`` (JSON) and ``POST /v1/images/edits`` (multipart, one
 image). ``n`` images are ``n`` jobs with consecutive seeds, admitted together and run concurrently.
 The request's ``model`` picks the served model (default: the first image model, the first
-edit-capable one for edits). At a size the model was not trained at, the response carries a note in
-``warnings`` and in the ``X-Triptych-Warning`` header.
+edit-capable one for edits). An edit's image is an uploaded file or ``url`` (a base64 data: URL);
+without ``size`` (or with ``"auto"``) its output has the input's size (``input_size``). At a size the model was not trained at, or with words in the prompt that a
+shipped shape-world model does not know, the response carries a note in ``warnings`` and in the
+``X-Triptych-Warning`` header, and the server logs it.
 ``stream=true`` (one image, b64_json) answers with server-sent events (``http_image_stream``).
 A seeded request may be answered from the head's result cache (``result_use``): each image whose
 exact repeat is stored is not run; a streamed hit sends only the final image (no previews).
@@ -20,7 +22,9 @@ import time
 from fastapi import FastAPI, Request, Response
 
 from triptych.control.backend import GenerationJob
+from triptych.core import offload
 from triptych.core.errors import InvalidParam
+from triptych.core.media import decode_data_url
 from triptych.head.api_models import ImageData, ImageEditForm, ImageGenerationRequest, ImagesResponse, inline_schema
 from triptych.head.result_use import cache_keys, lookup, store
 from triptych.head.routes_common import (
@@ -34,7 +38,7 @@ from triptych.head.routes_common import (
     text_fields,
 )
 from triptych.head.routes_image_stream import stream_cached, stream_image
-from triptych.head.state import WARNING_HEADER, Head, ModelHead
+from triptych.head.state import WARNING_HEADER, Head, ModelHead, header_value
 
 
 def check_stream(req) -> None:
@@ -56,6 +60,7 @@ async def generate_images(head: ModelHead, request: Request, req, image, endpoin
         raise InvalidParam("model", head.model_id, "is a video model; use POST /v1/videos")
     params, size = build_params(head, req, image=image)
     params = resolve(head, params, size)
+    notes = head.warnings(params, edit=image is not None)
     fmt = req.output_format or "png"
     if req.output_compression is not None and fmt == "png":
         raise InvalidParam(
@@ -79,10 +84,10 @@ async def generate_images(head: ModelHead, request: Request, req, image, endpoin
         prefix = "image_edit" if image is not None else "image_generation"
         size = f"{params.width}x{params.height}"
         if outputs[0] is not None:
-            return stream_cached(head, outputs[0], prefix, endpoint, size, fmt, t0)
+            return stream_cached(head, outputs[0], prefix, endpoint, size, fmt, t0, notes)
         key = keys[0] if keys else None
         return await stream_image(
-            head, request, jobs[0], prefix, endpoint, size, t0, on_result=lambda data: store(head, key, data)
+            head, request, jobs[0], prefix, endpoint, size, t0, notes, on_result=lambda data: store(head, key, data)
         )
     todo = [i for i, out in enumerate(outputs) if out is None]
     if todo:
@@ -103,7 +108,6 @@ async def generate_images(head: ModelHead, request: Request, req, image, endpoin
     head.metrics.record_request(endpoint, "success", time.perf_counter() - t0)
     size = f"{params.width}x{params.height}"
     seeds = [j.params.seed for j in jobs]
-    note = head.size_warning(params.width, params.height)
     return ImagesResponse(
         created=int(time.time()),
         data=data,
@@ -111,14 +115,27 @@ async def generate_images(head: ModelHead, request: Request, req, image, endpoin
         size=size,
         seeds=seeds,
         expires_at=expires,
-        warnings=[note] if note else None,
+        warnings=notes or None,
     )
 
 
+#: an edit's default size: the input's, each side floored to this (a multiple every family's takes)
+EDIT_SIZE_STEP = 16
+
+
+def input_size(head: ModelHead, image) -> str:
+    """An edit's default output size: the input image's, scaled down (aspect kept) to fit the head's
+    ``max_pixels`` and floored to ``EDIT_SIZE_STEP`` per side."""
+    width, height = image.size
+    scale = min(1.0, (head.limits.max_pixels / (width * height)) ** 0.5)
+    width, height = (max(EDIT_SIZE_STEP, int(v * scale) // EDIT_SIZE_STEP * EDIT_SIZE_STEP) for v in (width, height))
+    return f"{width}x{height}"
+
+
 def _with_warning(out, response: Response):
-    """A JSON answer's size warning, also as a header (a stream answers with its own response)."""
+    """A JSON answer's warnings, also as a header (a stream answers with its own response)."""
     if isinstance(out, ImagesResponse) and out.warnings:
-        response.headers[WARNING_HEADER] = out.warnings[0]
+        response.headers[WARNING_HEADER] = header_value(out.warnings)
     return out
 
 
@@ -156,10 +173,18 @@ def add_image_routes(app: FastAPI, head: Head) -> None:
                 f"model {model.model_id!r} ({model.family.name}) is text-only; edits need an image-conditioned model",
             )
         images = form.getlist("image") or form.getlist("image[]")
-        if len(images) != 1:
-            raise InvalidParam("image", f"<{len(images)} files>", "exactly one image file is required")
         if form.get("mask") is not None:
             raise InvalidParam("mask", "<mask>", "masks are not supported; the model edits the whole image")
         req = ImageEditForm.model_validate(fields)
-        image = await read_upload(head, images[0], "image")
+        if req.url is not None:
+            if images:
+                raise InvalidParam("url", req.url[:40], "the image is given as a file too: give image or url")
+            image = await offload.run(decode_data_url, req.url, head.limits.image_limits, "url")
+        else:
+            if len(images) != 1:
+                why = "exactly one image file (or url, a base64 data: URL) is required"
+                raise InvalidParam("image", f"<{len(images)} files>", why)
+            image = await read_upload(head, images[0], "image")
+        if req.size in (None, "auto"):
+            req = req.model_copy(update={"size": input_size(model, image)})
         return _with_warning(await generate_images(model, request, req, image, "/v1/images/edits"), response)

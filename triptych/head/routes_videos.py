@@ -1,8 +1,10 @@
 """Video routes: ``POST /v1/videos`` starts an asynchronous job (``jobs.VideoJobs``); ``GET`` polls it,
 ``GET .../content`` downloads the MP4, ``DELETE`` cancels and deletes, ``GET /v1/videos`` lists.
 
-The create body is multipart (what the OpenAI SDK sends, with an optional ``input_reference`` file)
-or JSON (``input_reference`` as ``{"image_url": "data:image/png;base64,..."}``).
+The create body is multipart (what the OpenAI SDK sends, with an optional ``input_reference`` file),
+urlencoded (what vLLM-Omni's clients send) or JSON (``input_reference`` as
+``{"image_url": "data:image/png;base64,..."}``). ``GET /v1/videos?limit=0`` is an empty page whose
+``has_more`` says whether any video follows the cursor.
 A seeded create whose exact repeat is in the head's result cache (``result_use``) is answered with a
 job that is already ``completed``, its MP4 the stored one; nothing runs.
 """
@@ -43,7 +45,7 @@ from triptych.head.routes_common import (
     same_knob,
     text_fields,
 )
-from triptych.head.state import WARNING_HEADER, Head, ModelHead
+from triptych.head.state import WARNING_HEADER, Head, ModelHead, header_value
 
 FRAME_SEARCH = 8  # seconds → frames: try this many counts above seconds*fps for one the model accepts
 
@@ -66,18 +68,24 @@ def to_api(rec: VideoRecord) -> VideoObject:
     )
 
 
+#: the condition image's field names: Triptych's (OpenAI's) and a peer's for the same image
+REFERENCE_FIELDS = ("input_reference", "image_reference")
+
+
 async def parse_create(head: Head, request: Request):
-    """The create body → (validated request, condition image or None)."""
+    """The create body (JSON, multipart or urlencoded) → (validated request, condition image or None).
+    ``image_reference`` is ``input_reference`` by another name; both at once is a 400 naming both."""
     ctype = request.headers.get("content-type", "")
-    upload = None
+    uploads: dict[str, UploadFile] = {}
     if ctype.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
         form = await read_form(head, request)
-        upload = form.get("input_reference")
-        fields = text_fields(form, skip=("input_reference",) if isinstance(upload, UploadFile) else ())
-        prefix = "input_reference["
-        nested = {k[len(prefix) : -1]: fields.pop(k) for k in list(fields) if k.startswith(prefix)}
-        if nested:
-            fields["input_reference"] = nested
+        uploads = {name: form.get(name) for name in REFERENCE_FIELDS if isinstance(form.get(name), UploadFile)}
+        fields = text_fields(form, skip=tuple(uploads))
+        for name in REFERENCE_FIELDS:
+            prefix = f"{name}["
+            nested = {k[len(prefix) : -1]: fields.pop(k) for k in list(fields) if k.startswith(prefix)}
+            if nested:
+                fields[name] = nested
         req = VideoCreateRequest.model_validate(fields)
     else:
         try:
@@ -87,17 +95,21 @@ async def parse_create(head: Head, request: Request):
         if not isinstance(body, dict):
             raise InvalidParam("body", type(body).__name__, "must be a JSON object")
         req = VideoCreateRequest.model_validate(body)
-    if isinstance(upload, UploadFile):
-        return req, await read_upload(head, upload, "input_reference")
-    if req.input_reference is not None:
-        return req, await offload.run(_decode_reference, head, req.input_reference)
-    return req, None
+    given = [name for name in REFERENCE_FIELDS if name in uploads or getattr(req, name) is not None]
+    if len(given) > 1:
+        raise InvalidParam("image_reference", "<image>", "is input_reference by another name: give one of them")
+    if not given:
+        return req, None
+    name = given[0]
+    if name in uploads:
+        return req, await read_upload(head, uploads[name], name)
+    return req, await offload.run(_decode_reference, head, getattr(req, name), name)
 
 
-def _decode_reference(head: Head, ref):
+def _decode_reference(head: Head, ref, field: str = "input_reference"):
     if ref.file_id is not None or ref.image_url is None:
-        raise InvalidParam("input_reference", ref.file_id, "only an uploaded file or a base64 data: URL image_url")
-    return decode_data_url(ref.image_url, head.limits.image_limits, "input_reference.image_url")
+        raise InvalidParam(field, ref.file_id, "only an uploaded file or a base64 data: URL image_url")
+    return decode_data_url(ref.image_url, head.limits.image_limits, f"{field}.image_url")
 
 
 def fps_of(head: ModelHead, req: VideoCreateRequest) -> int:
@@ -155,8 +167,13 @@ def resolve_video(head: ModelHead, req: VideoCreateRequest, image):
 def _schema() -> dict:
     schema = inline_schema(VideoCreateRequest)
     form = json.loads(json.dumps(schema))
-    form["properties"]["input_reference"] = {"type": "string", "format": "binary", "description": "condition image"}
-    content = {"application/json": {"schema": schema}, "multipart/form-data": {"schema": form}}
+    for name in REFERENCE_FIELDS:
+        form["properties"][name] = {"type": "string", "format": "binary", "description": "condition image"}
+    content = {
+        "application/json": {"schema": schema},
+        "multipart/form-data": {"schema": form},
+        "application/x-www-form-urlencoded": {"schema": form},
+    }
     return {"requestBody": {"required": True, "content": content}}
 
 
@@ -193,15 +210,15 @@ def add_video_routes(app: FastAPI, head: Head) -> None:
             head.videos.submit(rec, job, model.backend, model.admission, on_result=lambda data: store(model, key, data))
         model.metrics.record_request("/v1/videos", "success")
         out = to_api(rec)
-        note = model.size_warning(params.width, params.height)
-        if note:
-            out.warnings = [note]
-            response.headers[WARNING_HEADER] = note
+        notes = model.warnings(params)
+        if notes:
+            out.warnings = notes
+            response.headers[WARNING_HEADER] = header_value(notes)
         return out
 
     @app.get("/v1/videos", response_model=VideoList)
     async def list_videos(
-        limit: int = Query(20, ge=1, le=100),
+        limit: int = Query(20, ge=0, le=100, description="0: no videos, has_more says whether any follow"),
         after: str | None = Query(None, max_length=64),
         order: Literal["asc", "desc"] = "desc",
     ):

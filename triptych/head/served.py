@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING
 
 from starlette.exceptions import HTTPException
 
+from shapeworld.vocabulary import prompt_warning
 from triptych.core.errors import shown
-from triptych.families.geometry import size_warning, trained_sizes
+from triptych.families.geometry import model_defaults, size_warning, trained_sizes
 from triptych.head.admission import Admission, AdmissionLimits
 from triptych.head.api_models import ModelCard
 from triptych.lora.catalog import LoraCatalog
@@ -49,6 +50,8 @@ class ServedModel:
     """(width, height) sizes the model was trained at (its ``triptych.json``); empty = unknown."""
     lora: LoraCatalog = field(default_factory=lambda: LoraCatalog(LoraConfig(), Path(".")))
     """The adapters requests for this model may name (``serve --lora``)."""
+    vocabulary: str | None = None
+    """The ``prompt_normaliser`` its ``triptych.json`` names (the shipped models' words); None: any words."""
 
     @property
     def family(self) -> Family:
@@ -82,6 +85,10 @@ class ServedModel:
     def size_warning(self, width: int, height: int) -> str | None:
         return size_warning(self.name, self.trained, width, height)
 
+    def prompt_warning(self, prompt: str, edit: bool = False) -> str | None:
+        """A note naming the prompt's words the model does not know (``shapeworld.vocabulary``)."""
+        return prompt_warning(self.name, self.vocabulary, prompt, edit)
+
 
 class ServedModels:
     """The head's models, in serving order (the first of a kind is that kind's default)."""
@@ -110,6 +117,7 @@ class ServedModels:
                     LoraFormat.of(b.family),
                     journal=LoraJournal(data_dir, name) if data_dir else None,
                 ),
+                vocabulary=model_defaults(b.family.model_dir).get("prompt_normaliser"),
             )
             for name, b in backends.items()
         }

@@ -191,6 +191,12 @@ LOOP_WATCH_S = 0.1
 #: text is in the body's ``warnings`` list.
 WARNING_HEADER = "X-Triptych-Warning"
 
+
+def header_value(notes: list[str]) -> str:
+    """Several notes in one ``X-Triptych-Warning`` header (`` | `` between them), ASCII only."""
+    return " | ".join(notes).encode("ascii", "replace").decode("ascii")
+
+
 #: The served model the request being handled was routed to (``Head.backend_for``); read by the error
 #: handlers to count the outcome under that model. None before routing.
 ROUTED: contextvars.ContextVar[str | None] = contextvars.ContextVar("triptych_routed_model", default=None)
@@ -343,3 +349,12 @@ class ModelHead:
     def size_warning(self, width: int, height: int) -> str | None:
         """A note when ``width`` x ``height`` is not a size the model was trained at."""
         return self.served.size_warning(width, height)
+
+    def warnings(self, params, edit: bool = False) -> list[str]:
+        """The notes on a resolved request: an untrained size, words the model does not know. Each is
+        also logged (``triptych.head``), so the server's log says what its answers warned of."""
+        notes = [self.size_warning(params.width, params.height), self.served.prompt_warning(params.prompt, edit)]
+        notes = [n for n in notes if n]
+        for note in notes:
+            logger.warning("request to %s: %s", self.model_id, note)
+        return notes

@@ -27,6 +27,11 @@ from triptych.lora.paths import weight_file
 log = logging.getLogger(__name__)
 
 MAX_ADAPTERS_PER_REQUEST = 4
+#: what the 400 for an adapter that is not served says to do
+HOW_TO_SERVE = (
+    "serve one with `triptych serve --lora NAME=DIR` (a bare serve serves the adapters the models ship), "
+    "or load one at run time with POST /v1/loras under --lora-root"
+)
 
 
 def header_shapes(file: Path) -> dict[str, list[int]]:
@@ -200,7 +205,7 @@ class LoraCatalog:
             info = self.adapters.get(name)
             if info is None:
                 served = sorted(self.adapters) or "none"
-                raise InvalidParam("lora", name, f"is not a served adapter (served: {served})")
+                raise InvalidParam("lora", name, f"is not a served adapter (served: {served}); {HOW_TO_SERVE}")
             if info.misfit is not None:
                 raise InvalidParam("lora", name, f"{info.misfit} ({self.model_name})")
             if not -limit <= scale <= limit:

@@ -45,6 +45,26 @@ class LoraConfig:
         return int(self.lora_budget_mb * (1 << 20))
 
 
+def shipped_adapters(model_dirs) -> tuple[tuple[str, ...], list[str]]:
+    """``NAME=DIR`` of every adapter the models ship (each model's ``lora/<name>/`` folder), for a
+    ``serve`` given no ``--lora``; a name two models ship is served from the first (the second is
+    returned as a note)."""
+    entries: dict[str, str] = {}
+    notes = []
+    for model_dir in model_dirs:
+        folder = Path(model_dir) / "lora"
+        for adapter in sorted(folder.iterdir()) if folder.is_dir() else ():
+            if not adapter.is_dir():
+                continue
+            if adapter.name in entries:
+                notes.append(
+                    f"adapter {adapter.name!r} of {model_dir} not served: {entries[adapter.name]} has the name"
+                )
+                continue
+            entries[adapter.name] = str(adapter)
+    return tuple(f"{name}={path}" for name, path in entries.items()), notes
+
+
 def lora_args(
     values: list[str], max_scale: float = LoraConfig.lora_max_scale, shipped: Path | None = None
 ) -> tuple[LoraConfig, tuple]:
