@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from triptych.accel.teacache_profile import AUTO_THRESHOLD
+from triptych.head.tenancy import MAX_DEADLINE_S, PRIORITY_MAX, PRIORITY_MIN
 
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 #: A number in [0, 2] or "auto" (the calibration profile's recommended threshold), which the model
@@ -21,6 +22,26 @@ FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 TeaCacheThreshold = Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)] | Literal["auto"]
 Seed = Annotated[int, Field(ge=0, le=2**62, description="random seed; n>1 uses seed, seed+1, ...")]
 MAX_TEXT = 1_000_000  # hard cap of any string; the configurable limit is AdmissionLimits.max_prompt_chars
+#: The request's priority class (vLLM's convention: lower runs sooner; default: its API key's, 0);
+#: its API key may allow a narrower range (``HeadConfig.tenant_policies``).
+Priority = Annotated[
+    int,
+    Field(
+        ge=PRIORITY_MIN, le=PRIORITY_MAX, description="priority class: lower runs sooner; default: the API key's (0)"
+    ),
+]
+#: Seconds from its arrival the client can wait (default: the model's ``--slo``): refused at once
+#: (429) when the head estimates it cannot finish in time, dropped (504) when it passes before the
+#: request starts denoising.
+DeadlineS = Annotated[
+    float,
+    Field(
+        gt=0,
+        le=MAX_DEADLINE_S,
+        allow_inf_nan=False,
+        description="seconds from arrival the client can wait: refused (429) if it cannot be met",
+    ),
+]
 
 
 def _auto_threshold(v):
@@ -74,6 +95,8 @@ class _GenerationFields(BaseModel):
     output_compression: int | None = Field(
         None, ge=0, le=100, description="jpeg/webp quality, 0-100 (100: least compression); default 95"
     )
+    priority: Priority | None = None
+    deadline_s: DeadlineS | None = None
     # OpenAI fields accepted and ignored
     user: str | None = Field(None, max_length=256)
     quality: str | None = Field(None, max_length=32)
@@ -129,6 +152,8 @@ class VideoCreateRequest(BaseModel):
     teacache_threshold: TeaCacheThreshold | None = None
     _threshold = field_validator("teacache_threshold")(_auto_threshold)
     input_reference: ImageReference | None = Field(None, description="JSON form of the condition image")
+    priority: Priority | None = None
+    deadline_s: DeadlineS | None = None
 
 
 class ImageReference(BaseModel):
@@ -204,6 +229,7 @@ class ChatCompletionRequest(BaseModel):
     parallel_tool_calls: bool | None = None
     # Triptych extras (vLLM's names)
     ignore_eos: bool | None = Field(None, description="generate exactly max_tokens tokens (load tests)")
+    priority: Priority | None = None
     # accepted and ignored
     user: str | None = Field(None, max_length=256)
     metadata: dict[str, str] | None = None

@@ -23,10 +23,12 @@ from triptych.head.api_models import ImageData, ImageEditForm, ImageGenerationRe
 from triptych.head.routes_common import (
     build_params,
     deadline,
+    job_deadline,
     read_form,
     read_upload,
     resolve,
     run_jobs,
+    tenant_weight,
     text_fields,
 )
 from triptych.head.routes_image_stream import stream_image
@@ -65,9 +67,12 @@ async def generate_images(head: ModelHead, request: Request, req, image, endpoin
             fmt,
             quality=req.output_compression,
             partial_images=req.partial_images or 0,
+            weight=tenant_weight(head),
+            **job_deadline(head, req.deadline_s, t0),
         )
         for i in range(req.n or 1)
     ]
+    head.backend.check_deadlines(jobs)  # 429 at once when the estimate is past the deadline
     if req.stream:
         prefix = "image_edit" if image is not None else "image_generation"
         size = f"{params.width}x{params.height}"

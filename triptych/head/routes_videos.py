@@ -33,11 +33,13 @@ from triptych.head.api_models import (
 from triptych.head.jobs import VideoRecord
 from triptych.head.routes_common import (
     build_params,
+    job_deadline,
     parse_json,
     read_form,
     read_upload,
     resolve,
     same_knob,
+    tenant_weight,
     text_fields,
 )
 from triptych.head.state import WARNING_HEADER, Head, ModelHead
@@ -166,6 +168,7 @@ def add_video_routes(app: FastAPI, head: Head) -> None:
 
     @app.post("/v1/videos", response_model=VideoObject, openapi_extra=_schema())
     async def create_video(request: Request, response: Response):
+        t0 = time.perf_counter()
         req, image = await parse_create(head, request)
         model = head.backend_for(req.model, "video")
         params = resolve_video(model, req, image)
@@ -180,7 +183,15 @@ def add_video_routes(app: FastAPI, head: Head) -> None:
             seconds=f"{(params.frames or 1) / fps_of(model, req):g}",
             frames=params.frames or 1,
         )
-        job = GenerationJob(rec.id, params, "mp4", fps=fps_of(model, req))
+        job = GenerationJob(
+            rec.id,
+            params,
+            "mp4",
+            fps=fps_of(model, req),
+            weight=tenant_weight(model),
+            **job_deadline(model, req.deadline_s, t0),
+        )
+        model.backend.check_deadlines([job])  # 429 at once when the estimate is past the deadline
         head.videos.submit(rec, job, model.backend, model.admission)
         model.metrics.record_request("/v1/videos", "success")
         out = to_api(rec)

@@ -9,6 +9,7 @@ One that cannot fit even with no adapter in use fails at once, naming the sizes.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 import torch
@@ -36,6 +37,7 @@ class DenoiserRunner(StageRunner):
         self.engine = engine
         self._jobs: dict[str, Job] = {}  # request id -> its job, while its state is in the engine
         self._waiting: deque[tuple[Job, object]] = deque()  # (job, prepared state): no LoRA room yet
+        self._joined: dict[str, float] = {}  # request id -> when it joined the engine (``DenoiseDone.engine_s``)
 
     def take(self, task: P.DenoiseTask) -> None:
         self.receive(self.new_job(task, wire.params_from_wire(task.params)), "cond", task)
@@ -61,6 +63,7 @@ class DenoiserRunner(StageRunner):
         port = self.port
         for rid, error in out.failed:  # another instance may well succeed (e.g. this one ran out of memory)
             job = self._jobs.pop(rid, None)
+            self._joined.pop(rid, None)
             if job is not None and port.owns(job):
                 port.fail(job, error, retryable=True)
         followed = tuple(
@@ -90,6 +93,7 @@ class DenoiserRunner(StageRunner):
             )
         for state in out.finished:
             job = self._jobs.pop(state.request_id, None)
+            joined = self._joined.pop(state.request_id, None)
             if job is None or not port.owns(job):
                 continue
             job.outgoing = to_host({"latents": state.latents.detach().contiguous()})
@@ -99,6 +103,7 @@ class DenoiserRunner(StageRunner):
                     generation=job.generation,
                     instance_id=port.instance_id,
                     specs=specs_of(job.outgoing),
+                    engine_s=0.0 if joined is None else time.monotonic() - joined,
                 )
             )
 
@@ -128,6 +133,7 @@ class DenoiserRunner(StageRunner):
             self._waiting.append((job, state))
             return False
         self._jobs[job.request_id] = job
+        self._joined[job.request_id] = time.monotonic()
         return True
 
     def _join_waiting(self) -> None:
@@ -146,6 +152,7 @@ class DenoiserRunner(StageRunner):
         self._waiting = deque((j, s) for j, s in self._waiting if j is not job)
         if self._jobs.get(job.request_id) is job:
             del self._jobs[job.request_id]
+            self._joined.pop(job.request_id, None)
         self.engine.abort(job.request_id)
 
 
