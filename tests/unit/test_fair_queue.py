@@ -139,3 +139,23 @@ def test_a_bad_policy_is_refused_naming_it_without_the_key(spec, error):
 def test_a_policy_may_name_a_tenant_id_and_defaults_its_priority_inside_its_bounds():
     name, policy = parse_policy("key-0123456789abcdef:min=3")
     assert name == "key-0123456789abcdef" and policy.priority == 3 and policy.max_priority == 100
+
+
+def test_started_requests_are_counted_per_tenant_and_exported_once_each():
+    from triptych.control.metrics import Metrics
+
+    q = FairQueue()
+    for i in range(3):
+        q.add(f"a{i}", 0, "key-a")
+    q.add("b0", 0, "key-b")
+    q.add("b1", 0, "key-b")
+    q.remove("b1")  # cancelled before it started: not served
+    drain(q, 3)
+    assert q.served == {"key-a": 2, "key-b": 1}
+    metrics = Metrics()
+    metrics.update_from_describe({"tenants": {"generation": dict(q.served)}})
+    drain(q)
+    metrics.update_from_describe({"tenants": {"generation": dict(q.served)}})  # cumulative: the delta is added
+    value = metrics.registry.get_sample_value
+    assert value("triptych_tenant_requests_started_total", {"tenant": "key-a", "kind": "generation"}) == 3
+    assert value("triptych_tenant_requests_started_total", {"tenant": "key-b", "kind": "generation"}) == 1

@@ -102,7 +102,7 @@ class ChatRouter:
             self._retry(ct, why)
 
     def describe(self) -> dict:
-        return {"chats": len(self.chats), "queue": len(self.waiting)}
+        return {"chats": len(self.chats), "queue": len(self.waiting), "tenants": dict(self.waiting.served)}
 
     def backlog(self, now: float) -> tuple[int, float]:
         """The chats waiting for a chat-capable encoder slot, and how long the first has waited."""

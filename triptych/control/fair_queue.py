@@ -13,7 +13,8 @@ A request waits under the key ``(priority, start tag, arrival)``, smallest first
   a and b both wait, ``|served_a / w_a - served_b / w_b| <= 1 / w_a + 1 / w_b``.
 - ``arrival``: a counter; ties (one tenant, or equal tags) go first come, first served.
 
-A request leaving to start (``take``) advances the virtual time; one leaving otherwise (a cancel,
+A request leaving to start (``take``) advances the virtual time and counts for its tenant in
+``served`` (a retried request that starts again counts again); one leaving otherwise (a cancel,
 ``remove``) does not. ``readd`` puts a request back at the front of its class (a retry; retries
 among themselves in arrival order).
 Owned by one event loop; nothing here takes a lock.
@@ -24,6 +25,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -43,6 +45,8 @@ class FairQueue:
         self._virtual: dict[int, float] = {}  # priority -> virtual time of the class
         self._finish: dict[tuple[int, str], float] = {}  # (priority, tenant) -> finish tag of its last
         self._arrivals = itertools.count()
+        self._tenant: dict[str, str] = {}  # rid -> its tenant, while its key is kept
+        self.served: Counter[str] = Counter()  # tenant -> requests started from this queue
 
     # ---- membership ---------------------------------------------------------------------------
     def add(self, rid: str, priority: int = 0, tenant: str = "", weight: float = 1.0, cost: float = 1.0) -> QueueKey:
@@ -53,6 +57,7 @@ class FairQueue:
         self._finish[(priority, tenant)] = start + cost / weight
         key = QueueKey(priority, start, next(self._arrivals))
         self._keys[rid] = key
+        self._tenant[rid] = tenant
         self._insert(rid, key)
         return key
 
@@ -68,6 +73,7 @@ class FairQueue:
         key = self._keys[rid]
         self._drop(rid)
         self._virtual[key.priority] = max(self._virtual.get(key.priority, 0.0), key.start)
+        self.served[self._tenant[rid]] += 1
 
     def remove(self, rid: str) -> None:
         """``rid`` leaves the queue without starting (cancelled, failed); its key is kept for ``readd``."""
@@ -77,6 +83,7 @@ class FairQueue:
         """``rid`` ended: out of the queue and its key dropped."""
         self._drop(rid)
         self._keys.pop(rid, None)
+        self._tenant.pop(rid, None)
 
     # ---- reading ------------------------------------------------------------------------------
     def key(self, rid: str) -> QueueKey:

@@ -268,6 +268,7 @@ class Orchestrator(GenerationBackend):
             "requests": gen["requests"],
             "chats": chats["chats"],
             "queues": {**gen["queues"], "chat": chats["queue"]},
+            "tenants": {"generation": gen["tenants"], "chat": chats["tenants"]},
             "stats": self.counters.labels(),
         }
 

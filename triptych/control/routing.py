@@ -171,6 +171,7 @@ class GenerationRouter:
         return {
             "requests": dict(Counter(t.machine.state.value for t in self.requests.values())),
             "queues": {"encode": len(self.wait_encode), "decoder": len(self.wait_decoder)},
+            "tenants": dict(self.wait_encode.served),
         }
 
     def backlog(self, now: float) -> dict[str, tuple[int, float]]:
