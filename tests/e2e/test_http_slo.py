@@ -92,3 +92,9 @@ def test_real_workers_run_a_priority_and_teach_the_head_the_step_cost(tmp_path, 
         resp = httpx.post(f"{base}/v1/images/generations", json={**body, "deadline_s": 1e-6}, timeout=60)
         assert resp.status_code == 429 and "deadline_s=1e-06 cannot be met" in resp.json()["error"]["message"]
         assert backend.orchestrator.counters.generations.done == 1
+
+
+def test_an_slo_for_a_model_not_served_is_refused_at_startup(tmp_path):
+    backend = FakeBackend(FakeFamily(tmp_path))
+    with pytest.raises(ValueError, match=r"HeadConfig.slo names \['nope'\], not served here"):
+        create_app(backend, HeadConfig(data_dir=tmp_path / "data", served_model_name="fake", slo=("nope=5",)))

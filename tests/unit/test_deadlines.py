@@ -135,3 +135,14 @@ def test_a_request_whose_deadline_passes_before_denoising_is_dropped_and_freed()
         assert life.counters.deadline_missed == 2 and life.counters.timed_out == 2 and not life.queue
 
     asyncio.run(scenario())
+
+
+def test_slo_flags_are_a_default_and_per_model_deadlines_checked_on_construction():
+    from triptych.head.state import HeadConfig
+
+    assert HeadConfig(data_dir="x", slo=("30", "video=600")).slos() == {None: 30.0, "video": 600.0}
+    for bad in ("abc", "video=", "=5", "video=-1", "video=inf", "1e9"):
+        with pytest.raises(ValueError, match=r"HeadConfig.slo: .* must be \[MODEL=\]SECONDS"):
+            HeadConfig(data_dir="x", slo=(bad,))
+    with pytest.raises(ValueError, match="each model once"):
+        HeadConfig(data_dir="x", slo=("video=5", "video=6"))
