@@ -2,8 +2,9 @@
 for the decoder.
 
 A request whose adapters do not fit the LoRA budget beside those of the running requests
-(``LoraBudgetError``) waits, prepared, until running requests release theirs, then joins (first
-come, first joined: a later request naming adapters waits behind it; one naming none never waits).
+(``LoraBudgetError``) waits, prepared, until running requests release theirs, then joins (by
+priority class, lower first, then first come, first joined: a later request naming adapters waits
+behind those of its class and the classes before it; one naming none never waits).
 One that cannot fit even with no adapter in use fails at once, naming the sizes.
 """
 
@@ -117,10 +118,10 @@ class DenoiserRunner(StageRunner):
     def admit(self, job: Job, state) -> None:
         """``job``'s prepared state joins the engine at the next step boundary (or waits for LoRA room)."""
         state.preview_steps = preview_steps(_previews(job), state.total_steps)
-        if self._waiting and state.params.lora:
-            # Behind those already waiting, even if its adapters are resident: joining would keep them
-            # in use and could starve a waiting request. A request without adapters never waits.
-            self._waiting.append((job, state))
+        if self._waiting and state.params.lora and self._waiting[0][1].params.priority <= state.params.priority:
+            # Behind those already waiting before it, even if its adapters are resident: joining would
+            # keep them in use and could starve a waiting request. A request without adapters never waits.
+            self._wait(job, state)
             return
         self._join(job, state)
 
@@ -130,19 +131,32 @@ class DenoiserRunner(StageRunner):
         except LoraBudgetError:
             if not self.family.lora.store.in_use():
                 raise  # it does not fit even alone: waiting would not help
-            self._waiting.append((job, state))
+            self._wait(job, state, front=True)
             return False
         self._jobs[job.request_id] = job
         self._joined[job.request_id] = time.monotonic()
         return True
 
+    def _wait(self, job: Job, state, front: bool = False) -> None:
+        """Into the LoRA wait at its place: behind every waiting request of its priority class
+        (``front``: before them) and of the classes before it."""
+        p = state.params.priority
+        at = next(
+            (
+                i
+                for i, (_, s) in enumerate(self._waiting)
+                if (s.params.priority >= p if front else s.params.priority > p)
+            ),
+            len(self._waiting),
+        )
+        self._waiting.insert(at, (job, state))
+
     def _join_waiting(self) -> None:
-        """After a tick released adapters: the waiting requests that fit now join, in arrival order."""
+        """After a tick released adapters: the waiting requests that fit now join, in order."""
         while self._waiting:
             job, state = self._waiting.popleft()
             try:
-                if not self._join(job, state):
-                    self._waiting.rotate(1)  # _join put it last; back to the front, in order
+                if not self._join(job, state):  # back at the front of its class: the order holds
                     return
             except (LoraBudgetError, ValueError) as e:
                 self.port.fail(job, e, retryable=False)
