@@ -231,3 +231,23 @@ def test_a_packed_row_costs_its_transformer_sequence_in_tokens(family):
     p = _params(family, 0)
     state = family.prepare("t", p, family.encode(p))
     assert family.row_tokens(state) == family.sequence_tokens(p)
+
+
+def test_a_higher_priority_request_takes_a_full_batch_at_the_next_step_and_both_stay_exact(family):
+    """One request per batch: a priority -1 request that joins while a priority 0 one is mid-flight
+    runs every tick until it finishes, then the other resumes where it stood (its state kept, not
+    parked); both match their runs alone bit for bit (a batch of one is a run alone)."""
+    low = _params(family, 4)  # 3 steps
+    urgent = _params(family, 2).replace(priority=-1)  # 4 steps
+    engine = DenoiserEngine(family, EngineConfig(max_batch_requests=1, fuse_cfg=True))
+    engine.add(family.prepare("low", low, family.encode(low)))
+    order = engine.step().batch
+    engine.add(family.prepare("urgent", urgent, family.encode(urgent)))
+    finished = {}
+    while engine.has_work():
+        out = engine.step()
+        order += out.batch
+        finished.update({s.request_id: s for s in out.finished})
+    assert order == ["low", "urgent", "urgent", "urgent", "urgent", "low", "low"]
+    for rid, p in (("low", low), ("urgent", urgent)):
+        assert finished[rid].latents.equal(_alone(family, p, fuse_cfg=True).latents), rid

@@ -1,5 +1,6 @@
 """A denoiser whose LoRA budget is full of adapters in use makes a request wait for room instead of
-failing it: the request joins once running requests release theirs, in arrival order, and gives
+failing it: the request joins once running requests release theirs, in arrival order inside a priority class,
+and gives
 the latents it gives alone. Requests naming no adapter never wait; one whose adapters cannot fit
 even alone fails at once with the sizes; a waiting request that is aborted leaves nothing behind.
 
@@ -96,6 +97,23 @@ def test_a_request_waits_for_lora_room_and_joins_in_order(setup):
     stats = family.lora.stats
     assert (stats.loaded, stats.evicted) == (3, 2), stats  # a, then b in a's place, then a in b's
     assert not family.lora.store.in_use()
+
+
+def test_a_higher_priority_request_does_not_wait_behind_a_lower_one_for_lora_room(setup):
+    """As above, but ra2 has priority -1: it is not held behind rb (priority 0) waiting for room;
+    its adapter is resident, so it joins at once, and rb still joins once a is released."""
+    family, config, sizes = setup
+    family = with_budget(family, config, max(sizes.values()) + 16)
+    port = Port()
+    runner = DenoiserRunner(family, port, DenoiserEngine(family, EngineConfig(fuse_cfg=True)))
+    plan = {"ra": ((("a", 1.0),), 0), "rb": ((("b", 0.7),), 0), "ra2": ((("a", 0.5),), -1)}
+    for i, (rid, (lora, priority)) in enumerate(plan.items()):
+        admit(runner, family, rid, params(family, i, lora).replace(priority=priority))
+    assert len(runner.engine) == 2 and runner.engine_running() == 3
+    while runner.has_work():
+        runner.execute()
+    order = done(port)
+    assert port.failed == [] and set(order[:2]) == {"ra", "ra2"} and order[2:] == ["rb"], order
 
 
 def test_each_waiting_request_gives_the_latents_it_gives_alone(setup):

@@ -76,3 +76,19 @@ def test_fairness_bound_holds_on_random_mixes_and_one_group_is_ceil_r_over_b_min
         assert max(worst_waits(rs, EngineConfig(max_batch_requests=b)).values()) <= bound(rs, b)
     rs = [fake(f"r{i}", "one", arrival=i) for i in range(7)]
     assert max(worst_waits(rs, EngineConfig(max_batch_requests=3)).values()) == -(-7 // 3) - 1
+
+
+def test_a_higher_priority_request_takes_the_full_batch_before_lower_ones():
+    """Priority orders before waiting time: a request that just joined at priority -1 runs at the
+    next tick ahead of lower-priority requests that waited longer; inside a class, longest wait first."""
+    rs = [fake(f"low{i}", "k", last_tick=i, arrival=i) for i in range(3)]
+    urgent = fake("urgent", "k", last_tick=9, arrival=9)
+    urgent.priority = -1
+    batch = pick_batch([*rs, urgent], EngineConfig(max_batch_requests=2))
+    assert [r.state.request_id for r in batch] == ["urgent", "low0"]
+
+
+def test_the_group_of_the_highest_priority_request_is_the_batch():
+    rs = [fake("img", "64x64", arrival=0), fake("vid", "video", arrival=1)]
+    rs[1].priority = -5
+    assert [r.state.request_id for r in pick_batch(rs, EngineConfig())] == ["vid"]

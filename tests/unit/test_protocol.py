@@ -235,7 +235,7 @@ def test_a_preview_handoff_past_the_third_is_rejected():
 
 def test_params_round_trip_including_image():
     image = Image.new("RGB", (8, 8), (10, 20, 30))
-    params = GenerationParams("x", "neg", 32, 48, 1, 3, 2.5, 9, image, 1.5, 0.1)
+    params = GenerationParams("x", "neg", 32, 48, 1, 3, 2.5, 9, image, 1.5, 0.1, priority=-4)
     back = wire.params_from_wire(
         msgspec.msgpack.decode(msgspec.msgpack.encode(wire.params_to_wire(params)), type=P.WireParams)
     )

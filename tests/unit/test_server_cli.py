@@ -37,6 +37,7 @@ SERVE_CONFIGS = [
             "api_keys": "--api-key",
             "limits": None,
             "model_aliases": "--model-alias",
+            "tenant_policies": "--tenant-policy",
             "teacache_profiles_root": None,
         },
     ),

@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 HEAD_FLAGS = {"data_dir": "--data-dir", "api_keys": "--api-key", "teacache_profiles_root": None}
-HEAD_RENAMED = {"model_aliases": "model-alias"}
+HEAD_RENAMED = {"model_aliases": "model-alias", "tenant_policies": "tenant-policy"}
 
 
 @dataclass(frozen=True)

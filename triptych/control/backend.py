@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -52,6 +53,23 @@ class Unavailable(TriptychError):
         self.retry_after = retry_after
 
 
+class DeadlineRefused(Overloaded):
+    """Refused at once: the head's estimate says the job cannot finish within its ``deadline_s``
+    (HTTP 429 + Retry-After: about when the work ahead of it will have drained enough)."""
+
+
+class DeadlineMissed(TriptychError):
+    """The job's ``deadline_s`` passed while it waited, before its denoising started: dropped, not
+    run, everything it held freed (HTTP 504)."""
+
+    def __init__(self, deadline_s: float, waited_s: float):
+        super().__init__(
+            f"deadline_s={deadline_s:g} passed after {waited_s:.1f}s of waiting, before denoising started; "
+            "the request was dropped, not run"
+        )
+        self.deadline_s = deadline_s
+
+
 class Cancelled(TriptychError):
     """The job was cancelled (DELETE, client disconnect) before it finished."""
 
@@ -74,6 +92,9 @@ class GenerationJob:
     #: from the request's start); a retry waiting for a replacement instance gives up then. None: no
     #: deadline of its own (a video job), only the backend's bounds.
     deadline: float | None = None
+    weight: float = 1.0  # its tenant's share in the head's fair queue (``fair_queue``); priority: in params
+    deadline_s: float | None = None  # seconds from its arrival its client can wait; None: no deadline
+    deadline_at: float | None = None  # that moment on the head's ``time.monotonic`` clock
 
 
 @dataclass(frozen=True)
@@ -83,6 +104,8 @@ class ChatJob:
     request_id: str
     params: ChatParams
     stream: bool = False
+    priority: int = 0  # its priority class in the head's chat queue: lower sooner
+    weight: float = 1.0  # its tenant's share in that queue (``fair_queue``)
 
 
 TextFn = Callable[[str], None]  # one streamed piece of a chat answer
@@ -112,6 +135,10 @@ class GenerationBackend(ABC):
         """Run ``job`` to completion and return the encoded media bytes. ``on_preview`` gets each of
         ``job.partial_images`` previews (fewer when the job has too few steps), in order, before this
         returns; it is called on the event loop and must not block."""
+
+    def check_deadlines(self, jobs: list[GenerationJob]) -> None:
+        """Raise ``DeadlineRefused`` when ``jobs`` (one request's, queued now) cannot finish within
+        their ``deadline_s`` by this backend's estimate; a backend without one admits them."""
 
     @abstractmethod
     async def cancel(self, request_id: str) -> bool:
@@ -143,8 +170,9 @@ class InProcessBackend(GenerationBackend):
         self._chats = None  # InProcessChats, built at the first chat
 
     @contextlib.asynccontextmanager
-    async def _turn(self, request_id: str):
-        """Queue for the one execution slot (admission, cancel before start, bookkeeping after)."""
+    async def _turn(self, request_id: str, job: GenerationJob | None = None):
+        """Queue for the one execution slot (admission, cancel before start, a ``job`` whose deadline
+        passed while it waited dropped, bookkeeping after)."""
         if self._waiting >= self.max_queued:
             raise Overloaded(f"queue is full ({self.max_queued} requests)", retry_after=1.0)
         self._waiting += 1
@@ -153,6 +181,9 @@ class InProcessBackend(GenerationBackend):
             async with self._lock:
                 if request_id in self._cancelled:
                     raise Cancelled(request_id)
+                now = time.monotonic()
+                if job is not None and job.deadline_at is not None and now >= job.deadline_at:
+                    raise DeadlineMissed(job.deadline_s, job.deadline_s + now - job.deadline_at)
                 yield
         finally:
             self._waiting -= 1
@@ -171,7 +202,7 @@ class InProcessBackend(GenerationBackend):
             data = encode_frames(frames.to_uint8(), job.output_format, job.fps, job.quality)
             loop.call_soon_threadsafe(on_preview, index, data)
 
-        async with self._turn(job.request_id):
+        async with self._turn(job.request_id, job):
 
             def on_step(state):
                 if job.request_id in self._cancelled:

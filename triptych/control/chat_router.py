@@ -81,7 +81,8 @@ class ChatRouter:
         """``images_png``: ``wire.chat_images(job.params)`` made already (off the event loop: large
         images take seconds to encode); None = made at each dispatch."""
         future = asyncio.get_running_loop().create_future()
-        self.lifecycle.admit(ChatTracked(job, self.lifecycle.machine(job.request_id), future, on_text, images_png))
+        tracked = ChatTracked(job, self.lifecycle.machine(job.request_id), future, on_text, images_png)
+        self.lifecycle.admit(tracked, job.priority, job.params.tenant, job.weight)
         return future
 
     def cancel(self, request_id: str) -> bool:
@@ -101,7 +102,7 @@ class ChatRouter:
             self._retry(ct, why)
 
     def describe(self) -> dict:
-        return {"chats": len(self.chats), "queue": len(self.waiting)}
+        return {"chats": len(self.chats), "queue": len(self.waiting), "tenants": dict(self.waiting.served)}
 
     def backlog(self, now: float) -> tuple[int, float]:
         """The chats waiting for a chat-capable encoder slot, and how long the first has waited."""
@@ -117,7 +118,7 @@ class ChatRouter:
             inst = ct.attempts.pick(self.policy, Role.ENCODER, pool, affinity, chat=True)
             if inst is None:
                 return
-            self.waiting.popleft()
+            self.waiting.take(ct.job.request_id)
             inst.hold_chat(ct.job.request_id)
             affinity.record(ct.attempts.image_keys, inst.instance_id)
             ct.instance = inst.instance_id

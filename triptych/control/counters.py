@@ -41,6 +41,8 @@ class LifecycleCounters(msgspec.Struct):
     done_after_end: int = 0  # a final answer for a request that had ended: a worker finished it anyway
     dropped_stale: int = 0  # a message of an older generation (or, chats: from another instance)
     dropped_misrouted: int = 0  # a message from an instance not charged with that stage of it
+    deadline_refused: int = 0  # refused at once: the estimate to finish was past its deadline_s
+    deadline_missed: int = 0  # of ``timed_out``: its deadline_s passed while it waited, before it ran
 
     def count_end(self, state: RequestState) -> None:
         """One request ended in ``state`` (a terminal one)."""

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
 from collections.abc import Callable
 from typing import Generic, Protocol, TypeVar
 
 from triptych.control.attempts import Attempts
-from triptych.control.backend import Cancelled, Overloaded, StageFailed
+from triptych.control.backend import Cancelled, DeadlineMissed, Overloaded, StageFailed
 from triptych.control.counters import LifecycleCounters
+from triptych.control.fair_queue import FairQueue
 from triptych.control.request_state import RequestMachine, RequestState, StateTimeouts
 
 logger = logging.getLogger(__name__)
@@ -53,9 +53,11 @@ class Lifecycle(Generic[T]):
         max_queued: int,
         counters: LifecycleCounters,
         release: Release,
+        waiting: frozenset[RequestState] = frozenset({S.QUEUED}),
     ):
         """``kind`` names the requests in errors and logs ("request", "chat"); ``table`` is their
-        ``RequestMachine`` transition table."""
+        ``RequestMachine`` transition table; ``waiting``: the states in which a request has not
+        started its main work yet, where a job's passed ``deadline_at`` drops it (``expire``)."""
         self.kind = kind
         self.table = table
         self.timeouts = timeouts
@@ -63,20 +65,23 @@ class Lifecycle(Generic[T]):
         self.max_queued = max_queued
         self.counters = counters
         self._release = release
+        self.waiting = waiting
         self.requests: dict[str, T] = {}
-        self.queue: deque[str] = deque()  # waiting for their first slot (retries go to its front)
+        #: waiting for their first slot, by (priority, fair share, arrival); retries go to their class's front
+        self.queue = FairQueue()
 
     def machine(self, request_id: str) -> RequestMachine:
         return RequestMachine(request_id, self.timeouts, self.table)
 
-    def admit(self, tracked: T) -> None:
-        """Into the table and the back of the queue; ``Overloaded`` when the queue is full."""
+    def admit(self, tracked: T, priority: int = 0, tenant: str = "", weight: float = 1.0) -> None:
+        """Into the table and the queue at its place (``fair_queue``: ``priority`` class, then
+        ``tenant``'s share of weight ``weight``, then arrival); ``Overloaded`` when the queue is full."""
         if len(self.queue) >= self.max_queued:
             what = "queue" if self.kind == "request" else f"{self.kind} queue"
             raise Overloaded(f"{what} is full ({self.max_queued} requests)", retry_after=1.0)
         rid = tracked.job.request_id
         self.requests[rid] = tracked
-        self.queue.append(rid)
+        self.queue.add(rid, priority, tenant, weight)
 
     def cancel(self, request_id: str) -> bool:
         tracked = self.requests.get(request_id)
@@ -97,6 +102,15 @@ class Lifecycle(Generic[T]):
                 self.finish(self.requests[rid], S.FAILED, error=error)
 
     def expire(self, now: float) -> None:
+        """End every request past its state's timeout, and every one still ``waiting`` past its
+        job's deadline (``deadline_at``; ``DeadlineMissed``)."""
+        for tracked in list(self.requests.values()):
+            job = tracked.job
+            at = getattr(job, "deadline_at", None)
+            if at is not None and now >= at and tracked.machine.state in self.waiting:
+                self.counters.deadline_missed += 1
+                waited = job.deadline_s + now - at
+                self.finish(tracked, S.TIMED_OUT, error=DeadlineMissed(job.deadline_s, waited))
         for tracked in [t for t in self.requests.values() if t.machine.expired(now)]:
             state = tracked.machine.state
             limit = tracked.machine.timeouts.for_state(state)
@@ -104,8 +118,8 @@ class Lifecycle(Generic[T]):
             self.finish(tracked, S.TIMED_OUT, error=error)
 
     def backlog(self, now: float) -> tuple[int, float]:
-        """The requests waiting in the queue, and how long the first has waited."""
-        first = self.requests[self.queue[0]].machine.entered_at if self.queue else now
+        """The requests waiting in the queue, and how long the longest waiting one has waited."""
+        first = min((self.requests[rid].machine.entered_at for rid in self.queue), default=now)
         return len(self.queue), now - first
 
     def release(self, tracked: T, cancel_reason: str | None) -> None:
@@ -121,6 +135,7 @@ class Lifecycle(Generic[T]):
         rid = tracked.job.request_id
         tracked.machine.to(state)
         self.release(tracked, None if state is S.DONE else state.value)
+        self.queue.forget(rid)
         del self.requests[rid]
         self.counters.count_end(state)
         if not tracked.future.done():
@@ -138,7 +153,7 @@ class Lifecycle(Generic[T]):
         self.release(tracked, f"retry: {why}")
         tracked.attempts.record(role, failed)
         tracked.machine.to(S.QUEUED)
-        self.queue.appendleft(tracked.job.request_id)
+        self.queue.readd(tracked.job.request_id)
         self.counters.retries += 1
         logger.warning(
             "retrying %s %s as generation %d: %s", self.kind, tracked.job.request_id, tracked.machine.generation, why

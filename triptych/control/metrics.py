@@ -9,7 +9,8 @@ One ``Metrics`` object per served model, shared with the HTTP head; ``/metrics``
 ``describe()`` dict read by ``update_from_describe`` (keys optional)::
 
     {"instances": [{"id": "enc-0", "role": "encoder", "state": "ready"}, ...],
-     "queues": {"encode": 3, "denoise": 1, "decode": 0}}
+     "queues": {"encode": 3, "denoise": 1, "decode": 0},
+     "tenants": {"generation": {"key-...": 12}, "chat": {}}}  # requests started per tenant, cumulative
 
 An instance without ``state`` counts as ``busy`` when its ``assigned`` is non-empty/non-zero, else
 ``idle``. The orchestrator's describe() gives ``state`` (``busy`` while it holds a slot charged to a
@@ -29,6 +30,7 @@ from triptych.control.metrics_hist import ReportedHistogram
 from triptych.control.metrics_lora import LoraMetrics
 from triptych.control.metrics_remote import RemoteMetrics
 from triptych.control.metrics_transfer import TransferRefusals
+from triptych.control.metrics_tenants import TenantMetrics
 from triptych.core.buckets import PUSH_SECONDS_BOUNDS, STEP_SECONDS_BOUNDS
 
 if TYPE_CHECKING:
@@ -186,6 +188,7 @@ class Metrics:
             registry=r,
         )
         self._events_seen: dict[str, float] = {}
+        self.tenants = TenantMetrics(r)
         self.instances = Gauge(
             "triptych_instances", "Worker instances by role and state", ["role", "state"], registry=r
         )
@@ -331,6 +334,7 @@ class Metrics:
             if delta > 0:  # the head's counters only grow; a restart of the head restarts both
                 self.head_events.labels(event).inc(delta)
                 self._events_seen[event] = total
+        self.tenants.record(describe.get("tenants", {}))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

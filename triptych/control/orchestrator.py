@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from triptych.chat import ChatResult
+from triptych.control import deadlines, wire
 from triptych.control import protocol as P
-from triptych.control import wire
 from triptych.control.auth import ControlKey, new_token
 from triptych.control.backend import (
     Cancelled,
@@ -45,6 +45,7 @@ from triptych.control.metrics import Metrics
 from triptych.control.registry import InstanceRegistry
 from triptych.control.request_state import StateTimeouts
 from triptych.control.routing import GenerationRouter
+from triptych.control.step_costs import StepCosts
 from triptych.core import offload
 from triptych.core.errors import InvalidParam
 from triptych.core.kinds import ROLES, Role
@@ -91,6 +92,11 @@ class OrchestratorConfig:
     """A role with no live instance for this long (and no local worker of it starting: a spawn or a
     restart restarts the count) makes new and queued requests that need it fail at once (HTTP 503 +
     Retry-After) instead of waiting out the queue timeout."""
+    slo_prior_step_s: float = 0.5
+    """Seconds one denoising step of a size not measured yet is assumed to take, when a request's
+    ``deadline_s`` is checked against the work queued ahead of it (``step_costs``); each size's own
+    cost replaces it from the first request of that size that finished (the denoiser reports its
+    time). A deadline the estimate cannot meet is refused at once (429). Bounds: > 0."""
     token: str = ""
     """The deployment's control-plane token: only workers holding it register, every control frame
     is signed with it. Empty = a fresh random one (``Orchestrator.token``), for local workers."""
@@ -101,6 +107,8 @@ class OrchestratorConfig:
                 f"heartbeat_timeout_s={self.heartbeat_timeout_s} must exceed 2 x heartbeat_interval_s="
                 f"{self.heartbeat_interval_s}, or live workers get declared dead"
             )
+        if not self.slo_prior_step_s > 0:
+            raise ValueError(f"slo_prior_step_s={self.slo_prior_step_s} must be > 0")
         if self.unavailable_after_s <= 0:
             raise ValueError(f"unavailable_after_s={self.unavailable_after_s} must be > 0")
         if self.replacement_wait_s < 0:
@@ -150,6 +158,7 @@ class Orchestrator(GenerationBackend):
             max_queued=c.max_queued,
             reserve_timeout_s=c.reserve_timeout_s,
             replacement_wait_s=c.replacement_wait_s,
+            costs=StepCosts(prior_s=c.slo_prior_step_s),
         )
         self.chats = ChatRouter(
             registry=self.registry,
@@ -229,6 +238,9 @@ class Orchestrator(GenerationBackend):
         future = self.generations.submit(job, on_progress, on_preview, wire_params)
         return await self._await(job.request_id, future)
 
+    def check_deadlines(self, jobs: list[GenerationJob]) -> None:
+        deadlines.check(self.generations, jobs, time.monotonic())
+
     async def chat(self, job: ChatJob, on_text: TextFn | None = None) -> ChatResult:
         assert self.control.open, "Orchestrator.start() was not called"
         if not self.family.supports_chat:
@@ -282,6 +294,7 @@ class Orchestrator(GenerationBackend):
             "requests": gen["requests"],
             "chats": chats["chats"],
             "queues": {**gen["queues"], "chat": chats["queue"]},
+            "tenants": {"generation": gen["tenants"], "chat": chats["tenants"]},
             "stats": self.counters.labels(),
         }
 

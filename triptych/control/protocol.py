@@ -66,6 +66,7 @@ class WireParams(msgspec.Struct, kw_only=True, frozen=True):
     tenant: str = ""  # scopes the encoder's mm-hash cache (``GenerationParams.tenant``)
     lora: list[tuple[str, float]] = []  # the request's adapters and scales, in order; [] = none
     lora_paths: list[tuple[str, str]] = []  # weight files of its run-time adapters (loaded on a miss)
+    priority: int = 0  # its priority class, lower sooner (``GenerationParams.priority``): the engine's batch order
 
 
 # ---- worker → head ---------------------------------------------------------------------------
@@ -133,6 +134,7 @@ class DenoiseDone(WorkerReply, kw_only=True, frozen=True, tag="denoise_done"):
     """Final latents are ready on the denoiser and held there until ``PushTask`` arrives."""
 
     specs: dict[str, TensorSpec]  # {"latents": spec}
+    engine_s: float = 0.0  # seconds from joining the engine to its last step: the head's step costs
 
 
 class PreviewReady(WorkerReply, kw_only=True, frozen=True, tag="preview_ready"):

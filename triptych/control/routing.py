@@ -43,6 +43,7 @@ from triptych.control.metrics import Metrics, StageStats
 from triptych.control.registry import InstanceRegistry
 from triptych.control.replacement import plan_retry
 from triptych.control.request_state import TRANSITIONS, RequestMachine, RequestState, StateTimeouts
+from triptych.control.step_costs import StepCosts, shape_of
 from triptych.core.kinds import Role
 
 logger = logging.getLogger(__name__)
@@ -79,7 +80,9 @@ class GenerationRouter:
         max_queued: int,
         reserve_timeout_s: float,
         replacement_wait_s: float,
+        costs: StepCosts | None = None,
     ):
+        """``costs``: the step costs deadlines are estimated with (learned from ``DenoiseDone``)."""
         self.registry = registry
         self.replacement_wait_s = replacement_wait_s
         self.send = send
@@ -94,7 +97,9 @@ class GenerationRouter:
             max_queued=max_queued,
             counters=counters,
             release=self._release,
+            waiting=frozenset({S.QUEUED, S.ENCODING}),  # a missed deadline drops it until it denoises
         )
+        self.costs = costs or StepCosts()
         self.requests = self.lifecycle.requests
         self.wait_encode = self.lifecycle.queue  # waiting for an encoder and a denoiser slot
         self.wait_decoder: deque[str] = deque()  # encoded, waiting for a decoder slot
@@ -123,7 +128,8 @@ class GenerationRouter:
         future = asyncio.get_running_loop().create_future()
         machine = self.lifecycle.machine(job.request_id)
         tracked = Tracked(job, machine, future, on_progress, wire_params, on_preview=on_preview)
-        self.lifecycle.admit(tracked)
+        p = job.params
+        self.lifecycle.admit(tracked, p.priority, p.tenant, job.weight)
         return future
 
     def cancel(self, request_id: str) -> bool:
@@ -178,12 +184,13 @@ class GenerationRouter:
         return {
             "requests": dict(Counter(t.machine.state.value for t in self.requests.values())),
             "queues": {"encode": len(self.wait_encode), "decoder": len(self.wait_decoder)},
+            "tenants": dict(self.wait_encode.served),
         }
 
     def backlog(self, now: float) -> dict[str, tuple[int, float]]:
         """Per queue, the requests waiting and how long the first has waited: ``encode`` (waiting for
         an encoder and a denoiser slot) and ``decoder`` (encoded, waiting for a decoder slot)."""
-        first_dec = self.requests[self.wait_decoder[0]].encoded_at if self.wait_decoder else now
+        first_dec = min((self.requests[rid].encoded_at for rid in self.wait_decoder), default=now)
         return {"encode": self.lifecycle.backlog(now), "decoder": (len(self.wait_decoder), now - first_dec)}
 
     # ---- placement ----------------------------------------------------------------------------
@@ -212,11 +219,12 @@ class GenerationRouter:
             )
             self.send(enc.instance_id, task)
         while self.wait_decoder:
-            tr = self.requests[self.wait_decoder[0]]
+            rid = min(self.wait_decoder, key=self.wait_encode.key)  # its queue key: priority, share, arrival
+            tr = self.requests[rid]
             dec = self._pick(Role.DECODER, tr)
             if dec is None:
                 break
-            self.wait_decoder.popleft()
+            self.wait_decoder.remove(rid)
             self._charge(tr, dec)
             now = time.monotonic()
             tr.waited_s = now - tr.encoded_at
@@ -235,7 +243,8 @@ class GenerationRouter:
             self.send(tr.assigned[Role.DENOISER], task)
 
     def _place_encode(self) -> tuple[Tracked, Instance, Instance] | None:
-        """The first waiting request (in order) that an encoder and a denoiser slot can take now.
+        """The first waiting request (in queue order: ``fair_queue``) that an encoder and a denoiser
+        slot can take now.
 
         A retried request may avoid instances that failed it, so it can wait while one behind it
         starts; the first request with nothing to avoid that cannot start ends the search (every
@@ -245,7 +254,7 @@ class GenerationRouter:
             enc = self._pick(Role.ENCODER, tr)
             den = enc and self._pick(Role.DENOISER, tr)
             if enc is not None and den is not None:
-                self.wait_encode.remove(rid)
+                self.wait_encode.take(rid)
                 return tr, enc, den
             if not tr.attempts.avoid:
                 return None
@@ -337,6 +346,8 @@ class GenerationRouter:
 
     def _on_denoise_done(self, tr: Tracked, m: P.DenoiseDone) -> None:
         if self._from(tr, Role.DENOISER, m) and tr.machine.state is S.DENOISING:
+            if m.engine_s > 0:
+                self.costs.learn(shape_of(tr.job.params), m.engine_s / max(1, tr.job.params.steps))
             tr.waited_s = 0.0  # the decoder slot was charged before denoising started
             tr.machine.to(S.DECODING, self._stage_done(tr, "denoise"))
             job = tr.job

@@ -45,6 +45,7 @@ def params_to_wire(p: GenerationParams) -> WireParams:
         tenant=p.tenant,
         lora=[(str(n), float(s)) for n, s in p.lora],
         lora_paths=[(str(n), str(f)) for n, f in p.lora_paths],
+        priority=int(p.priority),
     )
 
 
@@ -64,6 +65,7 @@ def params_from_wire(w: WireParams) -> GenerationParams:
         tenant=w.tenant,
         lora=tuple((n, s) for n, s in w.lora),
         lora_paths=tuple((n, f) for n, f in w.lora_paths),
+        priority=w.priority,
     )
 
 

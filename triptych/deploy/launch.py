@@ -231,6 +231,9 @@ class EmbeddedBackend(GenerationBackend):
     async def chat(self, job: ChatJob, on_text: TextFn | None = None) -> ChatResult:
         return await self.orchestrator.chat(job, on_text)
 
+    def check_deadlines(self, jobs: list[GenerationJob]) -> None:
+        self.orchestrator.check_deadlines(jobs)
+
     async def cancel(self, request_id: str) -> bool:
         return await self.orchestrator.cancel(request_id)
 

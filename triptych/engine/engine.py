@@ -91,7 +91,8 @@ class DenoiserEngine:
                 self._lora_stats()
         key = self.family.compat_key(state)
         tokens = self.family.row_tokens(state)  # the family knows its latent layout; the engine counts rows
-        self._running[state.request_id] = Running(state, key, tokens, self._tick, next(self._arrivals))
+        running = Running(state, key, tokens, self._tick, next(self._arrivals), state.params.priority)
+        self._running[state.request_id] = running
 
     def abort(self, request_id: str) -> bool:
         running = self._running.pop(request_id, None)

@@ -1,5 +1,11 @@
 """Which requests run in the next step.
 
+Priority first: a request's class (``GenerationParams.priority``, lower sooner) orders before
+everything below, so when the batch is full a higher-priority request that just joined takes a
+place at the next step boundary ahead of lower ones (which keep their state and wait; nothing is
+parked or swapped out). The bound below holds inside one class (with requests of a single class,
+as when no request names a priority).
+
 Fairness policy (least recently served first): every running request remembers the tick at which
 it last advanced (its arrival tick before its first step). Each tick the engine picks the request
 that has waited longest, runs its compatibility group (family, size, frames, dtype), and fills the
@@ -29,13 +35,14 @@ class Running:
     tokens: int  # latent sequence length of one row
     last_tick: int  # tick of the last step (arrival tick before the first)
     arrival: int  # monotonic arrival counter: tie-breaker
+    priority: int = 0  # its class (``GenerationParams.priority``): lower runs sooner
 
 
 def pick_batch(running: Sequence[Running], config: EngineConfig) -> list[Running]:
     """The batch for the next tick; empty when nothing runs."""
     if not running:
         return []
-    order = sorted(running, key=lambda r: (r.last_tick, r.arrival))
+    order = sorted(running, key=lambda r: (r.priority, r.last_tick, r.arrival))
     key = order[0].key
     batch: list[Running] = []
     tokens = 0

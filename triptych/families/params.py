@@ -45,6 +45,9 @@ class GenerationParams:
     """LoRA adapters applied to this request's rows, in order: ``((name, scale), ...)``; () = none."""
     lora_paths: tuple[tuple[str, str], ...] = ()
     """Weight files of its adapters loaded at run time (``POST /v1/loras``): ``((name, path), ...)``."""
+    priority: int = 0
+    """Its priority class: lower runs sooner (vLLM's convention), in the head's queues and in the
+    denoiser engine's batches; first come, first served inside a class."""
 
     def replace(self, **changes: Any) -> GenerationParams:
         return dataclasses.replace(self, **changes)

@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from triptych.accel.teacache_profile import AUTO_THRESHOLD
+from triptych.head.tenancy import MAX_DEADLINE_S, PRIORITY_MAX, PRIORITY_MIN
 
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 #: A number in [0, 2] or "auto" (the calibration profile's recommended threshold), which the model
@@ -21,6 +22,26 @@ FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 TeaCacheThreshold = Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)] | Literal["auto"]
 Seed = Annotated[int, Field(ge=0, le=2**62, description="random seed; n>1 uses seed, seed+1, ...")]
 MAX_TEXT = 1_000_000  # hard cap of any string; the configurable limit is AdmissionLimits.max_prompt_chars
+#: The request's priority class (vLLM's convention: lower runs sooner; default: its API key's, 0);
+#: its API key may allow a narrower range (``HeadConfig.tenant_policies``).
+Priority = Annotated[
+    int,
+    Field(
+        ge=PRIORITY_MIN, le=PRIORITY_MAX, description="priority class: lower runs sooner; default: the API key's (0)"
+    ),
+]
+#: Seconds from its arrival the client can wait (default: the model's ``--slo``): refused at once
+#: (429) when the head estimates it cannot finish in time, dropped (504) when it passes before the
+#: request starts denoising.
+DeadlineS = Annotated[
+    float,
+    Field(
+        gt=0,
+        le=MAX_DEADLINE_S,
+        allow_inf_nan=False,
+        description="seconds from arrival the client can wait: refused (429) if it cannot be met",
+    ),
+]
 
 
 def _auto_threshold(v):
@@ -92,6 +113,8 @@ class _GenerationFields(BaseModel):
     result_cache: bool | None = Field(
         None, description="false: never answered from, nor stored in, the head's result cache (needs a seed)"
     )
+    priority: Priority | None = None
+    deadline_s: DeadlineS | None = None
     # OpenAI fields accepted and ignored
     user: str | None = Field(None, max_length=256)
     quality: str | None = Field(None, max_length=32)
@@ -156,6 +179,8 @@ class VideoCreateRequest(BaseModel):
     )
     input_reference: ImageReference | None = Field(None, description="JSON form of the condition image")
     image_reference: ImageReference | None = Field(None, description="= input_reference (a peer's name)")
+    priority: Priority | None = None
+    deadline_s: DeadlineS | None = None
 
 
 class ImageReference(BaseModel):
@@ -231,6 +256,7 @@ class ChatCompletionRequest(BaseModel):
     parallel_tool_calls: bool | None = None
     # Triptych extras (vLLM's names)
     ignore_eos: bool | None = Field(None, description="generate exactly max_tokens tokens (load tests)")
+    priority: Priority | None = None
     # accepted and ignored
     user: str | None = Field(None, max_length=256)
     metadata: dict[str, str] | None = None

@@ -33,7 +33,15 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
-from triptych.control.backend import Cancelled, GenerationBackend, Overloaded, StageFailed, Unavailable
+from triptych.control.backend import (
+    Cancelled,
+    DeadlineMissed,
+    DeadlineRefused,
+    GenerationBackend,
+    Overloaded,
+    StageFailed,
+    Unavailable,
+)
 from triptych.control.metrics import CONTENT_TYPE
 from triptych.core import offload
 from triptych.core.errors import InvalidParam, shown, shown_name
@@ -131,7 +139,13 @@ def install_error_handlers(app: FastAPI) -> None:
     async def on_overloaded(request: Request, exc: Overloaded):
         outcome(request, "overloaded")
         headers = {"Retry-After": retry_after_header(exc.retry_after)}
-        return error_response(429, str(exc), "rate_limit_error", None, "queue_full", headers)
+        code, param = ("deadline", "deadline_s") if isinstance(exc, DeadlineRefused) else ("queue_full", None)
+        return error_response(429, str(exc), "rate_limit_error", param, code, headers)
+
+    @app.exception_handler(DeadlineMissed)
+    async def on_deadline_missed(request: Request, exc: DeadlineMissed):
+        outcome(request, "timed_out")
+        return error_response(504, str(exc), "server_error", "deadline_s", "deadline_missed")
 
     @app.exception_handler(Cancelled)
     async def on_cancelled(request: Request, exc: Cancelled):

@@ -23,7 +23,14 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from triptych.control.backend import Cancelled, GenerationBackend, GenerationJob, Overloaded, StageFailed
+from triptych.control.backend import (
+    Cancelled,
+    DeadlineMissed,
+    GenerationBackend,
+    GenerationJob,
+    Overloaded,
+    StageFailed,
+)
 from triptych.core.errors import InvalidParam
 from triptych.core.private import private_dir, private_file, write_private
 from triptych.core.progress import DONE, progress_percent
@@ -225,9 +232,9 @@ class VideoJobs:
             else:
                 outcome = "cancelled"
                 self.store.update(job_id, status="cancelled", error_code="cancelled", error_message="cancelled")
-        except (InvalidParam, StageFailed, Overloaded) as e:
-            code = {InvalidParam: "invalid_request", StageFailed: "stage_failed", Overloaded: "overloaded"}[type(e)]
-            self._fail(job_id, code, str(e))
+        except (InvalidParam, StageFailed, Overloaded, DeadlineMissed) as e:
+            codes = {InvalidParam: "invalid_request", StageFailed: "stage_failed", DeadlineMissed: "deadline_missed"}
+            self._fail(job_id, codes.get(type(e), "overloaded"), str(e))
         except asyncio.CancelledError:
             outcome = "interrupted"
             self._fail(job_id, "interrupted", "the server shut down")

@@ -262,7 +262,11 @@ def add_chat_routes(app: FastAPI, head: Head) -> None:
         if req.stream_options is not None and not req.stream:
             raise InvalidParam("stream_options", req.stream_options.model_dump(), "is only allowed with stream=true")
         params = await offload.run(build_chat, model, req)
-        job = ChatJob(f"chatcmpl-{secrets.token_hex(12)}", params, stream=bool(req.stream))
+        tenant = model.tenants.policy(TENANT.get())
+        priority = model.tenants.priority(req.priority, TENANT.get())
+        job = ChatJob(
+            f"chatcmpl-{secrets.token_hex(12)}", params, bool(req.stream), priority=priority, weight=tenant.weight
+        )
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         if job.stream:
             return await _stream(model, request, job, model.model_id, include_usage, t0)

@@ -106,9 +106,25 @@ def build_params(head: Head, req, image=None, frames: int | None = None) -> tupl
         teacache_threshold=req.teacache_threshold or 0.0,
         tenant=TENANT.get(),
         lora=head.served.lora.check(_lora_value(getattr(req, "lora", None))),
+        priority=head.tenants.priority(req.priority, TENANT.get()),
     )
     params = params.replace(lora_paths=head.served.lora.paths(params.lora))
     return params, req.size
+
+
+def job_deadline(head: ModelHead, value: float | None, t0: float) -> dict[str, float | None]:
+    """A job's ``deadline_s`` (the request's, else the model's ``HeadConfig.slo``) and its moment on
+    ``time.monotonic``, counted from ``t0`` (``time.perf_counter`` when the route began), as
+    ``GenerationJob`` keyword arguments."""
+    seconds = value if value is not None else head.slo_s
+    if seconds is None:
+        return {"deadline_s": None, "deadline_at": None}
+    return {"deadline_s": seconds, "deadline_at": time.monotonic() - (time.perf_counter() - t0) + seconds}
+
+
+def tenant_weight(head: ModelHead) -> float:
+    """The fair-queue weight of the request's tenant (``HeadConfig.tenant_policies``)."""
+    return head.tenants.policy(TENANT.get()).weight
 
 
 def _lora_value(value):

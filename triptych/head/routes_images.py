@@ -31,10 +31,12 @@ from triptych.head.routes_common import (
     build_params,
     deadline,
     deadline_at,
+    job_deadline,
     read_form,
     read_upload,
     resolve,
     run_jobs,
+    tenant_weight,
     text_fields,
 )
 from triptych.head.routes_image_stream import stream_cached, stream_image
@@ -75,11 +77,15 @@ async def generate_images(head: ModelHead, request: Request, req, image, endpoin
             quality=req.output_compression,
             partial_images=req.partial_images or 0,
             deadline=deadline_at(head, t0),
+            weight=tenant_weight(head),
+            **job_deadline(head, req.deadline_s, t0),
         )
         for i in range(req.n or 1)
     ]
     keys = await cache_keys(head, req, jobs)
     outputs = lookup(head, keys, len(jobs))
+    # 429 at once when the estimate is past the deadline (a cached image runs nothing)
+    head.backend.check_deadlines([job for job, out in zip(jobs, outputs) if out is None])
     if req.stream:
         prefix = "image_edit" if image is not None else "image_generation"
         size = f"{params.width}x{params.height}"

@@ -38,11 +38,13 @@ from triptych.head.jobs import VideoRecord
 from triptych.head.result_use import cache_keys, lookup, store
 from triptych.head.routes_common import (
     build_params,
+    job_deadline,
     parse_json,
     read_form,
     read_upload,
     resolve,
     same_knob,
+    tenant_weight,
     text_fields,
 )
 from triptych.head.state import WARNING_HEADER, Head, ModelHead, header_value
@@ -186,6 +188,7 @@ def add_video_routes(app: FastAPI, head: Head) -> None:
 
     @app.post("/v1/videos", response_model=VideoObject, openapi_extra=_schema())
     async def create_video(request: Request, response: Response):
+        t0 = time.perf_counter()
         req, image = await parse_create(head, request)
         model = head.backend_for(req.model, "video")
         params = resolve_video(model, req, image)
@@ -200,12 +203,20 @@ def add_video_routes(app: FastAPI, head: Head) -> None:
             seconds=f"{(params.frames or 1) / fps_of(model, req):g}",
             frames=params.frames or 1,
         )
-        job = GenerationJob(rec.id, params, "mp4", fps=fps_of(model, req))
+        job = GenerationJob(
+            rec.id,
+            params,
+            "mp4",
+            fps=fps_of(model, req),
+            weight=tenant_weight(model),
+            **job_deadline(model, req.deadline_s, t0),
+        )
         keys = await cache_keys(model, req, [job])
         (stored,) = lookup(model, keys, 1)
         if stored is not None:
             await head.videos.complete(rec, stored, model.backend)
         else:
+            model.backend.check_deadlines([job])  # 429 at once when the estimate is past the deadline
             key = keys[0] if keys else None
             head.videos.submit(rec, job, model.backend, model.admission, on_result=lambda data: store(model, key, data))
         model.metrics.record_request("/v1/videos", "success")

@@ -19,6 +19,7 @@ import asyncio
 import contextvars
 import hashlib
 import logging
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ from triptych.head.files import FileStore
 from triptych.head.result_cache import ResultCache
 from triptych.head.result_key import ResultKeys
 from triptych.head.served import ServedModel, ServedModels
+from triptych.head.tenancy import MAX_DEADLINE_S, Tenants
 from triptych.lora.config import LoraConfig
 
 if TYPE_CHECKING:
@@ -120,6 +122,20 @@ class HeadConfig:
     empty = no authentication. ``/health``, ``/metrics`` and ``/v1/files/…`` links (unguessable
     ids, handed out like pre-signed URLs) stay open."""
 
+    tenant_policies: tuple[str, ...] = ()
+    """Scheduling policy per API key, each ``NAME:priority=P,min=A,max=B,weight=W`` (parts optional;
+    NAME: an API key, its tenant id ``key-...`` as logs and metrics show it, or ``*`` for every key
+    without its own): the priority of a request that names none (default 0), the range a request may
+    ask for (default -100..100; lower runs sooner) and the key's weight in the fair queue against
+    other keys of the same priority (default 1). Repeat the flag for several."""
+
+    slo: tuple[str, ...] = ()
+    """Default ``deadline_s`` of a served model's image, edit and video requests, each
+    ``MODEL=SECONDS`` (or ``SECONDS``: every model without its own); a request's own ``deadline_s``
+    replaces it. A request the head estimates cannot finish in time is refused at once (429 +
+    Retry-After), one whose deadline passes before its denoising starts is dropped (504). Empty: no
+    deadline but ``request_timeout_s``. Repeat the flag for several models."""
+
     teacache_profiles_root: Path | None = None
     """TeaCache profiles looked up before each model's own ``teacache/``: ``<root>/<model identity>/``
     (``teacache_profile.profiles_dir_in``) — what ``teacache_threshold: "auto"`` is checked against at
@@ -160,6 +176,32 @@ class HeadConfig:
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
         if any(len(k) < 8 or k != k.strip() for k in self.api_keys):
             raise ValueError("HeadConfig.api_keys: every key must be at least 8 characters, without surrounding spaces")
+        object.__setattr__(self, "slo", tuple(self.slo))
+        self.slos()  # raises on a malformed one
+        object.__setattr__(self, "tenant_policies", tuple(self.tenant_policies))
+        self.tenants()  # raises on a malformed policy
+
+    def slos(self) -> dict[str | None, float]:
+        """``slo`` as model id (None: every other model) → seconds."""
+        out: dict[str | None, float] = {}
+        for spec in self.slo:
+            model, sep, seconds = spec.rpartition("=")
+            name = model.strip() if sep else None
+            try:
+                value = float(seconds)
+            except ValueError:
+                value = math.nan
+            if (sep and not name) or name in out or not (math.isfinite(value) and 0 < value <= MAX_DEADLINE_S):
+                raise ValueError(
+                    f"HeadConfig.slo: {spec!r} must be [MODEL=]SECONDS, seconds in (0, {MAX_DEADLINE_S:g}], each model once"
+                )
+            out[name] = value
+        return out
+
+    def tenants(self) -> Tenants:
+        """``tenant_policies`` by tenant id."""
+        keys = self.api_keys
+        return Tenants(self.tenant_policies, keys, {k: tenant_of_key(k.encode()) for k in keys})
 
     def aliases(self) -> dict[str, str]:
         """``model_aliases`` as alias → served model id."""
@@ -221,7 +263,12 @@ class Head:
     def __init__(self, backends: Mapping[str, GenerationBackend], config: HeadConfig):
         self.config = config
         self.limits = config.limits
+        self.tenants = config.tenants()
         self.models = ServedModels(backends, config.limits, config.aliases(), config.lora, config.data_dir)
+        self.slos = config.slos()
+        unknown = sorted(m for m in self.slos if m is not None and m not in self.models.by_name)
+        if unknown:
+            raise ValueError(f"HeadConfig.slo names {unknown}, not served here (served: {sorted(self.models.by_name)})")
         self.unrouted_metrics = Metrics()
         """Outcomes of requests refused before a model was chosen (the ``model=""`` series)."""
         self.loop_metrics = LoopMetrics()
@@ -320,6 +367,9 @@ class ModelHead:
         self.metrics = served.backend.metrics
         self.config = head.config
         self.limits = head.limits
+        self.tenants = head.tenants
+        self.slo_s = head.slos.get(self.model_id, head.slos.get(None))
+        """This model's default ``deadline_s`` (``HeadConfig.slo``); None: none."""
 
     @property
     def files(self) -> FileStore:

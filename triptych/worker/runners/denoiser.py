@@ -2,13 +2,15 @@
 for the decoder.
 
 A request whose adapters do not fit the LoRA budget beside those of the running requests
-(``LoraBudgetError``) waits, prepared, until running requests release theirs, then joins (first
-come, first joined: a later request naming adapters waits behind it; one naming none never waits).
+(``LoraBudgetError``) waits, prepared, until running requests release theirs, then joins (by
+priority class, lower first, then first come, first joined: a later request naming adapters waits
+behind those of its class and the classes before it; one naming none never waits).
 One that cannot fit even with no adapter in use fails at once, naming the sizes.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 import torch
@@ -36,6 +38,7 @@ class DenoiserRunner(StageRunner):
         self.engine = engine
         self._jobs: dict[str, Job] = {}  # request id -> its job, while its state is in the engine
         self._waiting: deque[tuple[Job, object]] = deque()  # (job, prepared state): no LoRA room yet
+        self._joined: dict[str, float] = {}  # request id -> when it joined the engine (``DenoiseDone.engine_s``)
 
     def take(self, task: P.DenoiseTask) -> None:
         self.receive(self.new_job(task, wire.params_from_wire(task.params)), "cond", task)
@@ -61,6 +64,7 @@ class DenoiserRunner(StageRunner):
         port = self.port
         for rid, error in out.failed:  # another instance may well succeed (e.g. this one ran out of memory)
             job = self._jobs.pop(rid, None)
+            self._joined.pop(rid, None)
             if job is not None and port.owns(job):
                 port.fail(job, error, retryable=True)
         followed = tuple(
@@ -90,6 +94,7 @@ class DenoiserRunner(StageRunner):
             )
         for state in out.finished:
             job = self._jobs.pop(state.request_id, None)
+            joined = self._joined.pop(state.request_id, None)
             if job is None or not port.owns(job):
                 continue
             job.outgoing = to_host({"latents": state.latents.detach().contiguous()})
@@ -99,6 +104,7 @@ class DenoiserRunner(StageRunner):
                     generation=job.generation,
                     instance_id=port.instance_id,
                     specs=specs_of(job.outgoing),
+                    engine_s=0.0 if joined is None else time.monotonic() - joined,
                 )
             )
 
@@ -112,10 +118,10 @@ class DenoiserRunner(StageRunner):
     def admit(self, job: Job, state) -> None:
         """``job``'s prepared state joins the engine at the next step boundary (or waits for LoRA room)."""
         state.preview_steps = preview_steps(_previews(job), state.total_steps)
-        if self._waiting and state.params.lora:
-            # Behind those already waiting, even if its adapters are resident: joining would keep them
-            # in use and could starve a waiting request. A request without adapters never waits.
-            self._waiting.append((job, state))
+        if self._waiting and state.params.lora and self._waiting[0][1].params.priority <= state.params.priority:
+            # Behind those already waiting before it, even if its adapters are resident: joining would
+            # keep them in use and could starve a waiting request. A request without adapters never waits.
+            self._wait(job, state)
             return
         self._join(job, state)
 
@@ -125,18 +131,32 @@ class DenoiserRunner(StageRunner):
         except LoraBudgetError:
             if not self.family.lora.store.in_use():
                 raise  # it does not fit even alone: waiting would not help
-            self._waiting.append((job, state))
+            self._wait(job, state, front=True)
             return False
         self._jobs[job.request_id] = job
+        self._joined[job.request_id] = time.monotonic()
         return True
 
+    def _wait(self, job: Job, state, front: bool = False) -> None:
+        """Into the LoRA wait at its place: behind every waiting request of its priority class
+        (``front``: before them) and of the classes before it."""
+        p = state.params.priority
+        at = next(
+            (
+                i
+                for i, (_, s) in enumerate(self._waiting)
+                if (s.params.priority >= p if front else s.params.priority > p)
+            ),
+            len(self._waiting),
+        )
+        self._waiting.insert(at, (job, state))
+
     def _join_waiting(self) -> None:
-        """After a tick released adapters: the waiting requests that fit now join, in arrival order."""
+        """After a tick released adapters: the waiting requests that fit now join, in order."""
         while self._waiting:
             job, state = self._waiting.popleft()
             try:
-                if not self._join(job, state):
-                    self._waiting.rotate(1)  # _join put it last; back to the front, in order
+                if not self._join(job, state):  # back at the front of its class: the order holds
                     return
             except (LoraBudgetError, ValueError) as e:
                 self.port.fail(job, e, retryable=False)
@@ -146,6 +166,7 @@ class DenoiserRunner(StageRunner):
         self._waiting = deque((j, s) for j, s in self._waiting if j is not job)
         if self._jobs.get(job.request_id) is job:
             del self._jobs[job.request_id]
+            self._joined.pop(job.request_id, None)
         self.engine.abort(job.request_id)
 
 
