@@ -29,8 +29,8 @@ from prometheus_client.metrics_core import Metric
 from triptych.control.metrics_hist import ReportedHistogram
 from triptych.control.metrics_lora import LoraMetrics
 from triptych.control.metrics_remote import RemoteMetrics
-from triptych.control.metrics_transfer import TransferRefusals
 from triptych.control.metrics_tenants import TenantMetrics
+from triptych.control.metrics_transfer import TransferRefusals
 from triptych.core.buckets import PUSH_SECONDS_BOUNDS, STEP_SECONDS_BOUNDS
 
 if TYPE_CHECKING:
