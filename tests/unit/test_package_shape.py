@@ -1,6 +1,6 @@
 """The package's shape, as docs/architecture.md states it: no import circle inside ``triptych/`` (imports inside
 functions count too), imports between its top-level packages pointing one way down the declared layers, and no
-module over 400 lines. ``pytest tests/unit/test_package_shape.py -s`` prints the package graph."""
+module over 500 lines. ``pytest tests/unit/test_package_shape.py -s`` prints the package graph."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ from pathlib import Path
 import triptych
 
 ROOT = Path(triptych.__file__).parent
-MAX_LINES = 400
+#: Past ~500 lines a module is usually two ideas: the count flags it for a look, it is never where
+#: to cut (a satellite split off to stay under a number is worse than one longer file).
+MAX_LINES = 500
 
 
 def _modules() -> dict[str, Path]:
@@ -174,7 +176,7 @@ def test_the_check_finds_a_circle(tmp_path, monkeypatch):
     assert import_circles() == [["triptych.a", "triptych.b"]]
 
 
-def test_no_module_over_400_lines():
+def test_no_module_over_500_lines():
     long = {
         str(p.relative_to(ROOT)): n for p in ROOT.rglob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES
     }
