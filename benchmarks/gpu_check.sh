@@ -40,7 +40,8 @@ echo "   $((SECONDS - start)) s"
 
 echo "== 2/3 gpu-marked tests"
 # shellcheck disable=SC2086
-timeout 180 "$PY" -m pytest -q -s -m gpu -p no:cacheprovider \
+# -o addopts: the project's xdist workers are not wanted (nor installed) here
+timeout 180 "$PY" -m pytest -q -s -m gpu -p no:cacheprovider -o addopts=-ra \
     ${TESTS:-tests/pipelines/test_gpu.py tests/pipelines/test_gpu_speed.py tests/unit/test_transfer_staging.py} || status=1
 echo "   $((SECONDS - start)) s"
 
