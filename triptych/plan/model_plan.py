@@ -18,6 +18,7 @@ from triptych.plan import stages
 from triptych.plan.inputs import geometry
 from triptych.plan.peaks import DEVICES, Peak
 from triptych.plan.placement import place
+from triptych.plan.trace import Count
 
 #: prompt tokens assumed for a Qwen-Image prompt when none is given (its prompts are not padded)
 QWEN_TEXT_TOKENS = 128
@@ -144,11 +145,7 @@ def plan(
         c = built[name]
         if c.config is not None and "model_type" not in c.config:
             continue  # a diffusers model in the encoder role (edit's VAE encode of the condition image): not counted
-        encode[name] = (
-            {"unknown": c.unknown}
-            if c.unknown
-            else _try(lambda c=c: stages.encoder_forward(c.module, g, text[COND], r.batch * len(text)))
-        )
+        encode[name] = {"unknown": c.unknown} if c.unknown else _try(lambda c=c: _encode(c.module, g, text, r.batch))
     out["stages"]["encode"] = _sum(encode)
     vae = built.get("vae")
     out["stages"]["decode"] = (
@@ -160,6 +157,12 @@ def plan(
     out["device"] = _device(out, device, r.steps, weights)
     out["placement"] = _placement(out, roles, device, devices, weights, len(text), t)
     return out
+
+
+def _encode(module, g, text: dict[str, int], batch: int):
+    """Every branch's prompts through one encoder, each at its own length."""
+    counts = [stages.encoder_forward(module, g, tokens, batch) for tokens in text.values()]
+    return Count(sum(c.flops for c in counts), max(c.peak_bytes for c in counts))
 
 
 def _sum(parts: dict[str, dict]) -> dict[str, Any]:
