@@ -22,6 +22,8 @@ STEPS = 4
 def _metrics(base: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for line in httpx.get(f"{base}/metrics").text.splitlines():
+        if line.startswith("triptych_denoiser_steps_total"):
+            out["steps"] = out.get("steps", 0.0) + float(line.split()[-1])
         for role in ROLES:
             for kind in ("flops_total", "mfu"):
                 if line.startswith(f"triptych_{role}_{kind}"):
@@ -52,9 +54,11 @@ def test_a_served_request_raises_the_flop_counters_by_the_plan(tmp_path):
         body = {"prompt": "a red circle", "seed": 1, "num_inference_steps": STEPS}
         resp = httpx.post(f"{base}/v1/images/generations", json=body, timeout=300)
         assert resp.status_code == 200, resp.text
-        deadline = time.monotonic() + 30  # worker reports reach the head's metrics periodically
+        deadline = time.monotonic() + 60  # worker reports reach the head's metrics periodically
         got = _metrics(base)
-        while not all(got.get(f"{r}_flops_total") for r in ROLES) and time.monotonic() < deadline:
+        # until the denoiser's report that holds the last step has arrived, and the encoder's and decoder's
+        while got.get("steps", 0) < STEPS or not all(got.get(f"{r}_flops_total") for r in ROLES):
+            assert time.monotonic() < deadline, got
             time.sleep(0.2)
             got = _metrics(base)
     s = predicted["stages"]
