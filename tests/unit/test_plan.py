@@ -59,14 +59,19 @@ def flux_dev_configs(tmp_path_factory):
     return root
 
 
-def _independent(size: int) -> tuple[int, int]:
-    """FLOPs of one FLUX.1-dev forward at ``size``² (512 text tokens) and its parameter count: the
-    diffusers module called directly on hand-built meta inputs."""
+@pytest.fixture(scope="module")
+def flux_dev_meta():
     from diffusers import FluxTransformer2DModel
-    from torch.utils.flop_counter import FlopCounterMode
 
     with torch.device("meta"):
-        model = FluxTransformer2DModel.from_config(FLUX_DEV).to(torch.bfloat16)
+        return FluxTransformer2DModel.from_config(FLUX_DEV).to(torch.bfloat16)
+
+
+def _independent(model, size: int) -> tuple[int, int]:
+    """FLOPs of one FLUX.1-dev forward at ``size``² (512 text tokens) and its parameter count: the
+    diffusers module called directly on hand-built meta inputs."""
+    from torch.utils.flop_counter import FlopCounterMode
+
     tokens = (size // 16) ** 2
     bf = dict(device="meta", dtype=torch.bfloat16)
     counter = FlopCounterMode(display=False)
@@ -90,16 +95,15 @@ def _plan(capsys, *args) -> dict:
 
 
 @pytest.mark.parametrize("size", [1024, 512])
-def test_flux_dev_forward_flops_and_weights_match_an_independent_count(flux_dev_configs, capsys, size):
-    flops, params = _independent(size)
+def test_flux_dev_forward_flops_and_weights_match_an_independent_count(flux_dev_configs, flux_dev_meta, capsys, size):
+    flops, params = _independent(flux_dev_meta, size)
     out = _plan(capsys, flux_dev_configs, "--height", size, "--width", size)
     forward = out["stages"]["transformer_forward"]["flops"]
     # measured: equal (the same module, the same shapes); 1% allowed
     assert forward == pytest.approx(flops, rel=0.01)
     assert out["components"]["transformer"]["weight_bytes"]["bf16"] == pytest.approx(2 * params, rel=0.01)
     assert params == pytest.approx(11.9e9, rel=0.01)  # FLUX.1-dev's published transformer size
-    # guidance-distilled, no true CFG: one branch, so a step is one row's forward
-    assert out["request"]["branches"] == 1 and out["stages"]["denoise_step"]["flops"] == forward
+    assert out["request"]["branches"] == 1  # guidance-distilled, no true CFG: one branch
 
 
 def test_true_cfg_doubles_the_step_and_missing_configs_are_unknown(flux_dev_configs, capsys):

@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import Metric
 
+from triptych.control.metrics_flops import FlopMetrics
 from triptych.control.metrics_hist import ReportedHistogram
 from triptych.control.metrics_lora import LoraMetrics
 from triptych.control.metrics_remote import RemoteMetrics
@@ -157,6 +158,7 @@ class Metrics:
         )
         self.encoder_remote = RemoteMetrics(r)  # cross-encoder embedding hits
         self.transfer_refused = TransferRefusals(r)  # what the workers' endpoints refused
+        self.model_flops = FlopMetrics(r)  # model FLOPs and MFU per role
         self.vision_forwards = Counter(
             "triptych_vision_tower_forwards",
             "Vision-tower forwards the encoders ran (a batch of many images counts one)",
@@ -236,6 +238,8 @@ class Metrics:
         The step-time and transfer-latency histograms add the window's per-bucket counts (each step
         and push counted in its bucket on the worker, ``metrics_hist``): buckets, sum and count exact.
         """
+        if window.compute is not None:
+            self.model_flops.record(str(window.role), window.instance_id, window.compute, window.seconds)
         t = window.transfer
         if t.pushes_sent > 0:
             self.transfer_bytes.labels(t.backend).inc(t.bytes_sent)

@@ -37,6 +37,7 @@ from triptych.core.errors import TriptychError
 from triptych.core.kinds import Role, TransferKind
 from triptych.engine.stats import EngineStats
 from triptych.mmcache.stats import MMCacheStats
+from triptych.plan.compute_stats import ComputeStats
 from triptych.transfer.refs import TensorRef, TensorSpec
 from triptych.transfer.stats import TransferStats
 
@@ -112,6 +113,7 @@ class StatsReport(msgspec.Struct, kw_only=True, frozen=True, tag="stats_report")
     transfer: TransferStats  # its transfer endpoint
     mm_cache: MMCacheStats | None = None  # the encoder's mm-hash cache; None where there is none
     chat: ChatEngineStats | None = None  # the encoder's chat engine; None where it has not chatted
+    compute: ComputeStats | None = None  # model FLOPs it executed and its devices' peak; None: not metered
     jobs: tuple[tuple[str, int], ...] = ()  # (request id, generation) it holds: the head cancels any it does not
 
 

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
+
 from triptych.chat.stats import ChatEngineStats
 from triptych.control import protocol as P
 from triptych.core.kinds import Role
 from triptych.engine.stats import EngineStats
 from triptych.mmcache.stats import MMCacheStats
+from triptych.plan.compute_stats import ComputeStats
 from triptych.transfer.stats import TransferStats
 
 
@@ -29,15 +32,21 @@ class StatsWindow:
     transfer: TransferStats  # transfer counter deltas
     mm_cache: MMCacheStats | None = None  # mm-hash cache counter deltas (entries, nbytes: latest)
     chat: ChatEngineStats | None = None  # chat engine counter deltas (prefix entries, bytes: latest)
+    compute: ComputeStats | None = None  # model FLOPs executed in the window (model, peak: latest)
 
 
 def stats_window(role: Role, prev: P.StatsReport | None, cur: P.StatsReport) -> StatsWindow:
     """The deltas from ``prev`` (None: nothing seen yet from this worker) to ``cur``."""
     if prev is None or cur.uptime_s < prev.uptime_s:
         seconds = 0.0 if prev is None else cur.uptime_s
-        return StatsWindow(cur.instance_id, role, seconds, cur.engine, cur.transfer, cur.mm_cache, cur.chat)
+        return StatsWindow(
+            cur.instance_id, role, seconds, cur.engine, cur.transfer, cur.mm_cache, cur.chat, cur.compute
+        )
     engine = cur.engine if prev.engine is None or cur.engine is None else cur.engine.since(prev.engine)
     cache = cur.mm_cache if prev.mm_cache is None or cur.mm_cache is None else cur.mm_cache.since(prev.mm_cache)
     chat = cur.chat if prev.chat is None or cur.chat is None else cur.chat.since(prev.chat)
+    compute = cur.compute
+    if compute is not None and prev.compute is not None:
+        compute = msgspec.structs.replace(compute, flops=compute.flops - prev.compute.flops)
     transfer = cur.transfer.since(prev.transfer)
-    return StatsWindow(cur.instance_id, role, cur.uptime_s - prev.uptime_s, engine, transfer, cache, chat)
+    return StatsWindow(cur.instance_id, role, cur.uptime_s - prev.uptime_s, engine, transfer, cache, chat, compute)

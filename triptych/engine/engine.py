@@ -60,6 +60,11 @@ class DenoiserEngine:
         self.wrap = wrap
         self.no_accel = no_accel
         self.stats = EngineStats()
+        #: counts ``stats.flops`` when set: an object whose ``per_row(rows)`` is the FLOPs of one row of a
+        #: transformer forward over ``rows`` (``triptych.plan.costs.RowCosts``). A row TeaCache skips counts
+        #: nothing (its embedding, skip test and output head are not counted); a row it computes counts a
+        #: whole forward's row.
+        self.flop_costs = None
         self._running: dict[str, Running] = {}
         self._tick = 0
         self._arrivals = count()
@@ -143,9 +148,20 @@ class DenoiserEngine:
             def forward(rows):
                 return self.accel.forward(rows, base)
 
+        calls: list = []
+        if self.flop_costs is not None:
+            counted = forward or self.family.forward
+
+            def forward(rows, counted=counted):
+                calls.append(rows)
+                return counted(rows)
+
+        skipped = self.accel.stats.rows_skipped if self.accel is not None else 0
         t = time.perf_counter()
         step_stats = self.family.denoise_step(states, fuse_cfg=self.config.fuse_cfg, forward=forward)
         elapsed = time.perf_counter() - t
+        if calls:
+            self._count_flops(calls, (self.accel.stats.rows_skipped - skipped) if self.accel is not None else 0)
         s = self.stats
         s.steps += 1
         s.forwards += step_stats.forwards
@@ -156,6 +172,15 @@ class DenoiserEngine:
         if self.accel is not None:
             s.skipped_rows = self.accel.stats.rows_skipped
         self._lora_stats()
+
+    def _count_flops(self, calls: list, skipped: int) -> None:
+        try:
+            per_row = [self.flop_costs.per_row(rows) for rows in calls]
+        except Exception:  # noqa: BLE001 - a count that cannot be made must not fail the requests
+            logger.warning("FLOP counting is off: the transformer could not be traced on meta", exc_info=True)
+            self.flop_costs = None
+            return
+        self.stats.flops += sum(n * len(rows) for n, rows in zip(per_row, calls)) - skipped * per_row[-1]
 
     def _lora_stats(self) -> None:
         if self.family.lora is not None:

@@ -20,6 +20,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     rows: int = 0  # rows computed (request × CFG branch)
     request_steps: int = 0  # denoising steps advanced, summed over requests
     skipped_rows: int = 0  # rows served from a cache (TeaCache) instead of the transformer
+    flops: float = 0.0  # model FLOPs of the rows the transformer ran (``DenoiserEngine.flop_costs``; 0: not counted)
     step_seconds: float = 0.0  # wall time spent in the engine's execute()
     #: ticks per step-time bucket (``buckets.STEP_SECONDS_BOUNDS``, then +Inf): each tick counted in its own
     step_buckets: list[int] = msgspec.field(default_factory=list)
@@ -63,6 +64,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
             rows=self.rows - prev.rows,
             request_steps=self.request_steps - prev.request_steps,
             skipped_rows=self.skipped_rows - prev.skipped_rows,
+            flops=self.flops - prev.flops,
             step_seconds=self.step_seconds - prev.step_seconds,
             step_buckets=buckets.since(self.step_buckets, prev.step_buckets),
             batch_sizes={k: n for k, n in sizes.items() if n},

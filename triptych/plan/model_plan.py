@@ -18,6 +18,7 @@ from triptych.plan import stages
 from triptych.plan.inputs import geometry
 from triptych.plan.peaks import DEVICES, Peak
 from triptych.plan.placement import place
+from triptych.plan.trace import Count
 
 #: prompt tokens assumed for a Qwen-Image prompt when none is given (its prompts are not padded)
 QWEN_TEXT_TOKENS = 128
@@ -134,7 +135,8 @@ def plan(
     t = built.get("transformer")
     if t is not None and t.module is not None:
         one = _try(lambda: stages.transformer_forward(t.module, g, params, {COND: text[COND]}))
-        step = _try(lambda: stages.transformer_forward(t.module, g, params, text, r.batch))
+        same = len(text) == 1 and r.batch == 1  # the step is that one forward: not traced again
+        step = one if same else _try(lambda: stages.transformer_forward(t.module, g, params, text, r.batch))
         out["stages"]["transformer_forward"] = one
         out["stages"]["denoise_step"] = step
     else:
@@ -144,11 +146,7 @@ def plan(
         c = built[name]
         if c.config is not None and "model_type" not in c.config:
             continue  # a diffusers model in the encoder role (edit's VAE encode of the condition image): not counted
-        encode[name] = (
-            {"unknown": c.unknown}
-            if c.unknown
-            else _try(lambda c=c: stages.encoder_forward(c.module, g, text[COND], r.batch * len(text)))
-        )
+        encode[name] = {"unknown": c.unknown} if c.unknown else _try(lambda c=c: _encode(c.module, g, text, r.batch))
     out["stages"]["encode"] = _sum(encode)
     vae = built.get("vae")
     out["stages"]["decode"] = (
@@ -160,6 +158,12 @@ def plan(
     out["device"] = _device(out, device, r.steps, weights)
     out["placement"] = _placement(out, roles, device, devices, weights, len(text), t)
     return out
+
+
+def _encode(module, g, text: dict[str, int], batch: int):
+    """Every branch's prompts through one encoder, each at its own length."""
+    counts = [stages.encoder_forward(module, g, tokens, batch) for tokens in text.values()]
+    return Count(sum(c.flops for c in counts), max(c.peak_bytes for c in counts))
 
 
 def _sum(parts: dict[str, dict]) -> dict[str, Any]:

@@ -79,7 +79,7 @@ def meta_module(cls, config: dict[str, Any], dtype: torch.dtype = torch.bfloat16
         if hasattr(cls, "from_config") and not hasattr(cls, "config_class"):
             module = cls.from_config(config)
         else:
-            module = cls._from_config(cls.config_class.from_dict(config), torch_dtype=dtype)
+            module = cls._from_config(cls.config_class.from_dict(config), dtype=dtype)
     return module.eval()
 
 

@@ -230,6 +230,7 @@ class Worker:
             transfer=self.endpoint.stats.snapshot(),
             mm_cache=runner.cache_stats(),
             chat=runner.chat_stats(),
+            compute=runner.compute_stats(),
             jobs=tuple((rid, job.generation) for rid, job in self.port.jobs.items()),
         )
         self.send(report)

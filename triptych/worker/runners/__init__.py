@@ -55,8 +55,26 @@ RUNNERS: dict[Role, Callable[..., StageRunner]] = {
 
 
 def make_runner(role: Role, family, port: WorkerPort, config) -> StageRunner:
-    """``config``: the worker's ``WorkerConfig`` (engine, parallel degrees, device...)."""
-    return RUNNERS[role](family, port, config)
+    """``config``: the worker's ``WorkerConfig`` (engine, parallel degrees, device...). The runner
+    meters the model FLOPs it executes (``triptych.plan``): the whole instance's on a multi-rank one,
+    rated against all its ranks' peak."""
+    runner = RUNNERS[role](family, port, config)
+    meter_flops(runner, role, family, config)
+    return runner
+
+
+def meter_flops(runner: StageRunner, role: Role, family, config) -> None:
+    from pathlib import Path
+
+    from triptych.plan import costs
+    from triptych.plan.meter import FlopMeter
+
+    ranks = config.parallel.world_size if role == Role.DENOISER else 1
+    runner.meter = FlopMeter(Path(config.model_dir).name, str(family.device), ranks)
+    if role == Role.DENOISER:
+        runner.engine.flop_costs = costs.RowCosts(family)
+    else:
+        runner.costs = (costs.EncodeCosts if role == Role.ENCODER else costs.DecodeCosts)(family)
 
 
 __all__ = ["Job", "RunnerBroken", "StageRunner", "WorkerPort", "make_runner", "RUNNERS"]

@@ -95,6 +95,10 @@ class StageRunner:
         self.family = family
         self.port = port
         self.ready: deque[Job] = deque()
+        #: the role's ``triptych.plan.meter.FlopMeter`` and what prices one unit of its work
+        #: (``triptych.plan.costs``), both set by ``make_runner``; None: no FLOP counting
+        self.meter = None
+        self.costs = None
 
     def accept(self, task: Task) -> None:
         if not isinstance(task, self.tasks):
@@ -144,6 +148,21 @@ class StageRunner:
 
     def cache_stats(self):
         return None
+
+    def compute_stats(self):
+        """The meter's ``ComputeStats`` (cumulative), or None without a meter."""
+        return self.meter.snapshot() if self.meter is not None else None
+
+    def count_flops(self, work) -> None:
+        """Add what ``work`` (an encoded ``Conditioning``, a decode's params) cost to the meter; a count
+        that cannot be made turns counting off (logged) and never fails the request."""
+        if self.meter is None or self.costs is None:
+            return
+        try:
+            self.meter.add(self.costs.cost(work))
+        except Exception:  # noqa: BLE001 - metering must not fail a request
+            logger.warning("FLOP counting is off: %s could not be traced on meta", self.stage, exc_info=True)
+            self.costs = None
 
     def chat_stats(self):
         return None

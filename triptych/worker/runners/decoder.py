@@ -82,6 +82,7 @@ class DecoderRunner(StageRunner):
         try:
             with torch.no_grad():
                 frames = self.family.decode(tensors["latents"], job.params)
+                self.count_flops(job.params)
             data = encode_frames(frames.to_uint8(), task.output_format, 16, task.quality)
         except (TriptychError, RuntimeError, ValueError) as e:
             logger.warning("%s: %s of %s not decoded: %s", self.port.instance_id, handoff, job.request_id, e)
@@ -106,6 +107,7 @@ class DecoderRunner(StageRunner):
         task: P.DecodeTask = job.task
         with torch.no_grad():
             frames = self.family.decode(latents, job.params)
+        self.count_flops(job.params)
         data = encode_frames(frames.to_uint8(), task.output_format, task.fps, task.quality)
         if len(data) > P.MAX_MEDIA_BYTES:  # the head would drop the frame unread: say why instead
             raise ValueError(

@@ -52,6 +52,12 @@ class DenoiserRunner(StageRunner):
     def engine_stats(self):
         return self.engine.stats.copy()
 
+    def compute_stats(self):
+        if self.meter is None:
+            return None
+        self.meter.flops = self.engine.stats.flops  # the engine counts the rows its forwards ran
+        return self.meter.snapshot()
+
     def execute(self) -> None:
         while self.ready:  # prepare every arrival first: they join the batch at this step boundary
             super().execute()

@@ -101,6 +101,7 @@ class EncoderRunner(StageRunner):
     def compute(self, job: Job) -> None:
         with torch.no_grad(), tenant_scope(job.params.tenant):
             cond = self.family.encode(job.params)
+        self.count_flops(cond)
         job.outgoing = to_host(owned(cond.flat()))
         specs = specs_of(job.outgoing)
         self.port.send(
