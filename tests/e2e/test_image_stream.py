@@ -102,8 +102,13 @@ def test_zero_partials_is_one_completed_event(client):
 
 @pytest.mark.parametrize("partials", [1, 3])
 def test_each_count_of_partials(client, partials):
+    """Previews are best-effort (a late or lost one is dropped, the next takes its number: the
+    fake-backend tests below): at most ``partials`` of them, numbered from 0 without a gap, then the
+    image. On an idle machine all of them come; a loaded one can lose one."""
     events = list(generate(client, seed=13, stream=True, partial_images=partials))
-    assert [getattr(e, "partial_image_index", None) for e in events] == [*range(partials), None]
+    indices = [getattr(e, "partial_image_index", None) for e in events]
+    assert indices[-1] is None and events[-1].type == "image_generation.completed"
+    assert indices[:-1] == list(range(len(indices) - 1)) and len(indices) - 1 <= partials, indices
 
 
 def test_partial_images_out_of_range_is_a_400_naming_it(client):

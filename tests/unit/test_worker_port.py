@@ -23,7 +23,7 @@ class Endpoint:
         self.cancelled: list[str] = []
         self.pushed: list[dict] = []
 
-    def reserve_bundle(self, prefix, specs, peer, timeout_s):
+    def reserve_bundle(self, prefix, specs, peer, timeout_s, request=""):
         return {
             name: SimpleNamespace(transfer_id=f"{prefix}/{name}", handoff=prefix.rsplit("/", 1)[1]) for name in specs
         }
