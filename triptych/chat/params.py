@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from triptych.chat.timing import ChatTiming
 from triptych.core.chat_sampling import ChatSampling
 from triptych.core.errors import InvalidParam
 
@@ -71,3 +72,4 @@ class ChatResult:
     prompt_tokens: int
     completion_tokens: int
     finish_reason: str  # stop | length | cancelled
+    timing: ChatTiming | None = None  # where its time to first token went (None: the engine does not say)
