@@ -11,6 +11,9 @@ engine; the head routes chats against the encoder's chat slots).
 2. Streaming: the time between streamed pieces of 4 streaming chats (max_tokens 64, ignore_eos),
    idle vs while chats with 8 images each arrive (one every ``--burst-every-s``); p99 of each, over
    all repeats.
+3. Where the time to first token went, over all the chats of 1 and 2: the head's chat latency
+   histograms (``triptych_chat_*_seconds``) read before and after, their mean, p50 and p99 (p50
+   and p99 interpolated within the buckets, as Prometheus' ``histogram_quantile``).
 
     python benchmarks/chat_served.py [--repeats 5] [--prefill-tokens-per-step 64]
 """
@@ -34,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import httpx  # noqa: E402
 import psutil  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from serving import Server  # noqa: E402
 
 from shapeworld import render, sample_scenes  # noqa: E402
@@ -124,6 +128,69 @@ def max_batch(base: str) -> float:
     return max(values, default=float("nan"))
 
 
+CHAT_LATENCY = ("media_decode", "queue", "vision_encode", "prefill", "time_to_first_token", "inter_token")
+
+
+def histograms(text: str, model: str) -> dict[str, tuple[list[tuple[float, float]], float, float]]:
+    """``triptych_chat_<stage>_seconds`` of ``model`` in a ``/metrics`` text: stage → (cumulative
+    buckets as (le, count), sum, count)."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        stage = family.name.removeprefix("triptych_chat_").removesuffix("_seconds")
+        if stage not in CHAT_LATENCY:
+            continue
+        buckets, total, count = [], 0.0, 0.0
+        for s in family.samples:
+            if s.labels.get("model") != model:
+                continue
+            if s.name.endswith("_bucket"):
+                buckets.append((float(s.labels["le"]), s.value))
+            elif s.name.endswith("_sum"):
+                total = s.value
+            elif s.name.endswith("_count"):
+                count = s.value
+        out[stage] = (sorted(buckets), total, count)
+    return out
+
+
+def bucket_quantile(q: float, buckets: list[tuple[float, float]]) -> float:
+    """The ``q`` quantile of cumulative ``buckets``, linear within the bucket it falls in (the +Inf
+    bucket: its lower bound), as Prometheus' ``histogram_quantile``."""
+    if not buckets or buckets[-1][1] == 0:
+        return float("nan")
+    rank, lower, below = q * buckets[-1][1], 0.0, 0.0
+    for le, cum in buckets:
+        if cum >= rank:
+            if le == float("inf"):
+                return lower
+            return lower + (le - lower) * (rank - below) / (cum - below) if cum > below else le
+        lower, below = le, cum
+    return lower
+
+
+def latency_split(before: str, after: str, model: str) -> list[tuple[str, int, float, float, float]]:
+    """(stage, observations, mean s, p50 s, p99 s) of what ``model``'s chats added from ``before`` to
+    ``after`` (two ``/metrics`` texts)."""
+    was, now = histograms(before, model), histograms(after, model)
+    rows = []
+    for stage in CHAT_LATENCY:
+        buckets, total, count = now.get(stage, ([], 0.0, 0.0))
+        old_buckets, old_total, old_count = was.get(stage, ([], 0.0, 0.0))
+        old = dict(old_buckets)
+        delta = [(le, cum - old.get(le, 0.0)) for le, cum in buckets]
+        n = count - old_count
+        mean = (total - old_total) / n if n else float("nan")
+        rows.append((stage, int(n), mean, bucket_quantile(0.5, delta), bucket_quantile(0.99, delta)))
+    return rows
+
+
+def print_latency_split(rows) -> None:
+    print("\n| chat stage (head's /metrics) | observations | mean ms | p50 ms | p99 ms |")
+    print("|---|---|---|---|---|")
+    for stage, n, mean, p50, p99_ in rows:
+        print(f"| {stage} | {n} | {mean * 1e3:.1f} | {p50 * 1e3:.1f} | {p99_ * 1e3:.1f} |")
+
+
 async def bench(server: Server, args) -> None:
     async with httpx.AsyncClient(base_url=server.base, timeout=600) as client:
         models = (await client.get("/v1/models")).json()["data"]
@@ -134,6 +201,7 @@ async def bench(server: Server, args) -> None:
         alone = [(await ask(client, b))["choices"][0]["message"]["content"] for b in bodies]
         for n in (1, 4, 8):  # warm-up
             await round_of(client, server, bodies[:n])
+        metrics_before = (await client.get("/metrics")).text
         before = process_cpu(server.proc.pid)
         wall: dict[int, list[float]] = {}
         cpu: dict[int, list[float]] = {}  # (tokens, CPU s) per round: summed (psutil ticks are 10 ms)
@@ -175,6 +243,7 @@ async def bench(server: Server, args) -> None:
             f"every {args.burst_every_s}s {p99(busy) * 1e3:.1f} ms ({p99(busy) / p99(idle):.2f}x); "
             f"load average {load[0]:.2f}"
         )
+        print_latency_split(latency_split(metrics_before, (await client.get("/metrics")).text, model))
 
 
 def main() -> None:

@@ -9,11 +9,13 @@ import asyncio
 import threading
 import time
 
+import msgspec
 import pytest
 import zmq
 
 from tests.e2e.http_support import wait_for
 from triptych.chat import ChatParams, ChatTurn
+from triptych.chat.timing import ChatTiming
 from triptych.control import protocol as P
 from triptych.control.auth import ControlKey
 from triptych.control.backend import Cancelled, ChatJob, StageFailed
@@ -427,3 +429,31 @@ def test_an_edit_of_an_image_goes_to_the_encoder_already_encoding_it(head):
         asyncio.run_coroutine_threadsafe(orch.cancel(rid), loop).result(10)
         with pytest.raises(Cancelled):
             future.result(30)
+
+
+def test_the_worker_s_stage_times_reach_the_answer_with_the_head_s_queue_time(head):
+    """A chat that waited at the head for a chat-capable encoder carries that wait in its answer's
+    ``timing.head_queue_s`` (at least the time before the encoder registered), beside the worker's
+    stage times as the worker sent them."""
+    orch, loop, ctx = head
+    future = start_chat(loop, orch, "c1", [], stream=False)
+    wait_for(lambda: described(loop, orch)["queues"]["chat"] == 1, "the chat in the head's queue")
+    time.sleep(0.2)  # no chat-capable encoder yet: it waits at the head
+    vlm = Encoder(ctx, orch, "enc-b", chat=True)
+    task = vlm.next(P.ChatTask)
+    worker = ChatTiming(queue_s=0.5, vision_s=0.25, prefill_s=1.0, first_token_s=2.0, total_s=3.0)
+    vlm.send(
+        P.ChatDone(
+            request_id="c1",
+            generation=task.generation,
+            instance_id="enc-b",
+            text="a",
+            prompt_tokens=20,
+            completion_tokens=1,
+            finish_reason="stop",
+            timing=worker,
+        )
+    )
+    timing = future.result(30).timing
+    assert timing.head_queue_s >= 0.2  # it was queued before the sleep and dispatched after it
+    assert msgspec.structs.replace(timing, head_queue_s=0.0) == worker

@@ -13,6 +13,7 @@ import json
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from shapeworld import render, sample_scenes, score_caption
 from tests.e2e.http_support import serve, wait_for
@@ -201,6 +202,36 @@ def _mm_hits(base: str, result: str = "hits") -> float:
     return 0.0
 
 
+CHAT_LATENCY = ("media_decode", "queue", "vision_encode", "prefill", "time_to_first_token", "inter_token")
+
+
+def _chat_latency(base: str) -> dict[str, float]:
+    """The chat latency histograms' ``_sum`` and ``_count`` for the model (``triptych_chat_*_seconds``)."""
+    out = {}
+    for family in text_string_to_metric_families(httpx.get(f"{base}/metrics").text):
+        for s in family.samples:
+            if s.labels.get("model") == "default_edit" and s.name.endswith(("_sum", "_count")):
+                out[s.name] = s.value
+    return out
+
+
+def _check_chat_latency(before: dict[str, float], after: dict[str, float], chunks: list) -> None:
+    """One streamed chat with an image, recorded at the head once its answer ended: every stage
+    histogram counts it once, its stages lie inside its time to first token, and one gap lies
+    between each two of its streamed pieces."""
+
+    def delta(name: str, what: str) -> float:
+        key = f"triptych_chat_{name}_seconds_{what}"
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    for name in CHAT_LATENCY[:-1]:
+        assert delta(name, "count") == 1, name
+    assert delta("time_to_first_token", "sum") >= delta("vision_encode", "sum") + delta("prefill", "sum") > 0
+    pieces = [c for c in chunks if c.choices and c.choices[0].delta.content and c.choices[0].delta.role is None]
+    assert len(pieces) > 1
+    assert delta("inter_token", "count") == len(pieces) - 1
+
+
 def test_embedded_chat_on_the_encoder_shares_the_edit_cache_and_stops_when_the_client_leaves(family, scene, tmp_path):
     image = render(scene, 64)
     from triptych.chat import ChatParams, ChatTurn
@@ -225,12 +256,11 @@ def test_embedded_chat_on_the_encoder_shares_the_edit_cache_and_stops_when_the_c
         out = client.chat.completions.create(messages=user(image), model="default_edit")
         assert out.choices[0].message.content == reference  # the worker answers what the model answers in process
         wait_for(lambda: _mm_hits(base) > hits, "the chat's hit on the edit's entry")
-        streamed = "".join(
-            c.choices[0].delta.content or ""
-            for c in client.chat.completions.create(model="default_edit", messages=user(image), stream=True)
-            if c.choices
-        )
+        before = _chat_latency(base)
+        chunks = [c for c in client.chat.completions.create(model="default_edit", messages=user(image), stream=True)]
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert streamed == reference
+        _check_chat_latency(before, _chat_latency(base), chunks)
         # A long answer (4000 tokens, no early stop) on the only encoder. While it is generating, an
         # edit goes through that encoder (encodes run between tokens) and finishes before it; then
         # the client, having read one piece, leaves.

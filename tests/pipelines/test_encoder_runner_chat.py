@@ -103,3 +103,24 @@ def test_chats_taken_while_the_first_prompt_builds_prefill_together_in_the_first
     for i, p in enumerate(params):
         alone = family.chat_model().run(p)
         assert (done[f"c{i}"].text, done[f"c{i}"].completion_tokens) == (alone.text, alone.completion_tokens)
+
+
+def test_a_chat_s_stage_times_reach_the_head_on_its_chat_done_and_lie_before_its_first_token(family):
+    """``ChatDone.timing``: the encoder layer's vision step and the prefill forward are disjoint
+    intervals after the chat was taken and before its first token; a chat that joins while another
+    decodes prefills in a mixed forward and is timed the same way."""
+    port = Port()
+    runner = EncoderRunner(family, port, ChatEngineConfig(prefix_cache_mb=0))
+    runner.accept(wire.chat_to_wire("c0", 0, chat_params(0), stream=True))
+    for _ in range(4):
+        runner.execute()
+    assert runner.engine.running  # c0 decodes: c1 joins it in a mixed forward
+    runner.accept(wire.chat_to_wire("c1", 0, chat_params(1), stream=False))
+    while runner.has_work():
+        runner.execute()
+    done = {m.request_id: m for m in port.sent if isinstance(m, P.ChatDone)}
+    for rid in ("c0", "c1"):
+        t = done[rid].timing
+        assert t is not None and t.vision_s > 0 and t.prefill_s > 0 and t.queue_s >= 0, t
+        assert t.queue_s + t.vision_s + t.prefill_s <= t.first_token_s < t.total_s, t
+        assert t.head_queue_s == 0  # the head sets it

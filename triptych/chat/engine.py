@@ -19,6 +19,7 @@ from its alone-run only by float rounding of the batched matmuls (tests hold the
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -34,6 +35,7 @@ from triptych.chat.prefix import Entry, PrefixCache
 from triptych.chat.prompt import Prompt, build_prompt, chunk_embeddings
 from triptych.chat.sampler import Sampler, pick
 from triptych.chat.stats import ChatEngineStats
+from triptych.chat.timing import ChatTiming
 from triptych.chat.vlm import ChatModel, _Pieces
 from triptych.mmcache.cache import tenant_scope
 
@@ -62,6 +64,12 @@ class Chat:
     prefix: Entry | None = None  # the prefix-cache entry this chat holds
     eos: tuple[int, ...] = ()  # tokens that end the answer (none with ignore_eos)
     pending: Future | None = None  # its prompt, being built on the engine's prompt thread
+    received: float = field(default_factory=time.perf_counter)  # when it was taken (``ChatTiming``'s zero)
+    layer_vision_s: float = 0.0  # vision time spent on its images before it joined (the encoder layer's)
+    vision_s: float = 0.0  # its chunks' embeddings (the vision tower on images no earlier step encoded)
+    prefill_s: float = 0.0  # the prefill forwards its chunks ran in
+    prefill_start: float | None = None  # when its first chunk began
+    first_token_at: float | None = None
     _streamer: _Pieces | None = None
 
     @property
@@ -94,8 +102,19 @@ class ChatEngine:
         #: decode_forwards of ``stats``)
         self.forwards = 0
 
-    def submit(self, chat_id: Hashable, params: ChatParams, stream: bool = False) -> Chat:
-        chat = Chat(chat_id, params, stream)
+    def submit(
+        self,
+        chat_id: Hashable,
+        params: ChatParams,
+        stream: bool = False,
+        received: float | None = None,
+        layer_vision_s: float = 0.0,
+    ) -> Chat:
+        """``received``: when the caller took it (``time.perf_counter``; None: now), the zero of its
+        ``ChatTiming``; ``layer_vision_s``: the vision time its images took since then outside the engine."""
+        chat = Chat(chat_id, params, stream, layer_vision_s=layer_vision_s)
+        if received is not None:
+            chat.received = received
         if self.running:
             if self._preparer is None:
                 self._preparer = ThreadPoolExecutor(1, thread_name_prefix="chat-prompt")
@@ -234,9 +253,13 @@ class ChatEngine:
         """This step's chunks and their rows; a chat whose images fail here fails alone (touched)."""
         chunks, rows, touched = [], [], []
         for chat, end in self._chunks():
+            start = time.perf_counter()
+            if chat.prefill_start is None:
+                chat.prefill_start = start
             try:
                 with tenant_scope(chat.params.tenant):  # the vision tower's mm-hash cache is scoped by who asks
                     embeds = chunk_embeddings(self.model, chat.prompt, chat.prefilled, end, chat.features)
+                chat.vision_s += time.perf_counter() - start
             except (ValueError, RuntimeError) as e:  # this chat's images: it fails alone
                 self._fail_prefill(chat, e)
                 touched.append(chat)
@@ -250,6 +273,7 @@ class ChatEngine:
         return touched + (self._prefill_forward(chunks, rows) if rows else [])
 
     def _prefill_forward(self, chunks: list[tuple[Chat, int]], rows: list[Row]) -> list[Chat]:
+        start = time.perf_counter()
         try:
             kvs, logits, _ = prefill(self.model, rows)
         except (ValueError, RuntimeError) as e:
@@ -258,13 +282,17 @@ class ChatEngine:
                 self._fail_prefill(chat, e)
             return [c for c, _ in chunks]
         self.forwards += 1
-        return self._prefilled(chunks, kvs, logits)
+        return self._prefilled(chunks, kvs, logits, time.perf_counter() - start)
 
-    def _prefilled(self, chunks: list[tuple[Chat, int]], kvs: list[KV], logits: torch.Tensor) -> list[Chat]:
+    def _prefilled(
+        self, chunks: list[tuple[Chat, int]], kvs: list[KV], logits: torch.Tensor, seconds: float
+    ) -> list[Chat]:
+        """``seconds``: the forward's wall time, each chunk's chat's prefill time."""
         self.stats.prefill_forwards += 1
         self.stats.prefill_rows += len(chunks)
         touched = []
         for i, (chat, end) in enumerate(chunks):
+            chat.prefill_s += seconds
             self.stats.prefill_computed += end - chat.prefilled
             chat.kv, chat.prefilled = kvs[i], end
             if end == len(chat.prompt):
@@ -288,6 +316,7 @@ class ChatEngine:
             self.model.get_input_embeddings()(ids),
             torch.tensor([c.next_position for c in running]).view(1, -1).expand(3, -1),
         )
+        start = time.perf_counter()
         try:
             kvs, logits, stepped = prefill(self.model, rows, decode)
         except (ValueError, RuntimeError):
@@ -296,8 +325,9 @@ class ChatEngine:
             return touched + (self._decode() if self.running else [])
         self.forwards += 1
         self.batch.stepped(stepped)
+        seconds = time.perf_counter() - start
         touched += self._decoded(logits[: len(running)])  # before the joiners take their rows
-        return touched + self._prefilled(chunks, kvs, logits[len(running) :])
+        return touched + self._prefilled(chunks, kvs, logits[len(running) :], seconds)
 
     def _fail_prefill(self, chat: Chat, error: BaseException) -> None:
         self.prefilling.remove(chat)
@@ -374,6 +404,8 @@ class ChatEngine:
     # ---- tokens out -----------------------------------------------------------------------------
     def _emit(self, chat: Chat, token: int) -> None:
         chat.tokens.append(token)
+        if chat.first_token_at is None:
+            chat.first_token_at = time.perf_counter()
         if chat._streamer is not None:
             chat._streamer.put(torch.tensor([token]))
         if token in chat.eos:
@@ -386,10 +418,23 @@ class ChatEngine:
             chat._streamer.end()
         text = self.chat.tokenizer.decode(chat.tokens, skip_special_tokens=True)
         prompt = 0 if chat.prompt is None else len(chat.prompt)
-        chat.result = ChatResult(text, prompt, len(chat.tokens), reason)
+        chat.result = ChatResult(text, prompt, len(chat.tokens), reason, _timing(chat))
         self._release(chat)
 
     def _release(self, chat: Chat) -> None:
         if chat.prefix is not None and self.prefix is not None:
             self.prefix.release(chat.prefix)
             chat.prefix = None
+
+
+def _timing(chat: Chat) -> ChatTiming | None:
+    """Its stage times, once it has a first token (None before: it never got that far)."""
+    if chat.first_token_at is None or chat.prefill_start is None:
+        return None
+    return ChatTiming(
+        queue_s=max(0.0, chat.prefill_start - chat.received - chat.layer_vision_s),
+        vision_s=chat.layer_vision_s + chat.vision_s,
+        prefill_s=chat.prefill_s,
+        first_token_s=chat.first_token_at - chat.received,
+        total_s=time.perf_counter() - chat.received,
+    )

@@ -3,9 +3,10 @@ head checks and the backends carry. No torch here: the head imports them (``trip
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from triptych.chat.timing import ChatTiming
 from triptych.core.chat_sampling import ChatSampling
 from triptych.core.errors import InvalidParam
 
@@ -71,3 +72,5 @@ class ChatResult:
     prompt_tokens: int
     completion_tokens: int
     finish_reason: str  # stop | length | cancelled
+    #: where its time to first token went (None: the engine does not say); not part of the answer's equality
+    timing: ChatTiming | None = field(default=None, compare=False)

@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import msgspec
 
 from triptych.chat import ChatResult
 from triptych.control import protocol as P
@@ -48,6 +51,8 @@ class ChatTracked:
     instance: str | None = None  # the encoder charged a slot for it
     streamed: bool = False  # a piece reached the client: it cannot be retried elsewhere
     attempts: Attempts = field(default_factory=Attempts)
+    submitted: float = field(default_factory=time.perf_counter)
+    dispatched: float | None = None  # when it was last sent to an encoder
 
 
 class ChatRouter:
@@ -123,6 +128,7 @@ class ChatRouter:
             affinity.record(ct.attempts.image_keys, inst.instance_id)
             ct.instance = inst.instance_id
             ct.machine.to(S.CHATTING)
+            ct.dispatched = time.perf_counter()
             hints = affinity.hints(ct.attempts.image_keys, inst.instance_id, self.registry.addresses(Role.ENCODER))
             task = wire.chat_to_wire(
                 ct.job.request_id, ct.machine.generation, ct.job.params, ct.job.stream, ct.images_png, hints
@@ -147,7 +153,10 @@ class ChatRouter:
                 ct.on_text(msg.text)
         elif isinstance(msg, P.ChatDone):
             self.registry.affinity.held(ct.attempts.image_keys or [], msg.instance_id, msg.images)
-            result = ChatResult(msg.text, msg.prompt_tokens, msg.completion_tokens, msg.finish_reason)
+            timing = msg.timing
+            if timing is not None and ct.dispatched is not None:  # its time in the head's queue (and retries)
+                timing = msgspec.structs.replace(timing, head_queue_s=ct.dispatched - ct.submitted)
+            result = ChatResult(msg.text, msg.prompt_tokens, msg.completion_tokens, msg.finish_reason, timing)
             self.lifecycle.finish(ct, S.DONE, result=result)
         elif isinstance(msg, P.StageError):
             if msg.invalid is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from dataclasses import dataclass
 
 from triptych.chat import ChatResult
@@ -30,7 +31,7 @@ class InProcessChats:
         self.engine = ChatEngine(model, config)
         self.lock = lock
         self.waiters: dict[str, _Waiter] = {}
-        self._inbox: list[tuple] = []  # ("submit", id, params, stream) | ("cancel", id)
+        self._inbox: list[tuple] = []  # ("submit", id, params, stream, received) | ("cancel", id)
         self._inbox_lock = threading.Lock()
         self._driver: asyncio.Task | None = None
 
@@ -42,7 +43,7 @@ class InProcessChats:
         future = asyncio.get_running_loop().create_future()
         self.waiters[request_id] = _Waiter(future, on_text)
         with self._inbox_lock:
-            self._inbox.append(("submit", request_id, params, stream or on_text is not None))
+            self._inbox.append(("submit", request_id, params, stream or on_text is not None, time.perf_counter()))
         if self._driver is None or self._driver.done():
             self._driver = asyncio.ensure_future(self._drive())
         try:

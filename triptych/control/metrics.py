@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import Metric
 
+from triptych.control.metrics_chat import ChatLatencyMetrics
 from triptych.control.metrics_flops import FlopMetrics
 from triptych.control.metrics_hist import ReportedHistogram
 from triptych.control.metrics_lora import LoraMetrics
@@ -159,6 +160,7 @@ class Metrics:
         self.encoder_remote = RemoteMetrics(r)  # cross-encoder embedding hits
         self.transfer_refused = TransferRefusals(r)  # what the workers' endpoints refused
         self.model_flops = FlopMetrics(r)  # model FLOPs and MFU per role
+        self.chat_latency = ChatLatencyMetrics(r)  # a chat's time to first token by stage, and its gaps
         self.vision_forwards = Counter(
             "triptych_vision_tower_forwards",
             "Vision-tower forwards the encoders ran (a batch of many images counts one)",

@@ -29,6 +29,7 @@ from typing import Literal
 import msgspec
 
 from triptych.chat.stats import ChatEngineStats
+from triptych.chat.timing import ChatTiming
 from triptych.control.mm_hints import MMHint, MMImage
 from triptych.control.protocol_chat import ChatMessage as ChatMessage
 from triptych.control.protocol_chat import ChatPart as ChatPart
@@ -216,6 +217,7 @@ class ChatDone(WorkerReply, kw_only=True, frozen=True, tag="chat_done"):
     completion_tokens: int
     finish_reason: str  # stop | length
     images: tuple[MMImage, ...] = ()  # the embeddings its images have on this encoder (cross-encoder hits)
+    timing: ChatTiming | None = None  # its worker-side stage times (None: a remote engine that does not say)
 
 
 class StageError(WorkerReply, kw_only=True, frozen=True, tag="stage_error"):

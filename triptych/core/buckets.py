@@ -13,6 +13,10 @@ from collections.abc import Sequence
 STEP_SECONDS_BOUNDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 #: Upper bounds (seconds) of the push-latency buckets a transfer sender counts each push in.
 PUSH_SECONDS_BOUNDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+#: Upper bounds (seconds) of the chat latency buckets: a chat's stages and its time to first token.
+CHAT_SECONDS_BOUNDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+#: Upper bounds (seconds) of the gaps between a streamed chat's consecutive pieces.
+INTER_TOKEN_SECONDS_BOUNDS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5, 10)
 
 
 def observe(counts: list[int], bounds: Sequence[float], value: float) -> None:

@@ -26,6 +26,7 @@ from fastapi.responses import StreamingResponse
 
 from triptych.chat import ChatParams, ChatResult, ChatTurn
 from triptych.control.backend import ChatJob
+from triptych.control.metrics_chat import ChatClock
 from triptych.core import offload
 from triptych.core.chat_sampling import ChatSampling
 from triptych.core.errors import InvalidParam, TriptychError
@@ -51,8 +52,9 @@ UNSUPPORTED = {
 }
 
 
-def build_chat(head: ModelHead, req: ChatCompletionRequest) -> ChatParams:
-    """API request → checked ``ChatParams`` (decodes the images: run it off the event loop)."""
+def build_chat(head: ModelHead, req: ChatCompletionRequest) -> tuple[ChatParams, float]:
+    """API request → checked ``ChatParams`` and the seconds its images took to decode (decodes the
+    images: run it off the event loop)."""
     lim = head.limits
     head.check_model(req.model)
     for name, unused in UNSUPPORTED.items():
@@ -73,7 +75,7 @@ def build_chat(head: ModelHead, req: ChatCompletionRequest) -> ChatParams:
     field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     if max_tokens > lim.max_chat_tokens:
         raise InvalidParam(field, max_tokens, f"must be at most {lim.max_chat_tokens} (the server's max_chat_tokens)")
-    turns, images, chars = [], [], 0
+    turns, images, chars, decode_s = [], [], 0, 0.0
     for i, message in enumerate(req.messages):
         role = "system" if message.role == "developer" else message.role
         content = [message.content] if isinstance(message.content, str) else message.content
@@ -95,7 +97,9 @@ def build_chat(head: ModelHead, req: ChatCompletionRequest) -> ChatParams:
                         f"at most {lim.max_chat_images} images per request (max_chat_images)",
                     )
                 field_name = f"messages[{i}].content[{j}].image_url.url"
+                start = time.perf_counter()
                 images.append(decode_data_url(part.image_url.url, lim.image_limits, field_name))
+                decode_s += time.perf_counter() - start
                 parts.append(len(images) - 1)
             chars += len(parts[-1]) if isinstance(parts[-1], str) else 0
         if not any(isinstance(p, int) or p.strip() for p in parts):  # as a blank prompt is refused
@@ -111,7 +115,7 @@ def build_chat(head: ModelHead, req: ChatCompletionRequest) -> ChatParams:
         tuple(turns), tuple(images), max_tokens, temperature, top_p, seed, bool(req.ignore_eos), TENANT.get()
     )
     params.check(lim.max_chat_images)
-    return params
+    return params, decode_s
 
 
 def _sse(payload: dict | str) -> bytes:
@@ -157,13 +161,14 @@ async def _stop(head: ModelHead, job: ChatJob, task: asyncio.Task) -> None:
     await asyncio.gather(task, return_exceptions=True)
 
 
-def _record(head: ModelHead, result: ChatResult, t0: float) -> None:
+def _record(head: ModelHead, result: ChatResult, t0: float, clock: ChatClock) -> None:
+    clock.finished(result)
     head.metrics.record_request(ENDPOINT, "success", time.perf_counter() - t0)
     head.metrics.record_chat(result.prompt_tokens, result.completion_tokens)
 
 
 async def _stream(
-    head: ModelHead, request: Request, job: ChatJob, model: str, include_usage: bool, t0: float
+    head: ModelHead, request: Request, job: ChatJob, model: str, include_usage: bool, t0: float, clock: ChatClock
 ) -> StreamingResponse:
     """Start the chat, wait for its first piece (or its end, or its error: raised here, so the client
     gets a proper status; or the client leaving, or the deadline), then stream the rest."""
@@ -188,6 +193,10 @@ async def _stream(
         watcher.cancel()
     created = int(time.time())
 
+    def piece(text: str) -> bytes:
+        clock.piece()
+        return chunk({"content": text})
+
     def chunk(delta: dict, finish: str | None = None) -> bytes:
         return _sse(
             {
@@ -205,7 +214,7 @@ async def _stream(
             yield chunk({"role": "assistant", "content": ""})
             while True:
                 if getter.done():
-                    yield chunk({"content": getter.result()})
+                    yield piece(getter.result())
                     getter = asyncio.create_task(pieces.get())
                     continue
                 if task.done():
@@ -213,14 +222,14 @@ async def _stream(
                 await asyncio.wait({task, getter}, return_when=asyncio.FIRST_COMPLETED)
             getter.cancel()
             while not pieces.empty():
-                yield chunk({"content": pieces.get_nowait()})
+                yield piece(pieces.get_nowait())
             try:
                 result = task.result()
             except (TriptychError, asyncio.CancelledError) as e:
                 head.metrics.record_request(ENDPOINT, "invalid" if isinstance(e, InvalidParam) else "failed")
                 yield _sse(_error_event(e))
                 return
-            _record(head, result, t0)
+            _record(head, result, t0, clock)
             yield chunk({}, result.finish_reason)
             if include_usage:
                 usage = {
@@ -261,7 +270,8 @@ def add_chat_routes(app: FastAPI, head: Head) -> None:
             )
         if req.stream_options is not None and not req.stream:
             raise InvalidParam("stream_options", req.stream_options.model_dump(), "is only allowed with stream=true")
-        params = await offload.run(build_chat, model, req)
+        params, decode_s = await offload.run(build_chat, model, req)
+        clock = ChatClock(model.metrics.chat_latency, t0, decode_s)
         tenant = model.tenants.policy(TENANT.get())
         priority = model.tenants.priority(req.priority, TENANT.get())
         job = ChatJob(
@@ -269,10 +279,10 @@ def add_chat_routes(app: FastAPI, head: Head) -> None:
         )
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         if job.stream:
-            return await _stream(model, request, job, model.model_id, include_usage, t0)
+            return await _stream(model, request, job, model.model_id, include_usage, t0, clock)
         with model.admission.admit(1):
             result = await _answer(model, request, job, t0)
-        _record(model, result, t0)
+        _record(model, result, t0, clock)
         usage = ChatUsage(
             prompt_tokens=result.prompt_tokens,
             completion_tokens=result.completion_tokens,

@@ -16,6 +16,7 @@ request's own call (which reports the error the usual way): the layer never fail
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -45,6 +46,7 @@ class EncoderLayer:
         self.step_tokens = config.step_vision_tokens
         self._waiting: dict[str, _Waiting] = {}  # holder → its images not yet encoded (arrival order)
         self._keys: dict[str, list[str]] = {}  # holder → the mm-hashes of its images taken so far
+        self._seconds: dict[str, float] = {}  # holder → wall time of the steps that took its images
 
     def add(self, holder: str, tenant: str, images: list) -> None:
         """A request (``holder``: its id) starts; its ``images`` are encoded at the next steps."""
@@ -64,16 +66,23 @@ class EncoderLayer:
         pairs = [(key, self.cache.store.held_entry(key, holder)) for key in dict.fromkeys(self._keys.get(holder, ()))]
         return [(key, tensor) for key, tensor in pairs if tensor is not None]
 
+    def seconds(self, holder: str) -> float:
+        """The wall time of the steps that took the request's images (each step counts whole for
+        every request it served): its vision time here."""
+        return self._seconds.get(holder, 0.0)
+
     def release(self, holder: str) -> None:
         """The request finished, failed or was aborted: it waits for nothing and holds nothing."""
         self._waiting.pop(holder, None)
         self._keys.pop(holder, None)
+        self._seconds.pop(holder, None)
         self.cache.release(holder)
 
     def step(self) -> int:
         """One batched forward over the images this step's budget admits; returns how many it took."""
         if not self._waiting:
             return 0
+        start = time.perf_counter()
         taken: list[tuple[str, mm.Item]] = []
         tokens = 0
         merge = int(getattr(self.visual, "spatial_merge_size", 1)) ** 2
@@ -105,6 +114,9 @@ class EncoderLayer:
                     self.cache.encode(self.visual, run, [item for _, item in taken], {})
             except Exception as e:  # noqa: BLE001 - each request's own call meets it again and reports it
                 logger.warning("batched vision forward of %d images failed: %s", len(taken), e)
+        seconds = time.perf_counter() - start
+        for holder in dict.fromkeys(h for h, _ in taken):
+            self._seconds[holder] = self._seconds.get(holder, 0.0) + seconds
         return len(taken)
 
     def _item(self, holder: str, waiting: _Waiting) -> mm.Item | None:

@@ -12,6 +12,7 @@ stage holds for a job the worker dropped), and ``stats()`` / ``load()`` for its 
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -47,6 +48,7 @@ class Job:
     outgoing: dict[str, torch.Tensor] | None = None  # produced tensors held until PushTask
     #: denoiser: preview tensors held until their PushTask, by handoff name (``PREVIEW_HANDOFFS``)
     previews: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    received: float = field(default_factory=time.perf_counter)  # when this worker took it
 
 
 class WorkerPort(Protocol):

@@ -183,7 +183,8 @@ class EncoderRunner(StageRunner):
             if self._vision_ready(job):
                 del self.waiting[key]
                 self.chats[key] = job
-                self.engine.submit(key, params, job.task.stream)
+                vision_s = 0.0 if self.layer is None else self.layer.seconds(holder(job))
+                self.engine.submit(key, params, job.task.stream, job.received, vision_s)
 
     def _chat_step(self) -> None:
         port = self.port
@@ -227,6 +228,7 @@ class EncoderRunner(StageRunner):
                 completion_tokens=result.completion_tokens,
                 finish_reason=result.finish_reason,
                 images=images,
+                timing=result.timing,
             )
         )
 
