@@ -22,7 +22,6 @@ Speed is a ratio against the peers in the same run (never an absolute time); the
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 import tempfile
@@ -175,19 +174,11 @@ def model_dir(arch: Arch, root: Path, tiny: bool) -> Path:
     return d
 
 
-@contextlib.contextmanager
-def default_dtype(dtype: torch.dtype):
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(before)
-
-
 def build_transformer(arch: Arch, config_path: Path, device: torch.device, dtype: torch.dtype):
     """The transformer with random weights, allocated on ``device`` in ``dtype`` from the start."""
     import diffusers
+
+    from triptych.plan.trace import default_dtype
 
     cls = getattr(diffusers, arch.transformer_class)
     cfg = {k: v for k, v in json.loads(config_path.read_text()).items() if not k.startswith("_")}

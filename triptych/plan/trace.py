@@ -75,7 +75,7 @@ def read_config(path: Path) -> dict[str, Any] | None:
 def meta_module(cls, config: dict[str, Any], dtype: torch.dtype = torch.bfloat16):
     """``cls`` built from ``config`` on the meta device (no weights), in ``dtype``. diffusers models
     take ``from_config``; transformers models their config class."""
-    with torch.device("meta"), _default_dtype(dtype):
+    with torch.device("meta"), default_dtype(dtype):
         if hasattr(cls, "from_config") and not hasattr(cls, "config_class"):
             module = cls.from_config(config)
         else:
@@ -84,7 +84,8 @@ def meta_module(cls, config: dict[str, Any], dtype: torch.dtype = torch.bfloat16
 
 
 @contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
+def default_dtype(dtype: torch.dtype):
+    """Tensors made inside are ``dtype`` by default (the previous default restored after)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
