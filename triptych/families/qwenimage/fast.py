@@ -1,29 +1,25 @@
 """Qwen-Image's step without its per-step overhead: what is constant per request is computed at ``prepare``.
 
-A forward of the default model is ~960 operators on tensors of a few dozen tokens (benchmarks/RESULTS.md,
-"Step overhead"): its time is Python and dispatch. What is constant is computed once, with the
-transformer's own modules on the shapes its forward would use, so every value has the bits that
-forward computes:
+A forward of the default model is ~960 operators on a few dozen tokens (benchmarks/RESULTS.md, "Step
+overhead"): Python and dispatch. What is constant is computed once, with the transformer's own
+modules on the shapes its forward would use, so every value has the bits that forward computes:
 
-- at ``prepare`` (``FastForward.tables``): each CFG branch's text stream input
-  ``txt_in(txt_norm(prompt_embeds))``, and both branches' padded and stacked as a fused-CFG forward
-  has them; a several-request batch's is kept on its first request while the rows stay (``batch``);
+- at ``prepare`` (``tables``): each CFG branch's text stream input ``txt_in(txt_norm(.))``, and both
+  branches' padded and stacked as a fused-CFG forward has them (a several-request batch's is kept on
+  its first request while its rows stay: ``batch_text``);
 - at a step's first one-row forward (``step_entry``), for the other branch too: the timestep
   embedding, every block's modulation as (shift, 1 + scale, gate), ``norm_out``'s (1 + scale, shift).
   Several rows compute these batched, as the model does (a matmul over stacked rows does not give
-  the bits of one per row): one matmul for every block's modulation (weights concatenated along the
-  output dimension: each output element is the same dot product).
+  the bits of one per row), every block's modulation in one matmul (``modulation``).
 
 The blocks run ``fast_block.joint_block`` where it applies, else as their modules. With ``--compile``
-the blocks and the head run as one compiled graph (``fast_stack.py``) when every block takes
+they and the head run as one compiled graph (``fast_stack.py``) when every block takes
 ``joint_block``, reading each step's modulation from tables of the whole schedule made at ``prepare``
 (one batch: not the model's bits, as the compiled stack is not; kept where they fit
 ``SCHEDULE_BYTES``); otherwise every block is called as a module, so its compiled graph runs. The
 copies (fused q/k/v and modulation, the stack's operands) are rebuilt when ``fastpath.Stamp`` sees a
-weight replaced, changed in place or hooked.
-
-``usable`` says when it applies; otherwise the family calls the transformer: a row with a LoRA,
-``zero_cond_t`` checkpoints, another processor or attention backend, hooks on the model.
+weight replaced, changed in place or hooked. ``usable`` says when the path applies (not: a LoRA row,
+``zero_cond_t``, another processor or attention backend, hooks on the model).
 """
 
 from __future__ import annotations
@@ -137,19 +133,16 @@ class FastForward:
             return
         blocks = list(t.transformer_blocks)
         self.ops = [operands(b, idle) for b in blocks]
-        self.mod_linears = [lin for b in blocks for lin in (b.img_mod[1], b.txt_mod[1])] + [t.norm_out.linear]
-        mods = self.mod_linears
+        mods = self.mod_linears = [lin for b in blocks for lin in (b.img_mod[1], b.txt_mod[1])] + [t.norm_out.linear]
         self.mod_hooked = any(hooked(m, idle) for m in mods)
-        plain = all(
-            type(m) is torch.nn.Linear and m.bias is not None and type(m.weight) is torch.nn.Parameter for m in mods
+        fuse = not self.mod_hooked and sum(m.weight.numel() * m.weight.element_size() for m in mods) <= FUSED_MOD_BYTES
+        fuse = fuse and all(type(m) is torch.nn.Linear and type(m.weight) is torch.nn.Parameter for m in mods)
+        fuse = fuse and all(m.bias is not None for m in mods)
+        self._mod = (
+            (torch.cat([m.weight for m in mods]).detach(), torch.cat([m.bias for m in mods]).detach()) if fuse else None
         )
-        size = sum(m.weight.numel() * m.weight.element_size() for m in mods)
-        self._mod = None
-        if plain and not self.mod_hooked and size <= FUSED_MOD_BYTES:
-            self._mod = (torch.cat([m.weight for m in mods]).detach(), torch.cat([m.bias for m in mods]).detach())
-        self.stack = None
-        if self.compile_device is not None and all(p is not None for p in self.ops):
-            head = (t.norm_out.norm, t.proj_out)
+        head, self.stack = (t.norm_out.norm, t.proj_out), None
+        if self.compile_device is not None and None not in self.ops:
             if self._stack is None:
                 self._stack = compile_stack(self.ops, head, self.compile_device, self.cuda_graphs)
             else:
@@ -253,7 +246,7 @@ class FastForward:
         hidden = t.img_in(latents)
         stack = self.stack
         compiled = self.compile_device is not None  # the blocks' modules are compiled
-        modular = stack is None and (compiled or self.mod_hooked or all(p is None for p in self.ops))
+        modular = stack is None and (compiled or self.mod_hooked or not any(self.ops))
         scheduled = from_schedule(states) if stack is not None else None
         if len(rows) == 1:  # the request's tables
             txt, mask = states[0].step_consts.text[rows[0].branch], None

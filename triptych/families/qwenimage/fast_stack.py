@@ -84,12 +84,8 @@ class FrozenStack(torch.nn.Module):
     def _tensors(self) -> list[torch.Tensor | None]:
         if self.arena is None:
             return [getattr(self, f"op{i}") for i in range(self.count)]
-        views = []
-        for place in self.layout:  # inside the traced graph: inductor reads the arena at fixed offsets
-            views.append(
-                None if place is None else self.arena[place[0] : place[0] + math.prod(place[1])].view(place[1])
-            )
-        return views
+        a = self.arena  # views inside the traced graph: inductor reads the arena at fixed offsets
+        return [None if p is None else a[p[0] : p[0] + math.prod(p[1])].view(p[1]) for p in self.layout]
 
     def forward(self, hidden, txt, mask, mods, joint_freqs, head_mods):
         flat, tensors = mods.reshape(-1, *mods.shape[3:]).unbind(0), self._tensors()
