@@ -43,12 +43,13 @@ def main() -> None:
     speed = SpeedConfig(compile=True, compile_cache_dir=args.cache_dir) if args.cache_dir else SpeedConfig()
     family = load_family(default_model_dir(), dtype="float32", speed=speed)
     fast = family._fast
-    assert all(plan.current(fast.idle()) for plan in fast.plans)
+    fast.refresh()
+    assert all(ops is not None for ops in fast.ops)  # every block takes joint_block
     head = (family.pipe.transformer.norm_out.norm, family.pipe.transformer.proj_out)
     variants = {"model's operators": (False, 0), "CPU forms": (True, 0), "CPU forms + arena": (True, None)}
     stacks = {}
     for name, (cpu, arena_bytes) in variants.items():
-        stacks[name] = FrozenStack(fast.plans, cpu=cpu, head=head, arena_bytes=arena_bytes)
+        stacks[name] = FrozenStack(fast.ops, head, cpu=cpu, arena_bytes=arena_bytes)
         stacks[name].compile(options=CPU_OPTIONS)  # as compile_stack: sizes marked dynamic by stack_inputs
     assert stacks["CPU forms + arena"].arena is not None and stacks["CPU forms"].arena is None
     params = family.resolve(GenerationParams(prompt="a red circle on a blue background", seed=0))
@@ -59,7 +60,7 @@ def main() -> None:
             rows = [Row(s, b) for b in (COND, UNCOND) for s in states]
             e = fast.embed(rows)
             inputs[2 * requests] = stack_inputs(e.hidden, e.txt, e.joint_mask, e.mods, e.rope[2], e.head)
-            eager = FrozenStack(fast.plans, cpu=False, head=head, arena_bytes=0)(*inputs[2 * requests])[1]
+            eager = FrozenStack(fast.ops, head, cpu=False, arena_bytes=0)(*inputs[2 * requests])[1]
             for name, stack in stacks.items():
                 t = time.perf_counter()
                 diff = float((stack(*inputs[2 * requests])[1] - eager).abs().max())

@@ -1,23 +1,23 @@
 """``--compile`` on Qwen-Image's fast path runs the block stack and the head as one compiled graph
 (``families/qwenimage/fast_stack.py``), and a weight *replaced* after the compile
 is seen: the fused q/k/v copies are rebuilt and the stack's buffers repointed, or its arena rebuilt
-(``FrozenStack.sync``). Without ``sync`` (the copies a plain function would close over) the compiled
+(``FrozenStack.load``). Without ``load`` (the copies a plain function would close over) the compiled
 graph kept the old weights: a scratch check on torch 2.13 gave the old output after a replaced tensor.
 
-A weight changed *in place* is seen too: the copies are rebuilt (``BlockPlan.current`` checks every
-linear's versions: the fused q/k/v, and on CPU the transposed copy of every product, ``FrozenBlock.sync``;
-the stack checks its head's, ``proj_out``), and without an arena the parameters the stack reads
-directly are graph inputs, not constants.
+A weight changed *in place* is seen too: the copies are rebuilt (``fastpath.Stamp`` checks every
+linear's versions, the head's ``proj_out`` too: the fused q/k/v, and on CPU the transposed copy of
+every product), and without an arena the parameters the stack reads directly are graph inputs, not
+constants.
 
 Forward hooks added after the compile to the linears the stack reads (as ``lora/rows.py`` attaches an
 adapter loaded at run time; idle for rows without one) compile no new graph: the stack reads the
 linears' weights and never calls them, so dynamo has no hook to guard on (``fast.py`` calls the stack
 without patching its ``skip_nnmodule_hook_guards``, which ``accel/compile.py`` turns off; the patch cost
 ~80 us a call). The same hooks not idle take the stack out of the forward (a hook must run), and once
-removed the stack is back (before ``fast_watch.Watch``, a block left ineligible by a hook stayed so until a
-weight changed).
+removed the stack is back (the stamp keeps each hook's verdict: a block left ineligible by a hook is
+not left so until a weight changes).
 
-A request whose schedule tables would exceed ``fast_schedule.SCHEDULE_BYTES`` has none and the stack
+A request whose schedule tables would exceed ``fast.SCHEDULE_BYTES`` has none and the stack
 reads each step's modulation computed at that step (2.38e-7 from eager here, as with the tables).
 
 Both forms of the stack: its operands in one arena (what the tiny and the default model get) and as
@@ -36,7 +36,7 @@ import torch
 from triptych.accel import SpeedConfig
 from triptych.accel.compile import compile_counts
 from triptych.families.base import GenerationParams, Row
-from triptych.families.qwenimage import fast_schedule, fast_stack
+from triptych.families.qwenimage import fast, fast_stack
 from triptych.families.registry import load_family
 
 TOLERANCE = 1.4e-5  # measured 1.91e-6
@@ -71,7 +71,7 @@ def test_the_stack_runs_compiled_and_sees_replaced_weights(families, monkeypatch
     with torch.no_grad():
         before = compiled.forward(rows_c)
         assert rows_c[0].state.step_consts.schedule is not None  # every step's modulation, at prepare
-        monkeypatch.setattr(fast_schedule, "SCHEDULE_BYTES", 0)  # a schedule too large to keep: per step
+        monkeypatch.setattr(fast, "SCHEDULE_BYTES", 0)  # a schedule too large to keep: per step
         rows_p = rows_of(compiled)
         assert rows_p[0].state.step_consts.schedule is None
         per_step = compiled.forward(rows_p)

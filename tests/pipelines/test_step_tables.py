@@ -17,7 +17,6 @@ from tests.helpers import pristine_pipeline, qwen_reference, staged
 from triptych.families.base import COND, UNCOND, GenerationParams, Row
 from triptych.families.qwenimage import denoise as qwen_den
 from triptych.families.qwenimage import fast as qwen_fast
-from triptych.families.qwenimage.fast_block import BlockPlan
 from triptych.families.qwenimage.tiny import make_tiny_qwen_image
 from triptych.families.registry import load_family, make_tiny
 from triptych.families.wan import denoise as wan_den
@@ -99,7 +98,7 @@ def test_qwen_fused_rows_equal_the_model_forward(qwen, monkeypatch):
 
 def test_qwen_batch_text_is_kept_across_steps_and_follows_its_rows_and_weights(qwen):
     """A several-row batch's padded text projection is kept on its first request for the next step
-    (``fast_text.batch_text``): the same bits as the model's forward at each of three steps, the
+    (``FastForward.batch_text``): the same bits as the model's forward at each of three steps, the
     same tensor while rows and weights stay, recomputed for another batch of rows and after ``txt_in``
     changes in place."""
     prompts = ["a red circle", "a large green square at the left on a black background"]
@@ -204,10 +203,10 @@ def test_wan_fast_forward_against_the_model_forward(wans, name, monkeypatch):
 
 def test_qwen_idle_lora_hooks_cost_nothing_and_change_nothing(tmp_path, monkeypatch):
     """An instance serving adapters runs a request without one on the fast path, its weights called
-    directly past the LoRA runtime's idle hooks (``fast_block.hooked``): the same bits as the model's
+    directly past the LoRA runtime's idle hooks (``fastpath.hooked``): the same bits as the model's
     forward with those hooks running; any other hook is still honoured."""
     from tests.helpers import tiny_qwen_with_two_adapters
-    from triptych.families.qwenimage import fast_block
+    from triptych.families import fastpath
 
     model, config = tiny_qwen_with_two_adapters(tmp_path)
     family = load_family(model)
@@ -223,12 +222,12 @@ def test_qwen_idle_lora_hooks_cost_nothing_and_change_nothing(tmp_path, monkeypa
         got = family.forward(rows(fast))
         want = family.forward(rows(plain))
     assert calls == [2] and torch.equal(got, want)
-    assert all(plan.joint for plan in family._fast.plans)
+    assert all(ops is not None for ops in family._fast.ops)  # every block on ``joint_block``
     handle = hooked.register_forward_hook(lambda m, a, out: out * 2)  # not idle: must run
     try:
         with torch.no_grad():
             family.forward(rows(fast))
-        assert not family._fast.plans[0].joint and fast_block.hooked(hooked, family._idle_hooks())
+        assert family._fast.ops[0] is None and fastpath.hooked(hooked, family._idle_hooks())
         with torch.no_grad():
             assert torch.equal(family.forward(rows(fast)), family.forward(rows(plain)))
     finally:
@@ -258,17 +257,22 @@ def test_flux_tables_give_the_model_forward(tmp_path, name, monkeypatch):
     assert calls == [1, 1, 2] * p.steps
 
 
-def test_qwen_block_plan_follows_a_linear_hook_and_keeps_its_verdict_otherwise(tiny_model_dir):
-    """``BlockPlan.current``: a linear's hook takes the block off ``joint_block`` and, once removed, gives
+def test_qwen_block_operands_follow_a_linear_hook_and_keep_their_verdict_otherwise(tiny_model_dir):
+    """``FastForward.refresh``: a linear's hook takes the block off ``joint_block`` and, once removed, gives
     it back; a block ineligible for another reason (a q/k/v linear without bias) keeps that verdict
-    under its watch instead of checking eligibility again at every forward."""
+    under the stamp instead of rebuilding at every forward."""
     family = load_family(tiny_model_dir("qwen-image"))
-    block = family.pipe.transformer.transformer_blocks[0]
-    plan = BlockPlan(block)
-    assert plan.current() and plan.watch is not None
+    block, ff = family.pipe.transformer.transformer_blocks[0], family._fast
+    ff.refresh()
+    assert ff.ops[0] is not None
     handle = block.attn.to_out[0].register_forward_hook(lambda *a: None)
-    assert not plan.current() and plan.watch is None  # checked again at every call while hooked
+    ff.refresh()
+    assert ff.ops[0] is None and ff.ops[1] is not None
     handle.remove()
-    assert plan.current() and plan.watch is not None
+    ff.refresh()
+    assert ff.ops[0] is not None
     block.attn.to_q.bias = None
-    assert not plan.current() and plan.watch is not None and plan.watch.holds(frozenset())
+    ff.refresh()
+    stamp = ff._stamp
+    ff.refresh()
+    assert ff.ops[0] is None and ff._stamp is stamp

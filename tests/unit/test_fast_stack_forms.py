@@ -1,4 +1,4 @@
-"""The compiled CPU stack's own forms of attention and GELU (``families/qwenimage/fast_stack.py``) compute
+"""The compiled CPU stack's own forms of attention and GELU (``families/qwenimage/fast_block.py``) compute
 the same functions as the operators they replace: SDPA with a key mask (a masked key gets no weight)
 and without one, tanh-GELU over a wide range of inputs (exact GELU is passed through).
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from triptych.families.qwenimage.fast_stack import cpu_act, cpu_attend
+from triptych.families.qwenimage.fast_block import cpu_act, cpu_attend
 
 ATTENTION_TOLERANCE = 7.2e-6  # measured 7.2e-7
 GELU_TOLERANCE = 4.8e-6  # measured 4.8e-7

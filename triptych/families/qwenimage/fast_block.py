@@ -1,220 +1,162 @@
 """One Qwen-Image block with its modulation precomputed (``fast.py``): diffusers 0.42.1's operators, fewer calls.
 
-``QwenImageTransformerBlock.forward`` and ``QwenDoubleStreamAttnProcessor2_0`` (native SDPA backend)
-without ``zero_cond_t``, taking the block's modulation as (shift, 1 + scale, gate) tensors instead of
-``img_mod(temb)``/``txt_mod(temb)``. Two kernels:
+``joint_block`` is ``QwenImageTransformerBlock.forward`` and ``QwenDoubleStreamAttnProcessor2_0``
+(native SDPA backend) without ``zero_cond_t``, taking the block's modulation as (shift, 1 + scale,
+gate) tensors instead of ``img_mod(temb)``/``txt_mod(temb)``, on a block's ``Operands``: q/k/v of each
+stream as one matmul (weights concatenated along the output dimension: each output element is the
+same dot product); the text and image q/k joined, normalised by one ``rms_norm`` (no weight) times
+the per-token weights and rotated by one complex multiply with the joined frequencies (elementwise
+on the same values); SDPA on strided views; every linear as ``F.linear`` on its weights. The same
+bits on CPU as the operators it replaces (tests/pipelines/test_qwenimage.py against pristine
+diffusers, test_step_tables.py); ``addcmul`` for the gated residual was not (left as mul + add).
 
-- ``joint_block`` (float32, plain ``nn.Linear`` layers without hooks, RMSNorm q/k norms of one eps):
-  q/k/v of each stream as one matmul (weights concatenated along the output dimension: each output
-  element is the same dot product); the text and image q/k are joined first and normalised by one
-  ``rms_norm`` (no weight) times the per-token weights, then rotated by one complex multiply with the
-  joined frequencies (all elementwise on the same values); SDPA reads q/k/v as strided views of that
-  tensor. Linear layers are called as ``F.linear`` on their own parameters.
-- ``module_block`` otherwise: the processor's operators one by one, every linear called as a module
-  (so a hook on it runs).
-
-Each rewrite gives the same bits on CPU as the operators it replaces (measured on torch 2.13; held by
-the exactness tests against pristine diffusers, tests/pipelines/test_qwenimage.py and
-tests/pipelines/test_step_tables.py). Only ``addcmul`` for the gated residual was not (left as mul + add).
+``operands`` says where it applies (float32 ``nn.Linear`` layers without hooks, q/k/v with biases,
+weighted RMSNorm q/k norms of one eps); a block it refuses runs as its module. With ``cpu=True``
+(the compiled CPU stack, ``fast_stack.py``) three things take forms inductor's CPU code runs faster
+at a few dozen tokens, the same functions with other rounding (tests/unit/test_fast_stack_forms.py):
+attention as ``baddbmm`` + softmax + ``bmm`` (``cpu_attend``), tanh-GELU as ``x * sigmoid(2u)``
+(``cpu_act``), and products against a transposed copy of the weight (``Operands.transposed``), the
+bias added by the next elementwise kernel.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
 from diffusers.models.normalization import RMSNorm
 
-from triptych.families.qwenimage.fast_watch import Watch, hooked
+from triptych.families.fastpath import hooked
+
+#: ``2 * sqrt(2 / pi)``: tanh-GELU's ``0.5 * x * (1 + tanh(u))`` is ``x * sigmoid(2 * u)``
+_TWO_SQRT_2_OVER_PI = 2.0 * math.sqrt(2.0 / math.pi)
 
 
-def rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """``apply_rotary_emb_qwen(x, f, use_real=False)`` with ``f`` already broadcastable to ``x``."""
-    if x.dtype == torch.float32:  # .float() and .type_as(x) are then no-ops: not dispatched
-        return torch.view_as_real(torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2)) * freqs).flatten(-2)
-    x_rotated = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
-    return torch.view_as_real(x_rotated * freqs).flatten(-2).type_as(x)
+def linears(block) -> tuple[torch.nn.Module, ...]:
+    """The block's linears in product order: text q/k/v, image q/k/v, image out, text out, image MLP
+    up/down, text MLP up/down (``Operands.weights`` fuses the first six into two products)."""
+    a = block.attn
+    return (
+        *(a.add_q_proj, a.add_k_proj, a.add_v_proj, a.to_q, a.to_k, a.to_v, a.to_out[0], a.to_add_out),
+        *(block.img_mlp.net[0].proj, block.img_mlp.net[2], block.txt_mlp.net[0].proj, block.txt_mlp.net[2]),
+    )
 
 
-def _rms(norm, x: torch.Tensor) -> torch.Tensor:
-    """diffusers' ``RMSNorm.forward`` off NPUs."""
-    variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
-    x2 = x * torch.rsqrt(variance + norm.eps)
-    if norm.weight is None:
-        return x2.to(x.dtype)
-    if norm.weight.dtype in (torch.float16, torch.bfloat16):
-        x2 = x2.to(norm.weight.dtype)
-    x2 = x2 * norm.weight
-    return x2 + norm.bias if norm.bias is not None else x2
+def norms(block) -> tuple[torch.nn.Module, ...]:
+    a = block.attn
+    return a.norm_added_q, a.norm_added_k, a.norm_q, a.norm_k  # text q, k; image q, k
 
 
-def _ln(x: torch.Tensor, norm) -> torch.Tensor:
-    return F.layer_norm(x, norm.normalized_shape, None, None, norm.eps)
+class Operands:
+    """What ``joint_block`` reads of one block: 8 products' (weight, bias) (text q/k/v fused, image
+    q/k/v fused, image out, text out, image MLP up/down, text MLP up/down), each weight (in, out)
+    where ``transposed``; the q/k norm weights (2, 1, head_dim) of text and image; constants."""
 
+    def __init__(self, weights, biases, transposed, qk, consts, cache: dict | None = None):
+        self.weights, self.biases, self.transposed, self.qk = weights, biases, transposed, qk
+        self.head_dim, self.eps, self.ln_eps, self.approximate = consts
+        self.cache = cache  # (text, image) -> the joint norm weight; None: built every call (in a graph)
 
-def _gated(block, hidden, txt, img_attn, txt_attn, mods, img_mlp, txt_mlp):
-    """The block after attention: gated residuals, norm2 + modulation, the MLPs, the fp16 clip."""
-    (_, _, ig1, ish2, isc2, ig2), (_, _, tg1, tsh2, tsc2, tg2) = mods
-    hidden = hidden + ig1 * img_attn
-    txt = txt + tg1 * txt_attn
-    hidden = hidden + ig2 * img_mlp(_ln(hidden, block.img_norm2) * isc2 + ish2)
-    txt = txt + tg2 * txt_mlp(_ln(txt, block.txt_norm2) * tsc2 + tsh2)
-    if txt.dtype == torch.float16:
-        txt = txt.clip(-65504, 65504)
-    if hidden.dtype == torch.float16:
-        hidden = hidden.clip(-65504, 65504)
-    return hidden, txt
-
-
-def module_block(block, hidden, txt, mask, mods, img_freqs, txt_freqs):
-    """The block's operators one by one; ``img_freqs``/``txt_freqs`` are (S, 1, D/2) complex."""
-    (ish1, isc1, *_), (tsh1, tsc1, *_) = mods
-    attn = block.attn
-    img = _ln(hidden, block.img_norm1) * isc1 + ish1
-    tx = _ln(txt, block.txt_norm1) * tsc1 + tsh1
-    seq_txt, head_dim = tx.shape[1], attn.inner_dim // attn.heads
-    iq, ik, iv = (p(img).unflatten(-1, (-1, head_dim)) for p in (attn.to_q, attn.to_k, attn.to_v))
-    tq, tk, tv = (p(tx).unflatten(-1, (-1, head_dim)) for p in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))
-    iq = _rms(attn.norm_q, iq) if attn.norm_q is not None else iq
-    ik = _rms(attn.norm_k, ik) if attn.norm_k is not None else ik
-    tq = _rms(attn.norm_added_q, tq) if attn.norm_added_q is not None else tq
-    tk = _rms(attn.norm_added_k, tk) if attn.norm_added_k is not None else tk
-    iq, ik, tq, tk = rope(iq, img_freqs), rope(ik, img_freqs), rope(tq, txt_freqs), rope(tk, txt_freqs)
-    q, k, v = (torch.cat(pair, dim=1).permute(0, 2, 1, 3) for pair in ((tq, iq), (tk, ik), (tv, iv)))
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=False, scale=None)
-    out = out.permute(0, 2, 1, 3).flatten(2, 3).to(q.dtype)
-    img_attn = attn.to_out[0](out[:, seq_txt:, :].contiguous())
-    txt_attn = attn.to_add_out(out[:, :seq_txt, :].contiguous())
-
-    def mlp(ff):
-        act = ff.net[0]
-        return lambda x: ff.net[2](F.gelu(act.proj(x), approximate=act.approximate))
-
-    return _gated(block, hidden, txt, img_attn, txt_attn, mods, mlp(block.img_mlp), mlp(block.txt_mlp))
-
-
-#: ``joint_block``'s eight matrix products (``BlockPlan.operand``): the fused q/k/v of each stream, the
-#: attention outputs, the MLPs' two layers
-TXT_QKV, IMG_QKV, IMG_OUT, TXT_OUT, IMG_UP, IMG_DOWN, TXT_UP, TXT_DOWN = range(8)
-
-
-def own_operand(linears, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(weight, bias) of product ``k`` >= ``IMG_OUT``: the block's own linear (``BlockPlan.linears`` order)."""
-    linear = linears[4 + k]
-    return linear.weight, linear.bias
-
-
-class BlockPlan:
-    """One block's operands for ``joint_block``, resolved once and rebuilt when a weight is replaced,
-    changed in place or hooked (``current``); ``joint`` says whether that kernel applies."""
-
-    def __init__(self, block):
-        a = block.attn
-        self.block = block
-        self.qkv = ((a.add_q_proj, a.add_k_proj, a.add_v_proj), (a.to_q, a.to_k, a.to_v))  # text, image
-        self.linears = (
-            *self.qkv[0],
-            *self.qkv[1],
-            a.to_out[0],
-            a.to_add_out,
-            block.img_mlp.net[0].proj,
-            block.img_mlp.net[2],
-            block.txt_mlp.net[0].proj,
-            block.txt_mlp.net[2],
-        )
-        self.norms = (a.norm_added_q, a.norm_added_k, a.norm_q, a.norm_k)  # text q, k; image q, k
-        self.head_dim = a.inner_dim // a.heads
-        self.approximate = (block.img_mlp.net[0].approximate, block.txt_mlp.net[0].approximate)
-        self.watch: Watch | None = None
-        self.joint = False
-        self._weights: dict[tuple[int, int], torch.Tensor] = {}
-
-    def _eligible(self, idle: frozenset[int]) -> bool:
-        if any(hooked(m, idle) or type(m) is not torch.nn.Linear for m in self.linears):
-            return False
-        if any(type(m.weight) is not torch.nn.Parameter or m.weight.dtype != torch.float32 for m in self.linears):
-            return False
-        if any(m.bias is None for side in self.qkv for m in side):
-            return False
-        norms = self.norms
-        if any(type(n) is not RMSNorm or n.weight is None or n.bias is not None for n in norms):
-            return False
-        return all(n.weight.dtype == torch.float32 and n.eps == norms[0].eps for n in norms)
-
-    def current(self, idle: frozenset[int] = frozenset()) -> bool:
-        """Whether ``joint_block`` applies (rebuilding the copies first if needed); ``idle``: ids of
-        forward hooks known to add nothing to this forward (``hooked``)."""
-        if self.watch is not None and self.watch.holds(idle):
-            return self.joint
-        self.joint, self._weights = self._eligible(idle), {}
-        owners = [(m, "weight") for m in self.linears] + [(m, "bias") for m in self.linears]
-        owners += [(n, "weight") for n in self.norms if isinstance(getattr(n, "weight", None), torch.nn.Parameter)]
-        # what the copies below are made from (or what made the block ineligible); none where a hook
-        # did, since a watch fails on a hook added, not on one removed: checked again at every call
-        # until the hook is gone, then the kernel is back
-        unhooked = not any(hooked(m, idle) for m in self.linears)
-        self.watch = Watch.of(self.linears, owners) if self.joint or unhooked else None
-        if self.joint:
-            self.fused = [
-                (torch.cat([m.weight for m in s]).detach(), torch.cat([m.bias for m in s]).detach()) for s in self.qkv
-            ]
-            self.eps = self.norms[0].eps
-            w = [n.weight.detach() for n in self.norms]
-            self._qk = (torch.stack(w[:2])[:, None], torch.stack(w[2:])[:, None])  # (2, 1, head_dim) each
-        return self.joint
-
-    def operand(self, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(weight, bias) of ``joint_block``'s product ``k`` (``TXT_QKV`` ... ``TXT_DOWN``): the fused
-        q/k/v copies, else the block's own linear."""
-        return self.fused[k] if k < IMG_OUT else own_operand(self.linears, k)
-
-    def product(self, k: int, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, *self.operand(k))
-
-    @staticmethod
-    def attend(q, k, v, mask) -> torch.Tensor:
-        """The processor's attention (native SDPA backend)."""
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=False, scale=None)
-
-    @staticmethod
-    def act(x: torch.Tensor, approximate: str) -> torch.Tensor:
-        """The MLP's activation (``GELU``'s)."""
-        return F.gelu(x, approximate=approximate)
+    def product(self, k: int, x: torch.Tensor, cpu: bool) -> torch.Tensor:
+        w, b = self.weights[k], self.biases[k]
+        if not cpu:
+            return F.linear(x, w, b)
+        out = x @ w if self.transposed[k] else F.linear(x, w)
+        return out if b is None else out + b
 
     def norm_weight(self, text: int, image: int) -> torch.Tensor:
         """The q/k norm weights of every joint token: (text + image, 2, 1, head_dim)."""
-        key = (text, image)
-        if key not in self._weights:
-            txt, img = self._qk
-            self._weights[key] = torch.cat([txt.expand(text, -1, -1, -1), img.expand(image, -1, -1, -1)])
-        return self._weights[key]
+        if self.cache is not None and (text, image) in self.cache:
+            return self.cache[(text, image)]
+        weight = torch.cat([self.qk[0].expand(text, -1, -1, -1), self.qk[1].expand(image, -1, -1, -1)])
+        if self.cache is not None:
+            self.cache[(text, image)] = weight
+        return weight
 
 
-def joint_block(plan: BlockPlan, hidden, txt, mask, mods, joint_freqs):
-    """``module_block`` for a plan whose ``current()`` is True; ``joint_freqs``: (L + S, 1, 1, D/2) complex."""
-    block = plan.block
-    (ish1, isc1, *_), (tsh1, tsc1, *_) = mods
-    img = _ln(hidden, block.img_norm1) * isc1 + ish1
-    tx = _ln(txt, block.txt_norm1) * tsc1 + tsh1
-    seq_txt, head_dim = tx.shape[1], plan.head_dim
+def operands(block, idle: frozenset[int]) -> Operands | None:
+    """``block``'s eager ``Operands`` (fused q/k/v copies, its own other weights), or None where
+    ``joint_block`` does not apply (the module doc); ``idle``: forward hooks that add nothing."""
+    lin, nrm = linears(block), norms(block)
+    if hooked(block, idle) or any(hooked(m, idle) or type(m) is not torch.nn.Linear for m in lin):
+        return None
+    if any(type(m.weight) is not torch.nn.Parameter or m.weight.dtype != torch.float32 for m in lin):
+        return None
+    if any(m.bias is None for m in lin[:6]):
+        return None
+    if any(type(n) is not RMSNorm or n.weight is None or n.bias is not None for n in nrm):
+        return None
+    if not all(n.weight.dtype == torch.float32 and n.eps == nrm[0].eps for n in nrm):
+        return None
+    fused = [torch.cat([m.weight for m in side]).detach() for side in (lin[:3], lin[3:6])]
+    weights = fused + [m.weight.detach() for m in lin[6:]]
+    biases = [torch.cat([m.bias for m in side]).detach() for side in (lin[:3], lin[3:6])]
+    biases += [None if m.bias is None else m.bias.detach() for m in lin[6:]]
+    qk = tuple(torch.stack([nrm[i].weight.detach(), nrm[i + 1].weight.detach()])[:, None] for i in (0, 2))
+    ln_eps = tuple(n.eps for n in (block.img_norm1, block.txt_norm1, block.img_norm2, block.txt_norm2))
+    approximate = (block.img_mlp.net[0].approximate, block.txt_mlp.net[0].approximate)
+    consts = (block.attn.inner_dim // block.attn.heads, nrm[0].eps, ln_eps, approximate)
+    return Operands(weights, biases, (False,) * 8, qk, consts, cache={})
+
+
+def rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """``apply_rotary_emb_qwen(x, f, use_real=False)`` on float32 ``x``, ``f`` broadcastable to it."""
+    return torch.view_as_real(torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2)) * freqs).flatten(-2)
+
+
+def cpu_act(x: torch.Tensor, approximate: str) -> torch.Tensor:
+    """``GELU`` for inductor's CPU code: the tanh form as ``x * sigmoid(2u)`` (the same function; one
+    vectorised exp where inductor's tanh costs about twice the MLP's other elementwise work)."""
+    if approximate != "tanh":
+        return F.gelu(x, approximate=approximate)
+    return x * torch.sigmoid(_TWO_SQRT_2_OVER_PI * (x + 0.044715 * (x * x * x)))
+
+
+def cpu_attend(q, k, v, mask, scale: float) -> torch.Tensor:
+    """SDPA for inductor's CPU code at a few dozen tokens: the scores of every (row, head) as one
+    ``baddbmm`` with the key mask as an additive bias, a fused softmax, one ``bmm`` (ATen's CPU flash
+    kernel pays a fixed cost per (row, head) that dominates at these sizes). ``mask``: boolean, True
+    where a key is attended (SDPA's boolean mask), or None."""
+    b, h, n, d = q.shape
+    keys = k.shape[2]
+    q3, k3, v3 = q.reshape(b * h, n, d), k.reshape(b * h, keys, d), v.reshape(b * h, keys, d)
+    if mask is None:
+        scores = torch.bmm(q3, k3.transpose(1, 2)) * scale
+    else:
+        bias = torch.where(mask, 0.0, float("-inf")).to(q.dtype).expand(b, h, n, keys).reshape(b * h, n, keys)
+        scores = torch.baddbmm(bias, q3, k3.transpose(1, 2), alpha=scale)
+    return torch.bmm(scores.softmax(-1), v3).view(b, h, n, d)
+
+
+def joint_block(p: Operands, hidden, txt, mask, mods, joint_freqs, cpu: bool = False):
+    """The block on (image, text) streams; ``mask``: the joint key mask or None; ``mods``: each
+    stream's six (shift, 1 + scale, gate) ×2; ``joint_freqs``: (L + S, 1, 1, D/2) complex."""
+    (ish1, isc1, ig1, ish2, isc2, ig2), (tsh1, tsc1, tg1, tsh2, tsc2, tg2) = mods
+    e1, e2, e3, e4 = p.ln_eps
+    img = F.layer_norm(hidden, hidden.shape[-1:], None, None, e1) * isc1 + ish1
+    tx = F.layer_norm(txt, txt.shape[-1:], None, None, e2) * tsc1 + tsh1
+    seq_txt, head_dim = tx.shape[1], p.head_dim
     joint = torch.cat(
         [
-            plan.product(TXT_QKV, tx).unflatten(-1, (3, -1, head_dim)),
-            plan.product(IMG_QKV, img).unflatten(-1, (3, -1, head_dim)),
+            p.product(0, tx, cpu).unflatten(-1, (3, -1, head_dim)),
+            p.product(1, img, cpu).unflatten(-1, (3, -1, head_dim)),
         ],
         dim=1,
     )  # (B, L + S, 3 (q, k, v), heads, head_dim)
-    qk = F.rms_norm(joint[:, :, :2], (head_dim,), None, plan.eps) * plan.norm_weight(seq_txt, img.shape[1])
+    qk = F.rms_norm(joint[:, :, :2], (head_dim,), None, p.eps) * p.norm_weight(seq_txt, img.shape[1])
     q, k = rope(qk, joint_freqs).permute(2, 0, 3, 1, 4).unbind(0)
     v = joint[:, :, 2].permute(0, 2, 1, 3)
-    out = plan.attend(q, k, v, mask).permute(0, 2, 1, 3).flatten(2, 3)
-    img_attn = plan.product(IMG_OUT, out[:, seq_txt:, :].contiguous())
-    txt_attn = plan.product(TXT_OUT, out[:, :seq_txt, :].contiguous())
-    ia, ta = plan.approximate
-
-    def img_mlp(x):
-        return plan.product(IMG_DOWN, plan.act(plan.product(IMG_UP, x), ia))
-
-    def txt_mlp(x):
-        return plan.product(TXT_DOWN, plan.act(plan.product(TXT_UP, x), ta))
-
-    return _gated(block, hidden, txt, img_attn, txt_attn, mods, img_mlp, txt_mlp)
+    if cpu:
+        out = cpu_attend(q, k, v, mask, head_dim**-0.5)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=False, scale=None)
+    out = out.permute(0, 2, 1, 3).flatten(2, 3)
+    hidden = hidden + ig1 * p.product(2, out[:, seq_txt:, :].contiguous(), cpu)
+    txt = txt + tg1 * p.product(3, out[:, :seq_txt, :].contiguous(), cpu)
+    act = cpu_act if cpu else lambda x, approximate: F.gelu(x, approximate=approximate)
+    up = F.layer_norm(hidden, hidden.shape[-1:], None, None, e3) * isc2 + ish2
+    hidden = hidden + ig2 * p.product(5, act(p.product(4, up, cpu), p.approximate[0]), cpu)
+    up = F.layer_norm(txt, txt.shape[-1:], None, None, e4) * tsc2 + tsh2
+    txt = txt + tg2 * p.product(7, act(p.product(6, up, cpu), p.approximate[1]), cpu)
+    return hidden, txt

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
 from triptych.families.base import COND, UNCOND, DenoiseState, Row
-from triptych.families.fastpath import model_hooked, native_attention
+from triptych.families.fastpath import hooked, model_hooked, native_attention
 
 #: Largest per-request key/value table (bytes, all branches); above it the step runs the model's forward.
 #: The small Wan's is 12.6 MB; Wan 2.1 14B's would be ~1.7 GB.
@@ -118,7 +118,8 @@ def usable(transformer, rows: Sequence[Row]) -> bool:
     if any(r.state.params.lora or r.state.step_consts is None for r in rows):
         return False
     for block in t.blocks:
-        if getattr(block, "_compiled_call_impl", None) is not None or block._forward_hooks or block._forward_pre_hooks:
+        # NOTE: torch has no public way to ask whether a module was compiled (``nn.Module.compile``)
+        if getattr(block, "_compiled_call_impl", None) is not None or hooked(block):
             return False
         for attn in (block.attn1, block.attn2):
             p = attn.processor
