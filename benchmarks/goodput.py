@@ -252,8 +252,12 @@ class Client:
         t = time.perf_counter()
         while time.perf_counter() - t < timeout_s:
             text = (await self.http.get("/metrics")).text
-            depth = [ln for ln in text.splitlines() if ln.startswith('triptych_queue_depth{stage="head"}')]
-            if depth and float(depth[0].split()[-1]) == 0:
+            depth = [
+                float(ln.split()[-1])
+                for ln in text.splitlines()
+                if ln.startswith("triptych_queue_depth{") and 'stage="head"' in ln
+            ]
+            if sum(depth) == 0:  # also when the series is missing: nothing to wait for
                 break
             await asyncio.sleep(0.5)
         return time.perf_counter() - t
@@ -474,6 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp = tempfile.mkdtemp(prefix="goodput-")
     t0 = time.perf_counter()
     load_start = os.getloadavg()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a TERM still ends the server's group
     server = Server(model, tmp, args.serve_args.split())
     try:
         server.wait(600)
