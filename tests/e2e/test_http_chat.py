@@ -335,11 +335,12 @@ def test_video_chat_is_answered_and_asked_again_runs_no_vision_work(family, vide
 
 def test_a_long_clip_is_sampled_not_refused(video_server):
     import numpy as np
+    from PIL import Image
 
     base, _ = video_server
     frames = np.zeros((400, 32, 48, 3), np.uint8)
     frames[:, :, :, 0] = (np.arange(400) % 256)[:, None, None]
-    data = mp4_url(clip([__import__("PIL.Image").Image.fromarray(f) for f in frames], fps=16))
+    data = mp4_url(clip([Image.fromarray(f) for f in frames], fps=16))
     for stream in (False, True):
         resp = httpx.post(
             f"{base}/v1/chat/completions",
