@@ -201,6 +201,13 @@ def _mm_hits(base: str, result: str = "hits") -> float:
     return 0.0
 
 
+def _metric(base: str, name: str) -> float:
+    for line in httpx.get(f"{base}/metrics").text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
 def test_embedded_chat_on_the_encoder_shares_the_edit_cache_and_stops_when_the_client_leaves(family, scene, tmp_path):
     image = render(scene, 64)
     from triptych.chat import ChatParams, ChatTurn
@@ -260,6 +267,16 @@ def test_embedded_chat_on_the_encoder_shares_the_edit_cache_and_stops_when_the_c
         assert stats.get("chat_done_after_end", 0) == 0, stats  # it never finished the 4000 tokens
         assert stats["chat_done"] == 3 and health["in_flight"] == 0
         assert all(not i["held"] for i in health["backend"]["instances"])
+        # a clip on the encoder: asked again, its frames all hit the encoder's mm-hash cache
+        scenes = sample_scenes(4, "http-chat-embedded", "heldout")
+        movie = mp4_url(clip([render(s, 64) for s in scenes for _ in (0, 1)], fps=4))  # sampled: one of each
+        misses = _mm_hits(base, "misses")
+        client.chat.completions.create(model="default_edit", messages=video_user(movie), max_tokens=8)
+        wait_for(lambda: _mm_hits(base, "misses") >= misses + 4, "the clip's 4 frames looked up")  # 2 s at 2 fps
+        forwards, hits = _metric(base, "triptych_vision_tower_forwards_total"), _mm_hits(base)
+        client.chat.completions.create(model="default_edit", messages=video_user(movie), max_tokens=8)
+        wait_for(lambda: _mm_hits(base) >= hits + 4, "the clip's frames hit again")
+        assert _metric(base, "triptych_vision_tower_forwards_total") == forwards
 
 
 # ---- chat about videos ---------------------------------------------------------------------------
