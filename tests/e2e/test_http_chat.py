@@ -232,6 +232,13 @@ def _check_chat_latency(before: dict[str, float], after: dict[str, float], chunk
     assert delta("inter_token", "count") == len(pieces) - 1
 
 
+def _metric(base: str, name: str) -> float:
+    for line in httpx.get(f"{base}/metrics").text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
 def test_embedded_chat_on_the_encoder_shares_the_edit_cache_and_stops_when_the_client_leaves(family, scene, tmp_path):
     image = render(scene, 64)
     from triptych.chat import ChatParams, ChatTurn
@@ -290,3 +297,161 @@ def test_embedded_chat_on_the_encoder_shares_the_edit_cache_and_stops_when_the_c
         assert stats.get("chat_done_after_end", 0) == 0, stats  # it never finished the 4000 tokens
         assert stats["chat_done"] == 3 and health["in_flight"] == 0
         assert all(not i["held"] for i in health["backend"]["instances"])
+        # a clip on the encoder: asked again, its frames all hit the encoder's mm-hash cache
+        scenes = sample_scenes(4, "http-chat-embedded", "heldout")
+        movie = mp4_url(clip([render(s, 64) for s in scenes for _ in (0, 1)], fps=4))  # sampled: one of each
+        misses = _mm_hits(base, "misses")
+        client.chat.completions.create(model="default_edit", messages=video_user(movie), max_tokens=8)
+        wait_for(lambda: _mm_hits(base, "misses") >= misses + 4, "the clip's 4 frames looked up")  # 2 s at 2 fps
+        forwards, hits = _metric(base, "triptych_vision_tower_forwards_total"), _mm_hits(base)
+        client.chat.completions.create(model="default_edit", messages=video_user(movie), max_tokens=8)
+        wait_for(lambda: _mm_hits(base) >= hits + 4, "the clip's frames hit again")
+        assert _metric(base, "triptych_vision_tower_forwards_total") == forwards
+
+
+# ---- chat about videos ---------------------------------------------------------------------------
+VIDEO_LIMITS = AdmissionLimits(max_chat_video_pixels=64 * 64, max_chat_video_frames=16)
+
+
+def clip(images, fps: int = 8) -> bytes:
+    import numpy as np
+
+    from triptych.core.media import encode_video
+
+    return encode_video(np.stack([np.asarray(im.convert("RGB")) for im in images]), fps=fps)
+
+
+def video_user(data: str, text: str = "What happens in this video?", **extra) -> list[dict]:
+    part = {"type": "video_url", "video_url": {"url": data}, **extra}
+    return [{"role": "user", "content": [part, {"type": "text", "text": text}]}]
+
+
+def mp4_url(data: bytes) -> str:
+    return "data:video/mp4;base64," + base64.b64encode(data).decode()
+
+
+@pytest.fixture(scope="module")
+def video_server(family, tmp_path_factory):
+    """One in-process server for the video tests: (base URL, the app's head)."""
+    app = create_app(
+        InProcessBackend(family), HeadConfig(data_dir=tmp_path_factory.mktemp("video"), limits=VIDEO_LIMITS)
+    )
+    with serve(app) as base:
+        yield base, app.state.head
+
+
+@pytest.fixture(scope="module")
+def scene_clip():
+    scenes = sample_scenes(2, "http-chat-video", "heldout")
+    return clip([render(scenes[i % 2], 64) for i in range(24)])  # 3 s at 8 fps
+
+
+def _forwards(family) -> int:
+    return family.mm_cache.snapshot().forwards
+
+
+def test_video_chat_is_answered_and_asked_again_runs_no_vision_work(family, video_server, scene_clip):
+    from triptych.core.video_input import VideoLimits, decode_video
+
+    base, _ = video_server
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+    body = video_user(mp4_url(scene_clip))
+    out = client.chat.completions.create(model="default_edit", messages=body, max_tokens=16)
+    assert out.choices[0].message.content.strip()
+    # 3 s at the default 2 fps: 6 frames of 16 vision tokens each are in the prompt
+    assert out.usage.prompt_tokens > 6 * 16, out.usage
+    assert family.mm_cache is not None
+    before = _forwards(family)
+    streamed = "".join(
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(model="default_edit", messages=body, max_tokens=16, stream=True)
+        if c.choices
+    )
+    assert streamed == out.choices[0].message.content  # greedy: the same answer
+    assert _forwards(family) == before  # every frame's vision output came from the cache
+    # a frame of the clip sent as an image is the same image item: no vision forward either
+    frame = decode_video(scene_clip, VideoLimits(), "clip", fps=2.0)[3].image
+    client.chat.completions.create(model="default_edit", messages=user(frame), max_tokens=4)
+    assert _forwards(family) == before
+    # fewer frames asked for: fewer prompt tokens
+    two = client.chat.completions.create(
+        model="default_edit", messages=video_user(mp4_url(scene_clip), max_frames=2), max_tokens=4
+    )
+    assert two.usage.prompt_tokens < out.usage.prompt_tokens - 3 * 16, (two.usage, out.usage)
+
+
+def test_a_long_clip_is_sampled_not_refused(video_server):
+    import numpy as np
+    from PIL import Image
+
+    base, _ = video_server
+    frames = np.zeros((400, 32, 48, 3), np.uint8)
+    frames[:, :, :, 0] = (np.arange(400) % 256)[:, None, None]
+    data = mp4_url(clip([Image.fromarray(f) for f in frames], fps=16))
+    for stream in (False, True):
+        resp = httpx.post(
+            f"{base}/v1/chat/completions",
+            json={"messages": video_user(data), "max_tokens": 4, "stream": stream},
+            timeout=60,
+        )
+        assert resp.status_code == 200, resp.text
+
+    def prompt_tokens(**extra) -> int:
+        body = {"messages": video_user(data, **extra), "max_tokens": 4}
+        return httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60).json()["usage"]["prompt_tokens"]
+
+    one, per = prompt_tokens(max_frames=1), prompt_tokens(max_frames=2) - prompt_tokens(max_frames=1)
+    # 25 s at 2 fps would be 50 frames: sampled down to max_chat_video_frames=16 (each frame: its
+    # image tokens and a time marker of a token or two more or less than the second frame's)
+    frames = 1 + (prompt_tokens() - one) / per
+    assert abs(frames - 16) < 1, (frames, one, per)
+
+
+@pytest.mark.parametrize(
+    "part_extra, url, param, words",
+    [
+        ({}, "data:video/mp4;base64," + base64.b64encode(b"not a video" * 50).decode(), "video_url", "decodable"),
+        ({}, "http://10.0.0.1/a.mp4", "video_url", "nothing is fetched"),
+        ({}, "file-" + "x" * 20, "video_url", "no such file"),
+        ({"max_frames": 17}, None, "max_frames", "max_chat_video_frames"),
+        ({}, "big", "video_url", f"at most {64 * 64} pixels"),
+    ],
+)
+def test_bad_videos_are_4xx_naming_the_part(video_server, scene_clip, part_extra, url, param, words):
+    from PIL import Image
+
+    base, _ = video_server
+    if url is None:
+        url = mp4_url(scene_clip)
+    elif url == "big":  # frames over max_chat_video_pixels
+        url = mp4_url(clip([Image.new("RGB", (96, 96), (200, 10, 10))] * 4))
+    resp = httpx.post(f"{base}/v1/chat/completions", json={"messages": video_user(url, **part_extra)}, timeout=60)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == f"messages[0].content[0].{param}" and words in error["message"], error
+
+
+def test_a_completed_video_job_and_a_file_id_are_videos_to_chat_about(video_server, scene_clip):
+    from triptych.head.jobs import VideoRecord
+
+    base, head = video_server
+    job_id = "video_" + "ab" * 12
+    head.videos.store.insert(
+        VideoRecord(job_id, 0, "completed", 100, "default_edit", "p", "64x64", "3", 24, completed_at=0)
+    )
+    head.videos.path(job_id).write_bytes(scene_clip)
+    by_data = httpx.post(
+        f"{base}/v1/chat/completions", json={"messages": video_user(mp4_url(scene_clip)), "max_tokens": 8}
+    ).json()
+    by_job = httpx.post(f"{base}/v1/chat/completions", json={"messages": video_user(job_id), "max_tokens": 8}).json()
+    assert by_job["choices"][0]["message"] == by_data["choices"][0]["message"]
+    assert by_job["usage"] == by_data["usage"]
+    file_id, _ = head.files.put(scene_clip, "mp4")
+    by_file = httpx.post(f"{base}/v1/chat/completions", json={"messages": video_user(file_id), "max_tokens": 8}).json()
+    assert by_file["usage"] == by_data["usage"]
+    png_id, _ = head.files.put(b"\x89PNG", "png")
+    resp = httpx.post(f"{base}/v1/chat/completions", json={"messages": video_user(png_id)})
+    assert resp.status_code == 400 and "not a video/mp4" in resp.json()["error"]["message"]
+    head.videos.store.update(job_id, status="in_progress")
+    resp = httpx.post(f"{base}/v1/chat/completions", json={"messages": video_user(job_id)})
+    assert resp.status_code == 400 and "not completed" in resp.json()["error"]["message"]

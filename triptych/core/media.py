@@ -125,15 +125,19 @@ def decode_image(data: bytes, limits: ImageLimits = ImageLimits(), field: str = 
 def decode_data_url(url: str, limits: ImageLimits, field: str):
     """A base64 ``data:`` URL → decoded RGB image (same limits as an upload). Nothing is ever fetched:
     a remote URL is refused, so the head cannot be pointed at internal addresses."""
+    return decode_image(data_url_bytes(url, field), limits, field)
+
+
+def data_url_bytes(url: str, field: str) -> bytes:
+    """A base64 ``data:`` URL → its bytes (any media type); a remote URL or bad base64 is refused."""
     import binascii
 
     if not url.startswith("data:") or ";base64," not in url[:200]:
         raise InvalidParam(field, url[:40], "must be a base64 data: URL (the server fetches nothing)")
     try:
-        data = _b64decode(url[url.index(",") + 1 :])
+        return _b64decode(url[url.index(",") + 1 :])
     except (binascii.Error, ValueError) as e:
         raise InvalidParam(field, url[:40], f"invalid base64 ({e})") from None
-    return decode_image(data, limits, field)
 
 
 _B64_CHUNK = 1 << 20  # characters (a multiple of 4) per decode call

@@ -19,6 +19,7 @@ from dataclasses import dataclass, fields
 
 from triptych.core.errors import InvalidParam
 from triptych.core.media import ImageLimits
+from triptych.core.video_input import VideoLimits
 
 _SIZE_RE = re.compile(r"^\s*([0-9]{1,9})\s*[xX×]\s*([0-9]{1,9})\s*$")  # ASCII digits only
 
@@ -59,7 +60,17 @@ class AdmissionLimits:
     """Most tokens a chat answer may have (``max_tokens`` / ``max_completion_tokens``). Bounds: >= 1."""
 
     max_chat_images: int = 8
-    """Most images in one chat request. Bounds: >= 1."""
+    """Most images in one chat request (a video part counts one). Bounds: >= 1."""
+
+    max_chat_video_bytes: int = 32 * 1024 * 1024
+    """Largest video clip of a chat ``video_url`` part in bytes; checked before decoding. Bounds: >= 1."""
+
+    max_chat_video_pixels: int = 1920 * 1080
+    """Largest frame (width x height) of a chat video clip, read from its header. Bounds: >= 1."""
+
+    max_chat_video_frames: int = 16
+    """Most frames sampled from one chat video clip (a part's ``max_frames`` may not exceed it; a
+    longer clip is sampled uniformly). Bounds: >= 1."""
 
     max_queued_requests: int = 64
     """Jobs accepted and not yet finished (queued + running) before new ones get 429. Bounds: >= 1."""
@@ -83,6 +94,14 @@ class AdmissionLimits:
     @property
     def image_limits(self) -> ImageLimits:
         return ImageLimits(max_bytes=self.max_upload_bytes, max_pixels=self.max_upload_pixels)
+
+    @property
+    def video_limits(self) -> VideoLimits:
+        return VideoLimits(
+            max_bytes=self.max_chat_video_bytes,
+            max_pixels=self.max_chat_video_pixels,
+            max_frames=self.max_chat_video_frames,
+        )
 
     # ---- per-request checks --------------------------------------------------------------
     def parse_size(self, size: str | None, field: str = "size") -> tuple[int | None, int | None]:

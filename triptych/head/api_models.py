@@ -212,7 +212,28 @@ class ChatImagePart(BaseModel):
     image_url: ChatImageURL
 
 
-ChatPart = Annotated[ChatTextPart | ChatImagePart, Field(discriminator="type")]
+class ChatVideoURL(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    url: str = Field(
+        max_length=64 * 1024 * 1024,
+        description="a base64 data: URL (data:video/mp4;base64,...), a /v1/files id (file-...) of an MP4, "
+        "or the id of a completed /v1/videos job (video_...); the head fetches nothing",
+    )
+
+
+class ChatVideoPart(BaseModel):
+    """A video clip (vLLM's and SGLang's ``video_url`` part); sampled frames reach the VLM as images."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["video_url"]
+    video_url: ChatVideoURL
+    fps: FiniteFloat | None = Field(None, gt=0, le=60, description="frames sampled per second of the clip (extra)")
+    max_frames: int | None = Field(
+        None, ge=1, description="most frames sampled (extra; at most the server's max_chat_video_frames)"
+    )
+
+
+ChatPart = Annotated[ChatTextPart | ChatImagePart | ChatVideoPart, Field(discriminator="type")]
 
 
 class ChatMessageIn(BaseModel):

@@ -32,6 +32,7 @@ from triptych.core.chat_sampling import ChatSampling
 from triptych.core.errors import InvalidParam, TriptychError
 from triptych.core.media import decode_data_url
 from triptych.head.api_models import ChatChoice, ChatCompletion, ChatCompletionRequest, ChatMessageOut, ChatUsage
+from triptych.head.chat_video import marker, video_frames
 from triptych.head.routes_common import deadline, wait_disconnect
 from triptych.head.state import TENANT, ClientGone, DeadlineExceeded, Head, ModelHead
 
@@ -75,7 +76,7 @@ def build_chat(head: ModelHead, req: ChatCompletionRequest) -> tuple[ChatParams,
     field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     if max_tokens > lim.max_chat_tokens:
         raise InvalidParam(field, max_tokens, f"must be at most {lim.max_chat_tokens} (the server's max_chat_tokens)")
-    turns, images, chars, decode_s = [], [], 0, 0.0
+    turns, images, chars, visuals, decode_s = [], [], 0, 0, 0.0
     for i, message in enumerate(req.messages):
         role = "system" if message.role == "developer" else message.role
         content = [message.content] if isinstance(message.content, str) else message.content
@@ -88,14 +89,23 @@ def build_chat(head: ModelHead, req: ChatCompletionRequest) -> tuple[ChatParams,
             else:
                 if role != "user":
                     raise InvalidParam(
-                        f"messages[{i}].content[{j}]", "image_url", "images are accepted in user messages only"
+                        f"messages[{i}].content[{j}]", part.type, "images and videos are accepted in user messages only"
                     )
-                if len(images) >= lim.max_chat_images:
+                if visuals >= lim.max_chat_images:
                     raise InvalidParam(
                         f"messages[{i}].content[{j}]",
                         "image_url",
-                        f"at most {lim.max_chat_images} images per request (max_chat_images)",
+                        f"at most {lim.max_chat_images} images and videos per request (max_chat_images)",
                     )
+                visuals += 1
+                if part.type == "video_url":  # its sampled frames, each an image after its time
+                    start = time.perf_counter()
+                    frames = video_frames(head, part, f"messages[{i}].content[{j}].video_url")
+                    decode_s += time.perf_counter() - start
+                    for frame in frames:
+                        images.append(frame.image)
+                        parts += [marker(frame), len(images) - 1]
+                    continue
                 field_name = f"messages[{i}].content[{j}].image_url.url"
                 start = time.perf_counter()
                 images.append(decode_data_url(part.image_url.url, lim.image_limits, field_name))
@@ -104,7 +114,9 @@ def build_chat(head: ModelHead, req: ChatCompletionRequest) -> tuple[ChatParams,
             chars += len(parts[-1]) if isinstance(parts[-1], str) else 0
         if not any(isinstance(p, int) or p.strip() for p in parts):  # as a blank prompt is refused
             shown_content = message.content if isinstance(message.content, str) else list(parts)
-            raise InvalidParam(f"messages[{i}].content", shown_content, "must have non-whitespace text or an image")
+            raise InvalidParam(
+                f"messages[{i}].content", shown_content, "must have non-whitespace text, an image or a video"
+            )
         turns.append(ChatTurn(role, tuple(parts)))
     if chars > lim.max_prompt_chars:
         raise InvalidParam("messages", f"<{chars} characters>", f"must total at most {lim.max_prompt_chars} characters")
@@ -114,7 +126,7 @@ def build_chat(head: ModelHead, req: ChatCompletionRequest) -> tuple[ChatParams,
     params = ChatParams(
         tuple(turns), tuple(images), max_tokens, temperature, top_p, seed, bool(req.ignore_eos), TENANT.get()
     )
-    params.check(lim.max_chat_images)
+    params.check(lim.max_chat_images * lim.max_chat_video_frames)  # a video's frames are images
     return params, decode_s
 
 
