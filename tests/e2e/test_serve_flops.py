@@ -4,14 +4,13 @@ predicts for it, and the MFU gauges read a fraction in (0, 1]."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 import triptych
-from tests.e2e.http_support import serve
+from tests.e2e.http_support import serve, wait_for
 
 pytestmark = pytest.mark.slow
 DEFAULT = Path(triptych.__file__).parent / "assets" / "default"
@@ -54,13 +53,16 @@ def test_a_served_request_raises_the_flop_counters_by_the_plan(tmp_path):
         body = {"prompt": "a red circle", "seed": 1, "num_inference_steps": STEPS}
         resp = httpx.post(f"{base}/v1/images/generations", json=body, timeout=300)
         assert resp.status_code == 200, resp.text
-        deadline = time.monotonic() + 60  # worker reports reach the head's metrics periodically
-        got = _metrics(base)
-        # until the denoiser's report that holds the last step has arrived, and the encoder's and decoder's
-        while got.get("steps", 0) < STEPS or not all(got.get(f"{r}_flops_total") for r in ROLES):
-            assert time.monotonic() < deadline, got
-            time.sleep(0.2)
-            got = _metrics(base)
+        # worker reports reach the head's metrics periodically: until the denoiser's report that holds
+        # the last step has arrived, and the encoder's and decoder's
+        got = wait_for(
+            lambda: (
+                (m := _metrics(base)).get("steps", 0) >= STEPS and all(m.get(f"{r}_flops_total") for r in ROLES) and m
+            ),
+            what="every role's FLOP report",
+            deadline_s=60,
+            every_s=0.2,
+        )
     s = predicted["stages"]
     # measured: equal to the plan (the same modules and shapes traced); 2% allowed
     assert got["denoiser_flops_total"] == pytest.approx(STEPS * s["denoise_step"]["flops"], rel=0.02)
