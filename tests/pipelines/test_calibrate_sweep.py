@@ -52,7 +52,7 @@ def test_the_profile_holds_the_sweep_and_recommends_the_largest_saving_that_meet
     chosen = rows[loaded.sweep["recommended_row"]]
     assert chosen["threshold"] == loaded.recommended_threshold and chosen["skipped_fraction"] == best
     assert any(r["failures"] for r in rows[1:]), "the sweep should reach a threshold that misses the target"
-    assert loaded.target == {"min_psnr": 50.0, "min_ssim": 0.9, "max_adherence_drop": 0.02}
+    assert loaded.target == {"min_psnr": 50.0, "min_ssim": 0.9, "max_adherence_drop": 0.02, "min_motion_agreement": 1.0}
 
 
 def test_evaluation_requests_are_unseen_by_the_fit_and_both_branch_fits_are_reported(calibrated):

@@ -111,10 +111,14 @@ def branch_figures(trajectories: Sequence[Trajectory], joint: Sequence[float]) -
 def eval_requests(model_dir, n: int, fit_prompts: Sequence[str], base):
     """``n`` evaluation requests (params, scene or None): prompts not in the fit set, seeds from
     ``EVAL_SEED_BASE``. Shape-world models use train-split captions (held-out combinations are left to
-    ``triptych quality``)."""
+    ``triptych quality``), clips for the moving shape world (``clips.eval_clips``)."""
+    from triptych.calibration.clips import caption, eval_clips, is_video_world
     from triptych.calibration.quality import _is_world_model
 
     seeds = [EVAL_SEED_BASE + i for i in range(n)]
+    if is_video_world(model_dir):
+        clips = eval_clips(n, fit_prompts)
+        return [(base.replace(prompt=caption(c), seed=seed), c) for c, seed in zip(clips, seeds)]
     if _is_world_model(Path(model_dir)):
         from shapeworld import caption, sample_scenes
 

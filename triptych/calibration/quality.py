@@ -52,6 +52,8 @@ class SettingReport:
     profile: str | None = None  # the TeaCache profile the threshold ran with (its path)
     forward_reduction: float = 1.0  # transformer rows plain / cached
     denoise_speedup: float = 1.0  # denoise seconds plain / cached, this run
+    motion: float | None = None  # moving shape world: share of clips keeping the plain direction and colour
+    track_error: float | None = None  # moving shape world: largest centroid drift from the plain clip
 
 
 def _is_world_model(model_dir: Path) -> bool:
@@ -61,8 +63,12 @@ def _is_world_model(model_dir: Path) -> bool:
 
 
 def world_prompts(model_dir: str | Path, n: int = 4) -> list[str] | None:
-    """Calibration prompts for a shape-world model (train-split captions, never the held-out ones a
-    quality report scores), or None for any other model."""
+    """Calibration prompts for a shape-world model, still or moving (train-split captions, never the
+    held-out ones a quality report scores), or None for any other model."""
+    from triptych.calibration.clips import fit_captions, is_video_world
+
+    if is_video_world(model_dir):
+        return fit_captions(n)
     if not _is_world_model(Path(model_dir)):
         return None
     from shapeworld import caption, sample_scenes
@@ -70,9 +76,14 @@ def world_prompts(model_dir: str | Path, n: int = 4) -> list[str] | None:
     return [caption(s, "short") for s in sample_scenes(n, "calibrate", "train")]
 
 
-def _requests(images: int, steps: int | None, world: bool, prompts):
+def _requests(images: int, steps: int | None, world: bool, prompts, video: bool = False):
     from triptych.families.base import GenerationParams
 
+    if world and video:
+        from triptych.calibration.clips import caption, heldout_clips
+
+        clips = heldout_clips(images)
+        return [(GenerationParams(prompt=caption(c), seed=i, steps=steps), c) for i, c in enumerate(clips)]
     if world:
         from shapeworld import caption, sample_scenes
 
@@ -95,6 +106,7 @@ def quality_report(
     min_psnr: float | None = None,
     max_adherence_drop: float | None = None,
     min_ssim: float | None = None,
+    min_motion_agreement: float | None = None,
     batch_size: int = 1,
     progress: bool = False,
     device="cpu",
@@ -107,7 +119,8 @@ def quality_report(
     ``device``: a device name or ``triptych.core.devices.DeviceConfig``.
     """
     from triptych.calibration.batch import Cases, run_cases
-    from triptych.calibration.sweep import fidelity, world_adherence
+    from triptych.calibration.clips import is_video_world
+    from triptych.calibration.sweep import fidelity, motion_of, world_adherence
     from triptych.engine.teacache import make_teacache
     from triptych.families.registry import load_family
     from triptych.families.teacache_check import check_teacache
@@ -118,8 +131,9 @@ def quality_report(
     if not thresholds or any(not (0 < t <= 2 or t == AUTO_THRESHOLD) for t in thresholds):
         raise InvalidParam("teacache_threshold", thresholds, "give one or more thresholds in (0, 2] or auto")
     family = load_family(model_dir, device=device)
-    world = _is_world_model(model_dir) if world is None else world
-    requests = _requests(images, steps, world, prompts)
+    video = is_video_world(model_dir)
+    world = (_is_world_model(model_dir) or video) if world is None else world
+    requests = _requests(images, steps, world, prompts, video)
     cases = Cases(family, [p for p, _ in requests])
     scenes = [s for _, s in requests] if world else None
     cache = make_teacache(family, profiles_dir)
@@ -162,6 +176,7 @@ def quality_report(
             profile=resolved.profile,
             forward_reduction=(skipped + computed) / max(1, computed),
             denoise_speedup=plain_seconds / seconds if seconds > 0 else math.nan,
+            **motion_of(got, plain, scenes),
         )
         if min_psnr is not None and row.psnr_min < min_psnr:
             row.failures.append(f"worst PSNR {row.psnr_min:.2f} dB < {min_psnr} dB")
@@ -173,6 +188,8 @@ def quality_report(
                 f"adherence {row.adherence:.0%} is {drop:.0%} below plain {plain_adherence:.0%} "
                 f"(allowed: {max_adherence_drop:.0%})"
             )
+        if min_motion_agreement is not None and row.motion is not None and row.motion < min_motion_agreement - 1e-9:
+            row.failures.append(f"motion kept on {row.motion:.0%} of clips < {min_motion_agreement:.0%}")
         settings.append(row)
     if bar:
         bar.close()
@@ -188,7 +205,12 @@ def quality_report(
         "seeds": [p.seed for p in cases.params],
         "plain_seconds": plain_seconds,
         "plain_adherence": plain_adherence,
-        "gates": {"min_psnr": min_psnr, "min_ssim": min_ssim, "max_adherence_drop": max_adherence_drop},
+        "gates": {
+            "min_psnr": min_psnr,
+            "min_ssim": min_ssim,
+            "max_adherence_drop": max_adherence_drop,
+            "min_motion_agreement": min_motion_agreement,
+        },
         "settings": [asdict(s) for s in settings],
         "not_run": not_run,
         "passed": not any(s.failures for s in settings),
@@ -214,6 +236,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"{report['images']} requests ({'held-out shape-world prompts' if report['world'] else 'generic prompts'}); "
         f"plain path {report['plain_seconds']:.1f} s"
     )
+    clips = any(s.get("motion") is not None for s in report["settings"])
     columns = (
         "TeaCache threshold",
         "skipped",
@@ -222,6 +245,7 @@ def markdown(report: dict[str, Any]) -> str:
         "PSNR mean / worst dB",
         "SSIM mean / worst",
         "adherence plain → cached",
+        *(("motion kept", "track drift") if clips else ()),
         "s",
         "gates",
     )
@@ -230,6 +254,8 @@ def markdown(report: dict[str, Any]) -> str:
         name = f"auto ({s['teacache_threshold']:g})" if s.get("auto") else f"{s['teacache_threshold']:g}"
         adh = "n/a" if s["adherence"] is None else f"{s['plain_adherence']:.0%} → {s['adherence']:.0%}"
         gates = "; ".join(s["failures"]) or "pass"
+        if clips:
+            adh += f" | {s['motion']:.0%} | {s['track_error']:.3f}"
         lines.append(
             f"| {name} | {s['skipped_fraction']:.0%} | {s.get('forward_reduction', 1):.2f} | {s['identical']}/{s['images']} "
             f"| {s['psnr_mean']:.1f} / {s['psnr_min']:.1f} "

@@ -3,8 +3,9 @@
 For each TeaCache setting (threshold × warmup × cap on consecutive skips × residual forecast) the sweep runs the same
 held-out requests (prompts and seeds the fit never saw) as the plain path, in the same batch
 composition, and measures: forwards skipped, the denoise speedup (CPU time of the denoise loop,
-plain / cached, in this run), PSNR and SSIM against the plain images (mean and worst), and shape-world adherence for
-models that draw that world. The recommendation is the setting with the largest saving whose
+plain / cached, in this run), PSNR and SSIM against the plain images (mean and worst; a clip counts
+by its worst frame), and shape-world adherence for models that draw that world; for the moving shape
+world also the motion agreement with the plain clips (``triptych.calibration.clips``). The recommendation is the setting with the largest saving whose
 worst case meets the :class:`Target`; none meeting it gives no recommendation (``"auto"`` is then
 refused with a 400 naming the field).
 """
@@ -28,19 +29,34 @@ WORLD_KEYS = ("shape", "color", "background")
 
 
 def world_adherence(arrays: Sequence[np.ndarray], scenes) -> float | None:
-    """Share of images whose shape, colour and background read back as asked; None off-world."""
+    """Share of images whose shape, colour and background read back as asked (clips: and the
+    direction, ``clips.clip_adherence``); None off-world."""
     if not scenes:
         return None
     from shapeworld import score
+    from shapeworld.video import Clip
+
+    if isinstance(scenes[0], Clip):
+        from triptych.calibration.clips import clip_adherence
+
+        return clip_adherence(arrays, scenes)
 
     ok = [all(score((a[0] * 255).round().astype("uint8"), s)[k] for k in WORLD_KEYS) for a, s in zip(arrays, scenes)]
     return sum(ok) / len(ok)
 
 
+def worst_frame(got: np.ndarray, want: np.ndarray) -> tuple[float, float]:
+    """PSNR and SSIM of the worst frame of ``got`` against ``want`` ((frames, H, W, 3); an image is
+    one frame)."""
+    pairs = [(got[i : i + 1], want[i : i + 1]) for i in range(len(want))]
+    return min(psnr(a, b) for a, b in pairs), min(ssim(a, b) for a, b in pairs)
+
+
 def fidelity(got: Sequence[Output], want: Sequence[Output]) -> dict:
-    """PSNR / SSIM of each image against its plain one: mean (finite values) and worst, plus identical."""
-    psnrs = [psnr(g.frames, w.frames) for g, w in zip(got, want)]
-    ssims = [ssim(g.frames, w.frames) for g, w in zip(got, want)]
+    """PSNR / SSIM of each output against its plain one, each clip by its worst frame: mean (finite
+    values) and worst, plus identical."""
+    worst = [worst_frame(g.frames, w.frames) for g, w in zip(got, want)]
+    psnrs, ssims = [p for p, _ in worst], [s for _, s in worst]
     finite = [p for p in psnrs if math.isfinite(p)]
     return {
         "identical": len(psnrs) - len(finite),
@@ -84,6 +100,7 @@ def sweep(
     plain_adh = world_adherence([o.frames for o in plain], scenes)
     total = sum(o.computed for o in plain)
     rows = [_row(0.0, (profile.warmup, None, 0), plain, plain, plain_s, plain_s, total, plain_adh, plain_adh)]
+    rows[0].update(motion_of(plain, plain, scenes))
     result = SweepResult(rows, plain)
     for warmup, max_skips, forecast in variants:
         variant = dataclasses.replace(profile, warmup=warmup, max_skips=max_skips, forecast=forecast)
@@ -92,10 +109,24 @@ def sweep(
             got, secs = run_cases(cases, t, cache, batch_size, tag=f"t{t}", on_request=progress)
             adh = world_adherence([o.frames for o in got], scenes)
             row = _row(t, (warmup, max_skips, forecast), got, plain, secs, plain_s, total, adh, plain_adh)
+            row.update(motion_of(got, plain, scenes))
             row["failures"] = target.failures(row)
             rows.append(row)
             result.outputs[(t, warmup, max_skips, forecast)] = got
     return result
+
+
+def motion_of(got: Sequence[Output], plain: Sequence[Output], scenes) -> dict:
+    """``{"motion": share keeping the plain clips' direction and colour, "track_error": largest
+    centroid drift}`` for clips of the moving shape world; ``{}`` for anything else."""
+    from shapeworld.video import Clip
+
+    if not scenes or not isinstance(scenes[0], Clip):
+        return {}
+    from triptych.calibration.clips import motion_agreement
+
+    share, drift = motion_agreement([o.frames for o in got], [o.frames for o in plain])
+    return {"motion": share, "track_error": drift}
 
 
 def _row(t, variant: Variant, got, plain, secs, plain_s, total, adh, plain_adh) -> dict:
@@ -131,10 +162,13 @@ def recommend(rows: Sequence[dict]) -> dict | None:
 def table_markdown(rows: Sequence[dict], chosen: dict | None = None) -> str:
     """The sweep as a markdown table (the CLI prints it; the profile stores the rows)."""
     cols = ("threshold", "warmup", "max skips", "forecast", "skipped", "forwards ÷", "denoise ×", "PSNR mean/worst dB")
-    cols += ("SSIM mean/worst", "adherence", "target")
+    clips = any("motion" in r for r in rows)
+    cols += ("SSIM mean/worst", "adherence") + (("motion kept", "track drift") if clips else ()) + ("target",)
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         adh = "n/a" if r["adherence"] is None else f"{r['adherence']:.0%}"
+        if clips:
+            adh += f" | {r['motion']:.0%} | {r['track_error']:.3f}"
         mark = "plain" if r["threshold"] == 0 else ("; ".join(r["failures"]) or "meets")
         if chosen is not None and r is chosen:
             mark = "**recommended**"

@@ -23,10 +23,15 @@ class Target:
     """Worst image's SSIM against the plain one."""
     max_adherence_drop: float = 0.02
     """Largest allowed drop of the share of images with every world attribute right (0.02 = 2 points)."""
+    min_motion_agreement: float = 1.0
+    """Moving shape world: least share of clips that keep the plain clip's direction and shape colour
+    (1.0: every clip)."""
 
     def __post_init__(self) -> None:
         if not (0 <= self.min_ssim <= 1) or not self.max_adherence_drop >= 0 or math.isnan(self.min_psnr):
             raise ValueError(f"Target {self}: min_ssim in [0, 1], max_adherence_drop >= 0, min_psnr a number")
+        if not 0 <= self.min_motion_agreement <= 1:
+            raise ValueError(f"Target {self}: min_motion_agreement in [0, 1]")
 
     def images_needed(self) -> int | None:
         """The fewest evaluation images in which one image changing its adherence moves the share by
@@ -49,4 +54,6 @@ class Target:
                     f"adherence {row['adherence']:.1%} is {drop * 100:.1f} points below plain "
                     f"{row['plain_adherence']:.1%} (allowed: {self.max_adherence_drop * 100:g})"
                 )
+        if row.get("motion") is not None and row["motion"] < self.min_motion_agreement - 1e-9:
+            out.append(f"motion kept on {row['motion']:.0%} of clips < {self.min_motion_agreement:.0%}")
         return out

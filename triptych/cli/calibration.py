@@ -39,6 +39,12 @@ def _add_target(p, gates: str) -> None:
         type=float,
         help=f"{gates}: largest drop of world adherence, a fraction (default {t.max_adherence_drop:g} = 2 points)",
     )
+    p.add_argument(
+        "--min-motion-agreement",
+        type=float,
+        help=f"{gates}, moving shape world: least share of clips keeping the plain clip's direction and "
+        f"colour (default {t.min_motion_agreement:g})",
+    )
 
 
 def add_calibrate(sub) -> None:
@@ -109,10 +115,12 @@ def check_calibrate(args) -> None:
 def _warn_small_eval_set(model, args, target: Target) -> None:
     """The adherence drop is judged as a share of the evaluation images (shape-world models): with
     fewer than ``target.images_needed()`` one image moves it past the allowed drop."""
+    from triptych.calibration.clips import is_video_world
     from triptych.calibration.quality import _is_world_model
 
     needed = target.images_needed()
-    if args.thresholds and needed and args.eval_images < needed and _is_world_model(model):
+    world = _is_world_model(model) or is_video_world(model)
+    if args.thresholds and needed and args.eval_images < needed and world:
         print(
             f"warning: --eval-images {args.eval_images} is too few for the target: adherence is judged as a "
             f"share of the images, so one image moves it {100 / args.eval_images:.1f} points (allowed: "
@@ -193,10 +201,11 @@ def _profile_target(model, args) -> dict:
 
 def _target(args, calibrated: dict | None = None) -> Target:
     """Flags given win; then the profile's calibrated target; then ``Target``'s defaults."""
-    given = {k: getattr(args, k) for k in ("min_psnr", "min_ssim", "max_adherence_drop")}
+    keys = ("min_psnr", "min_ssim", "max_adherence_drop", "min_motion_agreement")
+    given = {k: getattr(args, k) for k in keys}
     values = {**vars(DEFAULT_TARGET), **(calibrated or {}), **{k: v for k, v in given.items() if v is not None}}
     try:
-        return Target(values["min_psnr"], values["min_ssim"], values["max_adherence_drop"])
+        return Target(**{k: values[k] for k in keys})
     except ValueError as e:
         raise InvalidParam("target", tuple(values.values()), str(e)) from None
 
@@ -296,6 +305,7 @@ def cmd_quality(args) -> int:
         min_psnr=target.min_psnr if gates else None,
         min_ssim=target.min_ssim if gates else None,
         max_adherence_drop=target.max_adherence_drop if gates else None,
+        min_motion_agreement=target.min_motion_agreement if gates else None,
         batch_size=args.batch,
         progress=True,
         device=device_config_from_args(args),
