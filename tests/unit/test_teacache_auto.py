@@ -89,3 +89,62 @@ def test_the_default_models_auto_resolves_to_its_shipped_recommendation():
         shipped.warmup,
     )
     assert settings.forecast == 1 and settings.profile == shipped.path
+
+
+def test_the_video_models_auto_resolves_to_its_shipped_recommendation():
+    """The packaged video model ships a profile for its 20 steps: ``auto`` is its threshold, warm-up
+    and cap (the head's check, no weights)."""
+    from triptych.accel.teacache_profile import ProfileIndex
+    from triptych.accel.teacache_settings import TeaCacheConfig, resolve_settings
+    from triptych.families.models import PACKAGED_VIDEO
+
+    profiles = ProfileIndex(PACKAGED_VIDEO, "wan-t2v")
+    shipped = profiles(20)
+    assert shipped is not None and shipped.family == "wan-t2v" and shipped.target["min_motion_agreement"] == 1.0
+    settings = resolve_settings("wan-t2v", profiles, TeaCacheConfig(), AUTO_THRESHOLD, 20)
+    assert settings.threshold == shipped.recommended_threshold > 0 and settings.profile == shipped.path
+    assert (settings.warmup, settings.max_skips, settings.forecast) == (
+        shipped.warmup,
+        shipped.max_skips,
+        shipped.forecast,
+    )
+
+
+def _model_without_profiles(tmp_path):
+    model = tmp_path / "my model"
+    (model / "transformer").mkdir(parents=True)
+    (model / "transformer" / "config.json").write_text("{}")
+    return model
+
+
+def test_a_model_without_a_profile_is_refused_with_the_command_that_makes_one(tmp_path):
+    """The refusal names the exact ``triptych calibrate`` line, and that line parses as the command
+    for this model and step count."""
+    import shlex
+
+    from triptych import cli
+    from triptych.accel.teacache_profile import ProfileIndex
+    from triptych.accel.teacache_settings import TeaCacheConfig, resolve_settings
+
+    model = _model_without_profiles(tmp_path)
+    profiles = ProfileIndex(model, "flux")
+    command = f"triptych calibrate --model {shlex.quote(str(model))} --steps 6"
+    for threshold in (AUTO_THRESHOLD, 0.1):
+        with pytest.raises(InvalidParam) as err:
+            resolve_settings("flux", profiles, TeaCacheConfig(), threshold, 6)
+        assert err.value.field == "teacache_threshold" and "no profile found" in err.value.rule
+        assert f"`{command}`" in err.value.rule
+    args = cli.build_parser().parse_args(shlex.split(command)[1:])
+    assert (args.command, args.model, args.steps) == ("calibrate", str(model), 6)
+
+
+def test_a_profile_without_a_recommendation_is_refused_with_the_command_too(tmp_path):
+    from triptych.accel.teacache_profile import ProfileIndex
+    from triptych.accel.teacache_settings import TeaCacheConfig, resolve_settings
+
+    model = _model_without_profiles(tmp_path)
+    save_profile(replace(profile(), family="flux"), model / "teacache" / "flux-6steps.json")
+    with pytest.raises(
+        InvalidParam, match=r"has no recommended threshold\); calibrate again.*`triptych calibrate --model"
+    ):
+        resolve_settings("flux", ProfileIndex(model, "flux"), TeaCacheConfig(), AUTO_THRESHOLD, 6)

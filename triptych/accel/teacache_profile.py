@@ -39,6 +39,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -226,6 +227,13 @@ def find_profile(
     return None
 
 
+def calibrate_command(model_dir: str | Path | None, steps: int) -> str:
+    """The command line that makes the missing profile of ``model_dir`` at ``steps`` (where ``auto``
+    then finds it: the user's profiles directory); without a model, the built-in one's."""
+    model = f" --model {shlex.quote(str(model_dir))}" if model_dir is not None else ""
+    return f"triptych calibrate{model} --steps {steps}"
+
+
 class ProfileIndex:
     """``steps -> profile`` for one loaded model (memoised :func:`find_profile`); the TeaCache's source."""
 
@@ -239,3 +247,7 @@ class ProfileIndex:
         if steps not in self._cache:
             self._cache[steps] = find_profile(self.model_dir, steps, self.family, self.profiles_dir, self.model)
         return self._cache[steps]
+
+    def command(self, steps: int) -> str:
+        """What makes this model's profile at ``steps`` (:func:`calibrate_command`)."""
+        return calibrate_command(self.model_dir, steps)

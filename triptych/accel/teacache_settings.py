@@ -8,7 +8,13 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from triptych.accel.teacache_profile import AUTO_THRESHOLD, TeaCacheProfile, check_coefficients
+from triptych.accel.teacache_profile import (
+    AUTO_THRESHOLD,
+    ProfileIndex,
+    TeaCacheProfile,
+    calibrate_command,
+    check_coefficients,
+)
 from triptych.core.errors import InvalidParam
 
 
@@ -79,7 +85,7 @@ def resolve_settings(
                 "teacache_threshold",
                 threshold,
                 f"TeaCache is not calibrated for family {family!r} at {steps} steps: no profile "
-                "found; calibrate one (triptych calibrate), set threshold 0, or pass coefficients",
+                f"found; make one with `{_command(profiles, steps)}`, set threshold 0, or pass coefficients",
             )
         coeffs = profile.coefficients
     warmup = config.warmup_steps if config.warmup_steps is not None else (profile.warmup if profile else 1)
@@ -98,10 +104,17 @@ def _resolve_auto(family: str, profiles, config: TeaCacheConfig, steps: int) -> 
     recommended = profile.recommended_threshold if profile is not None else None
     if recommended is None:
         where = "no profile found" if profile is None else f"profile {profile.path} has no recommended threshold"
+        fix = "make one with" if profile is None else "calibrate again (another target or grid) with"
         raise InvalidParam(
             "teacache_threshold",
             "auto",
             f"needs a recommended threshold for family {family!r} at {steps} steps ({where}); "
-            "run triptych calibrate, or give a number",
+            f"{fix} `{_command(profiles, steps)}`, or give a number",
         )
     return resolve_settings(family, profiles, config, min(recommended, config.max_threshold), steps)
+
+
+def _command(profiles, steps: int) -> str:
+    """The calibration that makes the missing profile: the model's own (``ProfileIndex``), else the
+    generic line."""
+    return profiles.command(steps) if isinstance(profiles, ProfileIndex) else calibrate_command(None, steps)
