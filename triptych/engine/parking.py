@@ -25,9 +25,12 @@ Move = Callable[[torch.Tensor], torch.Tensor]
 
 
 class ParkingLot:
-    def __init__(self, max_bytes: int, device: torch.device) -> None:
+    def __init__(self, max_bytes: int, device: torch.device, offload: bool | None = None) -> None:
+        """``offload``: copy parked tensors to host memory (pinned when ``device`` is CUDA) and back;
+        None = only on a CUDA device."""
         self.max_bytes = max_bytes
         self.device = torch.device(device)
+        self.offload = self.device.type == "cuda" if offload is None else offload
         self._bytes: dict[str, int] = {}  # request id -> its parked bytes
 
     @property
@@ -47,26 +50,22 @@ class ParkingLot:
         size = state_bytes(parts)
         if self.nbytes + size > self.max_bytes:
             return False
-        if self.device.type == "cuda":
-            move_tensors(parts, _to_pinned_host)
+        if self.offload:
+            pin = self.device.type == "cuda"
+            move_tensors(parts, lambda t: torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(t))
         self._bytes[request_id] = size
         return True
 
     def resume(self, request_id: str, parts: Iterable[Any]) -> None:
         """Back onto the device for the next step; the accounting drops the request."""
         del self._bytes[request_id]
-        if self.device.type == "cuda":
+        if self.offload:
             device = self.device
             move_tensors(list(parts), lambda t: t.to(device, non_blocking=True))
 
     def drop(self, request_id: str) -> bool:
         """Forget a parked request that left the engine; False when it was not parked."""
         return self._bytes.pop(request_id, None) is not None
-
-
-def _to_pinned_host(t: torch.Tensor) -> torch.Tensor:
-    host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
-    return host.copy_(t)
 
 
 def state_bytes(parts: Iterable[Any]) -> int:
