@@ -11,11 +11,14 @@ from pathlib import Path
 import pytest
 
 import triptych
+from tests.helpers import denoise_job
+from triptych.control import protocol as P
 from triptych.engine import DenoiserEngine, EngineConfig
 from triptych.engine.parking import ParkingLot, state_bytes
 from triptych.engine.teacache import make_teacache
 from triptych.families.base import GenerationParams
 from triptych.families.registry import load_family
+from triptych.worker.runners.denoiser import DenoiserRunner
 
 DEFAULT = Path(triptych.__file__).parent / "assets" / "default"
 URGENT = EngineConfig(max_batch_requests=2, lower_class_places=0)  # an urgent request runs with its class only
@@ -157,3 +160,56 @@ def test_cancelling_a_parked_request_frees_its_parked_memory_and_cache_state(def
     assert "low" not in engine.accel.active_requests() and engine.request_ids() == ["urgent"]
     assert list(_run(engine)) == ["urgent"]
     assert engine.accel.num_states() == 0 and not engine.has_work()
+
+
+class Port:
+    instance_id = "d0"
+
+    def __init__(self):
+        self.sent, self.failed = [], []
+
+    def send(self, msg):
+        self.sent.append(msg)
+
+    def owns(self, job):
+        return True
+
+    def fail(self, job, error, retryable):
+        self.failed.append(job.request_id)
+
+
+def _admit(runner, family, rid, p):
+    job = denoise_job(rid, p)
+    runner.admit(job, family.prepare(rid, p, family.encode(p)))
+    return job
+
+
+def test_the_denoiser_reports_each_request_s_mean_tick_time_and_occupancy(flux):
+    """What the head's step costs learn from (``DenoiseDone.tick_s``, ``occupancy``): a (4 steps)
+    shares 3 ticks with b (3 steps) and runs its last alone: occupancy 7/4; b's is 2."""
+    port = Port()
+    runner = DenoiserRunner(flux, port, DenoiserEngine(flux, EngineConfig(max_batch_requests=2)))
+    _admit(runner, flux, "a", _params(flux, 1))
+    _admit(runner, flux, "b", _params(flux, 0))
+    while runner.has_work():
+        runner.execute()
+    done = {m.request_id: m for m in port.sent if isinstance(m, P.DenoiseDone)}
+    assert (done["a"].occupancy, done["b"].occupancy) == (1.75, 2.0)
+    assert 0 < done["a"].tick_s <= done["a"].engine_s and 0 < done["b"].tick_s <= done["b"].engine_s
+    assert runner._ticks == {} and port.failed == []  # nothing kept per request after it finished
+
+
+def test_cancelling_a_parked_request_on_the_denoiser_frees_its_place_and_parked_memory(flux):
+    port = Port()
+    runner = DenoiserRunner(flux, port, DenoiserEngine(flux, URGENT))
+    low = _admit(runner, flux, "low", _params(flux, 0))
+    runner.execute()
+    _admit(runner, flux, "urgent", _params(flux, 2, priority=-1))
+    runner.execute()
+    assert runner.engine.parked_requests() == ["low"] and runner.engine_running() == 2
+    runner.abort(low)
+    assert runner.engine_running() == 1 and runner.engine.stats.parked_bytes == 0
+    assert "low" not in runner._jobs and "low" not in runner._ticks
+    while runner.has_work():
+        runner.execute()
+    assert [m.request_id for m in port.sent if isinstance(m, P.DenoiseDone)] == ["urgent"]

@@ -53,6 +53,7 @@ class EngineStepOutput:
     #: for a preview at this step (``DenoiseState.preview_steps``; the index is 0-based, in step order,
     #: computed here once for every caller); the tensors are handed over, the engine keeps none
     previews: list[tuple[str, int, int, int, torch.Tensor]] = field(default_factory=list)
+    seconds: float = 0.0  # wall time of the tick's step (every request of ``batch`` advanced in it)
 
 
 class DenoiserEngine:
@@ -139,7 +140,7 @@ class DenoiserEngine:
             self.preempt(batch)
         self.resume(batch)
         try:
-            self.execute(batch)
+            out.seconds = self.execute(batch)
         except Exception as e:  # noqa: BLE001 - one bad tick must not take the other requests down
             # NOTE: the traceback references the tick's frames and so the batch's tensors (activations
             # of a failed forward); kept in ``out.failed`` it would form a cycle only the cyclic GC
@@ -186,7 +187,8 @@ class DenoiserEngine:
     def parked_requests(self) -> list[str]:
         return [rid for rid, r in self._running.items() if r.parked]
 
-    def execute(self, batch: list[Running]) -> None:
+    def execute(self, batch: list[Running]) -> float:
+        """One step of every request of ``batch``; its wall time in seconds."""
         states = [r.state for r in batch]
         base = self.family.forward if self.wrap is None else self.wrap(self.family.forward)
         forward = None if self.wrap is None else base
@@ -219,6 +221,7 @@ class DenoiserEngine:
         if self.accel is not None:
             s.skipped_rows = self.accel.stats.rows_skipped
         self._lora_stats()
+        return elapsed
 
     def _count_flops(self, calls: list, skipped: int) -> None:
         try:
