@@ -87,6 +87,17 @@ def test_without_lower_class_places_the_urgent_request_shares_the_batch_and_noth
     assert sorted(engine.step().batch) == ["a", "urgent"] and engine.stats.preemptions == 0
 
 
+def test_only_the_request_the_urgent_one_displaced_is_parked_not_those_waiting_their_turn(flux):
+    """Batches of 2, three requests of one class: a and b would run, c waits its turn. An urgent
+    request takes b's place: b is parked, c (which would not have run either way) waits unparked."""
+    engine = DenoiserEngine(flux, EngineConfig(max_batch_requests=2))
+    for rid, i in (("a", 0), ("b", 1), ("c", 3)):
+        _add(engine, flux, rid, _params(flux, i))
+    _add(engine, flux, "urgent", _params(flux, 2, priority=-1))
+    assert engine.step().batch == ["urgent", "a"]
+    assert engine.parked_requests() == ["b"] and engine.stats.preemptions == 1
+
+
 def test_the_cap_parks_what_fits_and_the_rest_waits_where_it_is(flux):
     low = {"a": _params(flux, 0), "b": _params(flux, 1)}
     probe = flux.prepare("probe", low["a"], flux.encode(low["a"]))

@@ -5,8 +5,8 @@ finished (or ``abort``). Requests join and leave only at step boundaries; a tick
 schedule() → execute() → update(). ``execute`` is one ``family.denoise_step`` over the batch: one
 transformer forward (``fuse_cfg``) or one per CFG branch, never a loop over requests.
 
-Preemption: a request left out of a tick's batch while a request of a more urgent class runs in
-it is preempted there; its state and its acceleration's state for it are parked
+Preemption: a request that would have run in a tick but for the more urgent requests in its batch
+(it is in the batch the less urgent requests would have made alone) is preempted there; its state and its acceleration's state for it are parked
 (``engine.parking``: off the device on CUDA, within ``EngineConfig.max_parked_bytes``; one that
 does not fit waits unparked) and resumed at the start of the tick that next runs it. An abort of a
 parked request frees its parked memory with the rest of its state. A preempted request steps with
@@ -155,12 +155,16 @@ class DenoiserEngine:
         return pick_batch(list(self._running.values()), self.config)
 
     def preempt(self, batch: list[Running]) -> None:
-        """Park every request left out of ``batch`` whose class is less urgent than the batch's most
-        urgent one (while the parked memory allows; the others wait where they are)."""
+        """Park the requests more urgent ones displaced from ``batch``: those of the batch the less
+        urgent requests would have had alone that are not in it (while the parked memory allows; the
+        others wait where they are). A request waiting its turn in its own class is not parked."""
         top = min(r.priority for r in batch)
+        lower = [r for r in self._running.values() if r.priority > top]
+        if not lower:
+            return
         chosen = {id(r) for r in batch}
-        for r in self._running.values():
-            if r.parked or id(r) in chosen or r.priority <= top:
+        for r in pick_batch(lower, self.config):
+            if r.parked or id(r) in chosen:
                 continue
             if self._parking.park(r.state.request_id, self._parts(r)):
                 r.parked = True
