@@ -73,7 +73,8 @@ def test_a_models_default_deadline_is_refused_the_same(tmp_path, tiny_model_dir)
 
 def test_real_workers_run_a_priority_and_teach_the_head_the_step_cost(tmp_path, tiny_model_dir):
     """Over real worker processes (tiny FLUX): a request with a priority and a deadline it can meet
-    is served; the denoiser's report (``DenoiseDone.engine_s``) replaces the prior for that size;
+    is served; the denoiser's report (``DenoiseDone.tick_s`` at its ``occupancy``, one request alone)
+    replaces the prior for that size;
     an impossible deadline is refused without being run."""
     from triptych.control.orchestrator import OrchestratorConfig
     from triptych.deploy.launch import EmbeddedBackend, TopologyConfig
@@ -88,7 +89,7 @@ def test_real_workers_run_a_priority_and_teach_the_head_the_step_cost(tmp_path, 
         ok = httpx.post(f"{base}/v1/images/generations", json={**body, "priority": -3, "deadline_s": 600}, timeout=600)
         assert ok.status_code == 200, ok.text
         learned = backend.orchestrator.generations.costs.learned
-        assert set(learned) == {(64, 64, 1)} and learned[(64, 64, 1)] > 0
+        assert set(learned) == {(64, 64, 1)} and set(learned[(64, 64, 1)]) == {1} and learned[(64, 64, 1)][1] > 0
         resp = httpx.post(f"{base}/v1/images/generations", json={**body, "deadline_s": 1e-6}, timeout=60)
         assert resp.status_code == 429 and "deadline_s=1e-06 cannot be met" in resp.json()["error"]["message"]
         assert backend.orchestrator.counters.generations.done == 1

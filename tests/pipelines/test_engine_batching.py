@@ -235,8 +235,8 @@ def test_a_packed_row_costs_its_transformer_sequence_in_tokens(family):
 
 def test_a_higher_priority_request_takes_a_full_batch_at_the_next_step_and_both_stay_exact(family):
     """One request per batch: a priority -1 request that joins while a priority 0 one is mid-flight
-    runs every tick until it finishes, then the other resumes where it stood (its state kept, not
-    parked); both match their runs alone bit for bit (a batch of one is a run alone)."""
+    runs every tick until it finishes, then the other resumes where it stood (its state parked
+    meanwhile); both match their runs alone bit for bit (a batch of one is a run alone)."""
     low = _params(family, 4)  # 3 steps
     urgent = _params(family, 2).replace(priority=-1)  # 4 steps
     engine = DenoiserEngine(family, EngineConfig(max_batch_requests=1, fuse_cfg=True))

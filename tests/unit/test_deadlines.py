@@ -25,21 +25,40 @@ SMALL, BIG = (64, 64, 1), (128, 128, 1)
 def test_a_shape_costs_the_prior_until_reported_then_a_weighted_mean_of_reports():
     costs = StepCosts(prior_s=2.0, alpha=0.5)
     assert costs.step_s(SMALL) == 2.0
-    costs.learn(SMALL, 0.4)
+    costs.learn(SMALL, 0.4, occupancy=1)
     assert costs.step_s(SMALL) == 0.4 and costs.step_s(BIG) == 2.0  # per shape
-    costs.learn(SMALL, 0.8)
+    costs.learn(SMALL, 0.8, occupancy=1.2)  # a mean occupancy counts at its nearest whole batch
     assert costs.step_s(SMALL) == pytest.approx(0.6)
-    costs.learn(SMALL, 0.0)  # no measurement (an old worker): ignored
-    costs.learn(SMALL, float("nan"))
-    assert costs.step_s(SMALL) == pytest.approx(0.6)
+    costs.learn(SMALL, 0.0, occupancy=1)  # no measurement (an old worker): ignored
+    costs.learn(SMALL, float("nan"), occupancy=1)
+    costs.learn(SMALL, 0.5, occupancy=0)
+    assert costs.step_s(SMALL) == pytest.approx(0.6) and list(costs.learned[SMALL]) == [1]
 
 
-def test_the_estimate_spreads_the_work_ahead_over_the_slots_then_adds_its_own():
+def test_a_lone_request_after_batched_reports_is_priced_at_a_lone_tick_not_the_batched_one():
+    """Ticks of 8 requests took 0.8 s each: a request alone would take its share of such a tick
+    at most (a batch costs no more per request than a smaller one), 0.1 s a step, not 0.8 s: its 10
+    steps are estimated at 1 s. Priced at the batched tick (a request's time in the engine over its
+    steps), the estimate would be 8 s and a 2 s deadline refused."""
     costs = StepCosts(prior_s=1.0)
-    costs.learn(BIG, 3.0)
+    for _ in range(5):
+        costs.learn(SMALL, 0.8, occupancy=8)
+    assert costs.step_s(SMALL, 1) == pytest.approx(0.1)
+    assert finish_estimate(costs, [], (SMALL, 10), slots=8) == pytest.approx(1.0)
+    costs.learn(SMALL, 0.15, occupancy=1)  # measured alone: that figure, and linear in between
+    assert costs.step_s(SMALL, 1) == 0.15 and costs.step_s(SMALL, 4) == pytest.approx(0.15 + 0.65 * 3 / 7)
+    assert costs.step_s(SMALL, 16) == pytest.approx(0.8)  # beyond the largest measured batch: no faster than it
+
+
+def test_the_estimate_is_the_slower_of_its_own_steps_and_the_throughput_over_the_work():
+    costs = StepCosts(prior_s=1.0)
+    costs.learn(BIG, 3.0, occupancy=1)
     ahead = [(SMALL, 10), (BIG, 2), (SMALL, -1)]  # a request past its estimated steps adds nothing
-    assert finish_estimate(costs, ahead, (SMALL, 4), slots=2) == pytest.approx((10 + 6) / 2 + 4)
-    assert finish_estimate(costs, [], (BIG, 4), slots=0) == pytest.approx(12)  # no denoiser yet: one slot
+    # 4 requests on one denoiser of 2 places: ticks of 2 (SMALL 1 s a tick: prior; BIG 3 s: its
+    # largest measured batch); work 10 * 1 + 2 * 3 + 4 * 1 = 20 s of ticks, 2 steps per tick: 10 s
+    assert finish_estimate(costs, ahead, (SMALL, 4), slots=2) == pytest.approx(10)
+    assert finish_estimate(costs, ahead, (SMALL, 4), slots=4, denoisers=2) == pytest.approx(5)
+    assert finish_estimate(costs, [], (BIG, 4), slots=0) == pytest.approx(12)  # alone: its own steps
 
 
 def params(steps=10, priority=0, size=64):
@@ -60,7 +79,7 @@ def fake_router(live, slots=1, prior_s=1.0):
         if state is not S.QUEUED:
             queue.take(rid)
         requests[rid] = SimpleNamespace(job=j, machine=SimpleNamespace(state=state, entered_at=entered))
-    denoiser = SimpleNamespace(capacity=slots, draining=False)
+    denoiser = SimpleNamespace(capacity=slots, draining=False)  # one denoiser
     registry = SimpleNamespace(pool=lambda role: [denoiser])
     return SimpleNamespace(
         costs=StepCosts(prior_s=prior_s), requests=requests, wait_encode=queue, registry=registry,
@@ -82,9 +101,15 @@ def test_a_deadline_the_work_ahead_cannot_meet_is_refused_naming_it_and_the_esti
 
 
 def test_queued_requests_of_a_later_class_are_not_ahead_and_slots_share_the_work():
+    """The urgent request has nothing ahead: its own 10 steps, 10 s. One of the low class has the low
+    request ahead: both step together in ticks of 2 on the denoiser's 2 places (unmeasured, 1 s a tick),
+    20 request steps at 2 a tick: 10 s as well, and a request of the same class with 1 place (ticks of
+    one, FCFS) waits: 20 s."""
     router = fake_router([("low", S.QUEUED, 0.0, job("low", priority=5))], slots=2)
     deadlines.check(router, [job("urgent", deadline_s=10.5, now=0.0, priority=0)], now=0.0)
-    with pytest.raises(DeadlineRefused, match=r"estimate to finish is 15.0s \(1 requests ahead"):
+    deadlines.check(router, [job("same", deadline_s=10.5, now=0.0, priority=5)], now=0.0)
+    router = fake_router([("low", S.QUEUED, 0.0, job("low", priority=5))], slots=1)
+    with pytest.raises(DeadlineRefused, match=r"estimate to finish is 20.0s \(1 requests ahead"):
         deadlines.check(router, [job("same", deadline_s=10.5, now=0.0, priority=5)], now=0.0)
 
 

@@ -92,3 +92,60 @@ def test_the_group_of_the_highest_priority_request_is_the_batch():
     rs = [fake("img", "64x64", arrival=0), fake("vid", "video", arrival=1)]
     rs[1].priority = -5
     assert [r.state.request_id for r in pick_batch(rs, EngineConfig())] == ["vid"]
+
+
+def _stream(cfg, low_priority: int, ticks: int) -> tuple[int | None, dict[int, int]]:
+    """One request of class ``low_priority`` beside a continuous stream of class-0 requests (a new
+    one joins every tick, each runs 3 steps), batches of one: the tick at which the low one first
+    runs (None when it never does within ``ticks``), and the requests in the engine at each tick."""
+    low = fake("low", "k", last_tick=0, arrival=0)
+    low.priority = low_priority
+    urgent: list = []
+    engine_size = {}
+    for tick in range(1, ticks + 1):
+        urgent.append(fake(f"u{tick}", "k", last_tick=tick - 1, arrival=tick))
+        urgent[-1].steps = 0
+        engine_size[tick] = 1 + len(urgent)
+        batch = pick_batch([low, *urgent], cfg)
+        if batch[0] is low:
+            return tick, engine_size
+        for r in batch:
+            r.last_tick = tick
+            r.steps += 1
+        urgent = [r for r in urgent if r.steps < 3]
+    return None, engine_size
+
+
+def test_ageing_bounds_the_wait_of_a_request_behind_a_continuous_stream_of_more_urgent_ones():
+    """The scheduler's cross-class bound, ``(p - q) * A + R - 1`` ticks, holds while class-0 requests
+    keep arriving faster than they run (R grows: every request in the engine at the time counts);
+    without ageing (A beyond the run) the class-5 request never runs: the stream would starve it."""
+    for age in (1, 4, 10):
+        cfg = EngineConfig(max_batch_requests=1, priority_age_ticks=age)
+        ran, engine_size = _stream(cfg, 5, ticks=400)
+        assert ran is not None
+        # waited ran - 1 ticks since its arrival at tick 0, R counted once it has aged (p - q) * A ticks
+        assert ran - 1 <= 5 * age + engine_size[5 * age] - 1, (age, ran)
+        assert ran - 1 >= 5 * age  # and not before: the stream keeps its precedence for (p - q) * A ticks
+    assert _stream(EngineConfig(max_batch_requests=1, priority_age_ticks=10**6), 5, ticks=400)[0] is None
+
+
+def test_lower_class_places_keeps_less_urgent_requests_out_of_an_urgent_batch():
+    rs = [fake(f"low{i}", "k", arrival=i) for i in range(3)]
+    urgent = fake("urgent", "k", last_tick=2, arrival=9)
+    urgent.priority = -1
+    cfg = EngineConfig(max_batch_requests=4, lower_class_places=1)
+    assert [r.state.request_id for r in pick_batch([*rs, urgent], cfg)] == ["urgent", "low0"]
+    cfg = EngineConfig(max_batch_requests=4, lower_class_places=0)
+    assert [r.state.request_id for r in pick_batch([*rs, urgent], cfg)] == ["urgent"]
+    assert len(pick_batch([*rs, urgent], EngineConfig(max_batch_requests=4))) == 4
+
+
+def test_an_aged_leader_runs_even_with_no_places_for_its_class():
+    """A less urgent request that has waited past its class's difference leads the batch and runs,
+    more urgent requests of its group beside it: ageing wins over ``lower_class_places``."""
+    old = fake("old", "k", last_tick=0, arrival=0)
+    old.priority = 1
+    fresh = fake("fresh", "k", last_tick=20, arrival=1)
+    cfg = EngineConfig(max_batch_requests=2, priority_age_ticks=10, lower_class_places=0)
+    assert [r.state.request_id for r in pick_batch([fresh, old], cfg)] == ["old", "fresh"]

@@ -297,3 +297,22 @@ def test_step_and_push_histograms_hold_every_real_observation_not_a_windows_mean
     for name in ("triptych_denoiser_step_seconds", "triptych_transfer_latency_seconds"):
         got, want = series(head.render(), name), series(generate_latest(reference), name)
         assert got and got == [line for line in want if "_created" not in line], (got, want)
+
+
+def test_preemption_series_take_the_window_s_count_and_the_latest_parked_figures():
+    def report(uptime: float, preemptions: int, parked: int, nbytes: int) -> P.StatsReport:
+        stats = EngineStats(preemptions=preemptions, parked=parked, parked_bytes=nbytes)
+        return P.StatsReport(instance_id="den-park", uptime_s=uptime, engine=stats, transfer=transfer(1, 10, 0.01))
+
+    before = sample("triptych_denoiser_preemptions_total")
+    first, second = report(1.0, 3, 2, 4096), report(2.0, 5, 0, 0)
+    metrics.record_worker_window(stats_window("denoiser", None, first))
+    assert sample("triptych_denoiser_parked_bytes", '{instance="den-park"}') == 4096
+    assert sample("triptych_denoiser_parked_requests", '{instance="den-park"}') == 2
+    window = stats_window("denoiser", first, second)
+    assert (window.engine.preemptions, window.engine.parked, window.engine.parked_bytes) == (2, 0, 0)
+    metrics.record_worker_window(window)
+    assert sample("triptych_denoiser_preemptions_total") - before == 5
+    assert sample("triptych_denoiser_parked_bytes", '{instance="den-park"}') == 0
+    metrics.forget_instance("den-park")
+    assert 'instance="den-park"' not in metrics.render().decode()

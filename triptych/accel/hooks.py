@@ -40,6 +40,10 @@ class RequestStateStore(Generic[T]):
             branches[branch] = factory()
         return branches[branch]
 
+    def of(self, request_id: str) -> dict[str, T]:
+        """``request_id``'s states by branch (empty when it has none)."""
+        return dict(self._states.get(request_id, {}))
+
     def release(self, request_id: str) -> int:
         """Drop every branch of ``request_id``; unknown ids are a no-op (abort before first step)."""
         return len(self._states.pop(request_id, {}))

@@ -204,6 +204,10 @@ class TeaCache:
         self._settings.pop(request_id, None)
         self._states.release(request_id)
 
+    def request_states(self, request_id: str) -> list[BranchState]:
+        """The request's branch states (what the engine parks with the request when it is preempted)."""
+        return list(self._states.of(request_id).values())
+
     def active_requests(self) -> list[str]:
         return sorted(set(self._settings) | set(self._states.requests()))
 

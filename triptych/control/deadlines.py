@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from triptych.control.backend import DeadlineRefused, GenerationJob
 from triptych.control.request_state import RequestState
-from triptych.control.step_costs import Shape, finish_estimate, shape_of
+from triptych.control.step_costs import Shape, finish_estimate, occupancy, shape_of
 from triptych.core.kinds import Role
 
 if TYPE_CHECKING:
@@ -21,22 +21,29 @@ S = RequestState
 def estimate(router: GenerationRouter, jobs: list[GenerationJob], now: float) -> tuple[float, int, int]:
     """When the last of ``jobs`` (one request's, none queued yet) would finish denoising if queued
     now: (seconds, requests ahead, denoiser slots). Ahead: every request placed or denoising (its
-    steps left, from the time it has denoised at its shape's cost) and every queued one of the same
-    priority class or before; the earlier of ``jobs`` too."""
+    steps left, from the time it has denoised at its shape's cost at the occupancy they all make)
+    and every queued one of the same priority class or before; the earlier of ``jobs`` too."""
     costs, priority = router.costs, jobs[0].params.priority
-    ahead: list[tuple[Shape, float]] = []
+    live = []
     for rid, tr in router.requests.items():
-        state, p = tr.machine.state, tr.job.params
+        state = tr.machine.state
         if state is S.DECODING or state is S.QUEUED and router.wait_encode.key(rid).priority > priority:
             continue
+        live.append(tr)
+    pool = [i for i in router.registry.pool(Role.DENOISER) if not i.draining]
+    slots = sum(i.capacity for i in pool)
+    n = occupancy(len(live) + len(jobs) - 1, slots, len(pool))
+    ahead: list[tuple[Shape, float]] = []
+    for tr in live:
+        p = tr.job.params
         steps = float(p.steps)
-        if state is S.DENOISING:
-            steps -= (now - tr.machine.entered_at) / costs.step_s(shape_of(p))
+        if tr.machine.state is S.DENOISING:
+            steps -= (now - tr.machine.entered_at) / costs.step_s(shape_of(p), n)
         ahead.append((shape_of(p), steps))
     ahead.extend((shape_of(j.params), float(j.params.steps)) for j in jobs[:-1])
-    slots = sum(i.capacity for i in router.registry.pool(Role.DENOISER) if not i.draining)
     last = jobs[-1].params
-    return finish_estimate(costs, ahead, (shape_of(last), last.steps), slots), len(ahead), slots
+    seconds = finish_estimate(costs, ahead, (shape_of(last), last.steps), slots, len(pool))
+    return seconds, len(ahead), slots
 
 
 def check(router: GenerationRouter, jobs: list[GenerationJob], now: float) -> None:

@@ -30,6 +30,7 @@ from triptych.control.metrics_chat import ChatLatencyMetrics
 from triptych.control.metrics_flops import FlopMetrics
 from triptych.control.metrics_hist import ReportedHistogram
 from triptych.control.metrics_lora import LoraMetrics
+from triptych.control.metrics_parking import ParkingMetrics
 from triptych.control.metrics_remote import RemoteMetrics
 from triptych.control.metrics_tenants import TenantMetrics
 from triptych.control.metrics_transfer import TransferRefusals
@@ -223,6 +224,7 @@ class Metrics:
             registry=r,
         )
         self.denoiser_lora = LoraMetrics(r)
+        self.denoiser_parking = ParkingMetrics(r)
         self.denoiser_step_rate = Gauge(
             "triptych_denoiser_steps_per_second",
             "Request steps per wall second over a denoiser's last report window",
@@ -282,11 +284,13 @@ class Metrics:
         self.denoiser_forwards.inc(e.forwards)
         self.denoiser_evicted.inc(e.failed)
         self.denoiser_lora.record(e)
+        self.denoiser_parking.record(window.instance_id, e)
         if window.seconds > 0:
             self.denoiser_step_rate.labels(window.instance_id).set(e.request_steps / window.seconds)
 
     def forget_instance(self, instance_id: str) -> None:
         """Drop the per-instance series of an instance that left (died or shut down)."""
+        self.denoiser_parking.forget(instance_id)
         for gauge in (self.denoiser_step_rate, self.mm_cache_bytes, self.chat_prefix_bytes, self.chat_max_batch):
             try:
                 gauge.remove(instance_id)

@@ -137,7 +137,9 @@ class DenoiseDone(WorkerReply, kw_only=True, frozen=True, tag="denoise_done"):
     """Final latents are ready on the denoiser and held there until ``PushTask`` arrives."""
 
     specs: dict[str, TensorSpec]  # {"latents": spec}
-    engine_s: float = 0.0  # seconds from joining the engine to its last step: the head's step costs
+    engine_s: float = 0.0  # seconds from joining the engine to its last step
+    tick_s: float = 0.0  # mean seconds of the engine ticks that stepped it: the head's step costs (0: unknown)
+    occupancy: float = 0.0  # mean requests stepped in those ticks (0: unknown)
 
 
 class PreviewReady(WorkerReply, kw_only=True, frozen=True, tag="preview_ready"):

@@ -346,8 +346,7 @@ class GenerationRouter:
 
     def _on_denoise_done(self, tr: Tracked, m: P.DenoiseDone) -> None:
         if self._from(tr, Role.DENOISER, m) and tr.machine.state is S.DENOISING:
-            if m.engine_s > 0:
-                self.costs.learn(shape_of(tr.job.params), m.engine_s / max(1, tr.job.params.steps))
+            self.costs.learn(shape_of(tr.job.params), m.tick_s, m.occupancy)
             tr.waited_s = 0.0  # the decoder slot was charged before denoising started
             tr.machine.to(S.DECODING, self._stage_done(tr, "denoise"))
             job = tr.job

@@ -4,6 +4,14 @@ Contract: the engine owns every ``DenoiseState`` between ``add`` and the tick th
 finished (or ``abort``). Requests join and leave only at step boundaries; a tick is
 schedule() → execute() → update(). ``execute`` is one ``family.denoise_step`` over the batch: one
 transformer forward (``fuse_cfg``) or one per CFG branch, never a loop over requests.
+
+Preemption: a request that would have run in a tick but for the more urgent requests in its batch
+(it is in the batch the less urgent requests would have made alone) is preempted there; its state and its acceleration's state for it are parked
+(``engine.parking``: off the device on CUDA, within ``EngineConfig.max_parked_bytes``; one that
+does not fit waits unparked) and resumed at the start of the tick that next runs it. An abort of a
+parked request frees its parked memory with the rest of its state. A preempted request steps with
+exactly the state it had, so its result is the one it would have had without preemption in the
+same batches.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import torch
 
 from triptych.core.errors import InvalidParam
 from triptych.engine.config import EngineConfig
+from triptych.engine.parking import ParkingLot
 from triptych.engine.scheduler import Running, pick_batch
 from triptych.engine.stats import LORA_FIELDS, EngineStats
 from triptych.families.base import DenoiseState, Family
@@ -44,6 +53,7 @@ class EngineStepOutput:
     #: for a preview at this step (``DenoiseState.preview_steps``; the index is 0-based, in step order,
     #: computed here once for every caller); the tensors are handed over, the engine keeps none
     previews: list[tuple[str, int, int, int, torch.Tensor]] = field(default_factory=list)
+    seconds: float = 0.0  # wall time of the tick's step (every request of ``batch`` advanced in it)
 
 
 class DenoiserEngine:
@@ -66,6 +76,7 @@ class DenoiserEngine:
         #: whole forward's row.
         self.flop_costs = None
         self._running: dict[str, Running] = {}
+        self._parking = ParkingLot(self.config.max_parked_bytes, family.device)
         self._tick = 0
         self._arrivals = count()
 
@@ -105,6 +116,7 @@ class DenoiserEngine:
             return False
         self._release(request_id)
         self.stats.aborted += 1
+        self._parking_stats()
         return True
 
     def has_work(self) -> bool:
@@ -124,8 +136,11 @@ class DenoiserEngine:
         out = EngineStepOutput()
         if not batch:
             return out
+        if order is None:
+            self.preempt(batch)
+        self.resume(batch)
         try:
-            self.execute(batch)
+            out.seconds = self.execute(batch)
         except Exception as e:  # noqa: BLE001 - one bad tick must not take the other requests down
             # NOTE: the traceback references the tick's frames and so the batch's tensors (activations
             # of a failed forward); kept in ``out.failed`` it would form a cycle only the cyclic GC
@@ -139,7 +154,45 @@ class DenoiserEngine:
     def schedule(self) -> list[Running]:
         return pick_batch(list(self._running.values()), self.config)
 
-    def execute(self, batch: list[Running]) -> None:
+    def preempt(self, batch: list[Running]) -> None:
+        """Park the requests more urgent ones displaced from ``batch``: those of the batch the less
+        urgent requests would have had alone that are not in it (while the parked memory allows; the
+        others wait where they are). A request waiting its turn in its own class is not parked."""
+        top = min(r.priority for r in batch)
+        lower = [r for r in self._running.values() if r.priority > top]
+        if not lower:
+            return
+        chosen = {id(r) for r in batch}
+        for r in pick_batch(lower, self.config):
+            if r.parked or id(r) in chosen:
+                continue
+            if self._parking.park(r.state.request_id, self._parts(r)):
+                r.parked = True
+                self.stats.preemptions += 1
+        self._parking_stats()
+
+    def resume(self, batch: list[Running]) -> None:
+        """Bring the parked requests of ``batch`` back onto the device before its step."""
+        for r in batch:
+            if r.parked:
+                self._parking.resume(r.state.request_id, self._parts(r))
+                r.parked = False
+        self._parking_stats()
+
+    def _parts(self, r: Running) -> list:
+        """What parking moves for ``r``: its state, its scheduler and its acceleration's states."""
+        extra = self.accel.request_states(r.state.request_id) if self.accel is not None else []
+        return [r.state, r.state.scheduler, *extra]
+
+    def _parking_stats(self) -> None:
+        self.stats.parked = len(self._parking)
+        self.stats.parked_bytes = self._parking.nbytes
+
+    def parked_requests(self) -> list[str]:
+        return [rid for rid, r in self._running.items() if r.parked]
+
+    def execute(self, batch: list[Running]) -> float:
+        """One step of every request of ``batch``; its wall time in seconds."""
         states = [r.state for r in batch]
         base = self.family.forward if self.wrap is None else self.wrap(self.family.forward)
         forward = None if self.wrap is None else base
@@ -172,6 +225,7 @@ class DenoiserEngine:
         if self.accel is not None:
             s.skipped_rows = self.accel.stats.rows_skipped
         self._lora_stats()
+        return elapsed
 
     def _count_flops(self, calls: list, skipped: int) -> None:
         try:
@@ -217,6 +271,7 @@ class DenoiserEngine:
                 out.failed.append((rid, error))
 
     def _release(self, request_id: str) -> None:
+        self._parking.drop(request_id)
         if self.family.lora is not None:
             self.family.lora.release(request_id)
         if self.accel is not None:

@@ -1,20 +1,28 @@
 """Which requests run in the next step.
 
-Priority first: a request's class (``GenerationParams.priority``, lower sooner) orders before
-everything below, so when the batch is full a higher-priority request that just joined takes a
-place at the next step boundary ahead of lower ones (which keep their state and wait; nothing is
-parked or swapped out). The bound below holds inside one class (with requests of a single class,
-as when no request names a priority).
+Order (ageing priority): every running request remembers the tick at which it last advanced (its
+arrival tick before its first step), and its key is ``last_tick + priority * A`` with
+A = ``EngineConfig.priority_age_ticks``: a virtual deadline, earliest first (then arrival). A
+request of a more urgent class (``GenerationParams.priority``, lower sooner) therefore orders
+ahead of those of a less urgent one that waited less than A ticks per class of difference; one
+that waited longer goes first. Each tick the engine takes the request with the earliest key, runs
+its compatibility group (family, size, frames, dtype), and fills the batch from that group in key
+order, up to ``max_batch_requests`` and ``max_batch_tokens``; with ``lower_class_places`` set,
+at most that many of its places go to requests of a class less urgent than the batch's most
+urgent (those are preempted: ``DenoiserEngine`` parks them while they wait).
 
-Fairness policy (least recently served first): every running request remembers the tick at which
-it last advanced (its arrival tick before its first step). Each tick the engine picks the request
-that has waited longest, runs its compatibility group (family, size, frames, dtype), and fills the
-batch from that group in the same waited-longest order, up to ``max_batch_requests`` and
-``max_batch_tokens``. With B = ``max_batch_requests`` and the running requests in compatibility
-groups of sizes n_1 .. n_G, a request therefore waits at most ``sum(ceil(n_g / B)) - 1`` ticks
-between two of its steps (one group: ``ceil(R / B) - 1``; never more than R - 1), whatever its
-kind: a long video request cannot starve short image requests, and image requests cannot starve
-the video. (Within the token budget; a batch cut short by ``max_batch_tokens`` adds ticks.)
+Bounds. Inside one class the key is the tick of the last step, least recently served first: with
+B = ``max_batch_requests`` and the running requests in compatibility groups of sizes n_1 .. n_G, a
+request waits at most ``sum(ceil(n_g / B)) - 1`` ticks between two of its steps (one group:
+``ceil(R / B) - 1``; never more than R - 1), whatever its kind: a long video request cannot starve
+short image requests, and image requests cannot starve the video. (Within the token budget; a batch
+cut short by ``max_batch_tokens`` or ``lower_class_places`` adds ticks.) Across classes (ageing):
+a request of class p, with q the most urgent class that runs while it waits and R the requests in
+the engine, waits at most ``(p - q) * A + R - 1`` ticks between two of its steps, however long a
+stream of more urgent requests keeps arriving: once it has waited ``(p - q) * A`` ticks every
+request that steps or arrives gets a later key than its own, so each tick runs one of the at most
+R - 1 requests whose key is still earlier, or it. (Requests that join later with a class more
+urgent than q lower q.) A request is never parked or left waiting forever.
 """
 
 from __future__ import annotations
@@ -36,18 +44,28 @@ class Running:
     last_tick: int  # tick of the last step (arrival tick before the first)
     arrival: int  # monotonic arrival counter: tie-breaker
     priority: int = 0  # its class (``GenerationParams.priority``): lower runs sooner
+    parked: bool = False  # its state is parked (``engine.parking``) until its next step
+
+
+def order_key(r: Running, config: EngineConfig) -> tuple[int, int]:
+    """``r``'s place in the order: its virtual deadline (see the module docstring), then arrival."""
+    return (r.last_tick + r.priority * config.priority_age_ticks, r.arrival)
 
 
 def pick_batch(running: Sequence[Running], config: EngineConfig) -> list[Running]:
     """The batch for the next tick; empty when nothing runs."""
     if not running:
         return []
-    order = sorted(running, key=lambda r: (r.priority, r.last_tick, r.arrival))
+    order = sorted(running, key=lambda r: order_key(r, config))
     key = order[0].key
+    group = [r for r in order if r.key == key]
+    top = min(r.priority for r in group)
+    lower_places = config.max_batch_requests if config.lower_class_places is None else config.lower_class_places
     batch: list[Running] = []
     tokens = 0
-    for r in order:
-        if r.key != key:
+    for r in group:
+        lower = r.priority > top
+        if lower and lower_places <= 0 and batch:
             continue
         rows = len(r.state.cond.branches)
         cost = r.tokens * rows
@@ -55,6 +73,7 @@ def pick_batch(running: Sequence[Running], config: EngineConfig) -> list[Running
             break
         batch.append(r)
         tokens += cost
+        lower_places -= lower
     return batch
 
 

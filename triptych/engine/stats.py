@@ -28,6 +28,9 @@ class EngineStats(msgspec.Struct, kw_only=True):
     finished: int = 0  # requests that finished denoising
     aborted: int = 0  # requests dropped from the engine before finishing
     failed: int = 0  # requests evicted because the engine tick that ran them raised
+    preemptions: int = 0  # requests parked because more urgent work took their place (``engine.parking``)
+    parked: int = 0  # requests parked now (latest, not a delta)
+    parked_bytes: int = 0  # bytes of their parked state now (latest, not a delta)
     lora_loaded: int = 0  # LoRA adapters read into memory
     lora_evicted: int = 0  # LoRA adapters dropped from memory to make room
     lora_hits: int = 0  # requests' adapters found in memory
@@ -71,6 +74,9 @@ class EngineStats(msgspec.Struct, kw_only=True):
             finished=self.finished - prev.finished,
             aborted=self.aborted - prev.aborted,
             failed=self.failed - prev.failed,
+            preemptions=self.preemptions - prev.preemptions,
+            parked=self.parked,
+            parked_bytes=self.parked_bytes,
             **{f: getattr(self, f) - getattr(prev, f) for f in LORA_FIELDS},
             lora_resident=list(self.lora_resident),
         )

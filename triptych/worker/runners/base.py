@@ -88,7 +88,8 @@ def specs_of(tensors: dict[str, torch.Tensor]) -> dict[str, TensorSpec]:
 
 
 class StageRunner:
-    """A queue of ready jobs, computed one per ``execute()`` in arrival order."""
+    """A queue of ready jobs, computed one per ``execute()`` by priority class (lower first, as the
+    head queues them), in arrival order inside a class (``enqueue``)."""
 
     stage: str
     tasks: tuple[type, ...] = ()
@@ -125,9 +126,15 @@ class StageRunner:
     def compute(self, job: Job) -> None:
         raise NotImplementedError
 
+    def enqueue(self, job: Job) -> None:
+        """Into ``ready`` behind every job of its class and of the classes before it (a chat: class 0)."""
+        p = _priority(job)
+        at = next((i for i, j in enumerate(self.ready) if _priority(j) > p), len(self.ready))
+        self.ready.insert(at, job)
+
     def arrived(self, job: Job, tensors: dict[str, torch.Tensor]) -> None:
         job.incoming = tensors  # consumed by compute
-        self.ready.append(job)
+        self.enqueue(job)
 
     def preview_arrived(self, job: Job, handoff: str, tensors: dict[str, torch.Tensor]) -> None:
         """A preview's latents landed (decoder); other stages take none."""
@@ -180,3 +187,7 @@ class StageRunner:
             self.port.reserve(job, handoff, task.specs, task.source, task.reserve_timeout_s)
         except TransferError as e:
             self.port.fail(job, e, retryable=True)
+
+
+def _priority(job: Job) -> int:
+    return job.params.priority if job.params is not None else 0

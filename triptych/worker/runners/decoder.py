@@ -67,7 +67,7 @@ class DecoderRunner(StageRunner):
         if self._pending.get(job.request_id):
             self._final_waiting[job.request_id] = job
         else:
-            self.ready.append(job)
+            self.enqueue(job)
 
     def preview_arrived(self, job: Job, handoff: str, tensors: dict[str, torch.Tensor] | None) -> None:
         if tensors is None:
@@ -100,7 +100,7 @@ class DecoderRunner(StageRunner):
             return
         pending.pop(handoff, None)
         if not pending and job.request_id in self._final_waiting:
-            self.ready.append(self._final_waiting.pop(job.request_id))
+            self.enqueue(self._final_waiting.pop(job.request_id))
 
     def compute(self, job: Job) -> None:
         latents, job.incoming = job.incoming["latents"], None

@@ -39,6 +39,8 @@ class DenoiserRunner(StageRunner):
         self._jobs: dict[str, Job] = {}  # request id -> its job, while its state is in the engine
         self._waiting: deque[tuple[Job, object]] = deque()  # (job, prepared state): no LoRA room yet
         self._joined: dict[str, float] = {}  # request id -> when it joined the engine (``DenoiseDone.engine_s``)
+        #: request id -> [ticks, their seconds, requests in them]: its ``DenoiseDone.tick_s`` and ``occupancy``
+        self._ticks: dict[str, list[float]] = {}
 
     def take(self, task: P.DenoiseTask) -> None:
         self.receive(self.new_job(task, wire.params_from_wire(task.params)), "cond", task)
@@ -68,9 +70,15 @@ class DenoiserRunner(StageRunner):
     def publish(self, out) -> None:
         """Tell the head what one engine tick did."""
         port = self.port
+        for rid in out.batch:
+            ticks = self._ticks.setdefault(rid, [0, 0.0, 0])
+            ticks[0] += 1
+            ticks[1] += out.seconds
+            ticks[2] += len(out.batch)
         for rid, error in out.failed:  # another instance may well succeed (e.g. this one ran out of memory)
             job = self._jobs.pop(rid, None)
             self._joined.pop(rid, None)
+            self._ticks.pop(rid, None)
             if job is not None and port.owns(job):
                 port.fail(job, error, retryable=True)
         followed = tuple(
@@ -101,6 +109,7 @@ class DenoiserRunner(StageRunner):
         for state in out.finished:
             job = self._jobs.pop(state.request_id, None)
             joined = self._joined.pop(state.request_id, None)
+            ticks, seconds, requests = self._ticks.pop(state.request_id, None) or (0, 0.0, 0)
             if job is None or not port.owns(job):
                 continue
             job.outgoing = to_host({"latents": state.latents.detach().contiguous()})
@@ -111,6 +120,8 @@ class DenoiserRunner(StageRunner):
                     instance_id=port.instance_id,
                     specs=specs_of(job.outgoing),
                     engine_s=0.0 if joined is None else time.monotonic() - joined,
+                    tick_s=seconds / ticks if ticks else 0.0,
+                    occupancy=requests / ticks if ticks else 0.0,
                 )
             )
 
@@ -173,6 +184,7 @@ class DenoiserRunner(StageRunner):
         if self._jobs.get(job.request_id) is job:
             del self._jobs[job.request_id]
             self._joined.pop(job.request_id, None)
+            self._ticks.pop(job.request_id, None)
         self.engine.abort(job.request_id)
 
 

@@ -56,7 +56,7 @@ class EncoderRunner(StageRunner):
     def take(self, task) -> None:
         if not isinstance(task, P.ChatTask):
             job = self.new_job(task, wire.params_from_wire(task.params))
-            self.ready.append(job)
+            self.enqueue(job)
             return self._hold_images(job, job.params)
         job = self.new_job(task, None)
         if self.remote is not None:

@@ -77,6 +77,7 @@ class ParallelDenoiserRunner(DenoiserRunner):
         self._joins = [(j, c) for j, c in self._joins if j is not job]
         if self._jobs.get(job.request_id) is job:
             del self._jobs[job.request_id]
+            self._ticks.pop(job.request_id, None)
             self._aborts.append(job.request_id)  # leaves every rank's engine at the next boundary
 
     def execute(self) -> None:
