@@ -14,6 +14,13 @@ KV cache on five questions about one image; same weights, same run, configuratio
    latency (submit to answer).
 3. Streaming: p99 time between tokens of 4 streaming chats (max_tokens 64), idle vs while chats
    with 8 images each arrive (one every ``--burst-every-s`` of wall time, 0.25 s).
+4. A vision flood (``--only-flood``): chats with 8 new images each (never seen before: the vision
+   tower runs for all of them; max_tokens 4) arrive open-loop at ``--flood-rates`` chats per second
+   for ``--flood-window-s``, beside one streamed chat (max_tokens 64, a new one when it ends), with
+   admission by item counts (``step_time_budget=0``, the old default) and by time (the default),
+   alternating within each repeat. Per rate and mode: the stream's p99 gap between tokens against
+   the stream alone (same mode), and the flood's throughput (its chats answered over first
+   arrival to last answer) against the same flood without the stream.
 
 Medians over ``--repeats`` (after a warm-up). Tokens/s in part 1 are per second of process CPU time
 (one torch thread), which a loaded shared machine disturbs far less than wall time; latencies and
@@ -25,9 +32,11 @@ gaps in parts 2 and 3 are wall time. Prints markdown tables.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import time
+from dataclasses import dataclass
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -117,6 +126,120 @@ def p99(values: list[float]) -> float:
     return statistics.quantiles(values, n=100)[98]
 
 
+class Fresh:
+    """Chats with 8 images never shown before in this process: each image's corner pixel carries a
+    counter, so no content hash repeats and every image runs the vision tower."""
+
+    def __init__(self):
+        self.n = 0
+
+    def chat(self) -> ChatParams:
+        scenes = sample_scenes(8, f"flood-{self.n}", "heldout")
+        images = []
+        for scene in scenes:
+            image = render(scene, 64)
+            image.putpixel((0, 0), (self.n % 256, (self.n // 256) % 256, 7))
+            images.append(image)
+            self.n += 1
+        return ask("Compare them", images, max_tokens=4, ignore_eos=True)
+
+
+@dataclass
+class FloodRun:
+    gaps: list[float]  # seconds between the stream's consecutive tokens, within the window
+    answered: int  # flood chats answered
+    seconds: float  # first arrival to last answer
+
+
+def flood_run(chat, config, image, prompts, rate: float, window_s: float, stream: bool) -> FloodRun:
+    """``prompts`` arrive at ``rate`` per second from the window's start (after the stream, if any,
+    has decoded 8 tokens); the stream runs through the window (a new one when it ends), then the
+    engine drains the flood."""
+    engine = ChatEngine(chat, config)
+    stream_params = ask("Describe it", [image], max_tokens=64, ignore_eos=True)
+    live = engine.submit("s0", stream_params, stream=True) if stream else None
+    while live is not None and len(live.tokens) < 8:
+        engine.step()
+    start = time.perf_counter()
+    arrivals = [start + i / rate for i in range(len(prompts))]
+    flood, done_at, gaps = [], {}, []
+    seen, last, streams = 0 if live is None else len(live.tokens), None, 1
+    while True:
+        now = time.perf_counter()
+        while len(flood) < len(prompts) and arrivals[len(flood)] <= now:
+            flood.append(engine.submit(f"f{len(flood)}", prompts[len(flood)]))
+        in_window = now - start < window_s
+        if live is not None and (live.done or not in_window):
+            if not in_window:
+                engine.cancel(live.id)
+                live = None
+            else:
+                live, seen, last = engine.submit(f"s{streams}", stream_params, stream=True), 0, None
+                streams += 1
+        if len(flood) == len(prompts) and len(done_at) == len(flood) and live is None:
+            break
+        if not engine.has_work():
+            time.sleep(max(0.0, min(arrivals[len(flood)] - now, 0.01)) if len(flood) < len(prompts) else 0.001)
+            continue
+        engine.step()
+        now = time.perf_counter()
+        if live is not None and len(live.tokens) > seen:
+            if last is not None:
+                gaps.append(now - last)
+            seen, last = len(live.tokens), now
+        for c in flood:
+            if c.done and c.id not in done_at:
+                done_at[c.id] = now
+    assert all(c.result is not None and c.result.completion_tokens == 4 for c in flood)
+    return FloodRun(gaps, len(flood), max(done_at.values(), default=start) - start)
+
+
+def vision_flood(chat, image, rates: list[float], window_s: float, repeats: int) -> None:
+    modes = {
+        "items (old)": ChatEngineConfig(step_time_budget=0, prefix_cache_mb=0),
+        "time (new)": ChatEngineConfig(prefix_cache_mb=0),
+    }
+    fresh = Fresh()
+    flood_run(chat, modes["time (new)"], image, [fresh.chat() for _ in range(4)], 8.0, 0.5, True)  # warm-up
+    idle: dict[str, list[float]] = {m: [] for m in modes}
+    runs: dict[tuple[float, str, bool], list[FloodRun]] = {}
+    loads = []
+    for _ in range(repeats):
+        for mode, config in modes.items():
+            idle[mode] += flood_run(chat, config, image, [], 1.0, window_s, True).gaps
+        for rate in rates:
+            for mode, config in modes.items():
+                for stream in (False, True):
+                    prompts = [fresh.chat() for _ in range(math.ceil(rate * window_s))]
+                    runs.setdefault((rate, mode, stream), []).append(
+                        flood_run(chat, config, image, prompts, rate, window_s, stream)
+                    )
+        loads.append(os.getloadavg()[0])
+    print(
+        f"\nvision flood: 8 new images a chat, window {window_s} s, {repeats} repeats, "
+        f"load average {min(loads):.1f}-{max(loads):.1f}"
+    )
+    print("idle stream p99 gap: " + ", ".join(f"{m} {p99(g) * 1e3:.1f} ms ({len(g)} gaps)" for m, g in idle.items()))
+    print(
+        "\n| flood chats/s | admission | stream p99 gap ms | vs idle | stream p50 gap ms | "
+        "flood answered/s alone | with the stream | vs alone |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for rate in rates:
+        for mode in modes:
+            gaps = [g for r in runs[(rate, mode, True)] for g in r.gaps]
+
+            def answered_per_s(stream: bool) -> float:
+                rs = runs[(rate, mode, stream)]
+                return sum(r.answered for r in rs) / sum(r.seconds for r in rs)
+
+            alone, beside = answered_per_s(False), answered_per_s(True)
+            print(
+                f"| {rate:g} | {mode} | {p99(gaps) * 1e3:.1f} | {p99(gaps) / p99(idle[mode]):.2f}x | "
+                f"{statistics.median(gaps) * 1e3:.1f} | {alone:.2f} | {beside:.2f} | {beside / alone:.2f} |"
+            )
+
+
 def throughput(chat, images, prompts, repeats: int) -> None:
     alone = [chat.run(p) for p in prompts]  # also the warm-up
     modes = ("generate", "one", "batched")
@@ -152,9 +275,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--burst-every-s", type=float, default=0.25)
     ap.add_argument("--only-streaming", action="store_true", help="part 3 only")
+    ap.add_argument("--only-flood", action="store_true", help="part 4 only")
+    ap.add_argument("--flood-rates", type=float, nargs="+", default=[1.0, 2.0, 4.0], help="chats per second")
+    ap.add_argument("--flood-window-s", type=float, default=2.0)
     args = ap.parse_args()
     chat = family_class(PACKAGED_DEFAULT)(PACKAGED_DEFAULT, roles={Role.ENCODER}).chat_model()
     images = [render(s, 64) for s in sample_scenes(8, "chat-batching-bench", "heldout")]
+    if args.only_flood:
+        return vision_flood(chat, images[0], args.flood_rates, args.flood_window_s, args.repeats)
     prompts = [ask(QUESTIONS[0], [images[i]], max_tokens=32, ignore_eos=True) for i in range(8)]
     if not args.only_streaming:
         throughput(chat, images, prompts, args.repeats)

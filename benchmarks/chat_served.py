@@ -15,7 +15,16 @@ engine; the head routes chats against the encoder's chat slots).
    histograms (``triptych_chat_*_seconds``) read before and after, their mean, p50 and p99 (p50
    and p99 interpolated within the buckets, as Prometheus' ``histogram_quantile``).
 
+4. A vision flood (``--flood``, instead of 1-3): two servers side by side, one admitting by item
+   counts (``--step-time-budget 0``, the old default) and one by time (the default); chats with 8
+   new images each (max_tokens 4) arrive open-loop at ``--flood-rates`` chats per second for
+   ``--flood-window-s`` beside a streamed chat (max_tokens 64, a new one when it ends), the two
+   servers alternating within each repeat. Per rate and server: the stream's p99 gap between
+   pieces against the stream alone on that server, and the flood's chats answered per second
+   (first arrival to last answer) against the same flood without the stream.
+
     python benchmarks/chat_served.py [--repeats 5] [--prefill-tokens-per-step 64]
+    python benchmarks/chat_served.py --flood [--repeats 3] [--flood-rates 2 4 8]
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import argparse
 import asyncio
 import base64
 import io
+import math
 import os
 import re
 import statistics
@@ -246,19 +256,125 @@ async def bench(server: Server, args) -> None:
         print_latency_split(latency_split(metrics_before, (await client.get("/metrics")).text, model))
 
 
+def fresh_urls(n: int, counter: list[int]) -> list[str]:
+    """``n`` images never sent before in this run (a counter in each one's corner pixel)."""
+    urls = []
+    for scene in sample_scenes(n, f"flood-{counter[0]}", "heldout"):
+        image = render(scene, 64)
+        image.putpixel((0, 0), (counter[0] % 256, (counter[0] // 256) % 256, 7))
+        counter[0] += 1
+        urls.append(data_url(image))
+    return urls
+
+
+async def flood_run(client, stream_body: dict | None, flood: list[dict], rate: float, window_s: float):
+    """(the stream's gaps within the window, flood chats answered, first arrival to last answer)."""
+    start = time.perf_counter()
+
+    async def one(i: int, b: dict) -> float:
+        await asyncio.sleep(max(0.0, start + i / rate - time.perf_counter()))
+        out = await ask(client, b)
+        assert out["usage"]["completion_tokens"] == 4
+        return time.perf_counter()
+
+    tasks = [asyncio.create_task(one(i, b)) for i, b in enumerate(flood)]
+    gaps: list[float] = []
+    while stream_body is not None and time.perf_counter() - start < window_s:
+        gaps += await stream_gaps(client, stream_body)
+    done = await asyncio.gather(*tasks)
+    return gaps, len(done), max(done, default=start) - start
+
+
+async def flood_bench(servers: dict[str, Server], args) -> None:
+    clients = {name: httpx.AsyncClient(base_url=s.base, timeout=600) for name, s in servers.items()}
+    try:
+        first = next(iter(clients.values()))
+        model = next(m["id"] for m in (await first.get("/v1/models")).json()["data"] if m.get("chat"))
+        image = data_url(render(sample_scenes(1, "chat-served-flood", "heldout")[0], 64))
+        stream_body = body(model, [image], 64, stream=True, question="Describe it")
+        counter = [0]
+
+        def flood(n: int) -> list[dict]:
+            return [body(model, fresh_urls(8, counter), 4, question="Compare them") for _ in range(n)]
+
+        for client in clients.values():  # warm-up
+            await flood_run(client, stream_body, flood(2), 4.0, 0.5)
+        idle: dict[str, list[float]] = {name: [] for name in clients}
+        runs: dict[tuple[float, str, bool], list[tuple]] = {}
+        loads = []
+        for _ in range(args.repeats):
+            for name, client in clients.items():
+                idle[name] += (await flood_run(client, stream_body, [], 1.0, args.flood_window_s))[0]
+            for rate in args.flood_rates:
+                for name, client in clients.items():
+                    for with_stream in (False, True):
+                        bodies = flood(math.ceil(rate * args.flood_window_s))
+                        got = await flood_run(
+                            client, stream_body if with_stream else None, bodies, rate, args.flood_window_s
+                        )
+                        runs.setdefault((rate, name, with_stream), []).append(got)
+            loads.append(os.getloadavg()[0])
+    finally:
+        for client in clients.values():
+            await client.aclose()
+    print(
+        f"vision flood over HTTP: 8 new images a chat, window {args.flood_window_s} s, {args.repeats} repeats, "
+        f"load average {min(loads):.1f}-{max(loads):.1f}"
+    )
+    print("idle stream p99 gap: " + ", ".join(f"{n} {p99(g) * 1e3:.1f} ms ({len(g)} gaps)" for n, g in idle.items()))
+    print(
+        "\n| flood chats/s | admission | stream p99 gap ms | vs idle | stream p50 gap ms | "
+        "flood answered/s alone | with the stream | vs alone |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for rate in args.flood_rates:
+        for name in clients:
+            gaps = [g for r in runs[(rate, name, True)] for g in r[0]]
+
+            def per_s(with_stream: bool) -> float:
+                rs = runs[(rate, name, with_stream)]
+                return sum(r[1] for r in rs) / sum(r[2] for r in rs)
+
+            alone, beside = per_s(False), per_s(True)
+            print(
+                f"| {rate:g} | {name} | {p99(gaps) * 1e3:.1f} | {p99(gaps) / p99(idle[name]):.2f}x | "
+                f"{statistics.median(gaps) * 1e3:.1f} | {alone:.2f} | {beside:.2f} | {beside / alone:.2f} |"
+            )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--burst-every-s", type=float, default=0.25)
     ap.add_argument("--prefill-tokens-per-step", type=int, default=None, help="passed to serve (default: its own)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    ap.add_argument("--flood", action="store_true", help="part 4 only: items vs time admission, two servers")
+    ap.add_argument("--flood-rates", type=float, nargs="+", default=[2.0, 4.0, 8.0], help="chats per second")
+    ap.add_argument("--flood-window-s", type=float, default=2.0)
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="chat-served-")
-    cmd = [sys.executable, "-m", "triptych.cli", "serve", "--model", str(PACKAGED_DEFAULT), "--threads"]
-    cmd += [str(args.threads), "--transfer", "zmq", "--data-dir", str(Path(tmp) / "head")]
-    if args.prefill_tokens_per_step is not None:
-        cmd += ["--prefill-tokens-per-step", str(args.prefill_tokens_per_step)]
-    server = Server("serve", cmd, tmp)
+
+    def command(name: str, *extra: str) -> list[str]:
+        cmd = [sys.executable, "-m", "triptych.cli", "serve", "--model", str(PACKAGED_DEFAULT), "--threads"]
+        cmd += [str(args.threads), "--transfer", "zmq", "--data-dir", str(Path(tmp) / name), *extra]
+        if args.prefill_tokens_per_step is not None:
+            cmd += ["--prefill-tokens-per-step", str(args.prefill_tokens_per_step)]
+        return cmd
+
+    if args.flood:
+        servers = {
+            "items (old)": Server("items", command("items", "--step-time-budget", "0"), tmp),
+            "time (new)": Server("time", command("time"), tmp),
+        }
+        try:
+            for server in servers.values():
+                server.wait()
+            asyncio.run(flood_bench(servers, args))
+        finally:
+            for server in servers.values():
+                server.stop()
+        return
+    server = Server("serve", command("head"), tmp)
     try:
         server.wait()
         asyncio.run(bench(server, args))

@@ -66,13 +66,16 @@ def test_chats_admitted_together_prefill_in_one_forward_and_answer_as_alone(chat
 
 
 def test_a_long_prompt_prefills_in_chunks_while_the_running_chats_decode(chat, images, monkeypatch):
-    """Each step prefills at most ``prefill_tokens_per_step`` tokens and runs the vision tower for at
-    most ``prefill_images_per_step`` images, and every running chat gets its next token."""
+    """By item counts (``step_time_budget`` 0), each step prefills at most
+    ``prefill_tokens_per_step`` tokens and runs the vision tower for at most
+    ``prefill_images_per_step`` images, and every running chat gets its next token."""
     budget, per_step = 32, 2
     tower = chat.model.model.get_image_features
     calls = []
     monkeypatch.setattr(chat.model.model, "get_image_features", lambda *a, **k: calls.append(1) or tower(*a, **k))
-    config = ChatEngineConfig(prefill_tokens_per_step=budget, prefill_images_per_step=per_step, prefix_cache_mb=0)
+    config = ChatEngineConfig(
+        step_time_budget=0, prefill_tokens_per_step=budget, prefill_images_per_step=per_step, prefix_cache_mb=0
+    )
     engine = ChatEngine(chat, config)
     streams = [engine.submit(i, ask("Describe it", images[i], max_tokens=40, ignore_eos=True)) for i in range(2)]
     while len(engine.running) < 2:
@@ -134,7 +137,9 @@ def test_one_forward_per_step_when_chats_join_while_others_decode(chat, images, 
     decode): every step is one model forward, with images, chunks over several steps and a
     prefix hit, and every answer is the one it gets alone."""
     system = "You describe images."
-    config = ChatEngineConfig(prefill_tokens_per_step=48, prefill_images_per_step=1, prefix_cache_mb=8)
+    config = ChatEngineConfig(
+        step_time_budget=0, prefill_tokens_per_step=48, prefill_images_per_step=1, prefix_cache_mb=8
+    )
     engine = ChatEngine(chat, config)
     forward = chat.model.model.forward
     calls = []

@@ -12,16 +12,23 @@ class ChatEngineConfig:
 
     max_running_chats: int = 16
     """Chats that decode together, one batched forward per token; more wait in arrival order."""
+    step_time_budget: float = 1.0
+    """Vision encode and prefill a step runs beside the running chats' decode, as a multiple of the
+    decode step's time (an EMA of the measured decode forwards): the work is admitted by its
+    estimated time (an EMA of measured seconds per vision token and per prompt token,
+    ``chat.budget``), images of one chat spread over steps, so the running chats keep their pace.
+    The first prefilling chat always runs its next image or text chunk, even past the budget. With
+    no chat decoding, admitted prompts prefill whole at once. 0: admission by the item counts
+    ``prefill_tokens_per_step`` and ``prefill_images_per_step`` instead."""
     prefill_tokens_per_step: int = 64
     """Prompt tokens prefilled per engine step while chats are decoding, over all newly admitted
-    chats (one batched forward): a long prompt (a chat with 8 images) is prefilled in chunks
-    across steps, the running chats' decode in each, so its arrival does not stall their next
-    token for its whole prefill. With no chat decoding, admitted prompts prefill whole at once."""
+    chats (one batched forward), with ``step_time_budget`` 0: a long prompt (a chat with 8 images)
+    is prefilled in chunks across steps, the running chats' decode in each. With the time budget,
+    the most text tokens the first prefilling chat runs past the budget (its progress per step)."""
     prefill_images_per_step: int = 2
-    """Images whose vision tower runs per engine step while chats are decoding (a chunk stops before
-    the next image past it): with ``prefill_tokens_per_step`` it bounds what a step adds to the
-    running chats' next token. A joiner's processor (chat template, image preprocessing) runs on a
-    thread of its own."""
+    """Images whose vision tower runs per engine step while chats are decoding, with
+    ``step_time_budget`` 0 (a chunk stops before the next image past it). A joiner's processor
+    (chat template, image preprocessing) runs on a thread of its own."""
     prefix_cache_mb: float = 64.0
     """Budget in MiB (2**20 bytes) of the chat prefix KV cache (prompt KV keyed by the token ids and
     the content hashes of the images in them); least recently used entries not in use are evicted
@@ -44,6 +51,13 @@ class ChatEngineConfig:
             )
         if self.prefill_images_per_step < 1:
             raise ValueError(f"ChatEngineConfig.prefill_images_per_step={self.prefill_images_per_step}: must be >= 1")
+        if isinstance(self.step_time_budget, bool) or not isinstance(self.step_time_budget, (int, float)):
+            raise ValueError(f"ChatEngineConfig.step_time_budget={self.step_time_budget!r}: must be a number")
+        if not (math.isfinite(self.step_time_budget) and 0 <= self.step_time_budget <= 100):
+            raise ValueError(
+                f"ChatEngineConfig.step_time_budget={self.step_time_budget}: must be in [0, 100] decode steps "
+                "(0 = admission by item counts)"
+            )
         if not (isinstance(self.prefix_cache_mb, (int, float)) and math.isfinite(self.prefix_cache_mb)):
             raise ValueError(f"ChatEngineConfig.prefix_cache_mb={self.prefix_cache_mb!r}: must be a finite number")
         if self.prefix_cache_mb < 0:

@@ -2,9 +2,9 @@
 
 Every running chat advances in one model forward per token, and a step runs one forward whoever
 joins: ``step()`` admits waiting chats into free slots, then runs the next chunks of the admitted
-chats' prompts (at most ``prefill_tokens_per_step`` tokens in all, so a long multimodal prompt
-spreads over several steps; a prefix-cache hit makes a row start after its reused tokens) and the
-next token of every running chat (``KVBatch``: their caches left-padded into one batch, an
+chats' prompts (vision encode and prefill within the step's time budget, ``chat.chunks``, so a long
+multimodal prompt spreads over several steps; a prefix-cache hit makes a row start after its reused
+tokens) and the next token of every running chat (``KVBatch``: their caches left-padded into one batch, an
 attention mask over the padding, explicit per-row rope positions) in one forward (``prefill`` with
 ``Decode`` rows: mixed prefill and decode), and picks each chat's next token with its own
 ``Sampler``. A step with only prefill work or only decode work runs that alone. Chats join and leave between tokens: at most
@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from triptych.chat.budget import StepCosts
+from triptych.chat.chunks import item_chunks, timed_chunks
 from triptych.chat.config import ChatEngineConfig
 from triptych.chat.kvbatch import KV, KVBatch, layers_of
 from triptych.chat.params import ChatParams, ChatResult
@@ -85,12 +87,19 @@ class ChatEngine:
     the engine's prompt thread, so a joiner with 8 images does not hold their next token for its
     processor. One submitted while none decodes is built on the caller's thread (``build_next``, or
     at admission): nobody waits for it there, and a second thread would only contend with the
-    caller for the GIL (on a busy 2-core machine that cost more than the builds)."""
+    caller for the GIL (on a busy 2-core machine that cost more than the builds).
 
-    def __init__(self, chat: ChatModel, config: ChatEngineConfig = ChatEngineConfig()):
+    With ``step_time_budget`` > 0 a step beside decoding chats admits vision and prefill by their
+    estimated seconds (``costs``, learnt from this engine's own forwards), within
+    ``step_budget_s()``; until a decode forward has been measured, such a step decodes alone
+    (once) to measure it. The first prefilling chat progresses every step (``chat.chunks``)."""
+
+    def __init__(self, chat: ChatModel, config: ChatEngineConfig = ChatEngineConfig(), costs: StepCosts | None = None):
+        """``costs``: the cost model to estimate and learn with (a test passes a fixed one)."""
         self.chat = chat
         self.model = chat.model
         self.config = config
+        self.costs = StepCosts() if costs is None else costs
         self.stats = ChatEngineStats()
         self.prefix = PrefixCache(config.prefix_cache_bytes, self.stats) if config.prefix_cache_bytes > 0 else None
         self.waiting: deque[Chat] = deque()
@@ -157,11 +166,20 @@ class ChatEngine:
             self.prefix.snapshot()
         return ChatEngineStats(**{f: getattr(self.stats, f) for f in self.stats.__struct_fields__})
 
+    def step_budget_s(self) -> float | None:
+        """Seconds a step may spend on vision and prefill beside the running chats' decode (the
+        config's multiple of the decode estimate); None when nothing bounds it by time (no chat
+        decodes, or admission by item counts) and infinite while the decode is unmeasured."""
+        if not self.running or self.config.step_time_budget == 0:
+            return None
+        return self.config.step_time_budget * self.costs.estimate("decode")
+
     @torch.no_grad()
-    def step(self) -> list[Chat]:
+    def step(self, spent_s: float = 0.0) -> list[Chat]:
         """Admit waiting chats while slots are free, then run one forward over the prefilling
-        chats' next chunks (at most ``prefill_tokens_per_step`` prompt tokens in all) and the next
-        token of all running chats. Returns the chats that produced text or ended in this step
+        chats' next chunks (within the step's budget) and the next token of all running chats.
+        ``spent_s``: vision time the caller already spent for this step (the encoder layer's),
+        taken off its time budget. Returns the chats that produced text or ended in this step
         (ended ones are gone); a chat that finishes its prefill here decodes from the next step."""
         touched, built = self._drop_cancelled(), 0
         while self.waiting and len(self.running) + len(self.prefilling) < self.config.max_running_chats:
@@ -179,13 +197,17 @@ class ChatEngine:
                 self.prefilling.append(chat)
             else:
                 touched.append(chat)
-        if self.prefilling and self.running:
-            touched += self._mixed_step()
+        if self.running and self.prefilling and not self._measuring():
+            touched += self._mixed_step(spent_s)
+        elif self.running:
+            touched += self._decode()  # with prefilling chats: the step that measures the decode
         elif self.prefilling:
             touched += self._prefill_step()
-        elif self.running:
-            touched += self._decode()
         return touched
+
+    def _measuring(self) -> bool:
+        """Whether the time budget waits for its first decode measurement (one decode-only step)."""
+        return self.config.step_time_budget > 0 and not self.costs.known("decode")
 
     # ---- scheduling -----------------------------------------------------------------------------
     def _drop_cancelled(self) -> list[Chat]:
@@ -224,42 +246,36 @@ class ChatEngine:
                 self.stats.prefill_reused += reuse
         return True
 
-    def _chunks(self) -> list[tuple[Chat, int]]:
-        """The prefilling chats of this step and the end of each one's chunk: in admission order,
-        within the token and image budgets (the first one always gets a chunk). With no chat decoding
-        nobody waits for the prefill: the admitted prompts prefill whole, in one forward."""
-        budget, images = self.config.prefill_tokens_per_step, self.config.prefill_images_per_step
+    def _chunks(self, spent_s: float) -> list[tuple[Chat, int]]:
+        """The prefilling chats of this step and the end of each one's chunk, in admission order
+        (``chat.chunks``; the first one always gets a chunk). With no chat decoding nobody waits
+        for the prefill: the admitted prompts prefill whole, in one forward."""
+        config = self.config
+        budget = self.step_budget_s()
         if not self.running:
-            budget = images = 1 << 30
-        chunks = []
-        for chat in self.prefilling:
-            if budget <= 0:
-                break
-            start = chat.prefilled
-            end = start + min(len(chat.prompt) - start, budget)
-            for j, (t0, t1, _, _) in enumerate(chat.prompt.images):  # images whose tower runs in this chunk
-                if t1 <= start or t0 >= end or j in chat.features:
-                    continue
-                if images == 0:
-                    end = t0  # the chunk stops before it: its tower runs in a later step
-                    break
-                images -= 1
-            if end > start:
-                chunks.append((chat, end))
-                budget -= end - start
-        return chunks
+            return [(chat, len(chat.prompt)) for chat in self.prefilling]
+        if budget is None:
+            return item_chunks(self.prefilling, config.prefill_tokens_per_step, config.prefill_images_per_step)
+        return timed_chunks(self.prefilling, budget - spent_s, self.costs, config.prefill_tokens_per_step)
 
-    def _prefill_rows(self) -> tuple[list[tuple[Chat, int]], list[Row], list[Chat]]:
+    def _prefill_rows(self, spent_s: float = 0.0) -> tuple[list[tuple[Chat, int]], list[Row], list[Chat]]:
         """This step's chunks and their rows; a chat whose images fail here fails alone (touched)."""
         chunks, rows, touched = [], [], []
-        for chat, end in self._chunks():
+        for chat, end in self._chunks(spent_s):
             start = time.perf_counter()
             if chat.prefill_start is None:
                 chat.prefill_start = start
+            towers = sum(
+                t1 - t0
+                for j, (t0, t1, _, _) in enumerate(chat.prompt.images)
+                if t1 > chat.prefilled and t0 < end and j not in chat.features
+            )
             try:
                 with tenant_scope(chat.params.tenant):  # the vision tower's mm-hash cache is scoped by who asks
                     embeds = chunk_embeddings(self.model, chat.prompt, chat.prefilled, end, chat.features)
-                chat.vision_s += time.perf_counter() - start
+                seconds = time.perf_counter() - start
+                chat.vision_s += seconds
+                self.costs.observe("vision", towers, seconds)
             except (ValueError, RuntimeError) as e:  # this chat's images: it fails alone
                 self._fail_prefill(chat, e)
                 touched.append(chat)
@@ -282,7 +298,9 @@ class ChatEngine:
                 self._fail_prefill(chat, e)
             return [c for c, _ in chunks]
         self.forwards += 1
-        return self._prefilled(chunks, kvs, logits, time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        self.costs.observe("prefill", sum(end - chat.prefilled for chat, end in chunks), seconds)
+        return self._prefilled(chunks, kvs, logits, seconds)
 
     def _prefilled(
         self, chunks: list[tuple[Chat, int]], kvs: list[KV], logits: torch.Tensor, seconds: float
@@ -301,11 +319,12 @@ class ChatEngine:
                 touched.append(chat)
         return touched
 
-    def _mixed_step(self) -> list[Chat]:
+    def _mixed_step(self, spent_s: float) -> list[Chat]:
         """The prefill chunks and the running chats' next tokens in one forward (``prefill`` with
         ``Decode`` rows): one forward per step whoever joins. If that forward fails, the two parts
-        run apart so that each fails (or not) on its own."""
-        chunks, rows, touched = self._prefill_rows()
+        run apart so that each fails (or not) on its own. The forward's time less the decode
+        estimate is the chunks' prefill time (``costs``)."""
+        chunks, rows, touched = self._prefill_rows(spent_s)
         if not rows:
             return touched + self._decode()
         running, device = self.running, self.model.device
@@ -326,6 +345,9 @@ class ChatEngine:
         self.forwards += 1
         self.batch.stepped(stepped)
         seconds = time.perf_counter() - start
+        decode_s = self.costs.estimate("decode") if self.costs.known("decode") else 0.0
+        tokens = sum(end - chat.prefilled for chat, end in chunks)
+        self.costs.observe("prefill", tokens, seconds - decode_s)
         touched += self._decoded(logits[: len(running)])  # before the joiners take their rows
         return touched + self._prefilled(chunks, kvs, logits[len(running) :], seconds)
 
@@ -370,6 +392,7 @@ class ChatEngine:
         device = self.model.device
         ids = torch.tensor([[c.tokens[-1]] for c in running], device=device)
         positions = torch.tensor([c.next_position for c in running], device=device).view(1, -1, 1).expand(3, -1, 1)
+        start = time.perf_counter()
         try:
             out = self.model(
                 input_ids=ids,
@@ -387,6 +410,7 @@ class ChatEngine:
             self._keep_unfinished()
             return running
         self.forwards += 1
+        self.costs.observe("decode", 1, time.perf_counter() - start)
         self.batch.appended()
         return self._decoded(out.logits[:, -1])
 

@@ -4,7 +4,8 @@ The encoder runner hands every new request's images to ``EncoderLayer.add`` (an 
 condition image, a chat's images, in the order the tower will see them) and calls ``step()`` once
 per ``execute()``. A step takes images round-robin across the waiting requests within the budget
 (``MMCacheConfig.step_images`` images, ``step_vision_tokens`` vision tokens; a request with 8 images
-cannot starve the others: its rest waits for the next step), runs each through the processor (its
+cannot starve the others: its rest waits for the next step; with a time budget, also only the
+images whose estimated seconds fit it, the first one always), runs each through the processor (its
 tier hits on a repeat), and encodes the embedding misses of all of them as ONE tower forward
 (``MMEmbeddingCache.encode``, deduplicated by mm-hash and token count). Every image's entry is then
 held for its request until ``release``; the request's own encode or chat finds it there.
@@ -78,10 +79,14 @@ class EncoderLayer:
         self._seconds.pop(holder, None)
         self.cache.release(holder)
 
-    def step(self) -> int:
-        """One batched forward over the images this step's budget admits; returns how many it took."""
+    def step(self, budget_s: float | None = None, costs=None) -> int:
+        """One batched forward over the images this step's budget admits; returns how many it took.
+        ``budget_s``: seconds the step may spend, estimated by ``costs`` (a ``chat.budget.StepCosts``:
+        its ``vision`` seconds per vision token, which this step's forward updates); the first image
+        runs even past it, alone. None: the item budget alone."""
         if not self._waiting:
             return 0
+        timed = budget_s is not None and costs is not None
         start = time.perf_counter()
         taken: list[tuple[str, mm.Item]] = []
         tokens = 0
@@ -95,7 +100,8 @@ class EncoderLayer:
                 if item is None:
                     continue
                 n = int(item.grid_row.prod()) // merge
-                if taken and (len(taken) >= self.step_images or tokens + n > self.step_tokens):
+                over = timed and costs.estimate("vision", tokens + n) > budget_s
+                if taken and (len(taken) >= self.step_images or tokens + n > self.step_tokens or over):
                     full = True
                     break
                 waiting.images.popleft()
@@ -107,6 +113,7 @@ class EncoderLayer:
         for holder, _ in taken:  # round-robin: who was served this step queues behind the others
             if holder in self._waiting:
                 self._waiting[holder] = self._waiting.pop(holder)
+        forwards = self.cache.stats.forwards
         if taken:
             run = HookRegistry.check_if_exists_or_initialize(self.visual).get_hook(mm.HOOK_NAME).fn_ref.original_forward
             try:
@@ -115,6 +122,8 @@ class EncoderLayer:
             except Exception as e:  # noqa: BLE001 - each request's own call meets it again and reports it
                 logger.warning("batched vision forward of %d images failed: %s", len(taken), e)
         seconds = time.perf_counter() - start
+        if costs is not None and self.cache.stats.forwards > forwards:  # the tower ran: what it costs
+            costs.observe("vision", tokens, seconds)
         for holder in dict.fromkeys(h for h, _ in taken):
             self._seconds[holder] = self._seconds.get(holder, 0.0) + seconds
         return len(taken)

@@ -3,8 +3,11 @@ answer chats on the encoder's own VLM (the text encoder of Qwen-Image families i
 
 from __future__ import annotations
 
+import time
+
 import torch
 
+from triptych.chat.budget import StepCosts
 from triptych.chat.config import ChatEngineConfig
 from triptych.control import protocol as P
 from triptych.control import wire
@@ -25,7 +28,9 @@ class EncoderRunner(StageRunner):
 
     Every ``execute()`` first lets the encoder layer (``mmcache.layer``) encode the images of the
     requests taken so far, within its per-step budget, as one batched vision forward; an encode
-    runs, and a chat joins the engine, once its images are in. While no chat decodes, an
+    runs, and a chat joins the engine, once its images are in. While chats decode, that budget is
+    also the engine's step time budget (``ChatEngine.step_budget_s``): the layer's images fit it by
+    their estimated time (``layer_costs``) and the engine's chunks get what the layer left. While no chat decodes, an
     ``execute()`` builds one waiting chat's prompt and returns (the loop takes the tasks that
     arrived meanwhile), so chats that arrive together prefill together in the first forward. A job holds its layer entries from
     ``take`` until it finishes, fails or is aborted (``_release``).
@@ -52,6 +57,7 @@ class EncoderRunner(StageRunner):
         self.chats: dict[tuple[str, int], Job] = {}  # engine chat id -> job, for the chats held
         self.waiting: dict[tuple[str, int], tuple[Job, object]] = {}  # chats whose images are not in yet
         self._chat_turn = False  # the next execute() is the chats' when encodes wait too
+        self.layer_costs = StepCosts()  # the encoder layer's tower seconds per vision token
 
     def take(self, task) -> None:
         if not isinstance(task, P.ChatTask):
@@ -77,8 +83,12 @@ class EncoderRunner(StageRunner):
         return bool(self.ready) or bool(self.waiting) or engine or (self.remote is not None and self.remote.has_work())
 
     def execute(self) -> None:
+        spent = 0.0
         if self.layer is not None:
-            self.layer.step()
+            budget = None if self.engine is None else self.engine.step_budget_s()
+            start = time.perf_counter()
+            self.layer.step(budget, self.layer_costs)
+            spent = time.perf_counter() - start
         if self.remote is not None and self.remote.has_work():
             self.remote.step()  # hands on the engine's answers, sends the chats whose images are in
         self._admit_chats()
@@ -90,7 +100,7 @@ class EncoderRunner(StageRunner):
             return self.run(job)
         self._chat_turn = False
         if chats:
-            self._chat_step()
+            self._chat_step(spent)
 
     def run(self, job: Job) -> None:
         try:
@@ -186,14 +196,15 @@ class EncoderRunner(StageRunner):
                 vision_s = 0.0 if self.layer is None else self.layer.seconds(holder(job))
                 self.engine.submit(key, params, job.task.stream, job.received, vision_s)
 
-    def _chat_step(self) -> None:
+    def _chat_step(self, spent_s: float = 0.0) -> None:
+        """``spent_s``: the encoder layer's vision time in this ``execute()`` (off the step's budget)."""
         port = self.port
         if port.stopping():
             for key in self.chats:
                 self.engine.cancel(key)
         elif not self.engine.running and self.engine.build_next():
             return  # none decodes: the chats taken before the next execute() join the first forward
-        for chat in self.engine.step():
+        for chat in self.engine.step(spent_s):
             job = self.chats.get(chat.id)
             if job is None:  # aborted: nothing more goes to the head
                 continue

@@ -1,0 +1,173 @@
+"""Admission of prompt chunks by estimated time (``chat.chunks``) and the online cost model
+(``chat.budget``), on fake prompts and fixed costs: no model, no clock."""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+
+import pytest
+
+from triptych.chat.budget import StepCosts
+from triptych.chat.chunks import item_chunks, timed_chunks
+from triptych.chat.config import ChatEngineConfig
+
+
+class Fixed(StepCosts):
+    """Costs that never learn: seconds per unit fixed by the test."""
+
+    def __init__(self, **per_unit: float):
+        super().__init__()
+        self.per_unit = dict(per_unit)
+
+    def observe(self, kind, units, seconds) -> None:
+        pass
+
+
+@dataclass
+class Prompt:
+    length: int
+    images: tuple = ()  # (first token, end token, first patch, end patch) per image
+
+    def __len__(self) -> int:
+        return self.length
+
+
+@dataclass(eq=False)
+class Chat:
+    prompt: Prompt
+    prefilled: int = 0
+    features: dict = field(default_factory=dict)
+
+
+def prompt_with(images: int, text: int = 4, tokens: int = 16) -> Prompt:
+    """``text`` text tokens, then ``images`` images of ``tokens`` tokens each with ``text`` between, then
+    ``text`` more."""
+    spans, at = [], text
+    for _ in range(images):
+        spans.append((at, at + tokens, 0, 0))
+        at += tokens + text
+    return Prompt(at, tuple(spans))
+
+
+def run(chats, budget, costs, least=64):
+    """Advance the chats through ``timed_chunks`` as the engine does; each step's chunks."""
+    steps = []
+    while any(c.prefilled < len(c.prompt) for c in chats):
+        live = [c for c in chats if c.prefilled < len(c.prompt)]
+        chunks = timed_chunks(live, budget, costs, least)
+        assert chunks and chunks[0][0] is live[0]  # the first chat always progresses
+        for chat, end in chunks:
+            assert end > chat.prefilled
+            chat.prefilled = end
+        steps.append(chunks)
+        assert len(steps) < 1000
+    return steps
+
+
+def images_in(chat, start, end) -> int:
+    return sum(1 for t0, t1, _, _ in chat.prompt.images if t0 >= start and t0 < end)
+
+
+def test_a_budget_admits_whole_images_while_their_estimate_fits():
+    # an image: 16 tokens x (0.02 vision + 0.005 prefill) = 0.4 s; text: 4 x 0.005 = 0.02 s
+    costs = Fixed(vision=0.02, prefill=0.005, decode=1.0)
+    chat = Chat(prompt_with(8))
+    chunks = timed_chunks([chat], 1.0, costs, 64)
+    ((got, end),) = chunks
+    assert got is chat and images_in(chat, 0, end) == 2  # text, image, text, image, text: 0.86; a third: 1.26
+    starts = {t0 for t0, _, _, _ in chat.prompt.images}
+    assert end in starts  # it stops before the image that does not fit, not inside it
+    assert timed_chunks([chat], 10.0, costs, 64) == [(chat, len(chat.prompt))]  # all of it fits
+
+
+def test_an_image_over_the_budget_runs_alone():
+    costs = Fixed(vision=100.0, prefill=0.005, decode=1.0)
+    first, second = Chat(prompt_with(3, text=0)), Chat(prompt_with(1))
+    assert timed_chunks([first, second], 1.0, costs, 64) == [(first, 16)]  # one image, nobody else
+    first.prefilled = 16
+    assert timed_chunks([first, second], 1.0, costs, 64) == [(first, 32)]
+
+
+def test_unmeasured_costs_admit_only_the_first_chats_first_unit():
+    costs = StepCosts()  # nothing measured: every estimate is infinite
+    chats = [Chat(prompt_with(2)), Chat(prompt_with(0, text=10))]
+    assert timed_chunks(chats, 1.0, costs, 64) == [(chats[0], 4)]  # its leading text run
+    chats[0].prefilled = 4
+    assert timed_chunks(chats, 1.0, costs, 64) == [(chats[0], 20)]  # then its first image
+
+
+def test_text_is_split_by_the_budget_and_the_first_chat_gets_at_least_its_least():
+    costs = Fixed(vision=0.0, prefill=1 / 128, decode=1.0)  # binary fractions: exact sums
+    long_text = Chat(Prompt(500))
+    assert timed_chunks([long_text], 1.0, costs, 64) == [(long_text, 128)]
+    assert timed_chunks([long_text], 0.25, costs, 64) == [(long_text, 64)]  # 32 fit; at least its least
+    behind = Chat(Prompt(500))
+    assert timed_chunks([long_text, behind], 1.5, costs, 64) == [(long_text, 192)]  # nothing left behind
+    short = Chat(Prompt(30))
+    assert timed_chunks([short, behind], 1.0, costs, 64) == [(short, 30), (behind, 98)]
+
+
+def test_a_feature_already_computed_costs_no_vision():
+    costs = Fixed(vision=1.0, prefill=0.001, decode=1.0)
+    chat = Chat(prompt_with(1, text=0), prefilled=4, features={0: object()})  # inside image 0, tower ran
+    other = Chat(Prompt(10))
+    assert timed_chunks([chat, other], 1.0, costs, 64) == [(chat, 16), (other, 10)]  # 16 s of tower: no room
+    chat.features.clear()
+    assert timed_chunks([chat, other], 1.0, costs, 64) == [(chat, 16)]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_first_chat_finishes_within_the_stated_bound(seed):
+    """Whatever the budget and costs, a prompt with n images and t text tokens finishes its prefill
+    within 2n + 1 + ceil(t / least) steps of becoming the first prefilling chat."""
+    rng = random.Random(seed)
+    least = rng.choice([4, 16, 64])
+    costs = Fixed(vision=rng.choice([0.001, 1.0, 100.0]), prefill=rng.choice([0.0, 0.01, 10.0]), decode=1.0)
+    chats = [Chat(prompt_with(rng.randint(0, 9), text=rng.randint(0, 90), tokens=rng.randint(1, 40))) for _ in range(4)]
+    bounds = []
+    for c in chats:
+        n = len(c.prompt.images)
+        t = len(c.prompt) - sum(t1 - t0 for t0, t1, _, _ in c.prompt.images)
+        bounds.append(2 * n + 1 + math.ceil(t / least))
+    steps = run(chats, rng.choice([0.0, 0.5, 1.0, 5.0]), costs, least)
+    finished = {}
+    for i, chunks in enumerate(steps):
+        for chat, end in chunks:
+            if end == len(chat.prompt):
+                finished[id(chat)] = i
+    became_first = 0
+    for chat, bound in zip(chats, bounds):
+        assert finished[id(chat)] - became_first + 1 <= bound
+        became_first = finished[id(chat)] + 1
+
+
+def test_item_chunks_count_tokens_and_images():
+    chat = Chat(prompt_with(4))
+    ((got, end),) = item_chunks([chat], 1000, 2)
+    assert images_in(chat, 0, end) == 2 and end == chat.prompt.images[2][0]
+    assert item_chunks([chat], 10, 2) == [(chat, 10)]
+
+
+def test_costs_seed_from_the_first_measurement_then_move_by_their_ema():
+    costs = StepCosts(alpha=0.5)
+    assert not costs.known("vision") and costs.estimate("vision", 3) == math.inf
+    assert costs.estimate("vision", 0) == 0.0
+    costs.observe("vision", 10, 1.0)  # 0.1 s per token
+    assert costs.estimate("vision", 3) == pytest.approx(0.3)
+    costs.observe("vision", 10, 3.0)  # 0.3 s per token: halfway there
+    assert costs.estimate("vision", 1) == pytest.approx(0.2)
+    costs.observe("prefill", 4, -1.0)  # a mixed forward faster than the decode estimate: 0, not negative
+    assert costs.estimate("prefill", 4) == 0.0
+    costs.observe("decode", 0, 5.0)  # no units: nothing learnt
+    assert not costs.known("decode")
+    with pytest.raises(ValueError, match="alpha"):
+        StepCosts(alpha=0)
+
+
+@pytest.mark.parametrize("value", [-1.0, math.inf, math.nan, 101, "1", True])
+def test_the_step_time_budget_is_refused_outside_its_bounds_naming_it(value):
+    with pytest.raises(ValueError, match=r"step_time_budget"):
+        ChatEngineConfig(step_time_budget=value)
+    assert ChatEngineConfig(step_time_budget=0).step_time_budget == 0  # 0: by item counts
