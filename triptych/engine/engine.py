@@ -141,7 +141,7 @@ class DenoiserEngine:
 
     def execute(self, batch: list[Running]) -> None:
         states = [r.state for r in batch]
-        base = self.family.forward if self.wrap is None else self.wrap(self.family.forward)
+        base = self.family.step_forward if self.wrap is None else self.wrap(self.family.step_forward)
         forward = None if self.wrap is None else base
         if self.accel is not None:
 
@@ -150,7 +150,7 @@ class DenoiserEngine:
 
         calls: list = []
         if self.flop_costs is not None:
-            counted = forward or self.family.forward
+            counted = forward or self.family.step_forward
 
             def forward(rows, counted=counted):
                 calls.append(rows)
