@@ -1,5 +1,5 @@
-"""Compile, quantization, step graphs and the attention kernel for a loaded pipeline (``SpeedConfig``,
-``apply_speed``, ``step_graphs_for``)."""
+"""Compile, quantization and step graphs for a loaded pipeline (``SpeedConfig``, ``apply_speed``,
+``step_graphs_for``)."""
 
 from triptych.accel.config import QUANT_COMPONENTS, QUANT_MODES, SpeedConfig
 

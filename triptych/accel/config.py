@@ -48,11 +48,6 @@ class SpeedConfig:
     graph_policy: Literal["lru", "refuse"] = "lru"
     """Past --graph-max or --graph-pool-mib: lru drops the least recently replayed graph to capture
     the new one; refuse runs the new shapes eagerly."""
-    attention: str = "auto"
-    """The denoiser's attention kernel (diffusers' attention dispatch backend): auto picks per
-    device (accel/attention.py: flash attention 3 on Hopper where installed, else cuDNN or flash
-    attention on CUDA, native SDPA elsewhere); or a backend name such as native, flash, _flash_3,
-    _native_cudnn, sage, xformers."""
     compile_cache_dir: Path | None = None
     """Where inductor caches compiled artefacts across processes (TORCHINDUCTOR_CACHE_DIR); none:
     inductor under the user cache dir ($TRIPTYCH_CACHE or ~/.cache/triptych)."""
