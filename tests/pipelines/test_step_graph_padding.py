@@ -12,8 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers import prepared_states
 from triptych.accel.step_graphs import GraphCall, StepGraphs, pad_rows
-from triptych.families.base import COND, UNCOND, GenerationParams, Row
+from triptych.families.base import COND, UNCOND, Row
 from triptych.families.registry import load_family
 
 FAMILIES = ("flux", "qwen-image", "wan-t2v", "wan-i2v")
@@ -60,22 +61,6 @@ def families(tiny_model_dir):
     return {name: load_family(tiny_model_dir(name)) for name in FAMILIES}
 
 
-def states_of(family, n: int, steps: int = 3):
-    """``n`` prepared requests of different prompts and seeds (their prompt lengths may differ)."""
-    prompts = ["a red circle", "a blue square on a green field", "two yellow triangles"]
-    out = []
-    for i in range(n):
-        image = None
-        if family.requires_image:
-            import numpy as np
-            from PIL import Image
-
-            image = Image.fromarray((np.random.default_rng(i).random((32, 32, 3)) * 255).astype("uint8"))
-        p = family.resolve(GenerationParams(prompt=prompts[i % 3], seed=10 + i, steps=steps, guidance=4.0, image=image))
-        out.append(family.prepare(f"r{i}", p, family.encode(p)))
-    return out
-
-
 def padded(call: GraphCall, bucket: int) -> dict:
     return {n: (pad_rows(t, bucket) if n in call.batched and t is not None else t) for n, t in call.tensors.items()}
 
@@ -83,7 +68,7 @@ def padded(call: GraphCall, bucket: int) -> dict:
 @pytest.mark.parametrize("name", FAMILIES)
 def test_padded_rows_sliced_equal_the_unpadded_forward(families, name):
     family = families[name]
-    states = states_of(family, 3)
+    states = prepared_states(family, 3)
     rows = [Row(s, COND) for s in states]
     call = family.graph_call(rows)
     with torch.no_grad():
@@ -99,7 +84,7 @@ def test_padded_rows_sliced_equal_the_unpadded_forward(families, name):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_steps_through_step_graphs_equal_eager_steps(families, name):
     family = families[name]
-    eager_states, graph_states = states_of(family, 3), states_of(family, 3)
+    eager_states, graph_states = prepared_states(family, 3), prepared_states(family, 3)
     backend = ReplayBackend()
     family.step_graphs = StepGraphs(backend, buckets=(2, 4, 8))
     forwards = 0
@@ -123,7 +108,7 @@ def test_steps_through_step_graphs_equal_eager_steps(families, name):
 
 def test_a_hooked_transformer_runs_eagerly_and_is_counted(families):
     family = families["flux"]
-    states = states_of(family, 2)
+    states = prepared_states(family, 2)
     rows = [Row(s, b) for b in (COND, UNCOND) for s in states if b in s.cond.branches]
     want = family.forward(rows)
     family.step_graphs = StepGraphs(ReplayBackend(), buckets=(8,))
@@ -141,7 +126,7 @@ def test_a_hooked_transformer_runs_eagerly_and_is_counted(families):
 
 def test_a_lora_row_is_refused_with_its_reason(families):
     family = families["flux"]
-    state = states_of(family, 1)[0]
+    state = prepared_states(family, 1)[0]
     plain = [Row(state, COND)]
     assert family.graph_refusal(plain) is None
     state.params = state.params.replace(lora=(("style", 1.0),))

@@ -147,6 +147,7 @@ def test_the_byte_bound_evicts_until_the_new_graph_fits():
     for n in (3, 4, 5):
         graphs.run(call(torch.randn(1, n)))
     assert len(graphs) == 2 and graphs.stats.pool_bytes == 200 and graphs.stats.evictions == 1
+    assert graphs.graph_bytes() == [100, 100]
 
 
 def test_the_byte_bound_with_refuse_runs_the_shape_that_does_not_fit_eagerly_without_retrying():

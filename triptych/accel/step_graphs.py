@@ -145,6 +145,10 @@ class StepGraphs:
         """The captured keys, least recently replayed first."""
         return list(self._graphs)
 
+    def graph_bytes(self) -> list[int]:
+        """Each captured graph's pool bytes, least recently replayed first."""
+        return [g.captured.nbytes for g in self._graphs.values()]
+
     def fallback(self, reason: str) -> None:
         """Count one eager call for ``reason`` (the caller runs it)."""
         self.stats.fallbacks[reason] += 1
