@@ -43,7 +43,7 @@ class ReplayBackend:
     def refusal(self, tensors):
         return None
 
-    def capture(self, run):
+    def capture(self, run, device):
         self.captures += 1
         return ReplayCaptured(run)
 

@@ -139,6 +139,8 @@ def test_step_graphs_off_cuda_are_refused_with_the_reason():
     with pytest.raises(InvalidParam, match="needs a CUDA device; this is cpu") as err:
         check_speed(SpeedConfig(step_graphs=True), "cpu")
     assert err.value.field == "--step-graphs"
+    with pytest.raises(InvalidParam, match="pick one of the two"):
+        check_speed(SpeedConfig(step_graphs=True, compile=True, cuda_graphs=True), "cuda:0")
 
 
 def test_step_graphs_for_bounds_the_runner_as_the_config_says():

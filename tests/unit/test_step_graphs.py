@@ -32,15 +32,16 @@ class FakeCaptured:
 
 class FakeBackend:
     def __init__(self, nbytes=100, refuse=None, fail=False):
-        self.nbytes, self.refuse, self.fail, self.captures = nbytes, refuse, fail, 0
+        self.nbytes, self.refuse, self.fail, self.captures, self.devices = nbytes, refuse, fail, 0, []
 
     def refusal(self, tensors):
         return self.refuse
 
-    def capture(self, run):
+    def capture(self, run, device):
         if self.fail:
             raise RuntimeError("operation not permitted when stream is capturing")
         self.captures += 1
+        self.devices.append(device)
         return FakeCaptured(run, self.nbytes)
 
 
@@ -73,9 +74,11 @@ def test_pad_rows_repeats_row_zero_up_to_the_bucket():
 
 def test_three_rows_replay_the_bucket_of_four_and_get_their_own_rows_back():
     seen = []
-    graphs = StepGraphs(FakeBackend(), buckets=(1, 4))
+    backend = FakeBackend()
+    graphs = StepGraphs(backend, buckets=(1, 4))
     x = torch.randn(3, 5)
     out = graphs.run(call(x, seen=seen))
+    assert backend.devices == [x.device]  # the capture is told where its inputs live
     assert torch.equal(out, x * 2 + 4)  # the function saw batch 4; only the real rows come back
     assert seen[-1].shape == (4, 5) and torch.equal(seen[-1][3], x[0])  # padding row: a copy of row 0
     assert graphs.stats.replays == 1 and graphs.stats.padded_rows == 1

@@ -37,7 +37,7 @@ class SpeedConfig:
     """On a CUDA device, every family: the denoising step's transformer forward captured as a CUDA
     graph per batch bucket, shapes and dtypes met (accel/step_graphs.py), rows padded up to the
     bucket and the padding sliced off; LoRA rows, a hooked transformer and rows above the largest
-    bucket run eagerly, each counted. Off CUDA it is refused."""
+    bucket run eagerly, each counted. Refused off CUDA and beside --cuda-graphs."""
     graph_buckets: tuple[int, ...] = (1, 2, 4, 8)
     """--step-graphs' batch buckets, repeatable: a forward of n rows replays the graph of the
     smallest bucket >= n."""

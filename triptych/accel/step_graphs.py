@@ -71,8 +71,9 @@ class CaptureBackend(Protocol):
     def refusal(self, tensors: Mapping[str, torch.Tensor | None]) -> str | None:
         """Why these inputs cannot be captured (e.g. not on a CUDA device); None when they can."""
 
-    def capture(self, run: Callable[[], torch.Tensor]) -> Captured:
-        """Warm ``run`` up and record it; raises ``RuntimeError`` when it cannot be recorded."""
+    def capture(self, run: Callable[[], torch.Tensor], device: torch.device) -> Captured:
+        """Warm ``run`` (its inputs on ``device``) up and record it; raises ``RuntimeError`` when it
+        cannot be recorded."""
 
 
 @dataclass
@@ -151,6 +152,7 @@ class StepGraphs:
 
     def fallback(self, reason: str) -> None:
         """Count one eager call for ``reason`` (the caller runs it)."""
+        logger.debug("step graphs: an eager forward (%s)", reason)
         self.stats.fallbacks[reason] += 1
 
     def run(self, call: GraphCall) -> torch.Tensor | None:
@@ -201,7 +203,8 @@ class StepGraphs:
             if buffers.get(name) is not None:
                 buffers[name] = pad_rows(buffers[name], bucket).contiguous()
         try:
-            captured = self.backend.capture(lambda: call.fn(bucket, **buffers))
+            device = next(t.device for t in call.tensors.values() if t is not None)
+            captured = self.backend.capture(lambda: call.fn(bucket, **buffers), device)
         except RuntimeError as e:
             logger.warning("step graph for %d rows not captured, running eagerly: %s", bucket, e)
             self._refused[key] = f"{UNCAPTURABLE}: {type(e).__name__}"
