@@ -131,3 +131,26 @@ def test_a_lora_row_is_refused_with_its_reason(families):
     assert family.graph_refusal(plain) is None
     state.params = state.params.replace(lora=(("style", 1.0),))
     assert "LoRA" in family.graph_refusal([Row(state, COND)])
+
+
+def test_the_engine_reports_replays_and_fallbacks(families):
+    from triptych.engine import DenoiserEngine, EngineConfig
+
+    family = families["flux"]
+    finished, stats = {}, {}
+    for name, buckets in (("eager", None), ("small", (1, 2)), ("fits", (4,))):
+        family.step_graphs = None if buckets is None else StepGraphs(ReplayBackend(), buckets=buckets)
+        try:
+            engine = DenoiserEngine(family, EngineConfig(max_batch_requests=3, fuse_cfg=True))
+            for s in prepared_states(family, 3):  # 3 rows a forward: above (1, 2), padded to 4 in (4,)
+                engine.add(s)
+            finished[name] = {s.request_id: s.latents for s in engine.run_until_done()}
+            stats[name] = engine.stats
+        finally:
+            family.step_graphs = None
+    small, fits = stats["small"], stats["fits"]
+    assert small.graph_fallbacks == {"rows above the largest bucket": small.forwards} and small.graph_replays == 0
+    assert fits.graph_replays == fits.forwards and not fits.graph_fallbacks and fits.graph_captures == 1
+    for r, want in finished["eager"].items():
+        assert torch.equal(finished["small"][r], want)  # every forward eager: the same bits
+        assert float((finished["fits"][r] - want).abs().max()) <= PADDED_TOLERANCE

@@ -172,6 +172,15 @@ class DenoiserEngine:
         if self.accel is not None:
             s.skipped_rows = self.accel.stats.rows_skipped
         self._lora_stats()
+        self._graph_stats()
+
+    def _graph_stats(self) -> None:
+        """The step graphs' counters (``Family.step_graphs``), cumulative, into the engine's stats."""
+        graphs = self.family.step_graphs
+        if graphs is None:
+            return
+        g, s = graphs.stats, self.stats
+        s.graph_replays, s.graph_captures, s.graph_fallbacks = g.replays, g.captures, dict(g.fallbacks)
 
     def _count_flops(self, calls: list, skipped: int) -> None:
         try:
