@@ -133,8 +133,9 @@ def test_a_lora_row_is_refused_with_its_reason(families):
     assert "LoRA" in family.graph_refusal([Row(state, COND)])
 
 
-def test_the_engine_reports_replays_and_fallbacks(families):
+def test_the_engine_reports_replays_and_fallbacks_and_counts_no_padding_flops(families):
     from triptych.engine import DenoiserEngine, EngineConfig
+    from triptych.plan.costs import RowCosts
 
     family = families["flux"]
     finished, stats = {}, {}
@@ -142,6 +143,7 @@ def test_the_engine_reports_replays_and_fallbacks(families):
         family.step_graphs = None if buckets is None else StepGraphs(ReplayBackend(), buckets=buckets)
         try:
             engine = DenoiserEngine(family, EngineConfig(max_batch_requests=3, fuse_cfg=True))
+            engine.flop_costs = RowCosts(family)
             for s in prepared_states(family, 3):  # 3 rows a forward: above (1, 2), padded to 4 in (4,)
                 engine.add(s)
             finished[name] = {s.request_id: s.latents for s in engine.run_until_done()}
@@ -151,6 +153,7 @@ def test_the_engine_reports_replays_and_fallbacks(families):
     small, fits = stats["small"], stats["fits"]
     assert small.graph_fallbacks == {"rows above the largest bucket": small.forwards} and small.graph_replays == 0
     assert fits.graph_replays == fits.forwards and not fits.graph_fallbacks and fits.graph_captures == 1
+    assert fits.flops == stats["eager"].flops > 0  # the padding row is not a request's: not counted
     for r, want in finished["eager"].items():
         assert torch.equal(finished["small"][r], want)  # every forward eager: the same bits
         assert float((finished["fits"][r] - want).abs().max()) <= PADDED_TOLERANCE
