@@ -77,3 +77,11 @@ def test_auto_on_this_cpu_is_native_and_logged(caplog):
 def test_a_named_backend_overrides_auto():
     assert DeviceConfig(attention="_native_math").attention_backend(masks=True) == "_native_math"
     assert DeviceConfig().attention == "auto"
+
+
+def test_sequence_parallel_runs_a_backend_without_context_parallel_support_as_native():
+    from triptych.parallel.sequence import context_parallel_backend
+
+    assert context_parallel_backend("_flash_3") == "native"  # auto's Hopper pick
+    assert context_parallel_backend("flash") == "flash" and context_parallel_backend("_native_cudnn") == "_native_cudnn"
+    assert context_parallel_backend("native") == "native"
