@@ -3,18 +3,20 @@
 #   1. install the carried wheels (benchmarks/gpu_wheels/, from benchmarks/fetch_gpu_wheels.sh) into a
 #      private folder with --no-deps --target (the machine's own CUDA torch is kept; nothing is fetched),
 #   2. run the gpu-marked tests (placement, bf16 staged vs diffusers on the device, roles split through
-#      host staging, attention backends, offload, pinned transfer staging, --compile and int8/fp8
+#      host staging, attention backends, offload, pinned transfer staging, --step-graphs replays vs eager
+#      and their byte bound, --attention auto vs native (tiny models: seconds), --compile and int8/fp8
 #      --quantize on the device, --cuda-graphs), printing measured figures,
 #   3. run benchmarks/gpu_mfu.py: the MFU table (full-size FLUX / Qwen-Image / Wan transformers built on
-#      the device with random bf16 weights; Triptych's step eager, --compile, --compile --cuda-graphs and
-#      fp8 beside diffusers plain and with its regional compile; FLOPs counted by FlopCounterMode, peaks
+#      the device with random bf16 weights; Triptych's step eager, --step-graphs (FLUX 256² batch 1
+#      first), native attention against auto, --compile, --compile --cuda-graphs and fp8 beside
+#      diffusers plain and with its regional compile; FLOPs counted by FlopCounterMode, peaks
 #      from triptych.plan.peaks), row by row, most important cell first, within its time budget.
 # Optional: STEP_BATCHING=1 adds benchmarks/gpu_bench.py (step batching vs diffusers batched and
 # sequential), COMPILE_QUANT=1 adds benchmarks/compile_quant.py --device cuda (the default model).
 # Usage, from the repository root on the GPU machine:  bash benchmarks/gpu_check.sh
 # Env: PY (default /opt/torch/.venv/bin/python), WHEELS (default benchmarks/gpu_wheels), MFU_BUDGET_S
 # (default 200), MFU_ARGS (extra gpu_mfu flags; a CPU dry run: MFU_ARGS="--device cpu --tiny"),
-# TESTS (pytest arguments, default the three gpu test files; a rerun of one: TESTS=tests/...::test_x),
+# TESTS (pytest arguments, default the four gpu test files; a rerun of one: TESTS=tests/...::test_x),
 # BENCH (0: skip step 3 and the optional ones).
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -42,7 +44,7 @@ echo "== 2/3 gpu-marked tests"
 # shellcheck disable=SC2086
 # -o addopts: the project's xdist workers are not wanted (nor installed) here
 timeout 180 "$PY" -m pytest -q -s -m gpu -p no:cacheprovider -o addopts=-ra \
-    ${TESTS:-tests/pipelines/test_gpu.py tests/pipelines/test_gpu_speed.py tests/unit/test_transfer_staging.py} || status=1
+    ${TESTS:-tests/pipelines/test_gpu.py tests/pipelines/test_gpu_step_graphs.py tests/pipelines/test_gpu_speed.py tests/unit/test_transfer_staging.py} || status=1
 echo "   $((SECONDS - start)) s"
 
 if [ "${BENCH:-1}" = 0 ]; then echo "== done in $((SECONDS - start)) s, status $status (benchmarks skipped)"; exit $status; fi

@@ -1,5 +1,6 @@
-"""The denoising step's model FLOP utilisation (MFU) on one GPU: Triptych's step (eager, ``--compile``,
-``--compile --cuda-graphs``, fp8) beside diffusers' own pipeline (plain, and with its regional compile).
+"""The denoising step's model FLOP utilisation (MFU) on one GPU: Triptych's step (eager, ``--step-graphs``,
+``--compile``, ``--compile --cuda-graphs``, fp8, native attention) beside diffusers' own pipeline (plain,
+and with its regional compile).
 
     python benchmarks/gpu_mfu.py [--device cuda] [--cells flux:1024:1 flux:512:8 ...] [--budget-s 240]
     python benchmarks/gpu_mfu.py --device cpu --tiny        # smoke run of every code path (CPU, seconds)
@@ -19,7 +20,12 @@ on a CPU its measured fp32 matmul rate). ``fp8`` is ``--quantize transformer=fp8
 float8); its row also gives the PSNR of one step's latents against bf16's from the same start.
 
 Variants:
-- ``eager``: Triptych's ``DenoiserEngine``, every request in each tick's one forward, CFG fused.
+- ``eager``: Triptych's ``DenoiserEngine``, every request in each tick's one forward, CFG fused;
+  attention ``auto`` (the device's best backend, ``core/attention_choice.py``).
+- ``step-graphs``: eager with ``SpeedConfig(step_graphs=True)``: the step's transformer forward
+  replayed from a CUDA graph per batch bucket (``accel/step_graphs.py``; CUDA only). Its row notes
+  the graphs captured and the eager fallbacks, which must be none.
+- ``native-attn``: eager with ``--attention native`` (torch SDPA's own pick), the peer of ``auto``.
 - ``compile``: the same with ``SpeedConfig(compile=True)`` (regional compile, dynamic shapes).
 - ``graphs``: ``compile`` + ``cuda_graphs`` (the families whose compiled block stack replays as CUDA graphs).
 - ``fp8``: eager with the transformer's linears in fp8.
@@ -46,15 +52,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_bench import ARCHS, build_transformer, conditioning, embeddings, model_dir, run_diffusers  # noqa: E402
 
-VARIANTS = ("eager", "compile", "graphs", "fp8", "diffusers", "diffusers-compile")
+VARIANTS = ("eager", "step-graphs", "native-attn", "compile", "graphs", "fp8", "diffusers", "diffusers-compile")
 DEFAULT_CELLS = (
+    "flux:256:1:eager+step-graphs",  # the issue's CUDA-graph target (>= 1.3x eager at 256² batch 1)
     "flux:1024:1",
     "flux:512:8:eager+compile+diffusers",
     "qwen-image:1024:1:eager+compile+diffusers",
     "qwen-image:256:1:compile+graphs",
     "wan-t2v:832x480x33:1:eager+diffusers",
 )
-TINY_CELLS = ("flux:64:1", "flux:32:2:eager+diffusers", "qwen-image:64:1:eager+fp8+diffusers", "wan-t2v:64x32x5:1")
+TINY_CELLS = (
+    "flux:64:1:eager+native-attn+step-graphs",
+    "flux:32:2:eager+diffusers",
+    "qwen-image:64:1:eager+fp8+diffusers",
+    "wan-t2v:64x32x5:1",
+)
 
 
 @dataclass(frozen=True)
@@ -112,9 +124,9 @@ def free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def family_for(arch, d: Path, device: str, dtype: str, speed=None):
+def family_for(arch, d: Path, device: str, dtype: str, speed=None, attention: str = "auto"):
     """The denoiser family with a freshly built random transformer (``gpu_bench.load_denoiser`` plus a
-    speed config, applied by the family's own load)."""
+    speed config and an attention backend, applied by the family's own load)."""
     from triptych.accel import SpeedConfig
     from triptych.core.devices import DeviceConfig
     from triptych.families.base import Role
@@ -128,7 +140,10 @@ def family_for(arch, d: Path, device: str, dtype: str, speed=None):
         f"Prebuilt{base.__name__}", (base,), {"_build_components": lambda self, wanted: {"transformer": transformer}}
     )
     return adapter(
-        d, roles={Role.DENOISER}, device=DeviceConfig(device=device, dtype=dtype), speed=speed or SpeedConfig()
+        d,
+        roles={Role.DENOISER},
+        device=DeviceConfig(device=device, dtype=dtype, attention=attention),
+        speed=speed or SpeedConfig(),
     )
 
 
@@ -189,6 +204,7 @@ def psnr_db(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def measure_cell(cell: Cell, root: Path, args, peak: tuple, deadline: float) -> list[dict]:
     from triptych.accel import SpeedConfig
+    from triptych.core.devices import DeviceConfig
     from triptych.families.registry import family_class
 
     arch, device = ARCHS[cell.family], torch.device(args.device)
@@ -197,6 +213,9 @@ def measure_cell(cell: Cell, root: Path, args, peak: tuple, deadline: float) -> 
     held = {"plain": family_for(arch, d, args.device, args.dtype)}  # one full-size model on the device at a time
     emb = embeddings(arch, held["plain"], cell.requests)
     flops = step_flops(arch, held["plain"], emb, cell)
+    auto_attention = DeviceConfig(device=args.device, dtype=args.dtype).attention_backend(
+        family_class(d).attention_masks
+    )
     bf16_latents = first_step_latents(arch, held["plain"], emb, cell) if "fp8" in cell.variants else None
 
     def record(variant: str, seconds: float, fmt: str = "bf16", **extra):
@@ -207,11 +226,13 @@ def measure_cell(cell: Cell, root: Path, args, peak: tuple, deadline: float) -> 
         rows.append(row)
         print(table_row(row, rows), flush=True)
 
-    def swap(speed=None):
-        """The model on the device replaced by one loaded with ``speed`` (None: a fresh plain one)."""
+    def swap(speed=None, attention="auto"):
+        """The model on the device replaced by one loaded with ``speed`` and ``attention`` (None, auto: a
+        fresh plain one)."""
         held.clear()
         free(device)
-        held["plain" if speed is None else "other"] = family_for(arch, d, args.device, args.dtype, speed)
+        plain = speed is None and attention == "auto"
+        held["plain" if plain else "other"] = family_for(arch, d, args.device, args.dtype, speed, attention)
         return next(iter(held.values()))
 
     def diffusers_run(family):
@@ -220,6 +241,7 @@ def measure_cell(cell: Cell, root: Path, args, peak: tuple, deadline: float) -> 
         )
 
     speeds = {
+        "step-graphs": SpeedConfig(step_graphs=True),
         "compile": SpeedConfig(compile=True),
         "graphs": SpeedConfig(compile=True, cuda_graphs=True),
         # on a CPU dry run int8 dynamic stands in for fp8 (no fp8 matmul there)
@@ -239,10 +261,19 @@ def measure_cell(cell: Cell, root: Path, args, peak: tuple, deadline: float) -> 
                 record(variant, seconds_per_step(diffusers_run(plain()), args.steps, args.repeats, device))
             elif variant == "graphs" and (why := family_class(d).cuda_graphs_refusal()) is not None:
                 print(f"{cell.label}: graphs: {why}", file=sys.stderr)
+            elif variant == "step-graphs" and device.type != "cuda":
+                print(f"{cell.label}: step-graphs: needs a CUDA device; this is {device}", file=sys.stderr)
+            elif variant == "native-attn":
+                other = swap(attention="native")
+                s = seconds_per_step(triptych_run(arch, other, emb, cell), args.steps, args.repeats, device)
+                record(variant, s, note=f"eager's auto: {auto_attention}")
             elif variant in speeds:
                 other = swap(speeds[variant])
                 s = seconds_per_step(triptych_run(arch, other, emb, cell), args.steps, args.repeats, device)
                 extra = {}
+                if variant == "step-graphs":
+                    st = other.step_graphs.stats
+                    extra["note"] = f"{st.captures} graphs, {st.replays} replays, eager fallbacks {dict(st.fallbacks)}"
                 if variant == "fp8":
                     extra["psnr_vs_bf16"] = psnr_db(first_step_latents(arch, other, emb, cell), bf16_latents)
                 record(variant, s, "fp8" if variant == "fp8" and device.type == "cuda" else "bf16", **extra)
@@ -265,7 +296,7 @@ def table_row(r: dict, rows: list[dict]) -> str:
     eager = next((x for x in rows if x["cell"] == r["cell"] and x["variant"] == "eager"), None)
     vs = f"{eager['s_per_step'] / r['s_per_step']:.2f}x" if eager else "-"
     mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
-    notes = []
+    notes = [r["note"]] if r.get("note") else []
     if r["variant"] == "fp8":
         notes.append(f"{100 * r['mfu_bf16_peak']:.1f}% of the bf16 peak; {r['psnr_vs_bf16']:.1f} dB vs bf16")
     return (

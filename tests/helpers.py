@@ -157,3 +157,21 @@ def denoise_job(request_id: str, params, progress: bool = False):
         progress=progress,
     )
     return Job(request_id, 1, params, task=task)
+
+
+def prepared_states(family, n: int, steps: int = 3):
+    """``n`` prepared requests of different prompts and seeds (their prompt lengths may differ)."""
+    prompts = ["a red circle", "a blue square on a green field", "two yellow triangles"]
+    from triptych.families.base import GenerationParams
+
+    out = []
+    for i in range(n):
+        image = None
+        if family.requires_image:
+            import numpy as np
+            from PIL import Image
+
+            image = Image.fromarray((np.random.default_rng(i).random((32, 32, 3)) * 255).astype("uint8"))
+        p = family.resolve(GenerationParams(prompt=prompts[i % 3], seed=10 + i, steps=steps, guidance=4.0, image=image))
+        out.append(family.prepare(f"r{i}", p, family.encode(p)))
+    return out

@@ -109,7 +109,9 @@ def test_attention_backends_on_the_device(tiny_model_dir, backend):
         config = DeviceConfig(device="cuda", dtype="bfloat16", attention=backend)
     except InvalidParam as e:
         pytest.skip(f"{backend} does not run here: {e.rule}")
-    native = load_family(tiny_model_dir("flux"), device="cuda", dtype="bfloat16")
+    native = load_family(
+        tiny_model_dir("flux"), device=DeviceConfig(device="cuda", dtype="bfloat16", attention="native")
+    )
     other = load_family(tiny_model_dir("flux"), device=config)
     params = native.resolve(_params("flux"))
     a = run_request(native, params, fuse_cfg=False)[0].array

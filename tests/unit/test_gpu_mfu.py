@@ -58,3 +58,12 @@ def test_graphs_are_refused_where_the_family_has_no_stack(capsys):
     captured = capsys.readouterr()
     assert [r["variant"] for r in rows(captured.out)] == ["eager"]
     assert "graphs: flux has no compiled block stack" in captured.err
+
+
+def test_step_graphs_are_refused_off_cuda_and_native_attention_is_measured_beside_auto(capsys):
+    assert gpu_mfu.main(["--device", "cpu", "--tiny", "--cells", "flux:32:1:eager+step-graphs+native-attn"]) == 0
+    captured = capsys.readouterr()
+    found = rows(captured.out)
+    assert [r["variant"] for r in found] == ["eager", "native-attn"]
+    assert "step-graphs: needs a CUDA device; this is cpu" in captured.err
+    assert "eager's auto: native" in captured.out  # on a CPU auto is native: the two rows run the same kernels

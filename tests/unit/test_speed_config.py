@@ -103,3 +103,49 @@ def test_serve_refuses_cuda_graphs_for_a_model_without_the_block_stack_before_an
     err = capsys.readouterr().err
     assert "--cuda-graphs" in err and "model tinyflux is" in err and "no compiled block stack" in err
     check_cuda_graphs({"default": default_model_dir()}, SpeedConfig(compile=True, cuda_graphs=True))
+
+
+def test_step_graph_flags_build_the_config_and_reach_the_workers(tmp_path, monkeypatch):
+    from triptych.cli.worker_flags import WorkerFlags
+
+    parser = argparse.ArgumentParser()
+    flags = add_speed_flags(parser)
+    args = parser.parse_args(
+        ["--step-graphs", "--graph-buckets", "1", "--graph-buckets", "3", "--graph-max", "4", "--graph-pool-mib", "512"]
+        + ["--graph-policy", "refuse"]
+    )
+    config = flags.build(args, parser)
+    assert config.step_graphs and config.graph_buckets == (1, 3) and config.graph_max == 4
+    assert config.graph_pool_mib == 512 and config.graph_policy == "refuse"
+    monkeypatch.setenv("TRIPTYCH_CACHE", str(tmp_path))
+    parser = argparse.ArgumentParser()
+    worker = WorkerFlags.add(parser)
+    monkeypatch.setattr("triptych.accel.apply.check_speed", lambda config, device="cpu": None)  # no GPU here
+    argv = worker.argv(parser.parse_args(["--step-graphs", "--graph-max", "3"]))
+    assert "--step-graphs" in argv and argv[argv.index("--graph-max") + 1] == "3"
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [("graph_buckets", (), "one or more"), ("graph_buckets", (0, 2), "one or more"), ("graph_max", 0, ">= 1")]
+    + [("graph_pool_mib", 0, ">= 1")],
+)
+def test_bad_step_graph_bounds_are_refused_naming_the_value(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        SpeedConfig(**{field: value})
+
+
+def test_step_graphs_off_cuda_are_refused_with_the_reason():
+    with pytest.raises(InvalidParam, match="needs a CUDA device; this is cpu") as err:
+        check_speed(SpeedConfig(step_graphs=True), "cpu")
+    assert err.value.field == "--step-graphs"
+    with pytest.raises(InvalidParam, match="pick one of the two"):
+        check_speed(SpeedConfig(step_graphs=True, compile=True, cuda_graphs=True), "cuda:0")
+
+
+def test_step_graphs_for_bounds_the_runner_as_the_config_says():
+    from triptych.accel import step_graphs_for
+
+    graphs = step_graphs_for(SpeedConfig(graph_buckets=(4, 1, 2), graph_max=3, graph_pool_mib=2, graph_policy="refuse"))
+    assert graphs.buckets == (1, 2, 4) and graphs.max_graphs == 3
+    assert graphs.pool_bytes == 2 * 2**20 and graphs.policy == "refuse"

@@ -105,6 +105,27 @@ def test_windows_feed_the_denoiser_and_transfer_series():
     assert 'instance="den-m"' not in metrics.render().decode()
 
 
+def test_step_graph_windows_feed_the_replay_and_eager_series_by_reason():
+    replay = ("triptych_denoiser_graph_forwards_total", '{path="replay",reason=""}')
+    lora = ("triptych_denoiser_graph_forwards_total", '{path="eager",reason="a LoRA row"}')
+    before = {k: sample(*v) for k, v in {"replay": replay, "lora": lora}.items()}
+    captures = sample("triptych_denoiser_graph_captures_total")
+    prev = EngineStats(graph_replays=5, graph_captures=2, graph_fallbacks={"a LoRA row": 1, "above": 2})
+    cur = EngineStats(graph_replays=12, graph_captures=3, graph_fallbacks={"a LoRA row": 4, "above": 2})
+    window = cur.since(prev)
+    assert window.graph_fallbacks == {"a LoRA row": 3}  # unchanged reasons drop out
+    metrics.record_worker_window(
+        stats_window(
+            "denoiser",
+            P.StatsReport(instance_id="den-g", uptime_s=1.0, engine=prev, transfer=transfer(1, 1, 0.1)),
+            P.StatsReport(instance_id="den-g", uptime_s=2.0, engine=cur, transfer=transfer(1, 1, 0.1)),
+        )
+    )
+    assert sample(*replay) - before["replay"] == 7 and sample(*lora) - before["lora"] == 3
+    assert sample("triptych_denoiser_graph_captures_total") - captures == 1
+    metrics.forget_instance("den-g")
+
+
 def test_refused_transfers_are_counted_by_reason():
     def refused(unauthenticated: int, replays: int, other: int) -> TransferStats:
         stats = TransferStats(backend="zmq")

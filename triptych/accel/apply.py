@@ -23,6 +23,12 @@ def check_speed(config: SpeedConfig, device: str = "cpu") -> None:
         raise InvalidParam("--cuda-graphs", "on", "needs --compile: the CUDA graphs are the compiled block stack's")
     if config.cuda_graphs and not device.startswith("cuda"):
         raise InvalidParam("--cuda-graphs", "on", f"needs a CUDA device; this is {device}")
+    if config.step_graphs and config.cuda_graphs:
+        raise InvalidParam(
+            "--step-graphs", "on", "--cuda-graphs records the compiled block stack instead: pick one of the two"
+        )
+    if config.step_graphs and not device.startswith("cuda"):
+        raise InvalidParam("--step-graphs", "on", f"needs a CUDA device; this is {device}")
     for component, mode in config.quantized.items():
         if mode != "fp8":
             continue

@@ -218,6 +218,15 @@ class Metrics:
             registry=r,
         )
         self.denoiser_forwards = Counter("triptych_denoiser_forwards", "Transformer forward calls", registry=r)
+        self.denoiser_graph_forwards = Counter(
+            "triptych_denoiser_graph_forwards",
+            "Transformer forwards under --step-graphs: replayed from a CUDA graph, or eager and why",
+            ["path", "reason"],
+            registry=r,
+        )
+        self.denoiser_graph_captures = Counter(
+            "triptych_denoiser_graph_captures", "Step graphs recorded (--step-graphs)", registry=r
+        )
         self.denoiser_evicted = Counter(
             "triptych_denoiser_evicted_requests",
             "Requests evicted from a denoiser engine because the step that ran them raised (retried elsewhere)",
@@ -282,6 +291,11 @@ class Metrics:
         self.denoiser_steps.inc(e.request_steps)
         self.denoiser_skipped.inc(e.skipped_rows)
         self.denoiser_forwards.inc(e.forwards)
+        if e.graph_replays:
+            self.denoiser_graph_forwards.labels("replay", "").inc(e.graph_replays)
+        for reason, n in e.graph_fallbacks.items():
+            self.denoiser_graph_forwards.labels("eager", reason).inc(n)
+        self.denoiser_graph_captures.inc(e.graph_captures)
         self.denoiser_evicted.inc(e.failed)
         self.denoiser_lora.record(e)
         self.denoiser_parking.record(window.instance_id, e)

@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 
 DTYPES = ("float32", "bfloat16", "float16")
 OFFLOADS = ("none", "model", "group")
+AUTO = "auto"  # --attention: chosen per device (``auto_attention``)
 #: VAE tiling turns on by itself when one decoded frame has more pixels than this (``vae_tiling=None``).
 #: Measured on the default model (the Qwen-Image VAE, float32, CPU): untiled decode peaks far above the
 #: tiled one from 1024² up (figures in tests/pipelines/test_vae_memory.py).
@@ -49,9 +50,11 @@ class DeviceConfig:
     """'float32' | 'bfloat16' | 'float16', or None = auto: bfloat16 on CUDA, float32 on CPU. The
     device must run a matmul and a convolution in it. Components load in it (diffusers/transformers
     ``torch_dtype``); families keep the math their diffusers pipeline keeps in float32."""
-    attention: str = "native"
+    attention: str = "auto"
     """diffusers attention backend (``diffusers.models.attention_dispatch.AttentionBackendName``),
-    set on the transformer with ``set_attention_backend``; must run on the device in the dtype."""
+    set on the transformer with ``set_attention_backend``; must run on the device in the dtype. auto:
+    the best one this device runs (core/attention_choice.py: flash attention 3, cuDNN or flash
+    attention 2 on a CUDA device by compute capability, native SDPA elsewhere), logged at load."""
     vae_tiling: bool | None = None
     """Decode (and encode) through the VAE in overlapping tiles. None = auto: on when one frame has
     more than ``AUTO_TILING_PIXELS`` pixels. Tiling changes pixels slightly at tile seams."""
@@ -71,7 +74,8 @@ class DeviceConfig:
         if self.offload != "none" and self.device == "cpu":
             raise InvalidParam("--offload", self.offload, "offloads weights to the CPU; it needs a CUDA --device")
         check_dtype(self.device, self.dtype_name)
-        check_attention(self.attention, self.device, self.dtype_name)
+        if self.attention != AUTO:
+            check_attention(self.attention, self.device, self.dtype_name)
 
     @property
     def dtype_name(self) -> str:
@@ -95,6 +99,13 @@ class DeviceConfig:
     def to_args(self) -> list[str]:
         """The ``add_device_flags`` arguments that rebuild this config (a head spawning its workers)."""
         return argv_of(DeviceConfig, self)
+
+    def attention_backend(self, masks: bool = False) -> str:
+        """The backend ``attention`` names, ``auto`` resolved for this device and dtype (``masks``: the
+        model passes attention masks)."""
+        if self.attention != AUTO:
+            return self.attention
+        return auto_attention(self.device, self.dtype_name, masks)
 
     def tiling_for(self, height: int, width: int) -> bool:
         """Whether a decode of one ``height`` × ``width`` frame runs tiled."""
@@ -176,6 +187,26 @@ def check_attention(name: str, device: str, dtype: str) -> None:
         ) from None
     if not ok:
         raise InvalidParam("--attention", name, f"computes non-finite values on {device} in {dtype}")
+
+
+@functools.cache
+def auto_attention(device: str, dtype: str, masks: bool = False) -> str:
+    """``--attention auto`` on ``device`` in ``dtype``: the first usable of
+    ``attention_choice.candidates`` (each probed by ``check_attention``), logged with its reason."""
+    from triptych.core.attention_choice import choose, describe
+
+    def usable(name: str) -> bool:
+        try:
+            check_attention(name, device, dtype)
+        except InvalidParam as e:
+            logger.debug("attention %s is not usable: %s", name, e.rule)
+            return False
+        return True
+
+    described = describe(device, dtype)
+    backend, reason = choose(described, usable, masks)
+    logger.info("attention auto on %s %s (%s): %s, %s", device, described.name, dtype, backend, reason)
+    return backend
 
 
 def _first_line(e: BaseException) -> str:

@@ -194,7 +194,7 @@ class DenoiserEngine:
     def execute(self, batch: list[Running]) -> float:
         """One step of every request of ``batch``; its wall time in seconds."""
         states = [r.state for r in batch]
-        base = self.family.forward if self.wrap is None else self.wrap(self.family.forward)
+        base = self.family.step_forward if self.wrap is None else self.wrap(self.family.step_forward)
         forward = None if self.wrap is None else base
         if self.accel is not None:
 
@@ -203,7 +203,7 @@ class DenoiserEngine:
 
         calls: list = []
         if self.flop_costs is not None:
-            counted = forward or self.family.forward
+            counted = forward or self.family.step_forward
 
             def forward(rows, counted=counted):
                 calls.append(rows)
@@ -225,7 +225,16 @@ class DenoiserEngine:
         if self.accel is not None:
             s.skipped_rows = self.accel.stats.rows_skipped
         self._lora_stats()
+        self._graph_stats()
         return elapsed
+
+    def _graph_stats(self) -> None:
+        """The step graphs' counters (``Family.step_graphs``), cumulative, into the engine's stats."""
+        graphs = self.family.step_graphs
+        if graphs is None:
+            return
+        g, s = graphs.stats, self.stats
+        s.graph_replays, s.graph_captures, s.graph_fallbacks = g.replays, g.captures, dict(g.fallbacks)
 
     def _count_flops(self, calls: list, skipped: int) -> None:
         try:

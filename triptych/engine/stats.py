@@ -37,6 +37,9 @@ class EngineStats(msgspec.Struct, kw_only=True):
     lora_misses: int = 0  # requests' adapters that had to be loaded
     lora_mixed_batches: int = 0  # forwards whose rows used different adapter settings (none is one)
     lora_resident: list[str] = msgspec.field(default_factory=list)  # adapters in memory now (latest, not a delta)
+    graph_replays: int = 0  # forwards replayed from a step graph (``--step-graphs``)
+    graph_captures: int = 0  # step graphs recorded
+    graph_fallbacks: dict[str, int] = msgspec.field(default_factory=dict)  # why a forward ran eagerly → forwards
 
     @property
     def steps_per_second(self) -> float:
@@ -56,6 +59,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
             batch_sizes=dict(self.batch_sizes),
             step_buckets=list(self.step_buckets),
             lora_resident=list(self.lora_resident),
+            graph_fallbacks=dict(self.graph_fallbacks),
         )
 
     def since(self, prev: EngineStats) -> EngineStats:
@@ -79,6 +83,11 @@ class EngineStats(msgspec.Struct, kw_only=True):
             parked_bytes=self.parked_bytes,
             **{f: getattr(self, f) - getattr(prev, f) for f in LORA_FIELDS},
             lora_resident=list(self.lora_resident),
+            graph_replays=self.graph_replays - prev.graph_replays,
+            graph_captures=self.graph_captures - prev.graph_captures,
+            graph_fallbacks={
+                k: d for k, n in self.graph_fallbacks.items() if (d := n - prev.graph_fallbacks.get(k, 0))
+            },
         )
 
 

@@ -29,9 +29,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from shapeworld.prompts import normaliser
-from triptych.accel import SpeedConfig, apply_speed
+from triptych.accel import SpeedConfig, apply_speed, step_graphs_for
 from triptych.core.devices import DeviceConfig
 from triptych.core.errors import InvalidParam, TriptychError
+from triptych.families.fastpath import model_hooked
 from triptych.families.geometry import model_defaults
 from triptych.families.placement import place, vae_tiling
 from triptych.families.types import (  # noqa: F401 - re-exported: the stage protocol's values
@@ -52,6 +53,7 @@ from triptych.families.types import (  # noqa: F401 - re-exported: the stage pro
 from triptych.mmcache.cache import MMCacheConfig
 
 if TYPE_CHECKING:
+    from triptych.accel.step_graphs import GraphCall, StepGraphs
     from triptych.accel.teacache import TeaCachePlan
 
 logger = logging.getLogger(__name__)
@@ -104,7 +106,7 @@ class Family(ABC):
         skipped = {c: None for c in self.all_components if c not in wanted}
         built = self._build_components(frozenset(wanted))
         self.pipe = self.pipeline_class.from_pretrained(str(self.model_dir), dtype=self.dtype, **skipped, **built)
-        place(self.pipe, self.device_config)
+        place(self.pipe, self.device_config, self.attention_masks)
         if self.device_config.offload != "none":
             # The step tables and fast forwards call the transformer's submodules directly, outside
             # the offload hooks that bring weights onto the device around its forward.
@@ -112,6 +114,8 @@ class Family(ABC):
         self.speed = speed
         #: ``--compile``'s one-frame VAE decoder (``accel/frame_decode.py``) where the VAE has one; None: ``vae.decode``
         self.frame_decoder = apply_speed(self.pipe, speed, self.device_config.device, self.compile_vae_decoder)
+        if speed.step_graphs and Role.DENOISER in self.roles:
+            self.step_graphs = step_graphs_for(speed)
         # The device the encode stage hands diffusers' encode_prompt: the pipeline's own
         # ``_execution_device`` (offload hooks included), looked up once. NOTE: the property walks every
         # module's offload hooks on each read, a large part of a tiny model's prompt encode.
@@ -133,6 +137,8 @@ class Family(ABC):
     def _post_load(self) -> None:
         """Hook for families that derive geometry from configs after loading."""
 
+    #: the transformer may be passed attention masks (``--attention auto`` then keeps to mask-taking backends)
+    attention_masks: ClassVar[bool] = False
     #: ``--compile`` also compiles the VAE decoder (``accel.compile.compile_decoder``): only where it
     #: was measured to pay (benchmarks/RESULTS.md, "--compile and --quantize").
     compile_vae_decoder: ClassVar[bool] = False
@@ -304,6 +310,38 @@ class Family(ABC):
     def forward(self, rows: Sequence[Row]) -> torch.Tensor:
         """One transformer call over the stacked rows; returns noise predictions, one per row."""
 
+    #: ``--step-graphs``' runner (``accel/step_graphs.py``) on a denoiser; None: every forward eager.
+    step_graphs: StepGraphs | None = None
+
+    def graph_call(self, rows: Sequence[Row]) -> GraphCall | None:
+        """The transformer's own forward over ``rows`` as a step graph replays it (``forward``'s
+        output for the same rows); None: this family has none."""
+        return None
+
+    def graph_refusal(self, rows: Sequence[Row]) -> str | None:
+        """Why ``rows`` must run eagerly although step graphs are on; None when a graph may run them.
+        A row's adapter is applied by hooks that choose per call which rows they change, and a hook
+        on the model (offload, context parallel, a diffusers cache) expects its forward to run."""
+        if any(r.state.params.lora for r in rows):
+            return "a LoRA row (per-row adapter hooks)"
+        if model_hooked(self.pipe.transformer):
+            return "a hook on the transformer (offload, context parallel or a cache)"
+        return None
+
+    def step_forward(self, rows: Sequence[Row]) -> torch.Tensor:
+        """``forward``, replayed from a step graph where ``step_graphs`` can (the padded rows sliced
+        off); any other call runs ``forward`` and is counted under its reason."""
+        graphs = self.step_graphs
+        if graphs is None:
+            return self.forward(rows)
+        why = self.graph_refusal(rows)
+        call = None if why else self.graph_call(rows)
+        if call is None:
+            graphs.fallback(why or f"{self.name} has no graph call")
+            return self.forward(rows)
+        out = graphs.run(call)
+        return self.forward(rows) if out is None else out
+
     @abstractmethod
     def combine(self, state: DenoiseState, preds: dict[str, torch.Tensor]) -> torch.Tensor:
         """Guidance: turn the per-branch predictions of one request into its noise prediction."""
@@ -343,7 +381,7 @@ class Family(ABC):
             return StepStats()
         keys = {self.compat_key(s) for s in states}
         assert len(keys) == 1, f"incompatible requests in one batch: {keys}"
-        run = forward or self.forward
+        run = forward or self.step_forward
         rows = [Row(s, b) for b in BRANCH_ORDER for s in states if b in s.cond.branches]
         groups = [rows] if fuse_cfg else [[r for r in rows if r.branch == b] for b in BRANCH_ORDER]
         preds: dict[tuple[int, str], torch.Tensor] = {}

@@ -18,9 +18,10 @@ from triptych.core.devices import DeviceConfig
 logger = logging.getLogger(__name__)
 
 
-def place(pipe, config: DeviceConfig) -> None:
+def place(pipe, config: DeviceConfig, masks: bool = False) -> None:
     """Move ``pipe``'s loaded components to ``config.device`` (or install offload hooks), set the
-    transformer's attention backend and the VAE's slicing."""
+    transformer's attention backend (``masks``: its model passes attention masks, for ``auto``) and
+    the VAE's slicing."""
     device = config.torch_device
     if config.offload == "model":
         pipe.enable_model_cpu_offload(device=device)
@@ -29,14 +30,15 @@ def place(pipe, config: DeviceConfig) -> None:
     else:
         pipe.to(device)
     transformer = getattr(pipe, "transformer", None)
+    attention = config.attention_backend(masks)
     if transformer is not None:
         # NOTE: also sets diffusers' process-wide active backend; every transformer of a process
         # shares one DeviceConfig, so that is the same choice.
-        transformer.set_attention_backend(config.attention)
+        transformer.set_attention_backend(attention)
     vae = getattr(pipe, "vae", None)
     if vae is not None and config.vae_slicing and hasattr(vae, "enable_slicing"):
         vae.enable_slicing()
-    logger.debug("placed %s on %s (%s, attention %s)", type(pipe).__name__, device, config.dtype_name, config.attention)
+    logger.debug("placed %s on %s (%s, attention %s)", type(pipe).__name__, device, config.dtype_name, attention)
 
 
 def group_offload(pipe, onload_device: torch.device, offload_device: torch.device = torch.device("cpu")) -> None:

@@ -57,6 +57,19 @@ def cpu_device_count_shim() -> Iterator[None]:
         torch.accelerator.device_count = original
 
 
+def context_parallel_backend(backend):
+    """``backend`` where diffusers' context parallel runs it, else native (logged): ``--attention
+    auto`` picks flash attention 3 on Hopper, which diffusers 0.42.1 does not run context parallel
+    (nor ``_native_math`` / ``_native_efficient``). None (the process-wide backend) is looked up."""
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
+    name = backend if backend is not None else _AttentionBackendRegistry.get_active_backend()[0]
+    if AttentionBackendName(name) in _AttentionBackendRegistry._supports_context_parallel:
+        return backend
+    logger.warning("attention %s has no context-parallel support in diffusers: native on this instance", name)
+    return AttentionBackendName.NATIVE
+
+
 def keep_ulysses_anything_eager() -> None:
     """Run diffusers' uneven Ulysses attention outside compiled graphs (``--compile``'s blocks call it).
 
@@ -122,6 +135,8 @@ class SequenceParallel:
         self.plan = transformer._cp_plan
         self._saved_backends = [p._attention_backend for p in _attention_processors(transformer)]
         self._uses_lse_backend = config.ring > 1
+        for p in _attention_processors(transformer):
+            p._attention_backend = context_parallel_backend(p._attention_backend)
         if self._uses_lse_backend:
             # NOTE: set before enable_parallelism, which checks the backend is context-parallel capable.
             # On CUDA too: diffusers' log-sum-exp backends there need flash-attn, sage or half precision.

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+from triptych.accel.step_graphs import GraphCall
 from triptych.families.base import Conditioning, DenoiseState, GenerationParams, Row
 from triptych.families.guidance import cfg_combine
 from triptych.families.sampling import flow_match_schedule
@@ -46,6 +47,19 @@ def transformer_inputs(rows: Sequence[Row]) -> dict:
 
 def forward(transformer, rows: Sequence[Row]) -> torch.Tensor:
     return transformer(**transformer_inputs(rows), joint_attention_kwargs={}, return_dict=False)[0]
+
+
+#: ``transformer_inputs``' per-row arguments (the ids are one table shared by every row)
+ROW_ARGS = frozenset({"hidden_states", "timestep", "guidance", "pooled_projections", "encoder_hidden_states"})
+
+
+def graph_call(transformer, rows: Sequence[Row]) -> GraphCall:
+    """``forward`` over ``rows`` as a step graph replays it (``accel/step_graphs.py``)."""
+
+    def run(batch: int, **tensors):
+        return transformer(**tensors, joint_attention_kwargs={}, return_dict=False)[0]
+
+    return GraphCall(run, transformer_inputs(rows), ROW_ARGS, len(rows))
 
 
 def combine(state: DenoiseState, preds: dict[str, torch.Tensor]) -> torch.Tensor:

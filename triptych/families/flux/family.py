@@ -8,6 +8,7 @@ import torch
 from diffusers import FluxPipeline
 from diffusers.image_processor import VaeImageProcessor
 
+from triptych.accel.step_graphs import GraphCall
 from triptych.accel.teacache import TeaCachePlan
 from triptych.core.errors import InvalidParam
 from triptych.families.base import (
@@ -134,6 +135,9 @@ class FluxFamily(Family):
             return fast.forward(self.pipe.transformer, rows)
         with self.lora_plan(rows):
             return den.forward(self.pipe.transformer, rows)
+
+    def graph_call(self, rows: Sequence[Row]) -> GraphCall:
+        return den.graph_call(self.pipe.transformer, rows)
 
     def combine(self, state: DenoiseState, preds: dict[str, torch.Tensor]) -> torch.Tensor:
         return den.combine(state, preds)

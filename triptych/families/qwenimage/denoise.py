@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from triptych.accel.step_graphs import GraphCall
 from triptych.families.base import Conditioning, DenoiseState, GenerationParams, Row
 from triptych.families.guidance import cfg_combine_norm_rescaled
 from triptych.families.sampling import flow_match_schedule
@@ -82,6 +83,23 @@ def forward(transformer, rows: Sequence[Row], vae_scale_factor: int) -> torch.Te
     kwargs, noise_tokens = transformer_inputs(rows, vae_scale_factor)
     out = transformer(**kwargs, guidance=None, attention_kwargs={}, return_dict=False)[0]
     return out[:, :noise_tokens]
+
+
+#: ``transformer_inputs``' tensor arguments, every one per row (``img_shapes`` is a setting)
+ROW_ARGS = frozenset({"hidden_states", "timestep", "encoder_hidden_states_mask", "encoder_hidden_states"})
+
+
+def graph_call(transformer, rows: Sequence[Row], vae_scale_factor: int) -> GraphCall:
+    """``forward`` over ``rows`` as a step graph replays it (``accel/step_graphs.py``): the image
+    segments' shapes and the noise tokens are settings of the graph, the same for every row."""
+    kwargs, noise_tokens = transformer_inputs(rows, vae_scale_factor)
+    shapes = kwargs.pop("img_shapes")[0]
+
+    def run(batch: int, **tensors):
+        out = transformer(**tensors, img_shapes=[shapes] * batch, guidance=None, attention_kwargs={}, return_dict=False)
+        return out[0][:, :noise_tokens]
+
+    return GraphCall(run, kwargs, ROW_ARGS, len(rows), (tuple(shapes), noise_tokens))
 
 
 def combine(state: DenoiseState, preds: dict[str, torch.Tensor]) -> torch.Tensor:

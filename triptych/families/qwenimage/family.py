@@ -17,6 +17,7 @@ import torch
 from diffusers import QwenImageEditPipeline, QwenImagePipeline
 from diffusers.image_processor import VaeImageProcessor
 
+from triptych.accel.step_graphs import GraphCall
 from triptych.accel.teacache import TeaCachePlan
 from triptych.core.errors import InvalidParam, TriptychError
 from triptych.core.identity import model_identity
@@ -43,6 +44,7 @@ DEFAULT_NEGATIVE_PROMPT = " "
 
 class QwenImageFamily(Family):
     name = "qwen-image"
+    attention_masks = True  # prompts of different lengths in one forward: a text padding mask
     true_cfg_is_guidance = True
     pipeline_class = QwenImagePipeline
     all_components = ("vae", "text_encoder", "tokenizer", "transformer")
@@ -240,6 +242,9 @@ class QwenImageFamily(Family):
             return self._fast(rows)
         with self.lora_plan(rows):
             return den.forward(self.pipe.transformer, rows, self.pipe.vae_scale_factor)
+
+    def graph_call(self, rows: Sequence[Row]) -> GraphCall:
+        return den.graph_call(self.pipe.transformer, rows, self.pipe.vae_scale_factor)
 
     def combine(self, state: DenoiseState, preds: dict[str, torch.Tensor]) -> torch.Tensor:
         return den.combine(state, preds)

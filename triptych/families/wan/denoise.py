@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 from diffusers import WanPipeline
 
+from triptych.accel.step_graphs import GraphCall
 from triptych.families.base import Conditioning, DenoiseState, GenerationParams, Row
 from triptych.families.guidance import cfg_combine
 
@@ -59,6 +60,19 @@ def transformer_inputs(transformer, rows: Sequence[Row]) -> dict:
 
 def forward(transformer, rows: Sequence[Row]) -> torch.Tensor:
     return transformer(**transformer_inputs(transformer, rows), attention_kwargs=None, return_dict=False)[0]
+
+
+#: ``transformer_inputs``' arguments, every one per row
+ROW_ARGS = frozenset({"hidden_states", "timestep", "encoder_hidden_states", "encoder_hidden_states_image"})
+
+
+def graph_call(transformer, rows: Sequence[Row]) -> GraphCall:
+    """``forward`` over ``rows`` as a step graph replays it (``accel/step_graphs.py``)."""
+
+    def run(batch: int, **tensors):
+        return transformer(**tensors, attention_kwargs=None, return_dict=False)[0]
+
+    return GraphCall(run, transformer_inputs(transformer, rows), ROW_ARGS, len(rows))
 
 
 def combine(state: DenoiseState, preds: dict[str, torch.Tensor]) -> torch.Tensor:

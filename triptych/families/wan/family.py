@@ -15,6 +15,7 @@ import torch
 from diffusers import WanImageToVideoPipeline, WanPipeline
 from diffusers.video_processor import VideoProcessor
 
+from triptych.accel.step_graphs import GraphCall
 from triptych.accel.teacache import TeaCachePlan
 from triptych.core.errors import InvalidParam
 from triptych.families.base import Conditioning, DenoiseState, Family, Frames, GenerationParams, Role, Row
@@ -166,6 +167,9 @@ class WanFamily(Family):
             return self._fast(rows, den.hidden_of(self.pipe.transformer, rows))
         with self.lora_plan(rows):
             return den.forward(self.pipe.transformer, rows)
+
+    def graph_call(self, rows: Sequence[Row]) -> GraphCall:
+        return den.graph_call(self.pipe.transformer, rows)
 
     def combine(self, state: DenoiseState, preds: dict[str, torch.Tensor]) -> torch.Tensor:
         return den.combine(state, preds)
