@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 
 from tests.extras import needs_extra
+from triptych.chat.budget import StepCosts
 
 #: Mooncake is optional on a developer machine (skipped naming the extra); .ci/run requires it.
 NEEDS_MOONCAKE = needs_extra("mooncake")
@@ -175,3 +176,14 @@ def prepared_states(family, n: int, steps: int = 3):
         p = family.resolve(GenerationParams(prompt=prompts[i % 3], seed=10 + i, steps=steps, guidance=4.0, image=image))
         out.append(family.prepare(f"r{i}", p, family.encode(p)))
     return out
+
+
+class FixedCosts(StepCosts):
+    """Chat step costs that never learn: seconds per unit fixed by the test."""
+
+    def __init__(self, **per_unit: float):
+        super().__init__()
+        self.per_unit = dict(per_unit)
+
+    def observe(self, kind, units, seconds) -> None:
+        pass

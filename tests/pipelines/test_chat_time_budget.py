@@ -16,8 +16,8 @@ import pytest
 
 from shapeworld import render, sample_scenes
 from tests.helpers import EncoderPort as Port
+from tests.helpers import FixedCosts as Fixed
 from triptych.chat import ChatParams, ChatTurn
-from triptych.chat.budget import StepCosts
 from triptych.chat.config import ChatEngineConfig
 from triptych.chat.engine import ChatEngine
 from triptych.control import wire
@@ -29,17 +29,6 @@ from triptych.worker.runners.encoder import EncoderRunner
 # an image of the packaged processor is 16 tokens: 16 x (0.02 + 0.005) = 0.4 s by these costs, so a
 # budget of one decode step (1 s) holds two images and the text around them, never three
 SPLIT = {"decode": 1.0, "vision": 0.02, "prefill": 0.005}
-
-
-class Fixed(StepCosts):
-    """Costs that never learn: seconds per unit fixed by the test."""
-
-    def __init__(self, **per_unit: float):
-        super().__init__()
-        self.per_unit = dict(per_unit)
-
-    def observe(self, kind, units, seconds) -> None:
-        pass
 
 
 @pytest.fixture(scope="module")

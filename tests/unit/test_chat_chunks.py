@@ -9,20 +9,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from tests.helpers import FixedCosts as Fixed
 from triptych.chat.budget import StepCosts
 from triptych.chat.chunks import item_chunks, timed_chunks
 from triptych.chat.config import ChatEngineConfig
-
-
-class Fixed(StepCosts):
-    """Costs that never learn: seconds per unit fixed by the test."""
-
-    def __init__(self, **per_unit: float):
-        super().__init__()
-        self.per_unit = dict(per_unit)
-
-    def observe(self, kind, units, seconds) -> None:
-        pass
 
 
 @dataclass
