@@ -187,3 +187,22 @@ class FixedCosts(StepCosts):
 
     def observe(self, kind, units, seconds) -> None:
         pass
+
+
+class DenoiserPort:
+    """A ``WorkerPort`` stand-in for driving a ``DenoiserRunner`` in process: it owns every job and
+    records what the runner sends (``sent``) and fails (``failed``: request id, error, retryable)."""
+
+    instance_id = "d0"
+
+    def __init__(self):
+        self.sent, self.failed = [], []
+
+    def send(self, msg):
+        self.sent.append(msg)
+
+    def owns(self, job):
+        return True
+
+    def fail(self, job, error, retryable):
+        self.failed.append((job.request_id, str(error), retryable))

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import triptych
+from tests.helpers import DenoiserPort as Port
 from tests.helpers import denoise_job
 from triptych.control import protocol as P
 from triptych.engine import DenoiserEngine, EngineConfig
@@ -171,22 +172,6 @@ def test_cancelling_a_parked_request_frees_its_parked_memory_and_cache_state(def
     assert "low" not in engine.accel.active_requests() and engine.request_ids() == ["urgent"]
     assert list(_run(engine)) == ["urgent"]
     assert engine.accel.num_states() == 0 and not engine.has_work()
-
-
-class Port:
-    instance_id = "d0"
-
-    def __init__(self):
-        self.sent, self.failed = [], []
-
-    def send(self, msg):
-        self.sent.append(msg)
-
-    def owns(self, job):
-        return True
-
-    def fail(self, job, error, retryable):
-        self.failed.append(job.request_id)
 
 
 def _admit(runner, family, rid, p):

@@ -14,6 +14,7 @@ import dataclasses
 import pytest
 import torch
 
+from tests.helpers import DenoiserPort as Port
 from tests.helpers import denoise_job, tiny_qwen_with_two_adapters
 from triptych.control import protocol as P
 from triptych.engine import DenoiserEngine, EngineConfig
@@ -37,22 +38,6 @@ def setup(tmp_path_factory):
 def with_budget(family, config, nbytes: int):
     family.enable_lora(dataclasses.replace(config, lora_budget_mb=nbytes / (1 << 20)))
     return family
-
-
-class Port:
-    instance_id = "d0"
-
-    def __init__(self):
-        self.sent, self.failed = [], []
-
-    def send(self, msg):
-        self.sent.append(msg)
-
-    def owns(self, job):
-        return True
-
-    def fail(self, job, error, retryable):
-        self.failed.append((job.request_id, str(error), retryable))
 
 
 def params(family, i: int, lora):
