@@ -289,6 +289,21 @@ def _rank_stalls(rank: int, device) -> None:
     dist.barrier()
 
 
+def _rank_env(rank: int, device) -> str:
+    import os
+
+    return os.environ.get("TRIPTYCH_TEST_RANK_ENV", "unset")
+
+
+def test_ranks_see_the_launchers_environment_as_it_is_at_each_call(monkeypatch):
+    """The ranks are forked from a fork server started at the first call; each call's ranks still get
+    the launcher's environment of that call, not the fork server's."""
+    monkeypatch.setenv("TRIPTYCH_TEST_RANK_ENV", "first")
+    assert run_ranks(_rank_env, 2) == ["first", "first"]
+    monkeypatch.setenv("TRIPTYCH_TEST_RANK_ENV", "second")  # the fork server is running by now
+    assert run_ranks(_rank_env, 2) == ["second", "second"]
+
+
 def test_a_failing_rank_fails_the_run_and_no_process_is_left():
     import multiprocessing
 

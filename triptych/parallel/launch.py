@@ -1,13 +1,20 @@
-"""Run a function on N local ranks (spawned processes, loopback rendezvous on a free port).
+"""Run a function on N local ranks (forked processes, loopback rendezvous on a free port).
 
 For tests, benchmarks and one-shot multi-rank runs. Every process started here is joined, and
 killed by its pid if it outlives the deadline or a sibling failed; nothing is left running.
+
+The ranks are forked from ``multiprocessing``'s fork server (one per launching process, started at
+the first ``run_ranks``), which imports ``PRELOAD`` once: a rank then starts without importing
+torch, diffusers and transformers again. The fork server is a fresh interpreter with no threads, so
+forking it is safe, CUDA included (it never initialises CUDA). A rank gets the launcher's
+environment as it is at the call; variables torch reads at its import are the fork server's.
 """
 
 from __future__ import annotations
 
 import datetime
 import multiprocessing as mp
+import os
 import tempfile
 import time
 import traceback
@@ -19,12 +26,25 @@ import torch
 
 from triptych.parallel.groups import destroy, free_port, init_rank
 
+#: imported once by the ranks' fork server
+PRELOAD = ["torch", "torch.distributed", "triptych.parallel"]
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
 
 class RankFailed(RuntimeError):
     """One or more ranks raised, died or timed out; the message carries each failed rank's story."""
 
 
-def _rank_main(fn, rank: int, world_size: int, port: int, device: str, timeout_s: float, args, out_dir: str) -> None:
+def _rank_main(
+    fn, rank: int, world_size: int, port: int, device: str, timeout_s: float, args, out_dir: str, env: dict
+) -> None:
+    os.environ.clear()
+    os.environ.update(env)  # the launcher's, not the fork server's
     out = Path(out_dir)
     try:
         dev = init_rank(rank, world_size, port, device=device, timeout=datetime.timedelta(seconds=timeout_s))
@@ -53,13 +73,14 @@ def run_ranks(
     raises, dies, or the whole run exceeds ``timeout_s``; collectives time out after
     ``collective_timeout_s``, so a rank waiting on a dead peer fails instead of hanging.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     port = free_port()
+    env = dict(os.environ)
     with tempfile.TemporaryDirectory(prefix="triptych-ranks-") as out_dir:
         procs = [
             ctx.Process(
                 target=_rank_main,
-                args=(fn, rank, world_size, port, device, collective_timeout_s, args, out_dir),
+                args=(fn, rank, world_size, port, device, collective_timeout_s, args, out_dir, env),
                 name=f"triptych-rank{rank}",
             )
             for rank in range(world_size)
@@ -74,6 +95,8 @@ def run_ranks(
                 time.sleep(0.05)
         finally:
             for p in procs:
+                if p.pid is None:
+                    continue  # never started (a sibling's start raised)
                 if p.is_alive():
                     p.kill()  # SIGKILL to this pid only
                 p.join()
