@@ -152,11 +152,12 @@ def _row(t, variant: Variant, got, plain, secs, plain_s, total, adh, plain_adh) 
 
 def recommend(rows: Sequence[dict]) -> dict | None:
     """The setting with the largest saving among those that met the target (ties: the smaller
-    threshold, the one with more margin); None when none did or none saved anything."""
+    threshold, then the one with more margin: the higher worst-case PSNR); None when none did or
+    none saved anything."""
     ok = [r for r in rows if r["threshold"] > 0 and r["skipped_fraction"] > 0 and not r["failures"]]
     if not ok:
         return None
-    return max(ok, key=lambda r: (round(r["skipped_fraction"], 9), -r["threshold"]))
+    return max(ok, key=lambda r: (round(r["skipped_fraction"], 9), -r["threshold"], r["psnr_min"]))
 
 
 def table_markdown(rows: Sequence[dict], chosen: dict | None = None) -> str:
