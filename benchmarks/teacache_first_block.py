@@ -14,7 +14,8 @@ forwards not run (the first ``k`` blocks always run).
 Same requests as the sweeps in benchmarks/RESULTS.md: the 50 evaluation requests of ``triptych calibrate``
 (train-split captions, seeds 2000-2049), run through ``run_cases`` in batches of ``--batch`` requests
 (fused CFG, as the shipped sweep), scored with the calibration's ``fidelity``, adherence and ``Target``.
-``--heldout N`` runs the listed settings on ``triptych quality``'s held-out prompts instead (seeds 0..N-1).
+A threshold written ``sSTEPS`` (e.g. ``1:s7-8:0:0:1``) skips exactly those steps instead (a fixed schedule
+over the same approximation, to see which steps can be skipped at all). ``--heldout N`` runs the listed settings on ``triptych quality``'s held-out prompts instead (seeds 0..N-1).
 
 An experiment, not a product path: it subclasses ``TeaCache.forward`` and runs the default model's blocks
 eagerly (the fast path's ``joint_block`` or the modules, as ``FastForward.run`` does, split at block ``k``).
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+from teacache_cfg_delta import steps  # noqa: E402  (a sibling script: "0-3,6" -> {0, 1, 2, 3, 6})
 
 from triptych.accel.teacache import BranchState, Decision, TeaCache  # noqa: E402
 from triptych.accel.teacache_profile import find_profile  # noqa: E402
@@ -113,8 +115,23 @@ def block_range(t, ops, e, hidden, txt, idx, lo: int, hi: int):
 class FirstBlock(TeaCache):
     """The first-block residual criterion (module docstring) over TeaCache's state store and counters."""
 
-    def __init__(self, plan, family, k: int, threshold: float, warmup: int, cap: int | None, forecast: int, **kw):
+    def __init__(
+        self,
+        plan,
+        family,
+        k: int,
+        threshold: float,
+        warmup: int,
+        cap: int | None,
+        forecast: int,
+        joint=False,
+        only=None,
+        **kw,
+    ):
+        """``joint``: a request's CFG rows skip only together (each computes when any of them would).
+        ``only``: skip exactly these steps (every row, the criterion unused): a fixed schedule."""
         super().__init__(plan, **kw)
+        self.joint, self.only = joint, only
         self.t, self.k, self.thr, self.warmup, self.cap, self.forecast = (
             family.pipe.transformer,
             k,
@@ -153,7 +170,10 @@ class FirstBlock(TeaCache):
                 d, c = first[i : i + 1].float(), st.first.float()
                 rel = float((d - c).abs().mean() / c.abs().mean())
                 self.rel_log.append((s.request_id, s.branch, s.step, rel))
-                compute[i] = capped or rel >= self.thr
+                compute[i] = capped or rel >= self.thr if self.only is None else s.step not in self.only
+        if self.joint:
+            anyone = {s.request_id for i, s in enumerate(steps) if compute[i]}
+            compute = [s.request_id in anyone for s in steps]
         idx = [i for i in range(n) if compute[i]]
         out = {}
         if idx:
@@ -209,6 +229,7 @@ def main(argv=None) -> int:
         "--settings", nargs="*", metavar="K:T:W:C:F", help="first blocks, threshold, warmup, cap (0: none), forecast"
     )
     ap.add_argument("--heldout", type=int, default=0, help="run on N of triptych quality's held-out prompts instead")
+    ap.add_argument("--joint", action="store_true", help="a request's CFG rows skip together (not per branch)")
     ap.add_argument("--detail", action="store_true", help="per failing image: its index, PSNR and skipped steps")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -225,7 +246,10 @@ def main(argv=None) -> int:
     cases, scenes = Cases(family, [p for p, _ in requests]), [s for _, s in requests]
     plain, _ = run_cases(cases, 0.0, batch_size=args.batch, tag="plain")
     plain_adh = world_adherence([o.frames for o in plain], scenes)
-    print(f"default model ({nblocks} blocks), 20 steps, {what}, batch {args.batch}; plain adherence {plain_adh:.0%}")
+    how = "a request's CFG rows together" if args.joint else "per CFG branch"
+    print(
+        f"default model ({nblocks} blocks), 20 steps, {what}, batch {args.batch}, {how}; plain adherence {plain_adh:.0%}"
+    )
     print(
         "| k | threshold | warmup | cap | forecast | blocks skipped | rows skipped | PSNR mean / worst dB | SSIM worst "
         "| adherence | < 30 dB | target |"
@@ -234,7 +258,19 @@ def main(argv=None) -> int:
     prof = dataclasses.replace(shipped, warmup=0, max_skips=None)
     for spec in DEFAULT_SETTINGS if args.settings is None else args.settings:
         k, t, w, c, f = spec.split(":")
-        cache = FirstBlock(plan, family, int(k), float(t), int(w), int(c) or None, int(f), profiles=lambda n: prof)
+        only = steps(t[1:]) if t.startswith("s") else None  # "s7-8": skip steps 7 and 8 only
+        cache = FirstBlock(
+            plan,
+            family,
+            int(k),
+            1.0 if only else float(t),
+            int(w),
+            int(c) or None,
+            int(f),
+            args.joint,
+            only,
+            profiles=lambda n: prof,
+        )
         t0 = time.time()
         got, _ = run_cases(cases, 1.0, cache, args.batch, tag="fb")
         r = score(got, plain, scenes, plain_adh, int(k), nblocks)
