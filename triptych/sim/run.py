@@ -4,11 +4,14 @@
 SLO as ``deadline_s`` for images) or ``fcfs`` (priority 0, no deadline: the same arrivals judged
 against the same SLOs), runs the virtual clock until ``drain_s`` after the last arrival, and
 returns one ``Record`` per arrival (status 0: no answer by then) with the cluster for its
-counters. Latency is from the arrival to the answer, the cost model's overhead included.
+counters. Latency is from the arrival to the answer, the cost model's overhead included. The
+router makes asyncio futures, so a call outside a running event loop runs inside a fresh one
+(nothing is awaited: the clock is virtual).
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 from triptych.sim.cluster import ClusterConfig, SimCluster, SimParams
@@ -30,6 +33,18 @@ def simulate(
 ) -> tuple[list[Record], SimCluster]:
     if mode not in ("slo", "fcfs"):
         raise ValueError(f"mode={mode!r} must be 'slo' or 'fcfs'")
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+
+        async def inside():
+            return _simulate(costs, config, arrivals, mode, drain_s)
+
+        return asyncio.run(inside())
+    return _simulate(costs, config, arrivals, mode, drain_s)
+
+
+def _simulate(costs, config, arrivals, mode, drain_s):
     cluster = SimCluster(costs, config)
     loop = cluster.loop
     records: list[Record | None] = [None] * len(arrivals)
