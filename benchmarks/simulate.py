@@ -12,7 +12,7 @@ Issue 45 item 6. Every part runs the real admission, deadline check, fair queue,
    goodput JSONs).
 2. ``scale``: ``--denoisers`` denoisers (encoders and decoders sized so the denoisers are the
    bottleneck), the same mix with SLOs from the cost model's unloaded latencies; capacity = the
-   requests/s completed at 2x overload in FCFS; then ``--loads`` x capacity, slo and fcfs, each
+   requests/s answered in the second half of a window at 2x overload in FCFS; then ``--loads`` x capacity, slo and fcfs, each
    with ``--requests`` arrivals; goodput and attainment per class. The wall time of each run is
    printed (one core).
 3. ``autoscale``: denoisers ``--scale-min``..``--denoisers`` under ``--step`` (offered load as
@@ -41,7 +41,7 @@ from triptych.engine.config import EngineConfig  # noqa: E402
 from triptych.sim.cluster import ClusterConfig  # noqa: E402
 from triptych.sim.costs import CostModel  # noqa: E402
 from triptych.sim.report import summarize  # noqa: E402
-from triptych.sim.run import Arrival, simulate  # noqa: E402
+from triptych.sim.run import Arrival, closed_loop, simulate  # noqa: E402
 from triptych.sim.workload import Spec, draw_specs, poisson_schedule  # noqa: E402
 
 
@@ -68,7 +68,21 @@ def check(costs: CostModel, measured_path: str) -> dict:
     def mix(n):
         return draw_specs(n, rng, sizes, steps, a["batch_share"], a["chat_share"])
 
-    mix(10_000)  # goodput.py draws its capacity phase's mix first
+    cap_specs = mix(10_000)  # goodput.py draws its capacity phase's mix first
+    cap = m["capacity_rps"]
+    # The calibrated variant: every stage's cost times f, f such that the simulated closed-loop
+    # capacity (goodput.py's capacity phase: its clients, seconds and mix) is the measured one.
+    sim_cap = closed_loop(costs, config, cap_specs, a["capacity_clients"], a["capacity_s"])
+    factor = sim_cap / cap
+    for _ in range(3):
+        got = closed_loop(costs.scaled(factor), config, cap_specs, a["capacity_clients"], a["capacity_s"])
+        factor *= got / cap
+    calibrated = costs.scaled(factor)
+    cal_cap = closed_loop(calibrated, config, cap_specs, a["capacity_clients"], a["capacity_s"])
+    print(
+        f"# check: measured capacity {cap:.2f} req/s, simulated {sim_cap:.2f}; costs x {factor:.2f} give {cal_cap:.2f}",
+        flush=True,
+    )
     base = {}
     for key, v in m["unloaded_s"].items():
         base[(0, 0) if key == "chat" else (int(key.split("x")[0]), int(key.split("/")[1]))] = v
@@ -77,7 +91,6 @@ def check(costs: CostModel, measured_path: str) -> dict:
         factor = a["batch_slo_x"] if spec.cls == "batch" else a["interactive_slo_x"]
         return max(a["slo_floor_s"], factor * base[spec.shape])
 
-    cap = m["capacity_rps"]
     rows = []
     for x in a["loads"]:
         offsets = poisson_schedule(x * cap, a["window_s"], rng)
@@ -85,11 +98,32 @@ def check(costs: CostModel, measured_path: str) -> dict:
         arrivals = [Arrival(t, s, slo_of(s)) for t, s in zip(offsets, specs)]
         drain = a["drain_s"] if a["drain_s"] is not None else max(r.slo_s for r in arrivals) + 1.0
         for mode in ("slo", "fcfs"):
-            records, _ = simulate(costs, config, arrivals, mode, drain)
-            sim = summarize(records, a["window_s"])
+            sim = summarize(simulate(costs, config, arrivals, mode, drain)[0], a["window_s"])
+            cal = summarize(simulate(calibrated, config, arrivals, mode, drain)[0], a["window_s"])
             real = next(w["summary"] for w in m["windows"] if w["load_x"] == x and w["mode"] == mode)
-            rows.append({"load_x": x, "rate_rps": x * cap, "mode": mode, "measured": real, "simulated": sim})
-    return {"measured_file": measured_path, "capacity_rps": cap, "serve": m["serve"], "rows": rows}
+            rows.append(
+                {"load_x": x, "rate_rps": x * cap, "mode": mode, "measured": real, "simulated": sim, "calibrated": cal}
+            )
+    return {
+        "measured_file": measured_path,
+        "capacity_rps": cap,
+        "simulated_capacity_rps": sim_cap,
+        "calibration_factor": factor,
+        "calibrated_capacity_rps": cal_cap,
+        "serve": m["serve"],
+        "loadavg_measured": [w["loadavg"][0] for w in m["windows"]],
+        "rows": rows,
+    }
+
+
+def ratio_line(c: dict) -> str:
+    out = []
+    for variant in ("measured", "simulated", "calibrated"):
+        g = {(r["load_x"], r["mode"]): r[variant]["goodput_rps"] for r in c["rows"]}
+        xs = dict.fromkeys(r["load_x"] for r in c["rows"])
+        parts = [f"{x:g}x {g[(x, 'slo')] / g[(x, 'fcfs')]:.2f}" if g[(x, "fcfs")] else f"{x:g}x –" for x in xs]
+        out.append(f"{variant}: " + ", ".join(parts))
+    return "goodput slo / fcfs — " + "; ".join(out)
 
 
 def check_table(c: dict) -> str:
@@ -98,19 +132,23 @@ def check_table(c: dict) -> str:
         return "–" if k is None else f"{k['attainment']:.0%}"
 
     out = [
-        "| load | mode | goodput measured | goodput simulated | interactive meas / sim | batch meas / sim"
-        " | chat meas / sim | 429 meas / sim | 504 meas / sim |",
-        "|---" * 9 + "|",
+        "| load | mode | goodput meas / sim / cal | interactive meas / sim / cal | batch meas / sim / cal"
+        " | chat meas / sim / cal | 429 meas / sim / cal | 504 meas / sim / cal |",
+        "|---" * 8 + "|",
     ]
     for r in c["rows"]:
-        m, s = r["measured"], r["simulated"]
+        m, s, k = r["measured"], r["simulated"], r["calibrated"]
+
+        def three(fn, m=m, s=s, k=k):
+            return " / ".join(fn(v) for v in (m, s, k))
+
         out.append(
-            f"| {r['load_x']:.1f}x | {r['mode']} | {m['goodput_rps']:.2f} | {s['goodput_rps']:.2f}"
-            f" | {att(m, 'interactive')} / {att(s, 'interactive')} | {att(m, 'batch')} / {att(s, 'batch')}"
-            f" | {att(m, 'chat')} / {att(s, 'chat')} | {m['refused_429']} / {s['refused_429']}"
-            f" | {m['dropped_504']} / {s['dropped_504']} |"
+            f"| {r['load_x']:.1f}x | {r['mode']} | {three(lambda v: format(v['goodput_rps'], '.2f'))}"
+            f" | {three(lambda v: att(v, 'interactive'))} | {three(lambda v: att(v, 'batch'))}"
+            f" | {three(lambda v: att(v, 'chat'))} | {three(lambda v: str(v['refused_429']))}"
+            f" | {three(lambda v: str(v['dropped_504']))} |"
         )
-    return "\n".join(out)
+    return "\n".join(out) + "\n\n" + ratio_line(c)
 
 
 # ---- 2. at scale --------------------------------------------------------------------------------
@@ -122,16 +160,21 @@ def mean_work(costs: CostModel, args) -> dict[str, float]:
     return {"encode": costs.encode_s + args.chat_share * costs.chat_s, "denoise": den, "decode": dec}
 
 
-def scale_config(costs: CostModel, args, denoisers: int, autoscale: AutoscaleConfig | None = None) -> ClusterConfig:
+def scale_config(
+    costs: CostModel, args, denoisers: int, autoscale: AutoscaleConfig | None = None, most: int | None = None
+) -> ClusterConfig:
+    """``denoisers`` to start with; encoders and decoders sized for ``most`` denoisers (default: that many)."""
+    most = most or denoisers
     w = mean_work(costs, args)
     head = 1.5  # encoders and decoders with headroom: the denoisers are the bottleneck
     return ClusterConfig(
-        encoders=max(1, math.ceil(args.denoisers * w["encode"] / w["denoise"] * head)),
+        encoders=max(1, math.ceil(most * w["encode"] / w["denoise"] * head)),
         denoisers=denoisers,
-        decoders=max(1, math.ceil(args.denoisers * w["decode"] / w["denoise"] * head)),
+        decoders=max(1, math.ceil(most * w["decode"] / w["denoise"] * head)),
         capacity=args.capacity,
         engine=EngineConfig(lower_class_places=0),
-        max_queued_requests=64 * args.denoisers,
+        max_queued_requests=64 * most,
+        max_queued=64 * most,
         autoscale=autoscale,
     )
 
@@ -155,9 +198,11 @@ def scale(costs: CostModel, args) -> dict:
     config = scale_config(costs, args, args.denoisers)
     guess = args.denoisers / mean_work(costs, args)["denoise"]
     t = time.perf_counter()
-    arrivals = arrivals_for(costs, args, [(2 * guess, args.capacity_s)], rng)
+    seconds = max(5.0, min(args.capacity_s, args.requests / (2 * guess)))  # about --requests arrivals
+    arrivals = arrivals_for(costs, args, [(2 * guess, seconds)], rng)
     records, _ = simulate(costs, config, arrivals, "fcfs", 0.0)
-    cap = sum(r.status == 200 for r in records) / args.capacity_s
+    # answered in the window's second half (past the ramp from an empty cluster)
+    cap = sum(r.status == 200 and a.t + r.latency_s >= seconds / 2 for r, a in zip(records, arrivals)) / (seconds / 2)
     print(
         f"# scale: {config.encoders}/{config.denoisers}/{config.decoders} workers, capacity {cap:.1f} req/s "
         f"(FCFS at 2x; {len(records)} requests in {time.perf_counter() - t:.0f}s wall)",
@@ -225,8 +270,8 @@ def scale_table(sc: dict) -> str:
 # ---- 3. the autoscaler under a load step ------------------------------------------------------
 def autoscale(costs: CostModel, args, cap: float) -> dict:
     rng = random.Random(args.seed + 1)
-    scaler = AutoscaleConfig(pools=(f"denoiser={args.scale_min}:{args.denoisers}",))
-    config = scale_config(costs, args, args.scale_min, scaler)
+    scaler = AutoscaleConfig(pools=(f"denoiser={args.scale_min}:{args.scale_max}",))
+    config = scale_config(costs, args, args.scale_min, scaler, args.scale_max)
     phases = [(f * cap, args.step_s) for f in args.step]
     arrivals = arrivals_for(costs, args, phases, rng)
     t = time.perf_counter()
@@ -281,6 +326,7 @@ def plot(result: dict, path: str) -> None:
         x = [r["rate_rps"] for r in rs]
         ax.plot(x, [r["measured"]["goodput_rps"] for r in rs], style + "-", label=f"{mode} measured")
         ax.plot(x, [r["simulated"]["goodput_rps"] for r in rs], style + "--", label=f"{mode} simulated")
+        ax.plot(x, [r["calibrated"]["goodput_rps"] for r in rs], style + ":", label=f"{mode} simulated, calibrated")
     ax.set_xlabel("offered load, requests/s")
     ax.set_ylabel("goodput, requests/s within SLO")
     ax.set_title("1 encoder / 1 denoiser / 1 decoder: simulated vs measured")
@@ -325,14 +371,18 @@ async def amain(args) -> dict:  # the router makes asyncio futures: it runs insi
     costs = CostModel.load(args.costs)
     load0 = os.getloadavg()
     t = time.perf_counter()
-    checks = [check(costs, p) for p in args.measured]
+    checks = [check(costs, p) for p in args.measured] if "check" in args.parts else []
     for c in checks:
         print(f"# check against {c['measured_file']}\n" + check_table(c), flush=True)
-    sc = scale(costs, args)
-    print(scale_table(sc), flush=True)
-    au = autoscale(costs, args, sc["capacity_rps"])
+    sc = scale(costs, args) if "scale" in args.parts else None
+    if sc is not None:
+        print(scale_table(sc), flush=True)
+    au = None
+    if "autoscale" in args.parts:
+        per = sc["capacity_rps"] / args.denoisers if sc else 1 / mean_work(costs, args)["denoise"]
+        au = autoscale(costs, args, per * args.scale_max)
     return {
-        "check": checks[-1],
+        "check": checks[-1] if checks else None,
         "checks": checks,
         "scale": sc,
         "autoscale": au,
@@ -361,16 +411,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--interactive-slo-x", type=float, default=3.0)
     ap.add_argument("--batch-slo-x", type=float, default=15.0)
     ap.add_argument("--slo-floor-s", type=float, default=0.5)
-    ap.add_argument("--scale-min", type=int, default=20, help="the autoscaled pool's lower bound")
+    ap.add_argument("--scale-min", type=int, default=2, help="the autoscaled denoiser pool's lower bound")
+    ap.add_argument("--scale-max", type=int, default=40, help="... and its upper bound")
     ap.add_argument("--step", type=float, nargs="+", default=[0.2, 0.9, 0.5, 1.1, 0.1], help="x capacity per phase")
     ap.add_argument("--step-s", type=float, default=120.0)
     ap.add_argument("--seed", type=int, default=45)
+    ap.add_argument(
+        "--parts", nargs="+", default=["check", "scale", "autoscale"], choices=["check", "scale", "autoscale"]
+    )
     ap.add_argument("--out", default="/tmp/simulate.json")
     ap.add_argument("--plot", default=str(ROOT / "benchmarks" / "simulate.png"))
     args = ap.parse_args(argv)
     result = asyncio.run(amain(args))
     Path(args.out).write_text(json.dumps(result, indent=1))
-    if args.plot:
+    if args.plot and all(result[k] for k in ("check", "scale", "autoscale")):
         plot(result, args.plot)
     print(
         f"total {result['total_s']:.0f}s; load average at start {result['loadavg_start'][0]:.2f}, "

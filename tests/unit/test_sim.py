@@ -14,7 +14,7 @@ from triptych.sim.cluster import ClusterConfig
 from triptych.sim.costs import CostModel
 from triptych.sim.loop import EventLoop
 from triptych.sim.report import summarize
-from triptych.sim.run import Arrival, simulate
+from triptych.sim.run import Arrival, closed_loop, simulate
 from triptych.sim.workload import Spec
 
 S64 = (64, 64)
@@ -121,3 +121,9 @@ def test_summary_counts_goodput_and_attainment_per_class():
     records, _ = simulate(costs(), one(), arrivals, "fcfs", 5.0)
     s = summarize(records, 1.0)
     assert s["good"] == 1 and s["classes"]["interactive"]["attainment"] == 0.5  # 0.32 s in, 0.41 s out
+
+
+def test_closed_loop_capacity_is_one_request_per_unloaded_latency_per_client_and_scales_with_the_costs():
+    specs = [Spec("interactive", 64, 2)] * 100  # 0.05 + 2 x 0.1 + 0.02 = 0.27 s each, alone
+    assert closed_loop(costs(), one(), specs, 1, 2.8) == pytest.approx(10 / 2.8)
+    assert closed_loop(costs().scaled(2.0), one(), specs, 1, 2.8) == pytest.approx(5 / 2.8)

@@ -61,6 +61,7 @@ class ClusterConfig:
     capacity: int = 16  # slots per worker (``serve --capacity``)
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(lower_class_places=0))
     max_queued_requests: int = 64  # the head's in-flight bound (``AdmissionLimits``)
+    max_queued: int = OrchestratorConfig.max_queued  # the router's queue bound (``OrchestratorConfig``)
     dispatch: str = "round_robin"
     autoscale: AutoscaleConfig | None = None  # its pools grow from the counts above
     startup_s: float = 20.0  # an added worker's start, spawn to registered
@@ -106,7 +107,7 @@ class SimCluster:
             counters=self.counters,
             timeouts=oc.timeouts,
             max_retries=oc.max_retries,
-            max_queued=oc.max_queued,
+            max_queued=config.max_queued,
             reserve_timeout_s=oc.reserve_timeout_s,
             replacement_wait_s=oc.replacement_wait_s,
             costs=StepCosts(prior_s=oc.slo_prior_step_s),

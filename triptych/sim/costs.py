@@ -39,6 +39,18 @@ class CostModel:
             source={k: v for k, v in d.items() if k not in ("tick_s", "decode_s")},
         )
 
+    def scaled(self, factor: float) -> CostModel:
+        """Every stage's seconds times ``factor`` (the overhead unchanged): the same work on a
+        slower share of a machine."""
+        return CostModel(
+            {k: {n: s * factor for n, s in v.items()} for k, v in self.tick_s.items()},
+            self.encode_s * factor,
+            {k: s * factor for k, s in self.decode_s.items()},
+            self.chat_s * factor,
+            self.overhead_s,
+            {**self.source, "scaled": factor},
+        )
+
     def tick(self, shape: tuple[int, int], occupancy: int) -> float:
         table = self.tick_s[shape]
         if occupancy in table:

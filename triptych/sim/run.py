@@ -12,6 +12,7 @@ router makes asyncio futures, so a call outside a running event loop runs inside
 from __future__ import annotations
 
 import asyncio
+import itertools
 from dataclasses import dataclass
 
 from triptych.sim.cluster import ClusterConfig, SimCluster, SimParams
@@ -74,3 +75,38 @@ def _simulate(costs, config, arrivals, mode, drain_s):
     loop.run(until=horizon)
     out = [r if r is not None else Record(a.spec.cls, 0, horizon - a.t, a.slo_s) for r, a in zip(records, arrivals)]
     return out, cluster
+
+
+def closed_loop(costs: CostModel, config: ClusterConfig, specs: list[Spec], clients: int, seconds: float) -> float:
+    """Requests/s answered 200 over ``seconds`` with ``clients`` each sending the next of ``specs``
+    (FCFS, no deadlines) as soon as its last one was answered: goodput.py's capacity phase."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+
+        async def inside():
+            return closed_loop(costs, config, specs, clients, seconds)
+
+        return asyncio.run(inside())
+    cluster = SimCluster(costs, config)
+    loop, it, done = cluster.loop, iter(specs), [0]
+
+    def send() -> None:
+        if loop.now >= seconds:
+            return
+        spec = next(it)
+        if spec.cls == "chat":
+            return cluster.chat(0, lambda: finished(200))
+        params = SimParams(spec.size, spec.size, spec.steps)
+        cluster.submit(f"c{next(counter)}", params, None, lambda rid, status, end: finished(status))
+
+    def finished(status: int) -> None:
+        if loop.now <= seconds:
+            done[0] += status == 200
+        loop.after(costs.overhead_s if status == 200 else 0.0, send)
+
+    counter = itertools.count()
+    for _ in range(clients):
+        loop.at(0.0, send)
+    loop.run(until=seconds)
+    return done[0] / seconds
