@@ -19,6 +19,8 @@ Issue 45 item 6. Every part runs the real admission, deadline check, fair queue,
    fractions of the full pool's capacity, each for ``--step-s``); the autoscaler's instances over time.
 
     python benchmarks/simulate.py --out benchmarks/simulate.json --plot benchmarks/simulate.png
+
+Parts may run apart (``--parts scale --out a.json`` ...) and be plotted together with ``--merge a.json b.json``.
 """
 
 from __future__ import annotations
@@ -382,7 +384,7 @@ async def amain(args) -> dict:  # the router makes asyncio futures: it runs insi
         per = sc["capacity_rps"] / args.denoisers if sc else 1 / mean_work(costs, args)["denoise"]
         au = autoscale(costs, args, per * args.scale_max)
     return {
-        "check": checks[-1] if checks else None,
+        "check": checks[0] if checks else None,
         "checks": checks,
         "scale": sc,
         "autoscale": au,
@@ -420,16 +422,32 @@ def main(argv: list[str] | None = None) -> int:
         "--parts", nargs="+", default=["check", "scale", "autoscale"], choices=["check", "scale", "autoscale"]
     )
     ap.add_argument("--out", default="/tmp/simulate.json")
+    ap.add_argument(
+        "--merge", nargs="+", help="plot from these result JSONs (each with some --parts) instead of running"
+    )
     ap.add_argument("--plot", default=str(ROOT / "benchmarks" / "simulate.png"))
     args = ap.parse_args(argv)
-    result = asyncio.run(amain(args))
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    if args.merge:  # parts run apart (``--parts``), brought together for the plot
+        result = {"check": None, "checks": [], "scale": None, "autoscale": None, "merged": args.merge}
+        for path in args.merge:
+            part = json.loads(Path(path).read_text())
+            for k in ("check", "scale", "autoscale"):
+                if part.get(k):
+                    result[k] = part[k]
+                    result[f"{k}_args"] = part["args"]
+            result["checks"] += part.get("checks") or []
+        result["args"] = result["autoscale_args"]
+        if result["checks"]:
+            result["check"] = result["checks"][0]  # the first measured file given
+    else:
+        result = asyncio.run(amain(args))
+        Path(args.out).write_text(json.dumps(result, indent=1))
+        print(
+            f"total {result['total_s']:.0f}s; load average at start {result['loadavg_start'][0]:.2f}, "
+            f"at end {result['loadavg_end'][0]:.2f}"
+        )
     if args.plot and all(result[k] for k in ("check", "scale", "autoscale")):
         plot(result, args.plot)
-    print(
-        f"total {result['total_s']:.0f}s; load average at start {result['loadavg_start'][0]:.2f}, "
-        f"at end {result['loadavg_end'][0]:.2f}"
-    )
     return 0
 
 
