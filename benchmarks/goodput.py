@@ -12,6 +12,9 @@ deadline: chats take none; judged against the interactive SLO factor). A request
 class's factor times the unloaded latency of its (size, steps) (or of a chat), measured one by one
 at the start, and never under ``--slo-floor-s``; ``deadline_s`` is that SLO.
 
+Serve flags (``--serve-args``, default ``PREEMPTION``): step-boundary preemption on
+(``--lower-class-places 0``) and ``--capacity 16``; both modes share one server.
+
 Phases: warm-up (every shape a few times, which also teaches the head its step costs), the
 unloaded latencies, capacity (requests/s over ``--capacity-s`` of closed-loop load at
 ``--capacity-clients`` on the same mix), then for each rate multiple (default 0.5, 1.0, 1.2, 1.5 of
@@ -43,7 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -52,103 +55,18 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 ROOT = Path(__file__).resolve().parents[1]
 IMAGES = "/v1/images/generations"
 CHATS = "/v1/chat/completions"
-CLASSES = ("interactive", "batch", "chat")
-PRIORITY = {"interactive": 0, "batch": 10, "chat": 0}
+# Step-boundary preemption: an interactive request runs with its own class only (the batch class
+# parked while it runs), and 16 slots per worker so queued batch work (the head holds a denoiser
+# slot per request from its encode on) leaves an interactive request a slot. One server for both
+# modes: FCFS sends every request at priority 0, so nothing is preempted there.
+PREEMPTION = "--capacity 16 --lower-class-places 0"
 
 
-# ---- pure parts ---------------------------------------------------------------------------------
-def poisson_schedule(rate: float, duration_s: float, rng: random.Random) -> list[float]:
-    """Arrival offsets (seconds from the window's start, increasing, all < ``duration_s``) of a
-    Poisson process of ``rate`` per second: exponential gaps of mean ``1 / rate``."""
-    if not rate > 0 or not duration_s > 0:
-        raise ValueError(f"poisson_schedule: rate={rate!r} and duration_s={duration_s!r} must be > 0")
-    out, t = [], rng.expovariate(rate)
-    while t < duration_s:
-        out.append(t)
-        t += rng.expovariate(rate)
-    return out
+# ---- pure parts: the workload and its summary, shared with the simulator (triptych.sim) ----------
+from triptych.sim.report import Record, percentile, summarize  # noqa: E402
+from triptych.sim.workload import CLASSES, PRIORITY, Spec, draw_specs, poisson_schedule  # noqa: E402
 
-
-@dataclass(frozen=True)
-class Spec:
-    """One request of the workload: its class and shape ((0, 0) for a chat)."""
-
-    cls: str
-    size: int
-    steps: int
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (self.size, self.steps)
-
-
-def draw_specs(n: int, rng: random.Random, sizes, steps, batch_share: float, chat_share: float) -> list[Spec]:
-    out = []
-    for _ in range(n):
-        if rng.random() < chat_share:
-            out.append(Spec("chat", 0, 0))
-            continue
-        cls = "batch" if rng.random() < batch_share else "interactive"
-        out.append(Spec(cls, rng.choice(sizes), rng.choice(steps)))
-    return out
-
-
-@dataclass
-class Record:
-    """What one request got: ``status`` (an HTTP code, or 0 when it had no answer in time),
-    ``latency_s`` from its scheduled arrival, its ``slo_s``."""
-
-    cls: str
-    status: int
-    latency_s: float
-    slo_s: float
-
-    @property
-    def good(self) -> bool:
-        return self.status == 200 and self.latency_s <= self.slo_s
-
-
-def percentile(xs: list[float], q: float) -> float | None:
-    """The ``q``-quantile (0..1) by linear interpolation between order statistics; None if empty."""
-    if not xs:
-        return None
-    s = sorted(xs)
-    k = (len(s) - 1) * q
-    lo = int(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
-def summarize(records: list[Record], window_s: float) -> dict:
-    """Goodput (within-SLO 200s per second of the window), and per class: sent, good, attainment
-    (good / sent), p50/p99 latency of its 200s, refused (429), dropped (504), other failures."""
-    per = {}
-    for cls in CLASSES:
-        rs = [r for r in records if r.cls == cls]
-        if not rs:
-            continue
-        ok = [r.latency_s for r in rs if r.status == 200]
-        good = sum(r.good for r in rs)
-        per[cls] = {
-            "sent": len(rs),
-            "good": good,
-            "attainment": good / len(rs),
-            "p50_s": percentile(ok, 0.5),
-            "p99_s": percentile(ok, 0.99),
-            "refused_429": sum(r.status == 429 for r in rs),
-            "dropped_504": sum(r.status == 504 for r in rs),
-            "other_fail": sum(r.status not in (200, 429, 504) for r in rs),
-        }
-    good = sum(r.good for r in records)
-    return {
-        "sent": len(records),
-        "good": good,
-        "goodput_rps": good / window_s,
-        "attainment": good / len(records) if records else None,
-        "refused_429": sum(r.status == 429 for r in records),
-        "dropped_504": sum(r.status == 504 for r in records),
-        "classes": per,
-    }
+__all__ = ["CLASSES", "PRIORITY", "Record", "Spec", "draw_specs", "percentile", "poisson_schedule", "summarize"]
 
 
 # ---- the server ---------------------------------------------------------------------------------
@@ -468,7 +386,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=2, help="rounds of every shape before measuring")
     ap.add_argument("--unloaded-repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=45)
-    ap.add_argument("--serve-args", default="", help="extra `triptych serve` arguments (one string)")
+    ap.add_argument(
+        "--serve-args",
+        default=PREEMPTION,
+        help="extra `triptych serve` arguments (one string; default: preemption on, see PREEMPTION)",
+    )
     ap.add_argument("--out", default="/tmp/goodput.json")
     ap.add_argument("--plot", default=str(ROOT / "benchmarks" / "goodput.png"))
     args = ap.parse_args(argv)

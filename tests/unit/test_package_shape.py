@@ -82,7 +82,7 @@ TIERS = (
     ("engine", "plan"),  # step batching, the in-process driver, TeaCache per family; FLOPs and memory counted on meta
     ("vllm_chat", "control"),  # the vLLM chat client; head <-> worker messages, backends, routing, registry
     ("worker", "head", "deploy"),  # the worker process; the HTTP app; supervisor, Ray, autoscale
-    ("calibration",),  # TeaCache calibration and quality reports (drive the engine in process)
+    ("calibration", "sim"),  # TeaCache calibration and quality reports; the head's scheduler on a virtual clock
     ("cli",),  # the triptych command
 )
 

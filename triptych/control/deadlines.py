@@ -24,22 +24,28 @@ def estimate(router: GenerationRouter, jobs: list[GenerationJob], now: float) ->
     steps left, from the time it has denoised at its shape's cost at the occupancy they all make)
     and every queued one of the same priority class or before; the earlier of ``jobs`` too."""
     costs, priority = router.costs, jobs[0].params.priority
+    key = router.wait_encode.key
     live = []
     for rid, tr in router.requests.items():
         state = tr.machine.state
-        if state is S.DECODING or state is S.QUEUED and router.wait_encode.key(rid).priority > priority:
+        if state is S.DECODING or state is S.QUEUED and key(rid).priority > priority:
             continue
         live.append(tr)
     pool = [i for i in router.registry.pool(Role.DENOISER) if not i.draining]
     slots = sum(i.capacity for i in pool)
     n = occupancy(len(live) + len(jobs) - 1, slots, len(pool))
+    step: dict[Shape, float] = {}  # shape -> costs.step_s(shape, n): a handful of shapes, many requests
     ahead: list[tuple[Shape, float]] = []
     for tr in live:
         p = tr.job.params
+        shape = shape_of(p)
         steps = float(p.steps)
         if tr.machine.state is S.DENOISING:
-            steps -= (now - tr.machine.entered_at) / costs.step_s(shape_of(p), n)
-        ahead.append((shape_of(p), steps))
+            cost = step.get(shape)
+            if cost is None:
+                cost = step[shape] = costs.step_s(shape, n)
+            steps -= (now - tr.machine.entered_at) / cost
+        ahead.append((shape, steps))
     ahead.extend((shape_of(j.params), float(j.params.steps)) for j in jobs[:-1])
     last = jobs[-1].params
     seconds = finish_estimate(costs, ahead, (shape_of(last), last.steps), slots, len(pool))

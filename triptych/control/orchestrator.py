@@ -129,6 +129,25 @@ class PoolLoad:
     draining: dict[str, int]  # draining instance -> requests it still holds
 
 
+def pool_load(pool: list[Instance], generations, chats, role: Role, now: float) -> PoolLoad:
+    """``role``'s ``pool`` as a scaler sees it: ``generations``' and ``chats``' backlogs (their
+    ``backlog(now)``) count as waiting only while no live instance has a free slot."""
+    live = [i for i in pool if not i.draining]
+    depth, wait = generations.backlog(now)["decoder" if role == Role.DECODER else "encode"]
+    if any(i.free > 0 for i in live):
+        depth, wait = 0, 0.0
+    if role == Role.ENCODER and not any(i.chat_free > 0 for i in live if i.chat):  # chats wait for encoders too
+        chats_waiting, chat_wait = chats.backlog(now)
+        depth, wait = depth + chats_waiting, max(wait, chat_wait)
+    return PoolLoad(
+        depth,
+        wait if depth else 0.0,
+        tuple(sorted(i.instance_id for i in live)),
+        tuple(sorted(i.instance_id for i in live if not i.held)),
+        {i.instance_id: len(i.held) for i in pool if i.draining},
+    )
+
+
 class Orchestrator(GenerationBackend):
     """``GenerationBackend`` over registered worker pools (see the module docstring)."""
 
@@ -259,21 +278,7 @@ class Orchestrator(GenerationBackend):
 
     def load(self, role: Role, now: float) -> PoolLoad:
         """The pool of ``role`` and the requests waiting for it (see ``PoolLoad``)."""
-        pool = self.registry.pool(role)
-        live = [i for i in pool if not i.draining]
-        depth, wait = self.generations.backlog(now)["decoder" if role == Role.DECODER else "encode"]
-        if any(i.free > 0 for i in live):
-            depth, wait = 0, 0.0
-        if role == Role.ENCODER and not any(i.chat_free > 0 for i in live if i.chat):  # chats wait for encoders too
-            chats, chat_wait = self.chats.backlog(now)
-            depth, wait = depth + chats, max(wait, chat_wait)
-        return PoolLoad(
-            depth,
-            wait if depth else 0.0,
-            tuple(sorted(i.instance_id for i in live)),
-            tuple(sorted(i.instance_id for i in live if not i.held)),
-            {i.instance_id: len(i.held) for i in pool if i.draining},
-        )
+        return pool_load(self.registry.pool(role), self.generations, self.chats, role, now)
 
     def drain(self, instance_id: str) -> bool:
         """Route no new request to ``instance_id``; what it holds runs to the end. False if unknown."""

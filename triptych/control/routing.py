@@ -81,8 +81,12 @@ class GenerationRouter:
         reserve_timeout_s: float,
         replacement_wait_s: float,
         costs: StepCosts | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
-        """``costs``: the step costs deadlines are estimated with (learned from ``DenoiseDone``)."""
+        """``costs``: the step costs deadlines are estimated with (learned from ``DenoiseDone``);
+        ``clock``: the time the machines' entry times and stage reports read (a simulator's virtual
+        clock; the head's is ``time.monotonic``)."""
+        self.clock = clock
         self.registry = registry
         self.replacement_wait_s = replacement_wait_s
         self.send = send
@@ -205,7 +209,7 @@ class GenerationRouter:
             self._charge(tr, enc)
             self.registry.affinity.record(tr.attempts.image_keys or [], enc.instance_id)
             self._charge(tr, den)
-            now = time.monotonic()
+            now = self.clock()
             tr.waited_s = now - tr.machine.entered_at
             tr.machine.to(S.ENCODING, now)
             keys = tr.attempts.image_keys or []
@@ -226,7 +230,7 @@ class GenerationRouter:
                 break
             self.wait_decoder.remove(rid)
             self._charge(tr, dec)
-            now = time.monotonic()
+            now = self.clock()
             tr.waited_s = now - tr.encoded_at
             tr.machine.to(S.DENOISING, now)
             task = P.DenoiseTask(
@@ -370,7 +374,7 @@ class GenerationRouter:
 
     def _stage_done(self, tr: Tracked, stage: str) -> float:
         """Report the stage that just ended (its queue wait and its run time); returns now."""
-        now = time.monotonic()
+        now = self.clock()
         self.metrics.record_stage(StageStats(stage, tr.waited_s, now - tr.machine.entered_at))
         return now
 
@@ -402,7 +406,7 @@ class GenerationRouter:
         role = next((r for r, i in tr.assigned.items() if i == exclude), None)
         refusal, wait = tr.attempts.refusal(self.lifecycle.max_retries), None
         if refusal is None and role is not None:
-            now, wait_s = time.monotonic(), self.replacement_wait_s
+            now, wait_s = self.clock(), self.replacement_wait_s
             refusal, wait = plan_retry(role, exclude, self.registry.instances, why, now, wait_s, tr.job.deadline)
         if wait is not None:
             tr.attempts.waiting = wait

@@ -88,5 +88,12 @@ def finish_estimate(
     ahead = list(ahead)
     n = occupancy(len(ahead), slots, denoisers)
     shape, steps = own
-    work = sum(costs.step_s(s, n) * max(0.0, left) for s, left in ahead) + costs.step_s(shape, n) * steps
+    step: dict[Shape, float] = {}  # shape -> costs.step_s(shape, n), once per shape
+    work = 0.0
+    for s, left in ahead:
+        cost = step.get(s)
+        if cost is None:
+            cost = step[s] = costs.step_s(s, n)
+        work += cost * max(0.0, left)
+    work += costs.step_s(shape, n) * steps
     return max(costs.step_s(shape, n) * steps, work / n / max(1, denoisers))

@@ -28,7 +28,7 @@ import torch
 from triptych.core.errors import InvalidParam
 from triptych.engine.config import EngineConfig
 from triptych.engine.parking import ParkingLot
-from triptych.engine.scheduler import Running, pick_batch
+from triptych.engine.scheduler import Running, displaced, pick_batch
 from triptych.engine.stats import LORA_FIELDS, EngineStats
 from triptych.families.base import DenoiseState, Family
 
@@ -158,13 +158,11 @@ class DenoiserEngine:
         """Park the requests more urgent ones displaced from ``batch``: those of the batch the less
         urgent requests would have had alone that are not in it (while the parked memory allows; the
         others wait where they are). A request waiting its turn in its own class is not parked."""
-        top = min(r.priority for r in batch)
-        lower = [r for r in self._running.values() if r.priority > top]
-        if not lower:
+        out = displaced(list(self._running.values()), batch, self.config)
+        if not out:
             return
-        chosen = {id(r) for r in batch}
-        for r in pick_batch(lower, self.config):
-            if r.parked or id(r) in chosen:
+        for r in out:
+            if r.parked:
                 continue
             if self._parking.park(r.state.request_id, self._parts(r)):
                 r.parked = True

@@ -77,4 +77,18 @@ def pick_batch(running: Sequence[Running], config: EngineConfig) -> list[Running
     return batch
 
 
+def displaced(running: Sequence[Running], batch: Sequence[Running], config: EngineConfig) -> list[Running]:
+    """The requests more urgent ones displaced from ``batch``: those of the batch the less urgent
+    requests of ``running`` would have had alone that are not in it (a request waiting its turn in
+    its own class is not among them). ``DenoiserEngine.preempt`` parks these."""
+    if not batch:
+        return []
+    top = min(r.priority for r in batch)
+    lower = [r for r in running if r.priority > top]
+    if not lower:
+        return []
+    chosen = {id(r) for r in batch}
+    return [r for r in pick_batch(lower, config) if id(r) not in chosen]
+
+
 TokenFn = Callable[[DenoiseState], int]
