@@ -17,8 +17,9 @@ KV cache on five questions about one image; same weights, same run, configuratio
 4. A vision flood (``--only-flood``): chats with 8 new images each (never seen before: the vision
    tower runs for all of them; max_tokens 4) arrive open-loop at ``--flood-rates`` chats per second
    for ``--flood-window-s``, beside one streamed chat (max_tokens 64, a new one when it ends), with
-   admission by item counts (``step_time_budget=0``, the old default) and by time (the default),
-   alternating within each repeat. Per rate and mode: the stream's p99 gap between tokens against
+   admission by item counts (``step_time_budget=0``, the old default), by time (the default), and
+   by time with the tower on the engine's vision thread (``vision_thread``), alternating within
+   each repeat (``--flood-modes`` picks some). Per rate and mode: the stream's p99 gap between tokens against
    the stream alone (same mode), and the flood's throughput (its chats answered over first
    arrival to last answer) against the same flood without the stream.
 
@@ -194,13 +195,18 @@ def flood_run(chat, config, image, prompts, rate: float, window_s: float, stream
     return FloodRun(gaps, len(flood), max(done_at.values(), default=start) - start)
 
 
-def vision_flood(chat, image, rates: list[float], window_s: float, repeats: int) -> None:
-    modes = {
-        "items (old)": ChatEngineConfig(step_time_budget=0, prefix_cache_mb=0),
-        "time (new)": ChatEngineConfig(prefix_cache_mb=0),
-    }
+FLOOD_MODES = {
+    "items (old)": ChatEngineConfig(step_time_budget=0, prefix_cache_mb=0),
+    "time (new)": ChatEngineConfig(prefix_cache_mb=0),
+    "time + vision thread": ChatEngineConfig(vision_thread=True, prefix_cache_mb=0),
+}
+
+
+def vision_flood(chat, image, rates: list[float], window_s: float, repeats: int, names: list[str]) -> None:
+    modes = {name: FLOOD_MODES[name] for name in names}
     fresh = Fresh()
-    flood_run(chat, modes["time (new)"], image, [fresh.chat() for _ in range(4)], 8.0, 0.5, True)  # warm-up
+    for config in modes.values():  # warm-up
+        flood_run(chat, config, image, [fresh.chat() for _ in range(4)], 8.0, 0.5, True)
     idle: dict[str, list[float]] = {m: [] for m in modes}
     runs: dict[tuple[float, str, bool], list[FloodRun]] = {}
     loads = []
@@ -278,11 +284,12 @@ def main() -> None:
     ap.add_argument("--only-flood", action="store_true", help="part 4 only")
     ap.add_argument("--flood-rates", type=float, nargs="+", default=[1.0, 2.0, 4.0], help="chats per second")
     ap.add_argument("--flood-window-s", type=float, default=2.0)
+    ap.add_argument("--flood-modes", nargs="+", choices=list(FLOOD_MODES), default=list(FLOOD_MODES))
     args = ap.parse_args()
     chat = family_class(PACKAGED_DEFAULT)(PACKAGED_DEFAULT, roles={Role.ENCODER}).chat_model()
     images = [render(s, 64) for s in sample_scenes(8, "chat-batching-bench", "heldout")]
     if args.only_flood:
-        return vision_flood(chat, images[0], args.flood_rates, args.flood_window_s, args.repeats)
+        return vision_flood(chat, images[0], args.flood_rates, args.flood_window_s, args.repeats, args.flood_modes)
     prompts = [ask(QUESTIONS[0], [images[i]], max_tokens=32, ignore_eos=True) for i in range(8)]
     if not args.only_streaming:
         throughput(chat, images, prompts, args.repeats)

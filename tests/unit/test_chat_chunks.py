@@ -29,6 +29,7 @@ class Chat:
     prompt: Prompt
     prefilled: int = 0
     features: dict = field(default_factory=dict)
+    towers: object = None  # a tower call in flight (its ``images``), as the engine's vision thread has
 
 
 def prompt_with(images: int, text: int = 4, tokens: int = 16) -> Prompt:
@@ -161,3 +162,59 @@ def test_the_step_time_budget_is_refused_outside_its_bounds_naming_it(value):
     with pytest.raises(ValueError, match=r"step_time_budget"):
         ChatEngineConfig(step_time_budget=value)
     assert ChatEngineConfig(step_time_budget=0).step_time_budget == 0  # 0: by item counts
+
+
+def test_the_per_call_fit_recovers_a_known_overhead_and_per_token_cost():
+    """Tower calls of 1 to 8 images (16 tokens each) costing 4 ms a call plus 0.03 ms a token: the
+    fit finds both, and prices an 8-image call as one overhead, not eight."""
+    costs = StepCosts()
+    for n in [1, 8, 3, 2, 5, 8, 1, 4]:
+        costs.observe("vision", 16 * n, 0.004 + 0.00003 * 16 * n)
+    assert costs.per_call["vision"] == pytest.approx(0.004, rel=1e-9)
+    assert costs.per_unit["vision"] == pytest.approx(0.00003, rel=1e-9)
+    assert costs.estimate("vision", 128) == pytest.approx(0.004 + 0.00003 * 128)
+    assert costs.estimate("vision", 128, calls=8) == pytest.approx(8 * 0.004 + 0.00003 * 128)
+
+
+def test_the_fit_follows_a_change_in_cost_and_stays_non_negative():
+    costs = StepCosts(fit_decay=0.5)
+    rng = random.Random(3)
+    for _ in range(60):  # the overhead halves: the recent calls weigh most
+        n = rng.randint(1, 8)
+        costs.observe("vision", 16 * n, 0.002 + 0.00005 * 16 * n)
+    assert costs.per_call["vision"] == pytest.approx(0.002, rel=1e-6)
+    for n in [1, 2, 4, 8]:  # cost falls with size (noise): no negative per-token price
+        costs.observe("vision", 16 * n, 0.01 / n)
+    assert costs.per_unit["vision"] >= 0 and costs.per_call["vision"] >= 0
+
+
+def test_calls_all_of_one_size_leave_the_per_unit_average_alone():
+    costs = StepCosts(alpha=0.5)
+    costs.observe("vision", 16, 0.016)
+    costs.observe("vision", 16, 0.032)
+    assert "vision" not in costs.per_call
+    assert costs.per_unit["vision"] == pytest.approx((0.001 + 0.002) / 2)
+    assert costs.estimate("vision", 16) == pytest.approx(0.024)
+
+
+@dataclass
+class Towers:
+    images: tuple
+
+
+def test_a_chunk_stops_before_an_image_still_on_the_vision_thread():
+    """By time and by items: the chat whose embeddings are in flight prefills only the text before
+    them; the next chat, ready, is the one that progresses past the budget."""
+    for admit in (
+        lambda live: timed_chunks(live, 1.0, Fixed(vision=1.0, prefill=0.001), 64),
+        lambda live: item_chunks(live, 64, 2),
+    ):
+        waiting = Chat(prompt_with(2), towers=Towers((0, 1)))
+        ready = Chat(prompt_with(1))
+        assert admit([waiting, ready])[0] == (waiting, 4)  # its first text run, up to the first image
+        waiting.prefilled = 4
+        ((chat, end),) = admit([waiting, ready])
+        assert chat is ready and end > 0  # the ready one is the first to progress
+        waiting.features.update({0: None, 1: None})  # the call is in: it goes on
+        waiting.towers = None
+        assert admit([waiting])[0][1] > 4

@@ -10,7 +10,12 @@ at least its next *unit*, even past the budget: the whole next image (its tower 
 or at least ``min(text_least, tokens up to the next image)`` text tokens. A prompt with ``n``
 images and ``t`` text tokens (``n + 1`` text runs at most) so finishes its prefill within
 ``2 * n + 1 + ceil(t / text_least)`` steps of becoming the first prefilling chat; the chats behind
-it wait only for those ahead of them, each bounded the same way."""
+it wait only for those ahead of them, each bounded the same way.
+
+With the engine's vision thread a chat may have a tower call in flight (``towers``: its image
+indices): a chunk stops before such an image, so the first chat whose next unit is ready is the
+one that progresses, and a chat blocked on the tower progresses once its call is in (the calls
+finish in admission order)."""
 
 from __future__ import annotations
 
@@ -29,6 +34,9 @@ def item_chunks(prefilling: list, tokens: int, images: int) -> list[tuple[object
         for j, (t0, t1, _, _) in enumerate(chat.prompt.images):  # images whose tower runs in this chunk
             if t1 <= start or t0 >= end or j in chat.features:
                 continue
+            if in_tower(chat, j):
+                end = t0  # its embeddings are still on the vision thread
+                break
             if images == 0:
                 end = t0  # the chunk stops before it: its tower runs in a later step
                 break
@@ -47,7 +55,7 @@ def timed_chunks(prefilling: list, budget_s: float, costs, text_least: int) -> l
     chunks = []
     for chat in prefilling:
         start = end = chat.prefilled
-        while end < len(chat.prompt):
+        while end < len(chat.prompt) and not unit_in_tower(chat, end):
             first = not chunks and end == start
             unit_end, cost = next_unit(chat, end, budget_s, costs, text_least if first else 0)
             if cost > budget_s and not first:
@@ -84,3 +92,14 @@ def next_unit(chat, at: int, budget_s: float, costs, least: int) -> tuple[int, f
         affordable = 0
     n = max(affordable, min(run, least), 1)
     return at + n, costs.estimate("prefill", n)
+
+
+def in_tower(chat, j: int) -> bool:
+    """Whether image ``j`` of the chat's prompt is in a tower call still in flight."""
+    towers = getattr(chat, "towers", None)
+    return towers is not None and j in towers.images and j not in chat.features
+
+
+def unit_in_tower(chat, at: int) -> bool:
+    """Whether the unit from token ``at`` is an image whose tower call is still in flight."""
+    return any(t0 <= at < t1 and in_tower(chat, j) for j, (t0, t1, _, _) in enumerate(chat.prompt.images))

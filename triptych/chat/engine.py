@@ -38,6 +38,7 @@ from triptych.chat.prompt import Prompt, build_prompt, chunk_embeddings
 from triptych.chat.sampler import Sampler, pick
 from triptych.chat.stats import ChatEngineStats
 from triptych.chat.timing import ChatTiming
+from triptych.chat.tower import Towers, VisionThread
 from triptych.chat.vlm import ChatModel, _Pieces
 from triptych.mmcache.cache import tenant_scope
 
@@ -66,6 +67,7 @@ class Chat:
     prefix: Entry | None = None  # the prefix-cache entry this chat holds
     eos: tuple[int, ...] = ()  # tokens that end the answer (none with ignore_eos)
     pending: Future | None = None  # its prompt, being built on the engine's prompt thread
+    towers: Towers | None = None  # its images' tower call on the vision thread, while in flight
     received: float = field(default_factory=time.perf_counter)  # when it was taken (``ChatTiming``'s zero)
     layer_vision_s: float = 0.0  # vision time spent on its images before it joined (the encoder layer's)
     vision_s: float = 0.0  # its chunks' embeddings (the vision tower on images no earlier step encoded)
@@ -92,7 +94,11 @@ class ChatEngine:
     With ``step_time_budget`` > 0 a step beside decoding chats admits vision and prefill by their
     estimated seconds (``costs``, learnt from this engine's own forwards), within
     ``step_budget_s()``; until a decode forward has been measured, such a step decodes alone
-    (once) to measure it. The first prefilling chat progresses every step (``chat.chunks``)."""
+    (once) to measure it. The first prefilling chat progresses every step (``chat.chunks``).
+
+    With ``vision_thread`` a chat's images run through the tower on the engine's vision thread
+    (``chat.tower``, one call per chat) from its admission on, while the steps go on; its chunks
+    take an image once its embeddings are in, and a step with no chat decoding waits for them."""
 
     def __init__(self, chat: ChatModel, config: ChatEngineConfig = ChatEngineConfig(), costs: StepCosts | None = None):
         """``costs``: the cost model to estimate and learn with (a test passes a fixed one)."""
@@ -107,6 +113,7 @@ class ChatEngine:
         self.running: list[Chat] = []  # row i of the batch is running[i]
         self.batch = KVBatch(self.model.config)
         self._preparer: ThreadPoolExecutor | None = None
+        self._vision = VisionThread(self.model) if config.vision_thread else None
         #: model forwards run (a mixed one counts once here, but in both prefill_forwards and
         #: decode_forwards of ``stats``)
         self.forwards = 0
@@ -195,8 +202,10 @@ class ChatEngine:
             chat = self.waiting.popleft()
             if self._prepare(chat):
                 self.prefilling.append(chat)
+                self._start_towers(chat)
             else:
                 touched.append(chat)
+        touched += self._collect_towers(wait=not self.running)
         if self.running and self.prefilling and not self._measuring():
             touched += self._mixed_step(spent_s)
         elif self.running:
@@ -208,6 +217,37 @@ class ChatEngine:
     def _measuring(self) -> bool:
         """Whether the time budget waits for its first decode measurement (one decode-only step)."""
         return self.config.step_time_budget > 0 and not self.costs.known("decode")
+
+    # ---- the vision thread -----------------------------------------------------------------------
+    def _start_towers(self, chat: Chat) -> None:
+        """Its images that still need the tower go to the vision thread, as one call."""
+        if self._vision is None:
+            return
+        todo = [
+            j for j, (_, t1, _, _) in enumerate(chat.prompt.images) if t1 > chat.prefilled and j not in chat.features
+        ]
+        if todo:
+            chat.towers = self._vision.submit(chat.prompt, todo, chat.params.tenant)
+
+    def _collect_towers(self, wait: bool) -> list[Chat]:
+        """The finished tower calls' embeddings into their chats' ``features`` (``wait``: all of
+        them, waiting for those in flight); a chat whose call failed fails alone (returned)."""
+        failed = []
+        for chat in list(self.prefilling):
+            towers = chat.towers
+            if towers is None or not (wait or towers.ready()):
+                continue
+            chat.towers = None
+            try:
+                got, seconds, tokens = towers.future.result()
+            except (ValueError, RuntimeError) as e:  # this chat's images: it fails alone
+                self._fail_prefill(chat, e)
+                failed.append(chat)
+                continue
+            chat.features.update(got)
+            chat.vision_s += seconds
+            self.costs.observe("vision", tokens, seconds, calls=1)
+        return failed
 
     # ---- scheduling -----------------------------------------------------------------------------
     def _drop_cancelled(self) -> list[Chat]:
