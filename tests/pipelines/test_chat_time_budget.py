@@ -52,10 +52,12 @@ def ask(question, *images, **kw) -> ChatParams:
 
 @pytest.fixture
 def towers(chat, monkeypatch):
-    """Vision-tower calls of the engine's chunks (one per image)."""
+    """Images the engine ran through the vision tower (one entry each; a call may hold several)."""
     tower = chat.model.model.get_image_features
     calls = []
-    monkeypatch.setattr(chat.model.model, "get_image_features", lambda *a, **k: calls.append(1) or tower(*a, **k))
+    monkeypatch.setattr(
+        chat.model.model, "get_image_features", lambda *a, **k: calls.extend([1] * len(a[1])) or tower(*a, **k)
+    )
     return calls
 
 
@@ -228,3 +230,30 @@ def test_the_encoder_layer_takes_a_floods_images_by_the_same_budget(family, imag
     while runner.has_work():
         runner.execute()
     assert not port.failed
+
+
+def test_a_tower_overhead_over_the_budget_batches_the_waiting_images_into_one_call(chat, images, monkeypatch):
+    """A fitted per-call overhead of 2 s against a 1 s budget (0.32 s of work an image): a step
+    that must run the tower runs it over the next six images (2 + 6 x 0.32 <= 2 x 2 s, stretch 1),
+    their tokens prefill in the steps after at prefill's price, and the last two go in a second
+    call: two stalls for eight images, the stream a token every step, the answers as alone."""
+    tower = chat.model.model.get_image_features
+    calls = []
+    monkeypatch.setattr(
+        chat.model.model, "get_image_features", lambda *a, **k: calls.append(len(a[1])) or tower(*a, **k)
+    )
+    costs = Fixed(**SPLIT)
+    costs.per_call = {"vision": 2.0}
+    engine = ChatEngine(chat, ChatEngineConfig(prefix_cache_mb=0), costs)
+    stream = stream_until_running(engine, ask("Describe it", images[0], max_tokens=40, ignore_eos=True))
+    big = submit_built(engine, "big", ask("Compare them all", *images[1:9], max_tokens=4, ignore_eos=True))
+    calls.clear()
+    while not big.tokens:
+        before = len(stream.tokens)
+        engine.step()
+        assert len(stream.tokens) == before + 1
+    assert calls == [6, 2]
+    while engine.has_work():
+        engine.step()
+    monkeypatch.undo()
+    assert big.result == chat.run(big.params) and stream.result == chat.run(stream.params)

@@ -11,7 +11,7 @@ import pytest
 
 from tests.helpers import FixedCosts as Fixed
 from triptych.chat.budget import StepCosts
-from triptych.chat.chunks import item_chunks, timed_chunks
+from triptych.chat.chunks import item_chunks, timed_chunks, tower_batch
 from triptych.chat.config import ChatEngineConfig
 
 
@@ -218,3 +218,53 @@ def test_a_chunk_stops_before_an_image_still_on_the_vision_thread():
         waiting.features.update({0: None, 1: None})  # the call is in: it goes on
         waiting.towers = None
         assert admit([waiting])[0][1] > 4
+
+
+def fitted(per_call: float, **per_unit: float) -> Fixed:
+    costs = Fixed(**per_unit)
+    costs.per_call = {"vision": per_call}
+    return costs
+
+
+def test_a_step_that_runs_the_tower_fills_the_call_within_the_allowance():
+    """Overhead 4 ms against a 1 ms budget, 1 ms an image of work: with stretch 1 the call may cost
+    8 ms, so it holds the image the chunk reaches and the next three waiting, across chats in
+    admission order."""
+    costs = fitted(0.004, vision=0.001 / 16, prefill=0.00001)
+    a, b = Chat(prompt_with(2), prefilled=4), Chat(prompt_with(8))
+    chunks = timed_chunks([a, b], 0.001, costs, 4)
+    assert chunks == [(a, 20)]  # its first image: over the budget already
+    batch = tower_batch([a, b], chunks, costs, 0.001, 1.0)
+    assert [(chat is a, j) for chat, j in batch] == [(True, 0), (True, 1), (False, 0), (False, 1)]
+    assert len(tower_batch([a, b], chunks, costs, 0.001, 3.0)) == 10  # 3 overheads of work: all ten
+    assert tower_batch([a, b], chunks, costs, 0.001, 0.0) == [(a, 0)]  # stretch 0: what the chunks reach
+
+
+def test_no_call_starts_for_waiting_images_alone_and_a_cheap_overhead_keeps_the_budget():
+    costs = fitted(0.004, vision=0.001 / 16, prefill=0.00001)
+    a, b = Chat(prompt_with(2)), Chat(prompt_with(8))
+    assert tower_batch([a, b], [(a, 3)], costs, 0.001, 1.0) == []  # its chunk stops before the image
+    cheap = fitted(0.0005, vision=0.001 / 16, prefill=0.00001)
+    assert tower_batch([a, b], [(a, 20)], cheap, 0.001, 1.0) == [(a, 0)]
+
+
+def test_until_the_fit_each_call_holds_one_image_more_than_the_calls_seen():
+    costs = StepCosts()
+    a = Chat(prompt_with(8))
+    for seen, size in [(0, 1), (1, 2), (2, 3)]:
+        costs.observed["vision"] = seen
+        costs.per_unit = {"vision": 1.0, "prefill": 0.001, "decode": 1.0}
+        assert len(tower_batch([a], [(a, 20)], costs, 0.001, 1.0)) == size
+
+
+def test_the_call_holds_one_tenants_images():
+    costs = fitted(0.004, vision=0.001 / 16, prefill=0.00001)
+    a, other, b = Chat(prompt_with(1)), Chat(prompt_with(2)), Chat(prompt_with(2))
+    a.params, other.params, b.params = Params("t1"), Params("t2"), Params("t1")
+    batch = tower_batch([a, other, b], [(a, 20)], costs, 0.001, 1.0)
+    assert [(chat, j) for chat, j in batch] == [(a, 0), (b, 0), (b, 1)]
+
+
+@dataclass
+class Params:
+    tenant: str

@@ -16,6 +16,11 @@ calls (older ones weigh ``fit_decay`` times less per call), so a batched call is
 overhead plus its tokens rather than as many single calls. While the calls seen are all of one
 size the fit is undetermined and the per-unit average alone prices the work.
 
+A call whose fitted overhead is above the step's budget runs past it whatever it holds, so
+``call_allowance`` lets it hold more work, up to ``stretch`` times that overhead of per-unit work:
+few long calls instead of many calls each nearly as long (the tower's batched forward of eight
+images against eight single ones).
+
 A kind not measured yet has no estimate (``known`` is False; ``estimate`` is infinite), so its
 first item runs alone and seeds it. The engine turns the decode estimate into a step's budget
 (``ChatEngineConfig.step_time_budget`` times it)."""
@@ -45,6 +50,20 @@ class StepCosts:
         self.per_unit: dict[str, float] = {}
         self.per_call: dict[str, float] = {}  # kinds whose fit is determined: seconds per call
         self._sums: dict[str, list[float]] = {}  # kind -> decayed [cc, cu, uu, cs, us]
+        self.observed: dict[str, int] = {}  # kind -> measurements taken
+
+    def fitted(self, kind: str) -> bool:
+        """Whether calls of different sizes have told the per-call term apart from the per-unit one."""
+        return kind in self.per_call
+
+    def call_allowance(self, kind: str, budget_s: float, stretch: float) -> float:
+        """Seconds one call of ``kind`` may be estimated at in a step of ``budget_s``: the budget,
+        or where the fitted per-call overhead alone is over it, ``(1 + stretch)`` times that
+        overhead (the call's per-unit work may add up to ``stretch`` overheads)."""
+        per_call = self.per_call.get(kind)
+        if per_call is None or not math.isfinite(budget_s):
+            return budget_s
+        return max(budget_s, (1 + stretch) * per_call)
 
     def known(self, kind: str) -> bool:
         return kind in self.per_unit
@@ -65,6 +84,7 @@ class StepCosts:
         if units <= 0 or calls <= 0 or not math.isfinite(seconds):
             return
         seconds = max(0.0, seconds)
+        self.observed[kind] = self.observed.get(kind, 0) + 1
         sums = self._sums.setdefault(kind, [0.0] * 5)
         d = self.fit_decay
         for i, v in enumerate((calls * calls, calls * units, units * units, calls * seconds, units * seconds)):

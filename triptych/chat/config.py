@@ -20,6 +20,13 @@ class ChatEngineConfig:
     The first prefilling chat always runs its next image or text chunk, even past the budget. With
     no chat decoding, admitted prompts prefill whole at once. 0: admission by the item counts
     ``prefill_tokens_per_step`` and ``prefill_images_per_step`` instead."""
+    vision_call_stretch: float = 1.0
+    """With the time budget: where the vision tower's per-call overhead (fitted online from calls
+    of different sizes) is above the step's budget, a step that runs the tower runs it as one call
+    over the images it must encode and the next ones waiting, up to this many overheads of
+    per-token work, so a batch of images costs one stall, not one each; their prefill follows in
+    later chunks within the budget. The encoder layer's batched forward takes its images the same
+    way. 0: a call holds only the images the step's chunks reach (the layer: what fits the budget)."""
     vision_thread: bool = False
     """Run a chat's vision tower (all its images, one call) on a thread of its own from its
     admission on, beside the engine's steps, so the running chats decode while it runs; its prompt
@@ -56,6 +63,12 @@ class ChatEngineConfig:
             )
         if self.prefill_images_per_step < 1:
             raise ValueError(f"ChatEngineConfig.prefill_images_per_step={self.prefill_images_per_step}: must be >= 1")
+        if isinstance(self.vision_call_stretch, bool) or not isinstance(self.vision_call_stretch, (int, float)):
+            raise ValueError(f"ChatEngineConfig.vision_call_stretch={self.vision_call_stretch!r}: must be a number")
+        if not (math.isfinite(self.vision_call_stretch) and 0 <= self.vision_call_stretch <= 100):
+            raise ValueError(
+                f"ChatEngineConfig.vision_call_stretch={self.vision_call_stretch}: must be in [0, 100] overheads"
+            )
         if not isinstance(self.vision_thread, bool):
             raise ValueError(f"ChatEngineConfig.vision_thread={self.vision_thread!r}: must be true or false")
         if isinstance(self.step_time_budget, bool) or not isinstance(self.step_time_budget, (int, float)):

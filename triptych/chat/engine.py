@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from triptych.chat.budget import StepCosts
-from triptych.chat.chunks import item_chunks, timed_chunks
+from triptych.chat.chunks import item_chunks, timed_chunks, tower_batch
 from triptych.chat.config import ChatEngineConfig
 from triptych.chat.kvbatch import KV, KVBatch, layers_of
 from triptych.chat.params import ChatParams, ChatResult
@@ -38,7 +38,7 @@ from triptych.chat.prompt import Prompt, build_prompt, chunk_embeddings
 from triptych.chat.sampler import Sampler, pick
 from triptych.chat.stats import ChatEngineStats
 from triptych.chat.timing import ChatTiming
-from triptych.chat.tower import Towers, VisionThread
+from triptych.chat.tower import Towers, VisionThread, batch_features
 from triptych.chat.vlm import ChatModel, _Pieces
 from triptych.mmcache.cache import tenant_scope
 
@@ -301,21 +301,27 @@ class ChatEngine:
     def _prefill_rows(self, spent_s: float = 0.0) -> tuple[list[tuple[Chat, int]], list[Row], list[Chat]]:
         """This step's chunks and their rows; a chat whose images fail here fails alone (touched)."""
         chunks, rows, touched = [], [], []
-        for chat, end in self._chunks(spent_s):
+        planned = self._chunks(spent_s)
+        budget = self.step_budget_s()
+        if budget is not None and self._vision is None:
+            self._batch_towers(
+                tower_batch(self.prefilling, planned, self.costs, budget - spent_s, self.config.vision_call_stretch)
+            )
+        for chat, end in planned:
             start = time.perf_counter()
             if chat.prefill_start is None:
                 chat.prefill_start = start
-            towers = sum(
+            run = [
                 t1 - t0
                 for j, (t0, t1, _, _) in enumerate(chat.prompt.images)
                 if t1 > chat.prefilled and t0 < end and j not in chat.features
-            )
+            ]  # the images chunk_embeddings runs the tower on, one call each
             try:
                 with tenant_scope(chat.params.tenant):  # the vision tower's mm-hash cache is scoped by who asks
                     embeds = chunk_embeddings(self.model, chat.prompt, chat.prefilled, end, chat.features)
                 seconds = time.perf_counter() - start
                 chat.vision_s += seconds
-                self.costs.observe("vision", towers, seconds)
+                self.costs.observe("vision", sum(run), seconds, calls=len(run))
             except (ValueError, RuntimeError) as e:  # this chat's images: it fails alone
                 self._fail_prefill(chat, e)
                 touched.append(chat)
@@ -323,6 +329,25 @@ class ChatEngine:
             chunks.append((chat, end))
             rows.append(Row(embeds, chat.prompt.positions[:, chat.prefilled : end], chat.kv))
         return chunks, rows, touched
+
+    def _batch_towers(self, batch: list[tuple[Chat, int]]) -> None:
+        """This step's tower runs as one call (``chunks.tower_batch``), their embeddings into each
+        chat's ``features``. Should the call fail, each chat's own chunk meets its images again
+        and fails alone."""
+        if len(batch) < 2:
+            return  # one image: its chunk runs it, as without batching
+        try:
+            pieces, seconds, tokens = batch_features(
+                self.model, [(chat.prompt, j) for chat, j in batch], batch[0][0].params.tenant
+            )
+        except (ValueError, RuntimeError):
+            logger.warning("a batched tower call of %d images failed; each chat's chunk runs its own", len(batch))
+            return
+        self.costs.observe("vision", tokens, seconds, calls=1)
+        for (chat, j), piece in zip(batch, pieces):
+            chat.features[j] = piece
+        for chat in dict.fromkeys(chat for chat, _ in batch):
+            chat.vision_s += seconds
 
     def _prefill_step(self) -> list[Chat]:
         chunks, rows, touched = self._prefill_rows()

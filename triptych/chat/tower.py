@@ -47,20 +47,28 @@ class VisionThread:
 def image_features(model, prompt, images: list[int], tenant: str) -> tuple[dict[int, torch.Tensor], float, int]:
     """(image index -> its embeddings, the call's seconds, its vision tokens) for ``images`` of
     ``prompt``, in one tower call; a count that does not match the image's tokens is a ValueError."""
+    pieces, seconds, tokens = batch_features(model, [(prompt, j) for j in images], tenant)
+    return dict(zip(images, pieces)), seconds, tokens
+
+
+def batch_features(model, items: list, tenant: str) -> tuple[list[torch.Tensor], float, int]:
+    """(each image's embeddings, the call's seconds, its vision tokens) for ``items``
+    (``(prompt, image index)`` pairs, of one prompt or several), in one tower call under
+    ``tenant``; a count that does not match an image's tokens is a ValueError."""
     start = time.perf_counter()
-    spans = [prompt.images[j] for j in images]
-    pixels = torch.cat([prompt.pixel_values[p0:p1] for _, _, p0, p1 in spans])
-    grid = prompt.image_grid_thw[list(images)]
+    spans = [prompt.images[j] for prompt, j in items]
+    pixels = torch.cat([prompt.pixel_values[p0:p1] for (prompt, _), (_, _, p0, p1) in zip(items, spans)])
+    grid = torch.cat([prompt.image_grid_thw[j : j + 1] for prompt, j in items])
     weight = model.get_input_embeddings().weight
     with torch.no_grad(), tenant_scope(tenant):
         out = model.model.get_image_features(pixels, grid, return_dict=True)
-    got = {}
-    for j, (t0, t1, _, _), piece in zip(images, spans, out.pooler_output):
+    got = []
+    for (_, j), (t0, t1, _, _), piece in zip(items, spans, out.pooler_output):
         piece = piece.to(weight.device, weight.dtype)
         if piece.shape[0] != t1 - t0:
             raise ValueError(
                 f"image {j} of the prompt has {t1 - t0} placeholder tokens "
                 f"but the vision tower gave {piece.shape[0]} embeddings for it"
             )
-        got[j] = piece
+        got.append(piece)
     return got, time.perf_counter() - start, sum(t1 - t0 for t0, t1, _, _ in spans)

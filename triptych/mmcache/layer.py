@@ -79,14 +79,23 @@ class EncoderLayer:
         self._seconds.pop(holder, None)
         self.cache.release(holder)
 
-    def step(self, budget_s: float | None = None, costs=None) -> int:
+    def step(self, budget_s: float | None = None, costs=None, stretch: float = 0.0) -> int:
         """One batched forward over the images this step's budget admits; returns how many it took.
         ``budget_s``: seconds the step may spend, estimated by ``costs`` (a ``chat.budget.StepCosts``:
-        its ``vision`` seconds per vision token, which this step's forward updates); the first image
-        runs even past it, alone. None: the item budget alone."""
+        its ``vision`` seconds per vision token and, once fitted, per call, which this step's
+        forward updates); the first image runs even past it, alone. ``stretch`` > 0: where the
+        fitted per-call overhead is over the budget, the forward holds images up to
+        ``costs.call_allowance``, and until the fit, even past the budget one image more than the
+        forwards measured so far. None: the item budget alone."""
         if not self._waiting:
             return 0
         timed = budget_s is not None and costs is not None
+        past = 1  # images a forward holds even past the budget
+        if timed and stretch > 0:
+            if costs.fitted("vision"):
+                budget_s = costs.call_allowance("vision", budget_s, stretch)
+            else:
+                past = costs.observed.get("vision", 0) + 1
         start = time.perf_counter()
         taken: list[tuple[str, mm.Item]] = []
         tokens = 0
@@ -100,7 +109,7 @@ class EncoderLayer:
                 if item is None:
                     continue
                 n = int(item.grid_row.prod()) // merge
-                over = timed and costs.estimate("vision", tokens + n) > budget_s
+                over = timed and len(taken) >= past and costs.estimate("vision", tokens + n) > budget_s
                 if taken and (len(taken) >= self.step_images or tokens + n > self.step_tokens or over):
                     full = True
                     break
