@@ -151,11 +151,15 @@ def test_a_stream_keeps_its_pace_under_a_flood_of_8_image_chats_and_every_one_is
     assert steps == sorted(steps)
 
 
-def test_an_image_over_the_budget_runs_alone_and_the_first_chat_progresses_every_step(chat, images, towers):
-    """Vision estimated at 100 s an image against a 1 s budget: a step that runs an image runs that
-    image alone (the first prefilling chat's; no other chunk), and that chat's prefill takes no
-    more steps than the stated bound."""
-    engine = ChatEngine(chat, ChatEngineConfig(prefix_cache_mb=0), Fixed(decode=1.0, vision=100.0, prefill=0.005))
+@pytest.mark.parametrize("stretch", [0.0, 1.0])
+def test_an_image_over_the_budget_runs_alone_and_the_first_chat_progresses_every_step(chat, images, towers, stretch):
+    """Vision estimated at 100 s an image against a 1 s budget. With no batching of the waiting
+    images (``vision_call_stretch`` 0) a step that runs an image runs that image alone (the first
+    prefilling chat's; no other chunk); batched (1: two images a call, by the per-image price),
+    the step's call holds at most two. Either way that chat's prefill takes no more steps than the
+    stated bound."""
+    config = ChatEngineConfig(prefix_cache_mb=0, vision_call_stretch=stretch)
+    engine = ChatEngine(chat, config, Fixed(decode=1.0, vision=100.0, prefill=0.005))
     stream = stream_until_running(engine, ask("Describe it", images[0], max_tokens=40, ignore_eos=True))
     first_params = ask("Compare them", *images[1:5], max_tokens=2, ignore_eos=True)
     first = submit_built(engine, "first", first_params)
@@ -167,8 +171,8 @@ def test_an_image_over_the_budget_runs_alone_and_the_first_chat_progresses_every
         before, runs, at, behind = len(stream.tokens), len(towers), first.prefilled, second.prefilled
         engine.step()
         steps += 1
-        assert len(towers) - runs <= 1 and len(stream.tokens) == before + 1
-        if len(towers) > runs:  # the image, alone
+        assert len(towers) - runs <= (1 if stretch == 0 else 2) and len(stream.tokens) == before + 1
+        if len(towers) > runs and stretch == 0:  # the image, alone
             assert (at, first.prefilled) in spans and second.prefilled == behind
     assert len(towers) == 4
     n = len(first.prompt.images)
@@ -234,9 +238,9 @@ def test_the_encoder_layer_takes_a_floods_images_by_the_same_budget(family, imag
 
 def test_a_tower_overhead_over_the_budget_batches_the_waiting_images_into_one_call(chat, images, monkeypatch):
     """A fitted per-call overhead of 2 s against a 1 s budget (0.32 s of work an image): a step
-    that must run the tower runs it over the next six images (2 + 6 x 0.32 <= 2 x 2 s, stretch 1),
-    their tokens prefill in the steps after at prefill's price, and the last two go in a second
-    call: two stalls for eight images, the stream a token every step, the answers as alone."""
+    that must run an image's tower (2.32 s) runs it over all eight (2 + 8 x 0.32 <= 2 x 2.32 s,
+    stretch 1), their tokens prefill in the steps after at prefill's price: one stall for eight
+    images, the stream a token every step, the answers as alone."""
     tower = chat.model.model.get_image_features
     calls = []
     monkeypatch.setattr(
@@ -252,7 +256,7 @@ def test_a_tower_overhead_over_the_budget_batches_the_waiting_images_into_one_ca
         before = len(stream.tokens)
         engine.step()
         assert len(stream.tokens) == before + 1
-    assert calls == [6, 2]
+    assert calls == [8]
     while engine.has_work():
         engine.step()
     monkeypatch.undo()

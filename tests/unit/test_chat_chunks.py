@@ -197,6 +197,20 @@ def test_calls_all_of_one_size_leave_the_per_unit_average_alone():
     assert costs.estimate("vision", 16) == pytest.approx(0.024)
 
 
+def test_a_fitted_overhead_stays_when_the_calls_become_all_one_size():
+    """Calls of 1 to 8 images fit 4 ms + 0.03 ms a token; then 200 one-image calls at 6 ms (the
+    sizes no longer tell the terms apart): a per-call term stays (an 8-image call is still priced
+    below eight one-image calls) and the one-image estimate follows the new cost."""
+    costs = StepCosts(fit_decay=0.9)
+    for n in [1, 8, 3, 2, 5, 8, 1, 4]:
+        costs.observe("vision", 16 * n, 0.004 + 0.00003 * 16 * n)
+    for _ in range(200):
+        costs.observe("vision", 16, 0.006)
+    assert costs.fitted("vision") and costs.per_call["vision"] > 0.004
+    assert costs.estimate("vision", 16) == pytest.approx(0.006, rel=1e-6)
+    assert costs.estimate("vision", 128) < 8 * costs.estimate("vision", 16) / 2
+
+
 @dataclass
 class Towers:
     images: tuple
@@ -227,38 +241,38 @@ def fitted(per_call: float, **per_unit: float) -> Fixed:
 
 
 def test_a_step_that_runs_the_tower_fills_the_call_within_the_allowance():
-    """Overhead 4 ms against a 1 ms budget, 1 ms an image of work: with stretch 1 the call may cost
-    8 ms, so it holds the image the chunk reaches and the next three waiting, across chats in
-    admission order."""
+    """Overhead 4 ms and 1 ms an image against a 1 ms budget: the image the chunk reaches is 5 ms,
+    so with stretch 1 the call may cost 10 ms: it holds that image and the next five waiting,
+    across chats in admission order."""
     costs = fitted(0.004, vision=0.001 / 16, prefill=0.00001)
     a, b = Chat(prompt_with(2), prefilled=4), Chat(prompt_with(8))
     chunks = timed_chunks([a, b], 0.001, costs, 4)
     assert chunks == [(a, 20)]  # its first image: over the budget already
     batch = tower_batch([a, b], chunks, costs, 0.001, 1.0)
-    assert [(chat is a, j) for chat, j in batch] == [(True, 0), (True, 1), (False, 0), (False, 1)]
-    assert len(tower_batch([a, b], chunks, costs, 0.001, 3.0)) == 10  # 3 overheads of work: all ten
+    assert [(chat is a, j) for chat, j in batch] == [
+        (True, 0),
+        (True, 1),
+        (False, 0),
+        (False, 1),
+        (False, 2),
+        (False, 3),
+    ]
+    assert len(tower_batch([a, b], chunks, costs, 0.001, 3.0)) == 10  # 20 ms: all ten
     assert tower_batch([a, b], chunks, costs, 0.001, 0.0) == [(a, 0)]  # stretch 0: what the chunks reach
 
 
-def test_no_call_starts_for_waiting_images_alone_and_a_cheap_overhead_keeps_the_budget():
-    costs = fitted(0.004, vision=0.001 / 16, prefill=0.00001)
+def test_without_a_per_call_term_the_call_grows_by_the_stretch_and_within_budget_not_at_all():
     a, b = Chat(prompt_with(2)), Chat(prompt_with(8))
-    assert tower_batch([a, b], [(a, 3)], costs, 0.001, 1.0) == []  # its chunk stops before the image
-    cheap = fitted(0.0005, vision=0.001 / 16, prefill=0.00001)
-    assert tower_batch([a, b], [(a, 20)], cheap, 0.001, 1.0) == [(a, 0)]
-
-
-def test_until_the_fit_each_call_holds_one_image_more_than_the_calls_seen():
-    costs = StepCosts()
-    a = Chat(prompt_with(8))
-    for seen, size in [(0, 1), (1, 2), (2, 3)]:
-        costs.observed["vision"] = seen
-        costs.per_unit = {"vision": 1.0, "prefill": 0.001, "decode": 1.0}
-        assert len(tower_batch([a], [(a, 20)], costs, 0.001, 1.0)) == size
+    linear = Fixed(vision=0.001 / 16, prefill=0.00001)  # 1 ms an image, nothing per call
+    assert len(tower_batch([a, b], [(a, 20)], linear, 0.0005, 1.0)) == 2  # twice the forced image's 1 ms
+    assert len(tower_batch([a, b], [(a, 20)], linear, 0.0005, 2.0)) == 3
+    costs = fitted(0.004, vision=0.001 / 16, prefill=0.00001)
+    assert tower_batch([a, b], [(a, 20)], costs, 0.01, 1.0) == [(a, 0)]  # 5 ms fit a 10 ms budget
+    assert tower_batch([a, b], [(a, 3)], costs, 0.001, 1.0) == []  # no call for waiting images alone
 
 
 def test_the_call_holds_one_tenants_images():
-    costs = fitted(0.004, vision=0.001 / 16, prefill=0.00001)
+    costs = fitted(0.004, vision=0.001 / 16, prefill=0.00001)  # a 10 ms call: six images
     a, other, b = Chat(prompt_with(1)), Chat(prompt_with(2)), Chat(prompt_with(2))
     a.params, other.params, b.params = Params("t1"), Params("t2"), Params("t1")
     batch = tower_batch([a, other, b], [(a, 20)], costs, 0.001, 1.0)

@@ -14,12 +14,14 @@ in size (a tower call of one image and one of eight), each kind also has a per-c
 weighted least-squares fit of ``seconds = per_call * calls + per_unit * units`` over the recent
 calls (older ones weigh ``fit_decay`` times less per call), so a batched call is priced as one
 overhead plus its tokens rather than as many single calls. While the calls seen are all of one
-size the fit is undetermined and the per-unit average alone prices the work.
+size the fit is undetermined: the per-unit average alone prices the work, or, with a per-call
+term fitted before, the per-unit average of what each call took beyond it.
 
-A call whose fitted overhead is above the step's budget runs past it whatever it holds, so
-``call_allowance`` lets it hold more work, up to ``stretch`` times that overhead of per-unit work:
-few long calls instead of many calls each nearly as long (the tower's batched forward of eight
-images against eight single ones).
+A call that must run past the step's budget (an image's tower, atomic, over one decode step) may
+hold more work (``call_allowance``): up to ``stretch`` times its own estimate more, priced with the
+per-call term where fitted, so an overhead-bound tower takes many images in one call: few long
+stalls instead of many nearly as long (the tower's batched forward of eight images against eight
+single ones).
 
 A kind not measured yet has no estimate (``known`` is False; ``estimate`` is infinite), so its
 first item runs alone and seeds it. The engine turns the decode estimate into a step's budget
@@ -50,23 +52,24 @@ class StepCosts:
         self.per_unit: dict[str, float] = {}
         self.per_call: dict[str, float] = {}  # kinds whose fit is determined: seconds per call
         self._sums: dict[str, list[float]] = {}  # kind -> decayed [cc, cu, uu, cs, us]
-        self.observed: dict[str, int] = {}  # kind -> measurements taken
+
+    def known(self, kind: str) -> bool:
+        return kind in self.per_unit
 
     def fitted(self, kind: str) -> bool:
         """Whether calls of different sizes have told the per-call term apart from the per-unit one."""
         return kind in self.per_call
 
-    def call_allowance(self, kind: str, budget_s: float, stretch: float) -> float:
-        """Seconds one call of ``kind`` may be estimated at in a step of ``budget_s``: the budget,
-        or where the fitted per-call overhead alone is over it, ``(1 + stretch)`` times that
-        overhead (the call's per-unit work may add up to ``stretch`` overheads)."""
-        per_call = self.per_call.get(kind)
-        if per_call is None or not math.isfinite(budget_s):
+    def call_allowance(self, kind: str, budget_s: float, forced_units: float, stretch: float) -> float:
+        """Seconds one call of ``kind`` may be estimated at in a step of ``budget_s`` when it must
+        hold ``forced_units``: the budget, or where those alone are estimated over it (the call
+        runs past the budget anyway), ``(1 + stretch)`` times their estimate. With a fitted
+        per-call overhead the added units pay only their per-unit price, so an overhead-bound call
+        takes many more."""
+        forced = self.estimate(kind, forced_units)
+        if not math.isfinite(budget_s) or not math.isfinite(forced) or forced <= budget_s:
             return budget_s
-        return max(budget_s, (1 + stretch) * per_call)
-
-    def known(self, kind: str) -> bool:
-        return kind in self.per_unit
+        return (1 + stretch) * forced
 
     def estimate(self, kind: str, units: float = 1.0, calls: int = 1) -> float:
         """Seconds ``units`` of ``kind`` in ``calls`` calls are expected to take (infinite while
@@ -84,7 +87,6 @@ class StepCosts:
         if units <= 0 or calls <= 0 or not math.isfinite(seconds):
             return
         seconds = max(0.0, seconds)
-        self.observed[kind] = self.observed.get(kind, 0) + 1
         sums = self._sums.setdefault(kind, [0.0] * 5)
         d = self.fit_decay
         for i, v in enumerate((calls * calls, calls * units, units * units, calls * seconds, units * seconds)):
@@ -93,8 +95,9 @@ class StepCosts:
         if fit is not None:
             self.per_call[kind], self.per_unit[kind] = fit
             return
-        self.per_call.pop(kind, None)
-        per = seconds / units
+        # the recent calls are all of one size: a per-call term found before stays, and the
+        # per-unit average follows what is left of each call
+        per = max(0.0, seconds - self.per_call.get(kind, 0.0) * calls) / units
         old = self.per_unit.get(kind)
         self.per_unit[kind] = per if old is None else old + self.alpha * (per - old)
 

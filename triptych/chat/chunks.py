@@ -13,9 +13,9 @@ images and ``t`` text tokens (``n + 1`` text runs at most) so finishes its prefi
 it wait only for those ahead of them, each bounded the same way.
 
 By time, the tower runs of a step are one call (``tower_batch``): the images its chunks touch,
-and where the tower's fitted per-call overhead is over the budget (the call runs past it
-anyway), the next images waiting in the prefilling chats, within ``StepCosts.call_allowance``;
-their tokens prefill in later chunks, priced as prefill alone.
+and where those are over the budget (the call runs past it anyway), the next images waiting in
+the prefilling chats, within ``StepCosts.call_allowance``; their tokens prefill in later chunks,
+priced as prefill alone.
 
 With the engine's vision thread a chat may have a tower call in flight (``towers``: its image
 indices): a chunk stops before such an image, so the first chat whose next unit is ready is the
@@ -112,12 +112,10 @@ def unit_in_tower(chat, at: int) -> bool:
 
 def tower_batch(prefilling: list, chunks: list, costs, budget_s: float, stretch: float) -> list[tuple[object, int]]:
     """``(chat, image index)`` pairs whose tower runs in this step, as ONE call: the images the
-    chunks touch with no embeddings yet, then (only when there are such) the next images of the
-    prefilling chats without embeddings, in admission and prompt order, of the first one's tenant,
-    while the call's estimate fits ``costs.call_allowance`` where the fitted per-call overhead is
-    over ``budget_s``. Until the per-call term is fitted, a call holds at most one image more than
-    the number of calls measured so far (calls of two sizes start the fit); ``stretch`` 0: only
-    the touched images."""
+    chunks touch with no embeddings yet, then, where those are estimated over ``budget_s`` (the
+    step runs past it anyway), the next images of the prefilling chats without embeddings, in
+    admission and prompt order, of the first one's tenant, while the call's estimate fits
+    ``costs.call_allowance`` (``stretch`` 0: only the touched images)."""
     batch = []
     for chat, end in chunks:
         for j, (t0, t1, _, _) in enumerate(chat.prompt.images):
@@ -125,22 +123,19 @@ def tower_batch(prefilling: list, chunks: list, costs, budget_s: float, stretch:
                 batch.append((chat, j))
     if not batch or stretch <= 0:
         return batch
-    if costs.fitted("vision"):
-        allowance, cap = costs.call_allowance("vision", budget_s, stretch), math.inf
-        if allowance <= budget_s:  # the overhead fits the budget: the chunks' own pricing holds
-            return batch
-    else:
-        allowance, cap = math.inf, costs.observed.get("vision", 0) + 1
+    tokens = sum(c.prompt.images[j][1] - c.prompt.images[j][0] for c, j in batch)
+    allowance = costs.call_allowance("vision", budget_s, tokens, stretch)
+    if allowance <= budget_s:  # the touched images fit the budget: the chunks' own pricing holds
+        return batch
     tenant = _tenant(batch[0][0])
     chosen = {(id(c), j) for c, j in batch}
-    tokens = sum(c.prompt.images[j][1] - c.prompt.images[j][0] for c, j in batch)
     for chat in prefilling:
         if _tenant(chat) != tenant:
             continue
         for j, (t0, t1, _, _) in enumerate(chat.prompt.images):
             if t1 <= chat.prefilled or j in chat.features or in_tower(chat, j) or (id(chat), j) in chosen:
                 continue
-            if len(batch) >= cap or costs.estimate("vision", tokens + t1 - t0) > allowance:
+            if costs.estimate("vision", tokens + t1 - t0) > allowance:
                 return batch
             batch.append((chat, j))
             tokens += t1 - t0

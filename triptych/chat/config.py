@@ -21,12 +21,14 @@ class ChatEngineConfig:
     no chat decoding, admitted prompts prefill whole at once. 0: admission by the item counts
     ``prefill_tokens_per_step`` and ``prefill_images_per_step`` instead."""
     vision_call_stretch: float = 1.0
-    """With the time budget: where the vision tower's per-call overhead (fitted online from calls
-    of different sizes) is above the step's budget, a step that runs the tower runs it as one call
-    over the images it must encode and the next ones waiting, up to this many overheads of
-    per-token work, so a batch of images costs one stall, not one each; their prefill follows in
-    later chunks within the budget. The encoder layer's batched forward takes its images the same
-    way. 0: a call holds only the images the step's chunks reach (the layer: what fits the budget)."""
+    """With the time budget: a step whose vision-tower run is estimated over its budget (one
+    image's tower is atomic) runs the tower as one call over the images it must encode and the
+    next ones waiting, while the call's estimate stays within (1 + this) times that of the images
+    it must encode; priced with the tower's per-call overhead (fitted online from calls of
+    different sizes), an overhead-bound tower so takes many images in one stall instead of one
+    stall each, their prefill following in later chunks within the budget. The encoder layer's
+    batched forward takes its images the same way. 0: a call holds only the images the step's
+    chunks reach (the layer: those that fit the budget, the first one always)."""
     vision_thread: bool = False
     """Run a chat's vision tower (all its images, one call) on a thread of its own from its
     admission on, beside the engine's steps, so the running chats decode while it runs; its prompt

@@ -83,19 +83,12 @@ class EncoderLayer:
         """One batched forward over the images this step's budget admits; returns how many it took.
         ``budget_s``: seconds the step may spend, estimated by ``costs`` (a ``chat.budget.StepCosts``:
         its ``vision`` seconds per vision token and, once fitted, per call, which this step's
-        forward updates); the first image runs even past it, alone. ``stretch`` > 0: where the
-        fitted per-call overhead is over the budget, the forward holds images up to
-        ``costs.call_allowance``, and until the fit, even past the budget one image more than the
-        forwards measured so far. None: the item budget alone."""
+        forward updates); the first image runs even past it. ``stretch`` > 0: where the first
+        image alone is over the budget, the forward holds images up to ``costs.call_allowance``
+        (0: that image alone). None: the item budget alone."""
         if not self._waiting:
             return 0
         timed = budget_s is not None and costs is not None
-        past = 1  # images a forward holds even past the budget
-        if timed and stretch > 0:
-            if costs.fitted("vision"):
-                budget_s = costs.call_allowance("vision", budget_s, stretch)
-            else:
-                past = costs.observed.get("vision", 0) + 1
         start = time.perf_counter()
         taken: list[tuple[str, mm.Item]] = []
         tokens = 0
@@ -109,7 +102,9 @@ class EncoderLayer:
                 if item is None:
                     continue
                 n = int(item.grid_row.prod()) // merge
-                over = timed and len(taken) >= past and costs.estimate("vision", tokens + n) > budget_s
+                if timed and not taken and stretch > 0:  # the first image runs past a budget it is over
+                    budget_s = costs.call_allowance("vision", budget_s, n, stretch)
+                over = timed and costs.estimate("vision", tokens + n) > budget_s
                 if taken and (len(taken) >= self.step_images or tokens + n > self.step_tokens or over):
                     full = True
                     break
