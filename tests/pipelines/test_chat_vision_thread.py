@@ -161,3 +161,20 @@ def test_a_failed_tower_call_fails_its_chat_alone(chat, images, monkeypatch):
 def test_the_vision_thread_setting_is_a_bool():
     with pytest.raises(ValueError, match=r"vision_thread"):
         ChatEngineConfig(vision_thread=1)
+
+
+def test_a_chat_cancelled_while_its_tower_call_runs_leaves_nothing_behind(chat, images, held):
+    engine = ChatEngine(chat, THREAD, Fixed(**SPLIT))
+    held.release.set()
+    stream = stream_until_running(engine, ask("Describe it", images[0], max_tokens=20, ignore_eos=True))
+    held.release.clear()
+    gone = submit_built(engine, "gone", ask("Compare them", *images[1:5], max_tokens=2))
+    engine.step()
+    assert held.started.wait(60) and gone.towers is not None
+    engine.cancel("gone")
+    engine.step()
+    assert gone.result.finish_reason == "cancelled" and gone not in engine.prefilling
+    held.release.set()
+    while engine.has_work():
+        engine.step()
+    assert gone.kv is None and gone.features == {} and stream.result == chat.run(stream.params)

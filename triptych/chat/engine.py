@@ -254,6 +254,7 @@ class ChatEngine:
         gone = [c for c in (*self.waiting, *self.prefilling) if c.cancelled]
         for chat in gone:
             (self.waiting if chat in self.waiting else self.prefilling).remove(chat)
+            chat.kv, chat.features, chat.towers = None, {}, None  # a tower call in flight is dropped
             self._end(chat, "cancelled")
         left = [c for c in self.running if c.cancelled]
         for chat in left:
