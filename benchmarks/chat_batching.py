@@ -18,8 +18,8 @@ KV cache on five questions about one image; same weights, same run, configuratio
    tower runs for all of them; max_tokens 4) arrive open-loop at ``--flood-rates`` chats per second
    for ``--flood-window-s``, beside one streamed chat (max_tokens 64, a new one when it ends), with
    admission by item counts (``step_time_budget=0``, the old default), by time with one tower
-   call per image (``vision_call_stretch=0``, the time budget before the per-call term), by time
-   with the waiting images batched into the step's tower call (the default), and by time with
+   call per image (the default, ``vision_call_stretch=0``), by time with the waiting images
+   batched into the step's tower call (``vision_call_stretch=1``), and by time with
    the tower on the engine's vision thread (``vision_thread``), alternating within each repeat
    (``--flood-modes`` picks some). Per rate and mode: the stream's p99 gap between tokens against
    the stream alone (same mode), and the flood's throughput (its chats answered over first
@@ -199,8 +199,8 @@ def flood_run(chat, config, image, prompts, rate: float, window_s: float, stream
 
 FLOOD_MODES = {
     "items (old)": ChatEngineConfig(step_time_budget=0, prefix_cache_mb=0),
-    "time, call per image": ChatEngineConfig(vision_call_stretch=0, prefix_cache_mb=0),
-    "time, batched calls": ChatEngineConfig(prefix_cache_mb=0),
+    "time, call per image": ChatEngineConfig(prefix_cache_mb=0),
+    "time, batched calls": ChatEngineConfig(vision_call_stretch=1.0, prefix_cache_mb=0),
     "time + vision thread": ChatEngineConfig(vision_thread=True, prefix_cache_mb=0),
 }
 

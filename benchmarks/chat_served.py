@@ -17,8 +17,8 @@ engine; the head routes chats against the encoder's chat slots).
 
 4. A vision flood (``--flood``, instead of 1-3): servers side by side, one admitting by item
    counts (``--step-time-budget 0``, the old default), one by time with one image a tower forward
-   (``--vision-call-stretch 0``, the time budget before the per-call term) and one by time with
-   the waiting images batched into the forward (the default); ``--flood-servers`` picks; chats with 8
+   beside decoding chats (``--vision-call-stretch 0``, the default) and one by time with the
+   waiting images batched into the forward (``--vision-call-stretch 1``); ``--flood-servers`` picks; chats with 8
    new images each (max_tokens 4) arrive open-loop at ``--flood-rates`` chats per second for
    ``--flood-window-s`` beside a streamed chat (max_tokens 64, a new one when it ends), the
    servers alternating within each repeat. Per rate and server: the stream's p99 gap between
@@ -374,7 +374,7 @@ def main() -> None:
         flags = {
             "items (old)": ("items", "--step-time-budget", "0"),
             "time, call per image": ("per-image", "--vision-call-stretch", "0"),
-            "time, batched calls": ("batched",),
+            "time, batched calls": ("batched", "--vision-call-stretch", "1"),
         }
         servers = {name: Server(f[0], command(*f), tmp) for name, f in flags.items() if name in args.flood_servers}
         try:

@@ -248,7 +248,7 @@ def test_a_tower_overhead_over_the_budget_batches_the_waiting_images_into_one_ca
     )
     costs = Fixed(**SPLIT)
     costs.per_call = {"vision": 2.0}
-    engine = ChatEngine(chat, ChatEngineConfig(prefix_cache_mb=0), costs)
+    engine = ChatEngine(chat, ChatEngineConfig(prefix_cache_mb=0, vision_call_stretch=1.0), costs)
     stream = stream_until_running(engine, ask("Describe it", images[0], max_tokens=40, ignore_eos=True))
     big = submit_built(engine, "big", ask("Compare them all", *images[1:9], max_tokens=4, ignore_eos=True))
     calls.clear()

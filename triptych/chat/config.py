@@ -20,15 +20,16 @@ class ChatEngineConfig:
     The first prefilling chat always runs its next image or text chunk, even past the budget. With
     no chat decoding, admitted prompts prefill whole at once. 0: admission by the item counts
     ``prefill_tokens_per_step`` and ``prefill_images_per_step`` instead."""
-    vision_call_stretch: float = 1.0
+    vision_call_stretch: float = 0.0
     """With the time budget: a step whose vision-tower run is estimated over its budget (one
     image's tower is atomic) runs the tower as one call over the images it must encode and the
     next ones waiting, while the call's estimate stays within (1 + this) times that of the images
     it must encode; priced with the tower's per-call overhead (fitted online from calls of
     different sizes), an overhead-bound tower so takes many images in one stall instead of one
     stall each, their prefill following in later chunks within the budget. The encoder layer's
-    batched forward takes its images the same way. 0: a call holds only the images the step's
-    chunks reach (the layer: those that fit the budget, the first one always)."""
+    batched forward takes its images the same way. 0, the default (why: ``benchmarks/RESULTS.md``,
+    "Vision flood"): a call holds only the images the step's chunks reach (the layer: those that
+    fit the budget, the first one always)."""
     vision_thread: bool = False
     """Run a chat's vision tower (all its images, one call) on a thread of its own from its
     admission on, beside the engine's steps, so the running chats decode while it runs; its prompt
