@@ -17,8 +17,11 @@ KV cache on five questions about one image; same weights, same run, configuratio
 4. A vision flood (``--only-flood``): chats with 8 new images each (never seen before: the vision
    tower runs for all of them; max_tokens 4) arrive open-loop at ``--flood-rates`` chats per second
    for ``--flood-window-s``, beside one streamed chat (max_tokens 64, a new one when it ends), with
-   admission by item counts (``step_time_budget=0``, the old default) and by time (the default),
-   alternating within each repeat. Per rate and mode: the stream's p99 gap between tokens against
+   admission by item counts (``step_time_budget=0``, the old default), by time with one tower
+   call per image (the default, ``vision_call_stretch=0``), by time with the waiting images
+   batched into the step's tower call (``vision_call_stretch=1``), and by time with
+   the tower on the engine's vision thread (``vision_thread``), alternating within each repeat
+   (``--flood-modes`` picks some). Per rate and mode: the stream's p99 gap between tokens against
    the stream alone (same mode), and the flood's throughput (its chats answered over first
    arrival to last answer) against the same flood without the stream.
 
@@ -194,13 +197,19 @@ def flood_run(chat, config, image, prompts, rate: float, window_s: float, stream
     return FloodRun(gaps, len(flood), max(done_at.values(), default=start) - start)
 
 
-def vision_flood(chat, image, rates: list[float], window_s: float, repeats: int) -> None:
-    modes = {
-        "items (old)": ChatEngineConfig(step_time_budget=0, prefix_cache_mb=0),
-        "time (new)": ChatEngineConfig(prefix_cache_mb=0),
-    }
+FLOOD_MODES = {
+    "items (old)": ChatEngineConfig(step_time_budget=0, prefix_cache_mb=0),
+    "time, call per image": ChatEngineConfig(prefix_cache_mb=0),
+    "time, batched calls": ChatEngineConfig(vision_call_stretch=1.0, prefix_cache_mb=0),
+    "time + vision thread": ChatEngineConfig(vision_thread=True, prefix_cache_mb=0),
+}
+
+
+def vision_flood(chat, image, rates: list[float], window_s: float, repeats: int, names: list[str]) -> None:
+    modes = {name: FLOOD_MODES[name] for name in names}
     fresh = Fresh()
-    flood_run(chat, modes["time (new)"], image, [fresh.chat() for _ in range(4)], 8.0, 0.5, True)  # warm-up
+    for config in modes.values():  # warm-up
+        flood_run(chat, config, image, [fresh.chat() for _ in range(4)], 8.0, 0.5, True)
     idle: dict[str, list[float]] = {m: [] for m in modes}
     runs: dict[tuple[float, str, bool], list[FloodRun]] = {}
     loads = []
@@ -221,10 +230,10 @@ def vision_flood(chat, image, rates: list[float], window_s: float, repeats: int)
     )
     print("idle stream p99 gap: " + ", ".join(f"{m} {p99(g) * 1e3:.1f} ms ({len(g)} gaps)" for m, g in idle.items()))
     print(
-        "\n| flood chats/s | admission | stream p99 gap ms | vs idle | stream p50 gap ms | "
+        "\n| flood chats/s | admission | stream p99 gap ms | vs idle | stream p50 gap ms | max gap ms | "
         "flood answered/s alone | with the stream | vs alone |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for rate in rates:
         for mode in modes:
             gaps = [g for r in runs[(rate, mode, True)] for g in r.gaps]
@@ -236,7 +245,8 @@ def vision_flood(chat, image, rates: list[float], window_s: float, repeats: int)
             alone, beside = answered_per_s(False), answered_per_s(True)
             print(
                 f"| {rate:g} | {mode} | {p99(gaps) * 1e3:.1f} | {p99(gaps) / p99(idle[mode]):.2f}x | "
-                f"{statistics.median(gaps) * 1e3:.1f} | {alone:.2f} | {beside:.2f} | {beside / alone:.2f} |"
+                f"{statistics.median(gaps) * 1e3:.1f} | {max(gaps) * 1e3:.1f} | {alone:.2f} | {beside:.2f} | "
+                f"{beside / alone:.2f} |"
             )
 
 
@@ -278,11 +288,12 @@ def main() -> None:
     ap.add_argument("--only-flood", action="store_true", help="part 4 only")
     ap.add_argument("--flood-rates", type=float, nargs="+", default=[1.0, 2.0, 4.0], help="chats per second")
     ap.add_argument("--flood-window-s", type=float, default=2.0)
+    ap.add_argument("--flood-modes", nargs="+", choices=list(FLOOD_MODES), default=list(FLOOD_MODES))
     args = ap.parse_args()
     chat = family_class(PACKAGED_DEFAULT)(PACKAGED_DEFAULT, roles={Role.ENCODER}).chat_model()
     images = [render(s, 64) for s in sample_scenes(8, "chat-batching-bench", "heldout")]
     if args.only_flood:
-        return vision_flood(chat, images[0], args.flood_rates, args.flood_window_s, args.repeats)
+        return vision_flood(chat, images[0], args.flood_rates, args.flood_window_s, args.repeats, args.flood_modes)
     prompts = [ask(QUESTIONS[0], [images[i]], max_tokens=32, ignore_eos=True) for i in range(8)]
     if not args.only_streaming:
         throughput(chat, images, prompts, args.repeats)

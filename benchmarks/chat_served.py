@@ -15,10 +15,12 @@ engine; the head routes chats against the encoder's chat slots).
    histograms (``triptych_chat_*_seconds``) read before and after, their mean, p50 and p99 (p50
    and p99 interpolated within the buckets, as Prometheus' ``histogram_quantile``).
 
-4. A vision flood (``--flood``, instead of 1-3): two servers side by side, one admitting by item
-   counts (``--step-time-budget 0``, the old default) and one by time (the default); chats with 8
+4. A vision flood (``--flood``, instead of 1-3): servers side by side, one admitting by item
+   counts (``--step-time-budget 0``, the old default), one by time with one image a tower forward
+   beside decoding chats (``--vision-call-stretch 0``, the default) and one by time with the
+   waiting images batched into the forward (``--vision-call-stretch 1``); ``--flood-servers`` picks; chats with 8
    new images each (max_tokens 4) arrive open-loop at ``--flood-rates`` chats per second for
-   ``--flood-window-s`` beside a streamed chat (max_tokens 64, a new one when it ends), the two
+   ``--flood-window-s`` beside a streamed chat (max_tokens 64, a new one when it ends), the
    servers alternating within each repeat. Per rate and server: the stream's p99 gap between
    pieces against the stream alone on that server, and the flood's chats answered per second
    (first arrival to last answer) against the same flood without the stream.
@@ -323,10 +325,10 @@ async def flood_bench(servers: dict[str, Server], args) -> None:
     )
     print("idle stream p99 gap: " + ", ".join(f"{n} {p99(g) * 1e3:.1f} ms ({len(g)} gaps)" for n, g in idle.items()))
     print(
-        "\n| flood chats/s | admission | stream p99 gap ms | vs idle | stream p50 gap ms | "
+        "\n| flood chats/s | admission | stream p99 gap ms | vs idle | stream p50 gap ms | max gap ms | "
         "flood answered/s alone | with the stream | vs alone |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for rate in args.flood_rates:
         for name in clients:
             gaps = [g for r in runs[(rate, name, True)] for g in r[0]]
@@ -338,7 +340,8 @@ async def flood_bench(servers: dict[str, Server], args) -> None:
             alone, beside = per_s(False), per_s(True)
             print(
                 f"| {rate:g} | {name} | {p99(gaps) * 1e3:.1f} | {p99(gaps) / p99(idle[name]):.2f}x | "
-                f"{statistics.median(gaps) * 1e3:.1f} | {alone:.2f} | {beside:.2f} | {beside / alone:.2f} |"
+                f"{statistics.median(gaps) * 1e3:.1f} | {max(gaps) * 1e3:.1f} | {alone:.2f} | {beside:.2f} | "
+                f"{beside / alone:.2f} |"
             )
 
 
@@ -351,6 +354,12 @@ def main() -> None:
     ap.add_argument("--flood", action="store_true", help="part 4 only: items vs time admission, two servers")
     ap.add_argument("--flood-rates", type=float, nargs="+", default=[2.0, 4.0, 8.0], help="chats per second")
     ap.add_argument("--flood-window-s", type=float, default=2.0)
+    ap.add_argument(
+        "--flood-servers",
+        nargs="+",
+        default=["items (old)", "time, call per image", "time, batched calls"],
+        help="which admissions to serve side by side",
+    )
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="chat-served-")
 
@@ -362,10 +371,12 @@ def main() -> None:
         return cmd
 
     if args.flood:
-        servers = {
-            "items (old)": Server("items", command("items", "--step-time-budget", "0"), tmp),
-            "time (new)": Server("time", command("time"), tmp),
+        flags = {
+            "items (old)": ("items", "--step-time-budget", "0"),
+            "time, call per image": ("per-image", "--vision-call-stretch", "0"),
+            "time, batched calls": ("batched", "--vision-call-stretch", "1"),
         }
+        servers = {name: Server(f[0], command(*f), tmp) for name, f in flags.items() if name in args.flood_servers}
         try:
             for server in servers.values():
                 server.wait()

@@ -185,7 +185,7 @@ class FixedCosts(StepCosts):
         super().__init__()
         self.per_unit = dict(per_unit)
 
-    def observe(self, kind, units, seconds) -> None:
+    def observe(self, kind, units, seconds, calls=1) -> None:
         pass
 
 

@@ -52,10 +52,12 @@ def ask(question, *images, **kw) -> ChatParams:
 
 @pytest.fixture
 def towers(chat, monkeypatch):
-    """Vision-tower calls of the engine's chunks (one per image)."""
+    """Images the engine ran through the vision tower (one entry each; a call may hold several)."""
     tower = chat.model.model.get_image_features
     calls = []
-    monkeypatch.setattr(chat.model.model, "get_image_features", lambda *a, **k: calls.append(1) or tower(*a, **k))
+    monkeypatch.setattr(
+        chat.model.model, "get_image_features", lambda *a, **k: calls.extend([1] * len(a[1])) or tower(*a, **k)
+    )
     return calls
 
 
@@ -149,11 +151,15 @@ def test_a_stream_keeps_its_pace_under_a_flood_of_8_image_chats_and_every_one_is
     assert steps == sorted(steps)
 
 
-def test_an_image_over_the_budget_runs_alone_and_the_first_chat_progresses_every_step(chat, images, towers):
-    """Vision estimated at 100 s an image against a 1 s budget: a step that runs an image runs that
-    image alone (the first prefilling chat's; no other chunk), and that chat's prefill takes no
-    more steps than the stated bound."""
-    engine = ChatEngine(chat, ChatEngineConfig(prefix_cache_mb=0), Fixed(decode=1.0, vision=100.0, prefill=0.005))
+@pytest.mark.parametrize("stretch", [0.0, 1.0])
+def test_an_image_over_the_budget_runs_alone_and_the_first_chat_progresses_every_step(chat, images, towers, stretch):
+    """Vision estimated at 100 s an image against a 1 s budget. With no batching of the waiting
+    images (``vision_call_stretch`` 0) a step that runs an image runs that image alone (the first
+    prefilling chat's; no other chunk); batched (1: two images a call, by the per-image price),
+    the step's call holds at most two. Either way that chat's prefill takes no more steps than the
+    stated bound."""
+    config = ChatEngineConfig(prefix_cache_mb=0, vision_call_stretch=stretch)
+    engine = ChatEngine(chat, config, Fixed(decode=1.0, vision=100.0, prefill=0.005))
     stream = stream_until_running(engine, ask("Describe it", images[0], max_tokens=40, ignore_eos=True))
     first_params = ask("Compare them", *images[1:5], max_tokens=2, ignore_eos=True)
     first = submit_built(engine, "first", first_params)
@@ -165,8 +171,8 @@ def test_an_image_over_the_budget_runs_alone_and_the_first_chat_progresses_every
         before, runs, at, behind = len(stream.tokens), len(towers), first.prefilled, second.prefilled
         engine.step()
         steps += 1
-        assert len(towers) - runs <= 1 and len(stream.tokens) == before + 1
-        if len(towers) > runs:  # the image, alone
+        assert len(towers) - runs <= (1 if stretch == 0 else 2) and len(stream.tokens) == before + 1
+        if len(towers) > runs and stretch == 0:  # the image, alone
             assert (at, first.prefilled) in spans and second.prefilled == behind
     assert len(towers) == 4
     n = len(first.prompt.images)
@@ -228,3 +234,30 @@ def test_the_encoder_layer_takes_a_floods_images_by_the_same_budget(family, imag
     while runner.has_work():
         runner.execute()
     assert not port.failed
+
+
+def test_a_tower_overhead_over_the_budget_batches_the_waiting_images_into_one_call(chat, images, monkeypatch):
+    """A fitted per-call overhead of 2 s against a 1 s budget (0.32 s of work an image): a step
+    that must run an image's tower (2.32 s) runs it over all eight (2 + 8 x 0.32 <= 2 x 2.32 s,
+    stretch 1), their tokens prefill in the steps after at prefill's price: one stall for eight
+    images, the stream a token every step, the answers as alone."""
+    tower = chat.model.model.get_image_features
+    calls = []
+    monkeypatch.setattr(
+        chat.model.model, "get_image_features", lambda *a, **k: calls.append(len(a[1])) or tower(*a, **k)
+    )
+    costs = Fixed(**SPLIT)
+    costs.per_call = {"vision": 2.0}
+    engine = ChatEngine(chat, ChatEngineConfig(prefix_cache_mb=0, vision_call_stretch=1.0), costs)
+    stream = stream_until_running(engine, ask("Describe it", images[0], max_tokens=40, ignore_eos=True))
+    big = submit_built(engine, "big", ask("Compare them all", *images[1:9], max_tokens=4, ignore_eos=True))
+    calls.clear()
+    while not big.tokens:
+        before = len(stream.tokens)
+        engine.step()
+        assert len(stream.tokens) == before + 1
+    assert calls == [8]
+    while engine.has_work():
+        engine.step()
+    monkeypatch.undo()
+    assert big.result == chat.run(big.params) and stream.result == chat.run(stream.params)

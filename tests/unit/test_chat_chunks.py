@@ -11,7 +11,7 @@ import pytest
 
 from tests.helpers import FixedCosts as Fixed
 from triptych.chat.budget import StepCosts
-from triptych.chat.chunks import item_chunks, timed_chunks
+from triptych.chat.chunks import item_chunks, timed_chunks, tower_batch
 from triptych.chat.config import ChatEngineConfig
 
 
@@ -29,6 +29,7 @@ class Chat:
     prompt: Prompt
     prefilled: int = 0
     features: dict = field(default_factory=dict)
+    towers: object = None  # a tower call in flight (its ``images``), as the engine's vision thread has
 
 
 def prompt_with(images: int, text: int = 4, tokens: int = 16) -> Prompt:
@@ -161,3 +162,123 @@ def test_the_step_time_budget_is_refused_outside_its_bounds_naming_it(value):
     with pytest.raises(ValueError, match=r"step_time_budget"):
         ChatEngineConfig(step_time_budget=value)
     assert ChatEngineConfig(step_time_budget=0).step_time_budget == 0  # 0: by item counts
+
+
+def test_the_per_call_fit_recovers_a_known_overhead_and_per_token_cost():
+    """Tower calls of 1 to 8 images (16 tokens each) costing 4 ms a call plus 0.03 ms a token: the
+    fit finds both, and prices an 8-image call as one overhead, not eight."""
+    costs = StepCosts()
+    for n in [1, 8, 3, 2, 5, 8, 1, 4]:
+        costs.observe("vision", 16 * n, 0.004 + 0.00003 * 16 * n)
+    assert costs.per_call["vision"] == pytest.approx(0.004, rel=1e-9)
+    assert costs.per_unit["vision"] == pytest.approx(0.00003, rel=1e-9)
+    assert costs.estimate("vision", 128) == pytest.approx(0.004 + 0.00003 * 128)
+    assert costs.estimate("vision", 128, calls=8) == pytest.approx(8 * 0.004 + 0.00003 * 128)
+
+
+def test_the_fit_follows_a_change_in_cost_and_stays_non_negative():
+    costs = StepCosts(fit_decay=0.5)
+    rng = random.Random(3)
+    for _ in range(60):  # the overhead halves: the recent calls weigh most
+        n = rng.randint(1, 8)
+        costs.observe("vision", 16 * n, 0.002 + 0.00005 * 16 * n)
+    assert costs.per_call["vision"] == pytest.approx(0.002, rel=1e-6)
+    for n in [1, 2, 4, 8]:  # cost falls with size (noise): no negative per-token price
+        costs.observe("vision", 16 * n, 0.01 / n)
+    assert costs.per_unit["vision"] >= 0 and costs.per_call["vision"] >= 0
+
+
+def test_calls_all_of_one_size_leave_the_per_unit_average_alone():
+    costs = StepCosts(alpha=0.5)
+    costs.observe("vision", 16, 0.016)
+    costs.observe("vision", 16, 0.032)
+    assert "vision" not in costs.per_call
+    assert costs.per_unit["vision"] == pytest.approx((0.001 + 0.002) / 2)
+    assert costs.estimate("vision", 16) == pytest.approx(0.024)
+
+
+def test_a_fitted_overhead_stays_when_the_calls_become_all_one_size():
+    """Calls of 1 to 8 images fit 4 ms + 0.03 ms a token; then 200 one-image calls at 6 ms (the
+    sizes no longer tell the terms apart): a per-call term stays (an 8-image call is still priced
+    below eight one-image calls) and the one-image estimate follows the new cost."""
+    costs = StepCosts(fit_decay=0.9)
+    for n in [1, 8, 3, 2, 5, 8, 1, 4]:
+        costs.observe("vision", 16 * n, 0.004 + 0.00003 * 16 * n)
+    for _ in range(200):
+        costs.observe("vision", 16, 0.006)
+    assert costs.fitted("vision") and costs.per_call["vision"] > 0.004
+    assert costs.estimate("vision", 16) == pytest.approx(0.006, rel=1e-6)
+    assert costs.estimate("vision", 128) < 8 * costs.estimate("vision", 16) / 2
+
+
+@dataclass
+class Towers:
+    images: tuple
+
+
+def test_a_chunk_stops_before_an_image_still_on_the_vision_thread():
+    """By time and by items: the chat whose embeddings are in flight prefills only the text before
+    them; the next chat, ready, is the one that progresses past the budget."""
+    for admit in (
+        lambda live: timed_chunks(live, 1.0, Fixed(vision=1.0, prefill=0.001), 64),
+        lambda live: item_chunks(live, 64, 2),
+    ):
+        waiting = Chat(prompt_with(2), towers=Towers((0, 1)))
+        ready = Chat(prompt_with(1))
+        assert admit([waiting, ready])[0] == (waiting, 4)  # its first text run, up to the first image
+        waiting.prefilled = 4
+        ((chat, end),) = admit([waiting, ready])
+        assert chat is ready and end > 0  # the ready one is the first to progress
+        waiting.features.update({0: None, 1: None})  # the call is in: it goes on
+        waiting.towers = None
+        assert admit([waiting])[0][1] > 4
+
+
+def fitted(per_call: float, **per_unit: float) -> Fixed:
+    costs = Fixed(**per_unit)
+    costs.per_call = {"vision": per_call}
+    return costs
+
+
+def test_a_step_that_runs_the_tower_fills_the_call_within_the_allowance():
+    """Overhead 4 ms and 1 ms an image against a 1 ms budget: the image the chunk reaches is 5 ms,
+    so with stretch 1 the call may cost 10 ms: it holds that image and the next five waiting,
+    across chats in admission order."""
+    costs = fitted(0.004, vision=0.001 / 16, prefill=0.00001)
+    a, b = Chat(prompt_with(2), prefilled=4), Chat(prompt_with(8))
+    chunks = timed_chunks([a, b], 0.001, costs, 4)
+    assert chunks == [(a, 20)]  # its first image: over the budget already
+    batch = tower_batch([a, b], chunks, costs, 0.001, 1.0)
+    assert [(chat is a, j) for chat, j in batch] == [
+        (True, 0),
+        (True, 1),
+        (False, 0),
+        (False, 1),
+        (False, 2),
+        (False, 3),
+    ]
+    assert len(tower_batch([a, b], chunks, costs, 0.001, 3.0)) == 10  # 20 ms: all ten
+    assert tower_batch([a, b], chunks, costs, 0.001, 0.0) == [(a, 0)]  # stretch 0: what the chunks reach
+
+
+def test_without_a_per_call_term_the_call_grows_by_the_stretch_and_within_budget_not_at_all():
+    a, b = Chat(prompt_with(2)), Chat(prompt_with(8))
+    linear = Fixed(vision=0.001 / 16, prefill=0.00001)  # 1 ms an image, nothing per call
+    assert len(tower_batch([a, b], [(a, 20)], linear, 0.0005, 1.0)) == 2  # twice the forced image's 1 ms
+    assert len(tower_batch([a, b], [(a, 20)], linear, 0.0005, 2.0)) == 3
+    costs = fitted(0.004, vision=0.001 / 16, prefill=0.00001)
+    assert tower_batch([a, b], [(a, 20)], costs, 0.01, 1.0) == [(a, 0)]  # 5 ms fit a 10 ms budget
+    assert tower_batch([a, b], [(a, 3)], costs, 0.001, 1.0) == []  # no call for waiting images alone
+
+
+def test_the_call_holds_one_tenants_images():
+    costs = fitted(0.004, vision=0.001 / 16, prefill=0.00001)  # a 10 ms call: six images
+    a, other, b = Chat(prompt_with(1)), Chat(prompt_with(2)), Chat(prompt_with(2))
+    a.params, other.params, b.params = Params("t1"), Params("t2"), Params("t1")
+    batch = tower_batch([a, other, b], [(a, 20)], costs, 0.001, 1.0)
+    assert [(chat, j) for chat, j in batch] == [(a, 0), (b, 0), (b, 1)]
+
+
+@dataclass
+class Params:
+    tenant: str

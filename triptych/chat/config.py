@@ -20,6 +20,21 @@ class ChatEngineConfig:
     The first prefilling chat always runs its next image or text chunk, even past the budget. With
     no chat decoding, admitted prompts prefill whole at once. 0: admission by the item counts
     ``prefill_tokens_per_step`` and ``prefill_images_per_step`` instead."""
+    vision_call_stretch: float = 0.0
+    """With the time budget: a step whose vision-tower run is estimated over its budget (one
+    image's tower is atomic) runs the tower as one call over the images it must encode and the
+    next ones waiting, while the call's estimate stays within (1 + this) times that of the images
+    it must encode; priced with the tower's per-call overhead (fitted online from calls of
+    different sizes), an overhead-bound tower so takes many images in one stall instead of one
+    stall each, their prefill following in later chunks within the budget. The encoder layer's
+    batched forward takes its images the same way. 0, the default (why: ``benchmarks/RESULTS.md``,
+    "Vision flood"): a call holds only the images the step's chunks reach (the layer: those that
+    fit the budget, the first one always)."""
+    vision_thread: bool = False
+    """Run a chat's vision tower (all its images, one call) on a thread of its own from its
+    admission on, beside the engine's steps, so the running chats decode while it runs; its prompt
+    is prefilled, within the step budget, once the embeddings are in. Off: each image's tower runs
+    in the step whose chunk first touches it."""
     prefill_tokens_per_step: int = 64
     """Prompt tokens prefilled per engine step while chats are decoding, over all newly admitted
     chats (one batched forward), with ``step_time_budget`` 0: a long prompt (a chat with 8 images)
@@ -51,6 +66,14 @@ class ChatEngineConfig:
             )
         if self.prefill_images_per_step < 1:
             raise ValueError(f"ChatEngineConfig.prefill_images_per_step={self.prefill_images_per_step}: must be >= 1")
+        if isinstance(self.vision_call_stretch, bool) or not isinstance(self.vision_call_stretch, (int, float)):
+            raise ValueError(f"ChatEngineConfig.vision_call_stretch={self.vision_call_stretch!r}: must be a number")
+        if not (math.isfinite(self.vision_call_stretch) and 0 <= self.vision_call_stretch <= 100):
+            raise ValueError(
+                f"ChatEngineConfig.vision_call_stretch={self.vision_call_stretch}: must be in [0, 100] overheads"
+            )
+        if not isinstance(self.vision_thread, bool):
+            raise ValueError(f"ChatEngineConfig.vision_thread={self.vision_thread!r}: must be true or false")
         if isinstance(self.step_time_budget, bool) or not isinstance(self.step_time_budget, (int, float)):
             raise ValueError(f"ChatEngineConfig.step_time_budget={self.step_time_budget!r}: must be a number")
         if not (math.isfinite(self.step_time_budget) and 0 <= self.step_time_budget <= 100):

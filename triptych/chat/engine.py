@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from triptych.chat.budget import StepCosts
-from triptych.chat.chunks import item_chunks, timed_chunks
+from triptych.chat.chunks import item_chunks, timed_chunks, tower_batch
 from triptych.chat.config import ChatEngineConfig
 from triptych.chat.kvbatch import KV, KVBatch, layers_of
 from triptych.chat.params import ChatParams, ChatResult
@@ -38,6 +38,7 @@ from triptych.chat.prompt import Prompt, build_prompt, chunk_embeddings
 from triptych.chat.sampler import Sampler, pick
 from triptych.chat.stats import ChatEngineStats
 from triptych.chat.timing import ChatTiming
+from triptych.chat.tower import Towers, VisionThread, batch_features
 from triptych.chat.vlm import ChatModel, _Pieces
 from triptych.mmcache.cache import tenant_scope
 
@@ -66,6 +67,7 @@ class Chat:
     prefix: Entry | None = None  # the prefix-cache entry this chat holds
     eos: tuple[int, ...] = ()  # tokens that end the answer (none with ignore_eos)
     pending: Future | None = None  # its prompt, being built on the engine's prompt thread
+    towers: Towers | None = None  # its images' tower call on the vision thread, while in flight
     received: float = field(default_factory=time.perf_counter)  # when it was taken (``ChatTiming``'s zero)
     layer_vision_s: float = 0.0  # vision time spent on its images before it joined (the encoder layer's)
     vision_s: float = 0.0  # its chunks' embeddings (the vision tower on images no earlier step encoded)
@@ -92,7 +94,11 @@ class ChatEngine:
     With ``step_time_budget`` > 0 a step beside decoding chats admits vision and prefill by their
     estimated seconds (``costs``, learnt from this engine's own forwards), within
     ``step_budget_s()``; until a decode forward has been measured, such a step decodes alone
-    (once) to measure it. The first prefilling chat progresses every step (``chat.chunks``)."""
+    (once) to measure it. The first prefilling chat progresses every step (``chat.chunks``).
+
+    With ``vision_thread`` a chat's images run through the tower on the engine's vision thread
+    (``chat.tower``, one call per chat) from its admission on, while the steps go on; its chunks
+    take an image once its embeddings are in, and a step with no chat decoding waits for them."""
 
     def __init__(self, chat: ChatModel, config: ChatEngineConfig = ChatEngineConfig(), costs: StepCosts | None = None):
         """``costs``: the cost model to estimate and learn with (a test passes a fixed one)."""
@@ -107,6 +113,7 @@ class ChatEngine:
         self.running: list[Chat] = []  # row i of the batch is running[i]
         self.batch = KVBatch(self.model.config)
         self._preparer: ThreadPoolExecutor | None = None
+        self._vision = VisionThread(self.model) if config.vision_thread else None
         #: model forwards run (a mixed one counts once here, but in both prefill_forwards and
         #: decode_forwards of ``stats``)
         self.forwards = 0
@@ -195,8 +202,10 @@ class ChatEngine:
             chat = self.waiting.popleft()
             if self._prepare(chat):
                 self.prefilling.append(chat)
+                self._start_towers(chat)
             else:
                 touched.append(chat)
+        touched += self._collect_towers(wait=not self.running)
         if self.running and self.prefilling and not self._measuring():
             touched += self._mixed_step(spent_s)
         elif self.running:
@@ -209,11 +218,43 @@ class ChatEngine:
         """Whether the time budget waits for its first decode measurement (one decode-only step)."""
         return self.config.step_time_budget > 0 and not self.costs.known("decode")
 
+    # ---- the vision thread -----------------------------------------------------------------------
+    def _start_towers(self, chat: Chat) -> None:
+        """Its images that still need the tower go to the vision thread, as one call."""
+        if self._vision is None:
+            return
+        todo = [
+            j for j, (_, t1, _, _) in enumerate(chat.prompt.images) if t1 > chat.prefilled and j not in chat.features
+        ]
+        if todo:
+            chat.towers = self._vision.submit(chat.prompt, todo, chat.params.tenant)
+
+    def _collect_towers(self, wait: bool) -> list[Chat]:
+        """The finished tower calls' embeddings into their chats' ``features`` (``wait``: all of
+        them, waiting for those in flight); a chat whose call failed fails alone (returned)."""
+        failed = []
+        for chat in list(self.prefilling):
+            towers = chat.towers
+            if towers is None or not (wait or towers.ready()):
+                continue
+            chat.towers = None
+            try:
+                got, seconds, tokens = towers.future.result()
+            except (ValueError, RuntimeError) as e:  # this chat's images: it fails alone
+                self._fail_prefill(chat, e)
+                failed.append(chat)
+                continue
+            chat.features.update(got)
+            chat.vision_s += seconds
+            self.costs.observe("vision", tokens, seconds, calls=1)
+        return failed
+
     # ---- scheduling -----------------------------------------------------------------------------
     def _drop_cancelled(self) -> list[Chat]:
         gone = [c for c in (*self.waiting, *self.prefilling) if c.cancelled]
         for chat in gone:
             (self.waiting if chat in self.waiting else self.prefilling).remove(chat)
+            chat.kv, chat.features, chat.towers = None, {}, None  # a tower call in flight is dropped
             self._end(chat, "cancelled")
         left = [c for c in self.running if c.cancelled]
         for chat in left:
@@ -261,21 +302,27 @@ class ChatEngine:
     def _prefill_rows(self, spent_s: float = 0.0) -> tuple[list[tuple[Chat, int]], list[Row], list[Chat]]:
         """This step's chunks and their rows; a chat whose images fail here fails alone (touched)."""
         chunks, rows, touched = [], [], []
-        for chat, end in self._chunks(spent_s):
+        planned = self._chunks(spent_s)
+        budget = self.step_budget_s()
+        if budget is not None and self._vision is None:
+            self._batch_towers(
+                tower_batch(self.prefilling, planned, self.costs, budget - spent_s, self.config.vision_call_stretch)
+            )
+        for chat, end in planned:
             start = time.perf_counter()
             if chat.prefill_start is None:
                 chat.prefill_start = start
-            towers = sum(
+            run = [
                 t1 - t0
                 for j, (t0, t1, _, _) in enumerate(chat.prompt.images)
                 if t1 > chat.prefilled and t0 < end and j not in chat.features
-            )
+            ]  # the images chunk_embeddings runs the tower on, one call each
             try:
                 with tenant_scope(chat.params.tenant):  # the vision tower's mm-hash cache is scoped by who asks
                     embeds = chunk_embeddings(self.model, chat.prompt, chat.prefilled, end, chat.features)
                 seconds = time.perf_counter() - start
                 chat.vision_s += seconds
-                self.costs.observe("vision", towers, seconds)
+                self.costs.observe("vision", sum(run), seconds, calls=len(run))
             except (ValueError, RuntimeError) as e:  # this chat's images: it fails alone
                 self._fail_prefill(chat, e)
                 touched.append(chat)
@@ -283,6 +330,25 @@ class ChatEngine:
             chunks.append((chat, end))
             rows.append(Row(embeds, chat.prompt.positions[:, chat.prefilled : end], chat.kv))
         return chunks, rows, touched
+
+    def _batch_towers(self, batch: list[tuple[Chat, int]]) -> None:
+        """This step's tower runs as one call (``chunks.tower_batch``), their embeddings into each
+        chat's ``features``. Should the call fail, each chat's own chunk meets its images again
+        and fails alone."""
+        if len(batch) < 2:
+            return  # one image: its chunk runs it, as without batching
+        try:
+            pieces, seconds, tokens = batch_features(
+                self.model, [(chat.prompt, j) for chat, j in batch], batch[0][0].params.tenant
+            )
+        except (ValueError, RuntimeError):
+            logger.warning("a batched tower call of %d images failed; each chat's chunk runs its own", len(batch))
+            return
+        self.costs.observe("vision", tokens, seconds, calls=1)
+        for (chat, j), piece in zip(batch, pieces):
+            chat.features[j] = piece
+        for chat in dict.fromkeys(chat for chat, _ in batch):
+            chat.vision_s += seconds
 
     def _prefill_step(self) -> list[Chat]:
         chunks, rows, touched = self._prefill_rows()

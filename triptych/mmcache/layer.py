@@ -79,11 +79,13 @@ class EncoderLayer:
         self._seconds.pop(holder, None)
         self.cache.release(holder)
 
-    def step(self, budget_s: float | None = None, costs=None) -> int:
+    def step(self, budget_s: float | None = None, costs=None, stretch: float = 0.0) -> int:
         """One batched forward over the images this step's budget admits; returns how many it took.
         ``budget_s``: seconds the step may spend, estimated by ``costs`` (a ``chat.budget.StepCosts``:
-        its ``vision`` seconds per vision token, which this step's forward updates); the first image
-        runs even past it, alone. None: the item budget alone."""
+        its ``vision`` seconds per vision token and, once fitted, per call, which this step's
+        forward updates); the first image runs even past it. ``stretch`` > 0: where the first
+        image alone is over the budget, the forward holds images up to ``costs.call_allowance``
+        (0: that image alone). None: the item budget alone."""
         if not self._waiting:
             return 0
         timed = budget_s is not None and costs is not None
@@ -100,6 +102,8 @@ class EncoderLayer:
                 if item is None:
                     continue
                 n = int(item.grid_row.prod()) // merge
+                if timed and not taken and stretch > 0:  # the first image runs past a budget it is over
+                    budget_s = costs.call_allowance("vision", budget_s, n, stretch)
                 over = timed and costs.estimate("vision", tokens + n) > budget_s
                 if taken and (len(taken) >= self.step_images or tokens + n > self.step_tokens or over):
                     full = True

@@ -87,7 +87,7 @@ class EncoderRunner(StageRunner):
         if self.layer is not None:
             budget = None if self.engine is None else self.engine.step_budget_s()
             start = time.perf_counter()
-            self.layer.step(budget, self.layer_costs)
+            self.layer.step(budget, self.layer_costs, self.chat_config.vision_call_stretch)
             spent = time.perf_counter() - start
         if self.remote is not None and self.remote.has_work():
             self.remote.step()  # hands on the engine's answers, sends the chats whose images are in
