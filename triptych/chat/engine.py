@@ -38,7 +38,7 @@ from triptych.chat.prompt import Prompt, build_prompt, chunk_embeddings
 from triptych.chat.sampler import Sampler, pick
 from triptych.chat.stats import ChatEngineStats
 from triptych.chat.timing import ChatTiming
-from triptych.chat.tower import Towers, VisionThread, batch_features
+from triptych.chat.tower import Towers, VisionThread, batch_towers, collect_towers, start_towers
 from triptych.chat.vlm import ChatModel, _Pieces
 from triptych.mmcache.cache import tenant_scope
 
@@ -202,10 +202,12 @@ class ChatEngine:
             chat = self.waiting.popleft()
             if self._prepare(chat):
                 self.prefilling.append(chat)
-                self._start_towers(chat)
+                start_towers(self._vision, chat)
             else:
                 touched.append(chat)
-        touched += self._collect_towers(wait=not self.running)
+        for chat, error in collect_towers(self.prefilling, self.costs, wait=not self.running):
+            self._fail_prefill(chat, error)  # its images' call failed: it fails alone
+            touched.append(chat)
         if self.running and self.prefilling and not self._measuring():
             touched += self._mixed_step(spent_s)
         elif self.running:
@@ -217,37 +219,6 @@ class ChatEngine:
     def _measuring(self) -> bool:
         """Whether the time budget waits for its first decode measurement (one decode-only step)."""
         return self.config.step_time_budget > 0 and not self.costs.known("decode")
-
-    # ---- the vision thread -----------------------------------------------------------------------
-    def _start_towers(self, chat: Chat) -> None:
-        """Its images that still need the tower go to the vision thread, as one call."""
-        if self._vision is None:
-            return
-        todo = [
-            j for j, (_, t1, _, _) in enumerate(chat.prompt.images) if t1 > chat.prefilled and j not in chat.features
-        ]
-        if todo:
-            chat.towers = self._vision.submit(chat.prompt, todo, chat.params.tenant)
-
-    def _collect_towers(self, wait: bool) -> list[Chat]:
-        """The finished tower calls' embeddings into their chats' ``features`` (``wait``: all of
-        them, waiting for those in flight); a chat whose call failed fails alone (returned)."""
-        failed = []
-        for chat in list(self.prefilling):
-            towers = chat.towers
-            if towers is None or not (wait or towers.ready()):
-                continue
-            chat.towers = None
-            try:
-                got, seconds, tokens = towers.future.result()
-            except (ValueError, RuntimeError) as e:  # this chat's images: it fails alone
-                self._fail_prefill(chat, e)
-                failed.append(chat)
-                continue
-            chat.features.update(got)
-            chat.vision_s += seconds
-            self.costs.observe("vision", tokens, seconds, calls=1)
-        return failed
 
     # ---- scheduling -----------------------------------------------------------------------------
     def _drop_cancelled(self) -> list[Chat]:
@@ -305,8 +276,10 @@ class ChatEngine:
         planned = self._chunks(spent_s)
         budget = self.step_budget_s()
         if budget is not None and self._vision is None:
-            self._batch_towers(
-                tower_batch(self.prefilling, planned, self.costs, budget - spent_s, self.config.vision_call_stretch)
+            batch_towers(
+                self.model,
+                self.costs,
+                tower_batch(self.prefilling, planned, self.costs, budget - spent_s, self.config.vision_call_stretch),
             )
         for chat, end in planned:
             start = time.perf_counter()
@@ -330,25 +303,6 @@ class ChatEngine:
             chunks.append((chat, end))
             rows.append(Row(embeds, chat.prompt.positions[:, chat.prefilled : end], chat.kv))
         return chunks, rows, touched
-
-    def _batch_towers(self, batch: list[tuple[Chat, int]]) -> None:
-        """This step's tower runs as one call (``chunks.tower_batch``), their embeddings into each
-        chat's ``features``. Should the call fail, each chat's own chunk meets its images again
-        and fails alone."""
-        if len(batch) < 2:
-            return  # one image: its chunk runs it, as without batching
-        try:
-            pieces, seconds, tokens = batch_features(
-                self.model, [(chat.prompt, j) for chat, j in batch], batch[0][0].params.tenant
-            )
-        except (ValueError, RuntimeError):
-            logger.warning("a batched tower call of %d images failed; each chat's chunk runs its own", len(batch))
-            return
-        self.costs.observe("vision", tokens, seconds, calls=1)
-        for (chat, j), piece in zip(batch, pieces):
-            chat.features[j] = piece
-        for chat in dict.fromkeys(chat for chat, _ in batch):
-            chat.vision_s += seconds
 
     def _prefill_step(self) -> list[Chat]:
         chunks, rows, touched = self._prefill_rows()
