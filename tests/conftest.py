@@ -35,9 +35,8 @@ def pytest_addoption(parser):
 
 
 #: The slowest test files, slowest first (their tests' durations summed on a 2-core machine). They are
-#: collected first, so that pytest-xdist's workers (``--dist loadfile --no-loadscope-reorder``: files
-#: handed out in collection order; xdist's own reorder would put the files with most tests first)
-#: start them first and the run ends on short files on both workers, not on one long file while
+#: collected first, so that pytest-xdist's workers (``--dist loadfile``: files handed out in collection
+#: order) start them first and the run ends on short files on both workers, not on one long file while
 #: the other worker idles. Only the order changes; no test depends on it.
 SLOWEST_FIRST = (
     "tests/distributed/test_ray_cluster.py",
