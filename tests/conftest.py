@@ -34,38 +34,6 @@ def pytest_addoption(parser):
     )
 
 
-#: The slowest test files, slowest first (their tests' durations summed on a 2-core machine). They are
-#: collected first, so that pytest-xdist's workers (``--dist loadfile``: files handed out in collection
-#: order) start them first and the run ends on short files on both workers, not on one long file while
-#: the other worker idles. Only the order changes; no test depends on it.
-SLOWEST_FIRST = (
-    "tests/distributed/test_ray_cluster.py",
-    "tests/pipelines/test_compile.py",
-    "tests/pipelines/test_composition.py",
-    "tests/distributed/test_orchestrator_faults.py",
-    "tests/distributed/test_parallel_served.py",
-    "tests/pipelines/test_lora_compile.py",
-    "tests/distributed/test_orchestrator.py",
-    "tests/pipelines/test_compile_stack.py",
-    "tests/pipelines/test_quality_baseline_configs.py",
-    "tests/distributed/test_orchestrator_load.py",
-    "tests/e2e/test_openai_embedded.py",
-    "tests/e2e/test_http_large_bodies.py",
-    "tests/e2e/test_http_chat.py",
-    "tests/e2e/test_serve_many.py",
-    "tests/distributed/test_parallel_served_teacache.py",
-    "tests/e2e/test_http_lora_flux.py",
-    "tests/e2e/test_serve_listeners.py",
-)
-
-
-def _slowest_first(items) -> None:
-    """``SLOWEST_FIRST``'s files to the front, in its order; every other file keeps its place after
-    them (a stable sort: a file's tests stay together and in order)."""
-    rank = {path: i for i, path in enumerate(SLOWEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
-
-
 def pytest_collection_modifyitems(config, items):
     import torch
 
@@ -94,7 +62,6 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.timeout(3600))  # long benchmarks: past the suite's 900 s
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
-    _slowest_first(items)
 
 
 def _extras_of(item) -> set[str]:
