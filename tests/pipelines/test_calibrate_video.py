@@ -12,7 +12,6 @@ import math
 import shutil
 
 import pytest
-import torch
 
 from triptych import cli
 from triptych.accel.teacache_profile import AUTO_THRESHOLD, load_profile
@@ -23,12 +22,7 @@ from triptych.families.models import PACKAGED_VIDEO
 STEPS = 6  # Wan's modulated input depends on the timestep only: 5 distinct changes for the degree-4 fit
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

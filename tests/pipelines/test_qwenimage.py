@@ -48,14 +48,7 @@ BATCH_LATENT_TOL = 7e-6  # measured 7.9e-7 (two runs)
 BATCH_MIN_PSNR = 115.0  # measured 134.5 dB (two runs)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Two OpenMP threads on a shared 2-core machine spin against other processes: a tiny forward took
-    1-6 s instead of 0.05 s. Results do not depend on the thread count (reference and staged alike)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -22,13 +22,7 @@ from triptych.families.registry import load_family, make_tiny
 from triptych.families.wan import denoise as wan_den
 from triptych.families.wan import fast as wan_fast
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

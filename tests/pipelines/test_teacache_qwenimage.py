@@ -42,13 +42,7 @@ FAMILIES = ("qwen-image", "qwen-image-edit")
 ORIGINAL_CALCULATE_DIMENSIONS = pipeline_qwenimage_edit.calculate_dimensions
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Shared 2-core machine: intra-op threads wait on each other; results do not depend on it."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module", autouse=True)

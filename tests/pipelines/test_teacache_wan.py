@@ -40,13 +40,7 @@ SIZE = dict(height=32, width=48, frames=5)
 FAMILIES = ("wan-t2v", "wan-i2v")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Shared 2-core machine: intra-op threads wait on each other; results do not depend on it."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def extra(name):

@@ -31,14 +31,7 @@ MIN_PSNR_DB = 133.0  # measured 152.8 dB (two runs)
 FAMILIES = ("wan-t2v", "wan-i2v")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """NOTE: on the shared 2-core machine intra-op threads wait on each other (~15x slower); results
-    do not depend on the thread count, and the reference runs under the same setting."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
