@@ -148,6 +148,26 @@ def pool_load(pool: list[Instance], generations, chats, role: Role, now: float) 
     )
 
 
+def generation_router(
+    c: OrchestratorConfig, registry, send, metrics, counters, clock=time.monotonic
+) -> GenerationRouter:
+    """The ``GenerationRouter`` an orchestrator with config ``c`` routes generations with (a
+    simulator passes its virtual ``clock``)."""
+    return GenerationRouter(
+        registry=registry,
+        send=send,
+        metrics=metrics,
+        counters=counters,
+        timeouts=c.timeouts,
+        max_retries=c.max_retries,
+        max_queued=c.max_queued,
+        reserve_timeout_s=c.reserve_timeout_s,
+        replacement_wait_s=c.replacement_wait_s,
+        costs=StepCosts(prior_s=c.slo_prior_step_s),
+        clock=clock,
+    )
+
+
 class Orchestrator(GenerationBackend):
     """``GenerationBackend`` over registered worker pools (see the module docstring)."""
 
@@ -167,18 +187,7 @@ class Orchestrator(GenerationBackend):
             self.revision, c.dispatch, c.heartbeat_interval_s, self.control, self.metrics, counts.registry
         )
         send = self.control.send
-        self.generations = GenerationRouter(
-            registry=self.registry,
-            send=send,
-            metrics=self.metrics,
-            counters=counts.generations,
-            timeouts=c.timeouts,
-            max_retries=c.max_retries,
-            max_queued=c.max_queued,
-            reserve_timeout_s=c.reserve_timeout_s,
-            replacement_wait_s=c.replacement_wait_s,
-            costs=StepCosts(prior_s=c.slo_prior_step_s),
-        )
+        self.generations = generation_router(c, self.registry, send, self.metrics, counts.generations)
         self.chats = ChatRouter(
             registry=self.registry,
             send=send,

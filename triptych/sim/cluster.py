@@ -18,6 +18,7 @@ Chats bypass the router: each takes ``chat_s`` in the queue of the encoder with 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -25,10 +26,8 @@ from triptych.control import deadlines
 from triptych.control.backend import DeadlineMissed, GenerationJob, Overloaded
 from triptych.control.counters import LifecycleCounters, RegistryCounters
 from triptych.control.dispatch import Instance
-from triptych.control.orchestrator import OrchestratorConfig, pool_load
+from triptych.control.orchestrator import OrchestratorConfig, generation_router, pool_load
 from triptych.control.registry import InstanceRegistry
-from triptych.control.routing import GenerationRouter
-from triptych.control.step_costs import StepCosts
 from triptych.core.kinds import Role
 from triptych.deploy.autoscale import Autoscaler
 from triptych.deploy.config import AutoscaleConfig
@@ -94,25 +93,13 @@ class SimCluster:
     def __init__(self, costs: CostModel, config: ClusterConfig, loop: EventLoop | None = None):
         self.costs, self.config = costs, config
         self.loop = loop or EventLoop()
-        oc = OrchestratorConfig()
+        oc = dataclasses.replace(OrchestratorConfig(), max_queued=config.max_queued)
         quiet = _Quiet()
         self.registry = InstanceRegistry(
             "sim", config.dispatch, oc.heartbeat_interval_s, quiet, quiet, RegistryCounters()
         )
         self.counters = LifecycleCounters()
-        self.router = GenerationRouter(
-            registry=self.registry,
-            send=self._to_worker,
-            metrics=quiet,
-            counters=self.counters,
-            timeouts=oc.timeouts,
-            max_retries=oc.max_retries,
-            max_queued=config.max_queued,
-            reserve_timeout_s=oc.reserve_timeout_s,
-            replacement_wait_s=oc.replacement_wait_s,
-            costs=StepCosts(prior_s=oc.slo_prior_step_s),
-            clock=self.loop.clock,
-        )
+        self.router = generation_router(oc, self.registry, self._to_worker, quiet, self.counters, self.loop.clock)
         if config.learn_costs:
             for (h, w), table in costs.tick_s.items():
                 for n, seconds in table.items():
